@@ -1,0 +1,1 @@
+"""Tandem's inference engine. The only public door is `engine.api`."""

@@ -1,0 +1,54 @@
+"""The expert-execution interface between MoE layers and expert placement.
+
+A MoE layer routes (router logits → top-k ids and weights) and hands the tokens to an
+ExpertExecutor, which computes Σ_k w_k · expert_k(x) wherever each expert is placed. The result
+must not depend on placement. `ResidentExperts` keeps every expert on the compute device; the
+offloading executor (host store + GPU LRU cache + planner) implements the same `run`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.kernels.experts_torch import moe_experts
+
+
+class ExpertExecutor(ABC):
+    policy: str = "?"
+
+    @abstractmethod
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: (N, H); ids: (N, k) int64; weights: (N, k) in x's dtype → (N, H)."""
+
+    @abstractmethod
+    def telemetry(self) -> dict:
+        """Counters for StatsSnapshot's `experts` section (None where they do not apply)."""
+
+
+class ResidentExperts(ExpertExecutor):
+    """Every expert of every layer on the compute device, in the fused (E, 2I, H)/(E, H, I) layout."""
+
+    policy = "resident"
+
+    def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]):
+        self.gate_up, self.down = gate_up, down  # per layer: (E, 2I, H), (E, H, I)
+        self.tokens_routed = 0
+
+    def run(self, layer, x, ids, weights):
+        self.tokens_routed += ids.numel()
+        return moe_experts(x, ids, weights, gate_up=self.gate_up[layer], down=self.down[layer])
+
+    def nbytes(self) -> int:
+        # Views that share storage (identical upcycled experts on the host) count once.
+        seen, total = set(), 0
+        for t in (*self.gate_up, *self.down):
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    def telemetry(self) -> dict:
+        return {"policy": self.policy, "bytes": self.nbytes()}

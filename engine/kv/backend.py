@@ -1,0 +1,55 @@
+"""The KV/attention interface between the models and the KV placement.
+
+One forward pass of the model is one *step* over a batch of sequences that each add the same
+number of new tokens T (prefill: one sequence, T prompt tokens; decode: B sequences, T = 1):
+
+    positions = kv.begin_step(seq_ids, T)       # (B, T) absolute positions, for RoPE
+    for each layer:  y = kv.attend(layer, q, k, v)   # stores k, v; attends over all of the past
+    kv.end_step()                               # the new tokens now count as cached
+
+A backend owns both where the KV lives and how attention reads it, because a hybrid backend
+(WriteScope) splits that attention between engines. Sequences are cropped (regenerate, edit) and
+freed through the same object.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class KVBackend(ABC):
+    policy: str = "?"
+
+    @abstractmethod
+    def new_sequence(self) -> int:
+        """Reserve a sequence slot; returns its id."""
+
+    @abstractmethod
+    def free(self, seq_id: int) -> None:
+        """Release every block of the sequence for reuse."""
+
+    @abstractmethod
+    def crop(self, seq_id: int, n_tokens: int) -> None:
+        """Keep the first n_tokens of the sequence's KV; the tail blocks are freed."""
+
+    @abstractmethod
+    def length(self, seq_id: int) -> int:
+        """Tokens of the sequence whose KV is cached."""
+
+    @abstractmethod
+    def begin_step(self, seq_ids: list[int], n_new: int) -> torch.Tensor:
+        """Make room for n_new tokens in each sequence; returns positions (B, T) on the device."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (B, nh, T, hs); k, v: (B, n_kv, T, hs) of the new tokens → (B, nh, T, hs)."""
+
+    @abstractmethod
+    def end_step(self) -> None:
+        """Commit the step's tokens."""
+
+    @abstractmethod
+    def telemetry(self) -> dict:
+        """Bytes and token counts per region, for StatsSnapshot (None where a region is absent)."""

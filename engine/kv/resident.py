@@ -1,0 +1,110 @@
+"""Resident KV: every block on the compute device, allocated once up front.
+
+The pools hold max_batch × max_context tokens per layer; sequences take blocks from a free list,
+so a step never reallocates. Attention gathers each sequence's blocks and runs SDPA with a mask
+(padding for batches of unequal lengths, causal for prefill).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import ContextOverflowError, OutOfMemoryError
+from engine.kv.backend import KVBackend
+from engine.kv.regions import BlockAllocator, SequenceBlocks
+
+
+class ResidentKV(KVBackend):
+    policy = "resident"
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int,
+                 max_batch: int, block_size: int, device: torch.device, dtype: torch.dtype):
+        self.max_context, self.block_size, self.device = max_context, block_size, device
+        blocks_per_seq = -(-max_context // block_size)
+        n_blocks = blocks_per_seq * max_batch
+        n_slots = n_blocks * block_size
+        try:  # (L, slots, n_kv, hs) each; empty: host pages are committed only when written
+            self.k = torch.empty((n_layers, n_slots, n_kv_heads, head_dim), device=device, dtype=dtype)
+            self.v = torch.empty_like(self.k)
+        except torch.OutOfMemoryError as e:
+            raise OutOfMemoryError(
+                f"cannot allocate the resident KV cache ({2 * self.k_bytes_for(n_layers, n_slots, n_kv_heads, head_dim, dtype) / 2**30:.2f} GiB) on {device}",
+                "lower max_context or max_batch, or choose a hybrid kv_policy",
+            ) from e
+        self.allocator = BlockAllocator(n_blocks)
+        self.seqs: dict[int, SequenceBlocks] = {}
+        self._next_id = 0
+        self._step = None
+
+    @staticmethod
+    def k_bytes_for(n_layers, n_slots, n_kv_heads, head_dim, dtype) -> int:
+        return n_layers * n_slots * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    # -- sequences ----------------------------------------------------------------------------
+    def new_sequence(self) -> int:
+        sid = self._next_id
+        self._next_id += 1
+        self.seqs[sid] = SequenceBlocks(self.block_size)
+        return sid
+
+    def free(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id)
+        self.allocator.release(seq.blocks)
+
+    def crop(self, seq_id: int, n_tokens: int) -> None:
+        self.seqs[seq_id].crop(n_tokens, self.allocator)
+
+    def length(self, seq_id: int) -> int:
+        return self.seqs[seq_id].length
+
+    # -- one forward step ---------------------------------------------------------------------
+    def begin_step(self, seq_ids: list[int], n_new: int) -> torch.Tensor:
+        seqs = [self.seqs[s] for s in seq_ids]
+        for s in seqs:
+            if s.length + n_new > self.max_context:
+                raise ContextOverflowError(
+                    f"{s.length + n_new} tokens exceed the context window of {self.max_context}",
+                    "start a new chat, shorten the prompt, or raise max_context",
+                )
+            s.ensure(s.length + n_new, self.allocator)
+        lengths = [s.length for s in seqs]
+        total = max(lengths) + n_new  # S: keys per sequence after the step, padded to the longest
+        write = torch.cat([s.slots(s.length, s.length + n_new) for s in seqs])  # (B·T,)
+        fresh = len(seqs) == 1 and lengths[0] == 0  # prefill from empty: attend to k, v directly
+        read = mask = None
+        if not fresh:
+            read = torch.stack([F.pad(s.slots(0, s.length + n_new), (0, total - s.length - n_new))
+                                for s in seqs])  # (B, S): padding points at slot 0, masked out
+            key_pos = torch.arange(total)  # (S,)
+            query_pos = torch.tensor(lengths)[:, None] + torch.arange(n_new)  # (B, T)
+            mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
+            read, mask = read.to(self.device), mask.to(self.device)
+        self._step = (seqs, n_new, write.to(self.device), read, mask)
+        positions = torch.tensor(lengths)[:, None] + torch.arange(n_new)  # (B, T)
+        return positions.to(self.device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seqs, n_new, write, read, mask = self._step
+        B, n_kv, T, hs = k.shape
+        self.k[layer][write] = k.transpose(1, 2).reshape(B * T, n_kv, hs)
+        self.v[layer][write] = v.transpose(1, 2).reshape(B * T, n_kv, hs)
+        if read is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+        keys = self.k[layer][read].transpose(1, 2)  # (B, n_kv, S, hs)
+        values = self.v[layer][read].transpose(1, 2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+    def end_step(self) -> None:
+        seqs, n_new = self._step[0], self._step[1]
+        for s in seqs:
+            s.length += n_new
+        self._step = None
+
+    def telemetry(self) -> dict:
+        nbytes = self.k.numel() * self.k.element_size() * 2
+        return {
+            "policy": self.policy,
+            "bytes": {"kv_resident": nbytes},
+            "tokens": {"resident": sum(s.length for s in self.seqs.values())},
+        }

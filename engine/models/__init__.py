@@ -1,0 +1,1 @@
+"""Model families (one file each), the loader, built-in and synthetic models."""

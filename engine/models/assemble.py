@@ -1,0 +1,72 @@
+"""Turn a checkpoint's tensors into a placed `Decoder`: shape checks, tying, device placement.
+
+Modules are built on the meta device and take the checkpoint's tensors by assignment, so no
+random initialisation is ever paid for. Routed expert tensors are not module parameters: they go
+to the expert executor the caller makes (`make_experts(gate_up, down)`, per-layer lists).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import ModelFileError
+from engine.models.common import Decoder, FeedForward, ModelArgs, MoEFeedForward
+
+
+def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A real copy on an accelerator; on the host, keep storage (and shared views) where possible."""
+    if device.type == "cpu":
+        return t.to(dtype)
+    return torch.empty(t.shape, device=device, dtype=dtype).copy_(t)
+
+
+def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source: str,
+             device: torch.device, dtype: torch.dtype, make_experts=None) -> Decoder:
+    def make_mlp(i: int):
+        if args.is_moe:
+            return MoEFeedForward(args, i, route)
+        return FeedForward(args.dim, args.ffn_dim)
+
+    with torch.device("meta"):
+        model = Decoder(args, make_mlp)
+    tensors = dict(tensors)
+    if args.tie_embeddings or "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
+
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    gate_up, down = [], []
+    if args.is_moe:
+        E, I, H = args.n_experts, args.expert_ffn_dim, args.dim
+        for i in range(args.n_layers):
+            gu = tensors.pop(f"model.layers.{i}.mlp.experts.gate_up_proj", None)
+            dn = tensors.pop(f"model.layers.{i}.mlp.experts.down_proj", None)
+            _check(source, f"model.layers.{i}.mlp.experts.gate_up_proj", gu, (E, 2 * I, H))
+            _check(source, f"model.layers.{i}.mlp.experts.down_proj", dn, (E, H, I))
+            gate_up.append(_place(gu, device, dtype))
+            down.append(_place(dn, device, dtype))
+
+    for name, shape in expected.items():
+        _check(source, name, tensors.get(name), shape)
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ModelFileError(f"{source}: unexpected tensors {unexpected[:4]}{' …' if len(unexpected) > 4 else ''}",
+                             "the file does not match its declared architecture")
+    placed = {name: _place(tensors[name], device, dtype) for name in expected}
+    model.load_state_dict(placed, assign=True, strict=True)
+    if args.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_rope(args.max_position, device, dtype)
+    if args.is_moe:
+        executor = make_experts(gate_up, down)
+        for layer in model.model.layers:
+            layer.mlp.experts = executor
+    model.eval()
+    return model
+
+
+def _check(source: str, name: str, t: torch.Tensor | None, shape: tuple) -> None:
+    if t is None:
+        raise ModelFileError(f"{source}: tensor {name} is missing", "the file is incomplete or of another architecture")
+    if tuple(t.shape) != tuple(shape):
+        raise ModelFileError(f"{source}: tensor {name} has shape {tuple(t.shape)}, the config needs {tuple(shape)}",
+                             "the weights do not match the config: re-download or re-convert the model")

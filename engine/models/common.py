@@ -1,0 +1,188 @@
+"""Pieces every architecture family shares: config, norms, RoPE, attention and FFN modules, the block.
+
+Parameter names follow the Hugging Face checkpoints (`model.layers.{i}.self_attn.q_proj.weight` …)
+so a folder's state dict loads as it is and a GGUF file only needs its names mapped (`sanitize`).
+Attention goes through a KV/attention backend (engine/kv) and routed experts through an expert
+executor (engine/experts): the model composes, it does not place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    """Shape of a decoder-only transformer, read from a config.json or GGUF metadata."""
+
+    arch: str  # family name: "llama", "qwen3_moe", …
+    vocab_size: int
+    dim: int  # hidden size H
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int  # dense FFN intermediate size I
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_position: int = 8192
+    tie_embeddings: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    # MoE (0 experts = dense FFN everywhere)
+    n_experts: int = 0
+    top_k: int = 0
+    expert_ffn_dim: int = 0
+    norm_topk_prob: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the weights' dtype, as the reference implementations do.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(head_dim: int, theta: float, n_pos: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (n_pos, head_dim) in the rotate-half layout of the HF checkpoints."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hs/2,)
+    t = torch.arange(n_pos, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # (n_pos, hs/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (n_pos, hs)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, nh, T, hs); cos, sin: (B, 1, T, hs)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = kv.attend(self.layer_idx, q, k, v)  # (B, nh, T, hs): stores k, v, attends over the past
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """Dense SwiGLU FFN."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEFeedForward(nn.Module):
+    """Router + top-k; the routed experts themselves live in an expert executor, not here.
+
+    `route` is the family's rule (softmax → top-k → renormalise, …); the executor computes
+    Σ_k w_k · expert_k(x) wherever the experts are placed.
+    """
+
+    def __init__(self, args: ModelArgs, layer_idx: int, route):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.top_k = args.top_k
+        self.route = route
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = None  # ExpertExecutor, attached by the builder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        flat = x.reshape(B * T, H)
+        logits = self.gate(flat)  # (B·T, E)
+        weights, ids = self.route(logits, self.top_k)  # (B·T, k) each
+        return self.experts.run(self.layer_idx, flat, ids, weights.to(x.dtype)).view(B, T, H)
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32 over experts, top-k, optional renormalisation (Qwen3-MoE, OLMoE, Mixtral)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    """Embedding → blocks → norm → LM head. Positions come from the KV backend's current step."""
+
+    def __init__(self, args: ModelArgs, make_mlp):
+        super().__init__()
+        self.args = args
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.model.layers = nn.ModuleList(Block(args, i, make_mlp(i)) for i in range(args.n_layers))
+        self.model.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.rope_cos = self.rope_sin = None  # (max_position, hs), set by init_rope
+
+    def init_rope(self, n_pos: int, device, dtype) -> None:
+        self.rope_cos, self.rope_sin = rope_tables(self.args.head_dim, self.args.rope_theta, n_pos, device, dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, last_only: bool = True) -> torch.Tensor:
+        """tokens, positions: (B, T) → logits (B, vocab) of the last position, or (B, T, vocab)."""
+        x = self.model.embed_tokens(tokens)  # (B, T, H)
+        cos = self.rope_cos[positions].unsqueeze(1)  # (B, 1, T, hs)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv)
+        if last_only:
+            x = x[:, -1]
+        return self.lm_head(self.model.norm(x)).float()

@@ -1,0 +1,35 @@
+"""Registry of architecture families: which file handles a GGUF `general.architecture` or a
+config.json `model_type`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.errors import UnsupportedModelError
+from engine.models import llama
+
+FAMILIES = {m.NAME: m for m in (llama,)}
+
+
+def _supported() -> str:
+    return ", ".join(sorted(FAMILIES))
+
+
+def for_gguf_arch(arch: str | None, path: Path):
+    for fam in FAMILIES.values():
+        if arch in fam.GGUF_ARCHS:
+            return fam
+    raise UnsupportedModelError(f"{path}: GGUF architecture '{arch}' is not supported",
+                                f"Tandem runs these families: {_supported()}")
+
+
+def for_model_type(model_type: str | None, path: Path):
+    for fam in FAMILIES.values():
+        if model_type in fam.MODEL_TYPES:
+            return fam
+    raise UnsupportedModelError(f"{path}: model_type '{model_type}' is not supported",
+                                f"Tandem runs these families: {_supported()}")
+
+
+def get(name: str):
+    return FAMILIES[name]

@@ -1,0 +1,113 @@
+"""Llama-family dense decoder (Llama 2/3, SmolLM2, …): config, name mapping, routing rule.
+
+The forward is `common.Decoder`: embed → [x + attn(norm(x)); h + ffn(norm(h))] × L → norm → head.
+GGUF files store q/k rows permuted for llama.cpp's interleaved RoPE; `sanitize_gguf` undoes that so
+one rotate-half RoPE serves GGUF and safetensors alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.common import ModelArgs, softmax_topk
+
+NAME = "llama"
+GGUF_ARCHS = {"llama"}
+MODEL_TYPES = {"llama"}
+
+
+def config_from_gguf(meta: dict) -> dict:
+    a = meta["general.architecture"]
+    n_heads = int(meta[f"{a}.attention.head_count"])
+    dim = int(meta[f"{a}.embedding_length"])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return {
+        "model_type": "llama",
+        "vocab_size": int(meta.get(f"{a}.vocab_size", 0)) or None,
+        "hidden_size": dim,
+        "num_hidden_layers": int(meta[f"{a}.block_count"]),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv", n_heads)),
+        "head_dim": int(meta.get(f"{a}.rope.dimension_count", dim // n_heads)),
+        "intermediate_size": int(meta[f"{a}.feed_forward_length"]),
+        "rope_theta": float(meta.get(f"{a}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(meta.get(f"{a}.context_length", 4096)),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+    }
+
+
+def args_from_config(config: dict) -> ModelArgs:
+    n_heads = config["num_attention_heads"]
+    eos = config.get("eos_token_id")
+    rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return ModelArgs(
+        arch=NAME,
+        vocab_size=config["vocab_size"],
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+        ffn_dim=config["intermediate_size"],
+        rope_theta=float(rope_theta),
+        norm_eps=config.get("rms_norm_eps", 1e-5),
+        max_position=config.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+    )
+
+
+def route(logits: torch.Tensor, k: int):
+    """Routing of the upcycled MoE variant: softmax → top-k → renormalise."""
+    return softmax_topk(logits, k, renormalise=True)
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's convert-time q/k row permutation (interleaved → rotate-half pairs)."""
+    out_dim, in_dim = w.shape
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def sanitize_gguf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in raw.items():
+        if name == "token_embd.weight":
+            out["model.embed_tokens.weight"] = t
+        elif name == "output_norm.weight":
+            out["model.norm.weight"] = t
+        elif name == "output.weight":
+            out["lm_head.weight"] = t
+        elif name.startswith("blk."):
+            _, layer, kind, suffix = name.split(".", 3)
+            if kind not in _GGUF_NAMES:
+                continue  # e.g. rope_freqs: recomputed from the config
+            if kind == "attn_q":
+                t = _unpermute(t, config["num_attention_heads"])
+            elif kind == "attn_k":
+                t = _unpermute(t, config["num_key_value_heads"])
+            out[f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"] = t
+    if "lm_head.weight" not in out:
+        config["tie_word_embeddings"] = True
+    if not config.get("vocab_size"):
+        config["vocab_size"] = out["model.embed_tokens.weight"].shape[0]
+    return out
+
+
+def sanitize_hf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in raw.items() if "rotary_emb.inv_freq" not in k}

@@ -1,0 +1,133 @@
+"""Reading model files: GGUF (dequantised through the `gguf` package) and Hugging Face folders
+(config.json + safetensors, memory-mapped, never pickle).
+
+Both come out as a `Checkpoint`: an HF-style config dict and tensors under HF names, after the
+family's `sanitize` step. Every failure names the file and says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelFileError, UnsupportedModelError
+from engine.models import families
+
+
+@dataclass
+class Checkpoint:
+    path: Path  # the .gguf file or the model folder
+    family: str  # key of engine.models.families.FAMILIES
+    config: dict  # HF-style config.json contents
+    tensors: dict[str, torch.Tensor] = field(repr=False)  # HF names, engine dtype, on the host
+    tokenizer_dir: Path | None = None  # folder to load the tokenizer from (None: no tokenizer)
+    gguf_file: str | None = None  # file name inside tokenizer_dir when the tokenizer is in a GGUF
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelFileError(f"model not found: {path}",
+                             "check the path, or run `tandem models` to list the built-in models")
+    if path.is_dir():
+        return _load_folder(path, dtype)
+    if path.suffix.lower() == ".gguf":
+        return _load_gguf(path, dtype)
+    raise ModelFileError(f"{path} is neither a .gguf file nor a model folder",
+                         "pass a .gguf file or a folder holding config.json and *.safetensors")
+
+
+# -- GGUF ------------------------------------------------------------------------------------------
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader fails in many ways on a cut or damaged file
+        raise ModelFileError(f"{path} could not be read as GGUF ({type(e).__name__}: {e})",
+                             "the file is truncated or corrupt: download or copy it again") from e
+    size = path.stat().st_size
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > size:
+        raise ModelFileError(f"{path} is truncated: {size} bytes, its tensors need {end}",
+                             "download or copy the file again")
+
+    meta = {}
+    for key, fld in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.bos_token_id" and not key.endswith("_id"):
+            continue  # vocabularies are large and the tokenizer reads them itself
+        try:
+            meta[key] = fld.contents()
+        except Exception:  # a field type this gguf version cannot decode: not one we use
+            continue
+    arch = meta.get("general.architecture")
+    family = families.for_gguf_arch(arch, path)
+    config = family.config_from_gguf(meta)
+
+    supported = set(gguf.quants._type_traits) | {gguf.GGMLQuantizationType.F32,
+                                                 gguf.GGMLQuantizationType.F16,
+                                                 gguf.GGMLQuantizationType.BF16}
+    raw = {}
+    for t in reader.tensors:
+        if t.tensor_type not in supported:
+            raise UnsupportedModelError(
+                f"{path}: tensor {t.name} uses quant type {t.tensor_type.name}, which Tandem cannot dequantise",
+                "use a GGUF with a common quant type (F16, BF16, Q8_0, Q4_0/1, Q5_0/1, K-quants)")
+        array = dequantize(t.data, t.tensor_type)  # float32, torch (out, in) order
+        if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only map
+            array = array.copy()
+        raw[t.name] = torch.from_numpy(array).to(dtype)
+    tensors = family.sanitize_gguf(raw, config)
+    if "tokenizer.ggml.model" not in reader.fields:  # weights only: usable through token ids
+        return Checkpoint(path, family.NAME, config, tensors)
+    return Checkpoint(path, family.NAME, config, tensors, tokenizer_dir=path.parent, gguf_file=path.name)
+
+
+# -- Hugging Face folders --------------------------------------------------------------------------
+
+def _load_folder(path: Path, dtype: torch.dtype) -> Checkpoint:
+    from safetensors import safe_open
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelFileError(f"{path} has no config.json", "point at a Hugging Face model folder")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"{config_file} is not valid JSON ({e})", "restore the file from the download") from e
+    family = families.for_model_type(config.get("model_type"), path)
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelFileError(f"{index} is not a valid shard index ({e})", "restore the file from the download") from e
+        shards = sorted(set(weight_map.values()))
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+    if not shards:
+        raise ModelFileError(f"{path} holds no *.safetensors weights",
+                             "download the safetensors files (pickled .bin weights are not loaded)")
+    raw = {}
+    for shard in shards:
+        shard_path = path / shard
+        if not shard_path.is_file():
+            raise ModelFileError(f"shard {shard} listed in {index.name} is missing from {path}",
+                                 "download the missing shard")
+        try:
+            with safe_open(shard_path, framework="pt") as f:  # memory-mapped
+                for name in f.keys():
+                    raw[name] = f.get_tensor(name).to(dtype)
+        except Exception as e:
+            raise ModelFileError(f"{shard_path} could not be read ({e})",
+                                 "the file is truncated or corrupt: download it again") from e
+    tensors = family.sanitize_hf(raw, config)
+    has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
+    return Checkpoint(path, family.NAME, config, tensors, tokenizer_dir=path if has_tokenizer else None)

@@ -1,0 +1,126 @@
+"""From a model name to placed parts: device and dtype, weights, expert executor, KV backend, tokenizer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.errors import ConfigError, OutOfMemoryError
+from engine.experts.executor import ExpertExecutor, ResidentExperts
+from engine.kv.backend import KVBackend
+from engine.kv.resident import ResidentKV
+from engine.models import builtin, families
+from engine.models.assemble import assemble
+from engine.models.common import Decoder, ModelArgs
+from engine.models.loader import load_checkpoint
+from engine.runtime.chat import load_tokenizer
+
+KV_POLICIES = ("resident", "writescope", "gpu-centric", "cpu-centric", "monolithic")  # and fixed:<r>
+EXPERT_POLICIES = ("resident", "adaptive", "cpu-only", "on-demand", "static")
+
+
+@dataclass
+class Parts:
+    args: ModelArgs
+    family: str
+    model: Decoder
+    kv: KVBackend
+    experts: ExpertExecutor | None
+    tokenizer: object | None
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+    weights_bytes: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but no CUDA GPU is available",
+                          "use --device cpu (or auto), or install a CUDA build of torch and a driver")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ConfigError(f"unknown device '{name}'", "use auto, cuda or cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in table:
+        raise ConfigError(f"unknown dtype '{name}'", "use auto, float32 or bfloat16")
+    return table[name]
+
+
+def check_policies(kv_policy: str, expert_policy: str) -> None:
+    if kv_policy.startswith("fixed:"):
+        try:
+            r = float(kv_policy.split(":", 1)[1])
+        except ValueError:
+            r = -1.0
+        if not 0.0 <= r <= 1.0:
+            raise ConfigError(f"kv_policy '{kv_policy}' needs a CPU share between 0 and 1", "e.g. fixed:0.3")
+    elif kv_policy not in KV_POLICIES:
+        raise ConfigError(f"unknown kv_policy '{kv_policy}'", f"use one of {', '.join(KV_POLICIES)} or fixed:<r>")
+    if expert_policy not in EXPERT_POLICIES:
+        raise ConfigError(f"unknown expert_policy '{expert_policy}'", f"use one of {', '.join(EXPERT_POLICIES)}")
+    # This build places everything on the compute device; the hybrid policies plug in here.
+    if kv_policy != "resident":
+        raise ConfigError(f"kv_policy '{kv_policy}' is not available in this build", "use kv_policy resident")
+    if expert_policy != "resident":
+        raise ConfigError(f"expert_policy '{expert_policy}' is not available in this build",
+                          "use expert_policy resident")
+
+
+def load_parts(config, progress: Callable[[str, float], None] | None = None) -> Parts:
+    report = progress or (lambda step, frac: None)
+    check_policies(config.kv_policy, config.expert_policy)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.cpu_threads:
+        torch.set_num_threads(int(config.cpu_threads))
+
+    report("reading model file", 0.0)
+    upcycle = None
+    if config.model.startswith("builtin:"):
+        path, upcycle = builtin.resolve(config.model)
+    elif config.model.startswith("synthetic:"):
+        raise ConfigError(f"synthetic models ('{config.model}') are not available in this build",
+                          "use a builtin: model, a .gguf file or a model folder")
+    else:
+        path = os.path.expanduser(config.model)
+    ckpt = load_checkpoint(path, dtype)
+    family = families.get(ckpt.family)
+    args = family.args_from_config(ckpt.config)
+    tensors = ckpt.tensors
+    if upcycle is not None:
+        args, tensors = builtin.upcycle_to_moe(args, tensors, upcycle)
+    max_context = min(config.max_context or args.max_position, args.max_position)
+
+    report("placing weights", 0.5)
+    holder: dict = {}
+
+    def make_experts(gate_up, down):
+        holder["experts"] = ResidentExperts(gate_up, down)
+        return holder["experts"]
+
+    try:
+        model = assemble(args, tensors, family.route, source=str(path), device=device, dtype=dtype,
+                         make_experts=make_experts)
+        report("allocating KV cache", 0.8)
+        kv = ResidentKV(args.n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
+                        max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype)
+    except torch.OutOfMemoryError as e:
+        raise OutOfMemoryError(f"{config.model} does not fit in the memory of {device} ({e})",
+                               "choose a smaller model or max_context, or a device with more memory") from e
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    report("loading tokenizer", 0.9)
+    tokenizer = load_tokenizer(ckpt.tokenizer_dir, ckpt.gguf_file) if ckpt.tokenizer_dir else None
+    report("ready", 1.0)
+    return Parts(args, ckpt.family, model, kv, holder.get("experts"), tokenizer, device, dtype,
+                 max_context, weights_bytes)

@@ -1,0 +1,58 @@
+"""Next-token choice: greedy, or temperature / top-k / top-p with a repetition penalty and a seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    greedy: bool = False
+    temperature: float = 0.7
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    repetition_penalty: float = 1.0  # 1.0: off; >1 discourages tokens already in the sequence
+    seed: int | None = None
+
+    def validate(self) -> None:
+        from engine.errors import ConfigError
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.repetition_penalty <= 0:
+            raise ConfigError(f"invalid sampling settings {self}",
+                              "use temperature ≥ 0, top_k ≥ 0, 0 < top_p ≤ 1, repetition_penalty > 0")
+
+
+class Sampler:
+    """One per sequence: owns its random generator so a seed reproduces the same text."""
+
+    def __init__(self, params: SamplingParams):
+        params.validate()
+        self.p = params
+        self.gen = torch.Generator()
+        if params.seed is not None:
+            self.gen.manual_seed(params.seed)
+        else:
+            self.gen.seed()
+
+    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+        """logits: (V,) fp32 on any device; history: every token of the sequence so far."""
+        logits = logits.float().cpu()
+        p = self.p
+        if p.repetition_penalty != 1.0 and history:
+            seen = torch.tensor(sorted(set(history)), dtype=torch.int64)
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.greedy or p.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature
+        if p.top_k:
+            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+            logits[logits < kth] = float("-inf")
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_logits, dim=-1) > p.top_p  # keep the first token past top_p
+            logits[order[drop]] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.gen))

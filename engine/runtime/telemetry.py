@@ -1,0 +1,95 @@
+"""Counters the engine keeps as it runs, and the StatsSnapshot built from them on request.
+
+The engine only counts; readers (the app's panels, `--stats-json`, exports) call
+`Engine.stats()` whenever they like. A value that does not apply is None (JSON null), never 0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import psutil
+import torch
+
+
+@dataclass
+class StatsSnapshot:
+    phase: str  # "idle" | "prefill" | "decode"
+    vram: dict  # bytes: weights, expert_cache, kv_dwindow, kv_pingpong, kv_resident, workspace, budget, device_total, device_used
+    host: dict  # bytes: kv_pinned, kv_unpinned, expert_store, rss
+    kv: dict  # policy, tokens {dwindow, pinned, unpinned, resident}, r_target, r_deployed, A_ns_per_token, B_ns_per_token, delta_ms
+    experts: dict  # policy, hits, misses, fills, cpu_executed, evictions, prefetch_used, prefetch_wasted, hit_rate
+    pcie: dict  # h2d_bytes, d2h_bytes, h2d_gbps, d2h_gbps
+    speed: dict  # prefill_tok_s, decode_tok_s, ttft_s (of the last generation)
+    kernels: dict  # implementation behind cpu_attention and cpu_experts (None: not run on the CPU)
+    profile: str | None  # calibration profile in use
+    model: dict = field(default_factory=dict)  # name, family, layers, experts, device, dtype
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+
+@dataclass
+class GenerationTimer:
+    """Wall-clock split of one generate call into prefill and decode."""
+
+    t_start: float = field(default_factory=time.perf_counter)
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    ttft_s: float | None = None
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 and self.prefill_tokens else None
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 and self.decode_tokens else None
+
+
+class Telemetry:
+    def __init__(self):
+        self.phase = "idle"
+        self.last: GenerationTimer | None = None
+
+    def snapshot(self, *, device: torch.device, weights_bytes: int, kv_tel: dict, experts_tel: dict | None,
+                 vram_budget_bytes: int | None, model_info: dict, profile: str | None) -> StatsSnapshot:
+        on_gpu = device.type == "cuda"
+        kv_bytes = kv_tel.get("bytes", {})
+        vram = dict.fromkeys(("weights", "expert_cache", "kv_dwindow", "kv_pingpong", "kv_resident",
+                              "workspace", "budget", "device_total", "device_used"))
+        if on_gpu:
+            free, total = torch.cuda.mem_get_info(device)
+            allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+            vram.update(weights=weights_bytes, workspace=reserved - allocated, budget=vram_budget_bytes,
+                        device_total=total, device_used=total - free)
+            for region in ("kv_dwindow", "kv_pingpong", "kv_resident"):
+                vram[region] = kv_bytes.get(region)
+            if experts_tel is not None:
+                vram["expert_cache"] = experts_tel.get("cache_bytes")
+        host = {"kv_pinned": kv_bytes.get("kv_pinned"), "kv_unpinned": kv_bytes.get("kv_unpinned"),
+                "expert_store": (experts_tel or {}).get("store_bytes"), "rss": psutil.Process().memory_info().rss}
+        kv_tokens = {"dwindow": None, "pinned": None, "unpinned": None, "resident": None}
+        kv_tokens.update(kv_tel.get("tokens", {}))
+        kv = {"policy": kv_tel.get("policy"), "tokens": kv_tokens}
+        for key in ("r_target", "r_deployed", "A_ns_per_token", "B_ns_per_token", "delta_ms"):
+            kv[key] = kv_tel.get(key)
+        experts = dict.fromkeys(("policy", "hits", "misses", "fills", "cpu_executed", "evictions",
+                                 "prefetch_used", "prefetch_wasted", "hit_rate"))
+        experts.update({k: v for k, v in (experts_tel or {}).items() if k in experts})
+        pcie = dict.fromkeys(("h2d_bytes", "d2h_bytes", "h2d_gbps", "d2h_gbps"))
+        pcie.update(kv_tel.get("pcie", {}))
+        t = self.last
+        speed = {"prefill_tok_s": t and t.prefill_tok_s, "decode_tok_s": t and t.decode_tok_s,
+                 "ttft_s": t and t.ttft_s}
+        kernels = {"cpu_attention": "torch-sdpa" if device.type == "cpu" else kv_tel.get("cpu_kernel"),
+                   "cpu_experts": (experts_tel or {}).get("cpu_kernel")}
+        return StatsSnapshot(phase=self.phase, vram=vram, host=host, kv=kv, experts=experts, pcie=pcie,
+                             speed=speed, kernels=kernels, profile=profile, model=model_info)

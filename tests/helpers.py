@@ -1,0 +1,71 @@
+"""Tiny real model files for tests: a few layers, random weights, real configs and formats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+TINY = dict(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=48, ctx=256)
+
+
+def write_tiny_llama_gguf(path: Path, arch: str = "llama", bad_shape: bool = False,
+                          qtype=None, seed: int = 0) -> Path:
+    """A 2-layer llama GGUF with F32 weights (or one tensor of `qtype` raw bytes)."""
+    import gguf
+
+    c = TINY
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c["layers"])
+    w.add_context_length(c["ctx"])
+    w.add_embedding_length(c["dim"])
+    w.add_feed_forward_length(c["ffn"])
+    w.add_head_count(c["heads"])
+    w.add_head_count_kv(c["kv_heads"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(c["vocab"])
+    hd = c["dim"] // c["heads"]
+
+    def t(name, *shape):
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+
+    t("token_embd.weight", c["vocab"], c["dim"])
+    t("output_norm.weight", c["dim"])
+    for i in range(c["layers"]):
+        t(f"blk.{i}.attn_norm.weight", c["dim"])
+        t(f"blk.{i}.ffn_norm.weight", c["dim"])
+        t(f"blk.{i}.attn_q.weight", c["heads"] * hd, c["dim"])
+        t(f"blk.{i}.attn_k.weight", c["kv_heads"] * hd + (8 if bad_shape and i == 1 else 0), c["dim"])
+        t(f"blk.{i}.attn_v.weight", c["kv_heads"] * hd, c["dim"])
+        t(f"blk.{i}.attn_output.weight", c["dim"], c["heads"] * hd)
+        t(f"blk.{i}.ffn_gate.weight", c["ffn"], c["dim"])
+        t(f"blk.{i}.ffn_up.weight", c["ffn"], c["dim"])
+        if qtype is not None and i == 0:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            raw = np.zeros((c["dim"], c["ffn"] // block * size), dtype=np.uint8)
+            w.add_tensor(f"blk.{i}.ffn_down.weight", raw, raw_dtype=qtype)
+        else:
+            t(f"blk.{i}.ffn_down.weight", c["dim"], c["ffn"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_tiny_llama_folder(path: Path, seed: int = 0) -> Path:
+    """A 2-layer LlamaForCausalLM saved by transformers itself (config.json + model.safetensors)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = TINY
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=c["vocab"], hidden_size=c["dim"], intermediate_size=c["ffn"],
+                      num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
+                      num_key_value_heads=c["kv_heads"], max_position_embeddings=c["ctx"],
+                      rope_theta=10000.0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,32 @@
+"""`tandem …` as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+
+def tandem(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_answers_paris(tmp_path):
+    stats = tmp_path / "stats.json"
+    p = tandem("generate", "--model", "builtin:smollm2-135m", "--prompt", "What is the capital of France?",
+               "--max-new-tokens", "24", "--greedy", "--stats-json", str(stats))
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout
+    assert "ready" in p.stderr and "ready" not in p.stdout  # logs on stderr only
+    assert json.loads(stats.read_text())["speed"]["decode_tok_s"] > 0
+
+
+def test_models_lists_builtins():
+    p = tandem("models")
+    assert p.returncode == 0
+    assert "builtin:smollm2-135m " in p.stdout and "builtin:smollm2-135m-moe" in p.stdout
+
+
+def test_bad_model_gives_clear_error_without_traceback(tmp_path):
+    p = tandem("generate", "--model", str(tmp_path / "missing.gguf"), "--prompt", "hi")
+    assert p.returncode == 2
+    assert "model not found" in p.stderr and "what to do" in p.stderr
+    assert "Traceback" not in p.stderr
