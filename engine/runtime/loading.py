@@ -17,6 +17,7 @@ from engine.models.assemble import assemble
 from engine.models.common import Decoder, ModelArgs
 from engine.models.loader import load_checkpoint
 from engine.runtime.chat import load_tokenizer
+from engine.runtime.kv_setup import build_kv
 
 KV_POLICIES = ("resident", "writescope", "gpu-centric", "cpu-centric", "monolithic")  # and fixed:<r>
 EXPERT_POLICIES = ("resident", "adaptive", "cpu-only", "on-demand", "static")
@@ -69,8 +70,6 @@ def check_policies(kv_policy: str, expert_policy: str) -> None:
     if expert_policy not in EXPERT_POLICIES:
         raise ConfigError(f"unknown expert_policy '{expert_policy}'", f"use one of {', '.join(EXPERT_POLICIES)}")
     # This build places everything on the compute device; the hybrid policies plug in here.
-    if kv_policy != "resident":
-        raise ConfigError(f"kv_policy '{kv_policy}' is not available in this build", "use kv_policy resident")
     if expert_policy != "resident":
         raise ConfigError(f"expert_policy '{expert_policy}' is not available in this build",
                           "use expert_policy resident")
@@ -112,8 +111,7 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None) -> 
         model = assemble(args, tensors, family.route, source=str(path), device=device, dtype=dtype,
                          make_experts=make_experts)
         report("allocating KV cache", 0.8)
-        kv = ResidentKV(args.n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
-                        max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype)
+        kv = build_kv(config, args, model, holder.get("experts"), device, dtype, max_context)
     except torch.OutOfMemoryError as e:
         raise OutOfMemoryError(f"{config.model} does not fit in the memory of {device} ({e})",
                                "choose a smaller model or max_context, or a device with more memory") from e

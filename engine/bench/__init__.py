@@ -1,0 +1,1 @@
+"""The benchmark harness behind `tandem bench`: functions that measure and return JSON records."""

@@ -1,0 +1,101 @@
+"""Which KV backend a configuration gets, and its partition spec.
+
+`resident` keeps every block on the compute device when it fits; when the KV does not fit the VRAM
+budget (`vram_budget_gb`, else the device's free memory) the default becomes `writescope`, the
+hybrid that serves spilled KV from both engines. The comparison policies (`gpu-centric`,
+`cpu-centric`, `fixed:<r>`, `monolithic`) run in the same runtime with the same kernels.
+
+Hybrid policies need a GPU; `simulate_hybrid` runs them on a CPU-only machine with the "GPU side"
+on CPU tensors and synchronous copies (tests, CI). Calibrated A, B, Δ come from the profile
+file's `kv` section (`A_ns_per_token`, `B_ns_per_token`, `delta_ms`, optional `c_cpu_ms`) when
+it has one; otherwise documented defaults start the online estimators.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from engine.errors import ConfigError, OutOfMemoryError
+from engine.kv.backend import KVBackend
+from engine.kv.inplace import PartitionSpec
+from engine.kv.monolithic import MonolithicKV
+from engine.kv.resident import ResidentKV
+from engine.kv.writescope import WriteScopeKV
+from engine.sched.roofline import RooflineParams
+
+FREE_MEMORY_USE = 0.85  # without a budget: the share of free device memory resident KV may take
+
+
+def resident_kv_bytes(n_layers: int, n_kv: int, head_dim: int, max_context: int, max_batch: int,
+                      block_size: int, dtype: torch.dtype) -> int:
+    slots = -(-max_context // block_size) * block_size * max_batch
+    return 2 * n_layers * slots * n_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def device_weights_bytes(model, experts, device: torch.device) -> int:
+    """Weights on the compute device (in simulate mode the CPU stands in for it)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == device.type)
+    if experts is not None:  # resident experts sit on the device; an offloading executor reports its cache
+        tel = experts.telemetry()
+        total += tel.get("cache_bytes") or (tel.get("bytes", 0) if experts.policy == "resident" else 0)
+    return total
+
+
+def choose_policy(config, device: torch.device, resident_bytes: int, weights_bytes: int) -> str:
+    policy = config.kv_policy
+    if policy != "resident" or not (device.type == "cuda" or config.simulate_hybrid):
+        return policy
+    if config.vram_budget_gb:
+        room = config.vram_budget_gb * 2**30 - weights_bytes
+    elif device.type == "cuda":
+        room = torch.cuda.mem_get_info(device)[0] * FREE_MEMORY_USE
+    else:
+        return policy
+    if resident_bytes > room:
+        print(f"the KV cache ({resident_bytes / 2**30:.2f} GiB) does not fit the VRAM budget: "
+              "kv_policy writescope", file=sys.stderr)
+        return "writescope"
+    return policy
+
+
+def roofline_from_profile(path: str | None) -> RooflineParams | None:
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            kv = json.load(f).get("kv") or {}
+        return RooflineParams(float(kv["A_ns_per_token"]), float(kv["B_ns_per_token"]), float(kv["delta_ms"]),
+                              float(kv.get("c_cpu_ms", 0.05)))
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError):
+        return None  # a profile without KV costs: start from the defaults
+
+
+def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dtype, max_context: int) -> KVBackend:
+    shape = dict(n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
+    resident_bytes = resident_kv_bytes(args.n_layers, args.n_kv_heads, args.head_dim, max_context,
+                                       config.max_batch, config.block_size, dtype)
+    policy = choose_policy(config, device, resident_bytes, device_weights_bytes(model, experts, device))
+    if policy == "resident":
+        return ResidentKV(args.n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
+                          max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype)
+    if device.type != "cuda" and not config.simulate_hybrid:
+        raise ConfigError(f"kv_policy '{policy}' splits attention between a GPU and the CPU, but the compute "
+                          f"device is {device}", "use kv_policy resident (or simulate_hybrid to test the hybrid path)")
+    if policy == "monolithic":
+        return MonolithicKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device, dtype=dtype)
+    spec = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=device.type == "cuda",
+                                   block_size=config.block_size, d_window=config.d_window,
+                                   roofline=roofline_from_profile(config.profile_path), max_context=max_context)
+    if config.vram_budget_gb:
+        need = spec.device_bytes(args.n_layers, config.max_batch, args.n_kv_heads, args.head_dim, dtype)
+        room = config.vram_budget_gb * 2**30 - device_weights_bytes(model, experts, device)
+        if need > room:
+            raise OutOfMemoryError(f"the D-window and ping-pong buffers need {need / 2**30:.2f} GiB; the VRAM budget "
+                                   f"leaves {max(room, 0) / 2**30:.2f} GiB after the weights",
+                                   "lower d_window or max_batch, or raise vram_budget_gb")
+    return WriteScopeKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device,
+                        dtype=dtype, spec=spec, policy=policy)
