@@ -44,3 +44,14 @@ def merge_groups(outs: torch.Tensor, lses: torch.Tensor, rows: torch.Tensor, n_r
     num.index_add_(0, rows, outs * w.unsqueeze(-1))
     safe = torch.where(den > 0, den, torch.ones_like(den))
     return num / safe.unsqueeze(-1), m + torch.log(den)
+
+
+def merge_stack(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge P parts of the same rows: outs (P, ..., hs), lses (P, ...) → (o (..., hs), l (...)).
+
+    At least one part of every row must have keys (a finite LSE); the decode D-window guarantees it.
+    """
+    m = lses.amax(dim=0)  # (...)
+    w = torch.exp(lses - m)  # (P, ...)
+    den = w.sum(dim=0)
+    return (outs * w.unsqueeze(-1)).sum(dim=0) / den.unsqueeze(-1), m + torch.log(den)

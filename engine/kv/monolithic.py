@@ -37,6 +37,7 @@ class MonolithicKV(KVBackend):
         self.token_bytes = 2 * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()  # per layer
         self.host = torch.empty((n_layers, max_batch, 2, n_kv_heads, max_context, head_dim), dtype=dtype)
         self.staging = self.transport.host((max_batch, 2, n_kv_heads, max_context, head_dim), dtype, pinned=True)
+        self.staging.tensor.zero_()  # padded keys are masked, but their values must stay finite
         try:
             self.work = torch.empty((max_batch, 2, n_kv_heads, max_context, head_dim), device=device, dtype=dtype)
         except torch.OutOfMemoryError as e:

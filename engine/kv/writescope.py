@@ -24,7 +24,7 @@ import torch
 
 from engine.kernels.attention_cpu import attend_blocks, implementation, kernel_name
 from engine.kernels.attention_gpu import attend_dense, attend_padded
-from engine.kernels.lse import merge_groups, merge_pair
+from engine.kernels.lse import merge_groups, merge_pair, merge_stack
 from engine.kv.backend import KVBackend
 from engine.kv.inplace import InplaceKVCache, PartitionSpec, StepPlan
 from engine.kv.transport import NullEvent, Transport
@@ -97,6 +97,7 @@ class WriteScopeKV(KVBackend):
         self.plan: StepPlan | None = None
         self.r_target: float | None = None
         self.h2d_bytes = 0
+        self.h2d_seconds = 0.0  # time the h2d stream spent on measured spans
         self.h2d_gbps: float | None = None
         self._timings: deque = deque()  # CUDA: (kind, start event, end event, tokens or bytes)
         self._n_heads: int | None = None
@@ -197,17 +198,22 @@ class WriteScopeKV(KVBackend):
         return torch.cat(outs), torch.cat(lses)  # (P, nh, T, hs), (P, nh, T)
 
     def _merge(self, plan: StepPlan, parts: list, chunks) -> torch.Tensor:
-        if chunks is None:
+        """Every part by its LSE: o (B, nh, T, hs) fp32. Each row has at least one finite part (the
+        D-window in decode, the new tokens in prefill)."""
+        if chunks is None and len(parts) <= 2:
             out, lse = parts[0]
-            for o2, l2 in parts[1:]:
-                out, lse = merge_pair(out, lse, o2, l2)
+            if len(parts) == 2:
+                out, lse = merge_pair(out, lse, *parts[1])
             return out
         B = len(plan.seqs)
+        outs = torch.cat([p[0] for p in parts] + ([chunks[0]] if chunks else []))  # (P, nh, T, hs)
+        lses = torch.cat([p[1] for p in parts] + ([chunks[1]] if chunks else []))  # (P, nh, T)
+        if B == 1:
+            return merge_stack(outs, lses)[0].unsqueeze(0)
         rows = torch.arange(B, device=self.device).repeat(len(parts))
-        outs = torch.cat([p[0] for p in parts] + [chunks[0]])
-        lses = torch.cat([p[1] for p in parts] + [chunks[1]])
-        out, _ = merge_groups(outs, lses, torch.cat([rows, plan.chunk_rows]), B)
-        return out
+        if chunks is not None:
+            rows = torch.cat([rows, plan.chunk_rows])
+        return merge_groups(outs, lses, rows, B)[0]
 
     # -- timing: the GPU side for the B estimator, the h2d stream for its achieved rate -----------
     def _event(self, stream=None):
@@ -234,7 +240,9 @@ class WriteScopeKV(KVBackend):
         if self.transport.cuda:
             self._timings.append(("h2d", start, self._event(self.transport.h2d), nbytes))
         else:
-            self.h2d_gbps = nbytes / max(time.perf_counter() - start, 1e-9) / 1e9
+            seconds = time.perf_counter() - start
+            self.h2d_seconds += seconds
+            self.h2d_gbps = nbytes / max(seconds, 1e-9) / 1e9
 
     def _drain_timings(self) -> None:
         """Read the GPU timings that have completed (no host sync: unfinished ones wait a step)."""
@@ -244,6 +252,7 @@ class WriteScopeKV(KVBackend):
             if kind == "gpu":
                 self.share.B.observe(amount, seconds)
             else:
+                self.h2d_seconds += seconds
                 self.h2d_gbps = amount / max(seconds, 1e-9) / 1e9
 
     # -- stats and teardown -------------------------------------------------------------------
@@ -264,6 +273,13 @@ class WriteScopeKV(KVBackend):
             "pcie": {"h2d_bytes": self.h2d_bytes, "d2h_bytes": cache.d2h_bytes, "h2d_gbps": self.h2d_gbps},
             "cpu_kernel": kernel_name(self.dtype, self._n_heads, cache.n_kv, cache.head_dim) if self._cpu_ran else None,
         }
+
+    def synchronize(self) -> None:
+        """Wait until every queued copy (host writes on the CPU side's thread, device streams) is
+        done and its timing read."""
+        self.worker.submit(lambda: None).result()
+        self.transport.synchronize()
+        self._drain_timings()
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
