@@ -202,6 +202,9 @@ class Engine:
                 return
             for key in list(self.generator.sessions):
                 self.generator.end_session(key)
+            kv_close = getattr(self.parts.kv, "close", None)  # hybrid KV: worker thread, page-locked memory
+            if kv_close is not None:
+                kv_close()
             self.parts = self.generator = None
             gc.collect()
             if torch.cuda.is_available():

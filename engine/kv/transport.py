@@ -19,6 +19,8 @@ import torch
 
 from engine.errors import OutOfMemoryError
 
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
 
 class NullEvent:
     """An event that is always complete (simulate mode)."""
@@ -74,8 +76,11 @@ def _cuda_error(code) -> int:
 
 def _unregister(tensor: torch.Tensor) -> None:
     # Copies that read the buffer may still be queued: finish them before the pages are unlocked.
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+    except Exception:  # at interpreter exit CUDA may already be gone; the process unlocks everything
+        pass
 
 
 class HostBuffer:
@@ -90,7 +95,8 @@ class HostBuffer:
         self.pinned = False
         self._finalizer = None
         if pin and self.nbytes:
-            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+            # Portable: page-locked for every CUDA context, whichever thread registers it.
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, HOST_REGISTER_PORTABLE)
             if _cuda_error(err) != 0:
                 raise OutOfMemoryError(f"cannot page-lock {self.nbytes / 2**20:.0f} MiB of host memory (CUDA error {err})",
                                        "lower max_context or max_batch, or raise the locked-memory limit (ulimit -l)")
