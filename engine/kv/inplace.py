@@ -15,8 +15,8 @@ The format does not choose the split: each step is planned with a CPU share r fr
 eviction batches are routed so that a sequence's running share follows it (sched/roofline.py).
 
 A step is `plan_step` (reads captured from the state before the step, writes reserved), then per
-layer `append` and the `*_views`, then `flush` (the step's placements, as copies on the
-write-back direction) and `commit`.
+layer `append`, the `*_views` and `flush` (that layer's placements, copies on the write-back
+direction overlapping the next layers), then `finish` and `commit`.
 """
 
 from __future__ import annotations
@@ -136,7 +136,9 @@ class StepPlan:
     placements: list[Placement]
     tails: list[tuple[int, int, int, int]]  # (row, new-token start, n, D-window start): prefill into the window
     window_after: list[int]
-    new_kv: list = field(default_factory=list)  # per layer (k, v) of a prefill step
+    stage: torch.Tensor | None = None  # (n_layers, S, 2, n_kv, hs) host staging for the CPU region's tokens
+    stage_at: list[int] = field(default_factory=list)  # per placement: its offset in `stage` (CPU-bound ones)
+    placed_layers: set = field(default_factory=set)
 
 
 class InplaceKVCache:
@@ -222,7 +224,7 @@ class InplaceKVCache:
             chunks=chunks, chunk_rows=torch.tensor([c[0] for c in chunks], device=dev) if chunks else None,
             cpu_ranges=[s.unpinned.arena_ranges() for s in seqs],
             cpu_tokens=sum(s.unpinned.fill for s in seqs), stream_tokens=sum(c[2] for c in chunks),
-            placements=[], tails=[], window_after=[], new_kv=[None] * self.n_layers)
+            placements=[], tails=[], window_after=[])
         for row, s in enumerate(seqs):
             if decode:
                 if s.window + 1 < D:
@@ -246,6 +248,12 @@ class InplaceKVCache:
                 if rem:
                     plan.tails.append((row, n_new - rem, rem, 0))
                 plan.window_after.append(rem)
+        at = 0
+        for p in plan.placements:
+            plan.stage_at.append(at if p.to_cpu else -1)
+            at += p.n if p.to_cpu else 0
+        if at:
+            plan.stage = self._staging(at)
         self.pinned.reserve_ahead()  # the next pinned extent is prepared one window ahead
         return plan
 
@@ -281,11 +289,10 @@ class InplaceKVCache:
 
     # -- append and views ---------------------------------------------------------------------
     def append(self, layer: int, plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (B, n_kv, T, hs). Decode: into the D-window now; prefill: held for `flush`."""
+        """k, v (B, n_kv, T, hs). Decode: into the D-window, before attention reads it; prefill KV is
+        written by `flush(layer, …)` straight to its final region."""
         if plan.decode:
             self.window[layer][plan.slots, plan.append_pos] = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)
-        else:
-            plan.new_kv[layer] = (k, v)
 
     def window_views(self, layer: int, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) each (B, n_kv, window_max, hs): zero-copy when the rows' slots are adjacent."""
@@ -304,56 +311,58 @@ class InplaceKVCache:
         """Per row, zero-copy (k, v) views (n_kv, t, hs) of its unpinned tokens."""
         return [self.unpinned.views(layer, ranges) for ranges in plan.cpu_ranges]
 
-    # -- flush: the step's placements, on the write-back direction --------------------------------
-    def flush(self, plan: StepPlan) -> None:
+    # -- flush: write-time routing, layer by layer, on the write-back direction ------------------
+    def flush(self, layer: int, plan: StepPlan, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> None:
+        """This layer's placements: evicted D-window batches and (prefill) the new tokens, copied to
+        their final regions on the d2h stream while later layers compute. Call after the layer's
+        attention has been enqueued (the D-window tail writes must follow its reads)."""
+        plan.placed_layers.add(layer)
         if not plan.placements and not plan.tails:
             return
         tr = self.transport
         compute = tr.compute_stream()
-        new_all = self._new_tokens(plan) if not plan.decode else None  # (n_layers, B, T, 2, n_kv, hs)
-        n_stage = sum(p.n for p in plan.placements if p.to_cpu)
-        stage = self._staging(n_stage) if n_stage else None
-        jobs, at = [], 0
+        new = None  # (B, T, 2, n_kv, hs): the layer's new KV, token-interleaved like every region
+        if k is not None and not plan.decode:
+            new = torch.stack((k, v), dim=1).permute(0, 3, 1, 2, 4).contiguous()
         ready = tr.event()
         ready.record(compute)
         with tr.on(tr.d2h):
-            tr.wait(tr.d2h, ready)  # after this step's D-window appends and new KV
-            for p in plan.placements:
-                slot = plan.seqs[p.row].slot
-                for layer in range(self.n_layers):
-                    if p.source == "window":
-                        src = self.window[layer, slot, p.src_start:p.src_start + p.n]
-                    else:
-                        src = new_all[layer, p.row, p.src_start:p.src_start + p.n]
-                    if p.to_cpu:
-                        dst = stage[layer, at:at + p.n]
-                    else:
-                        dst = self.pinned.slab(layer, p.extent, p.ext_start, p.n)
-                    dst.copy_(src, non_blocking=True)
-                if p.to_cpu:
-                    jobs.append((at, p.extent * self.spec.pingpong_tokens + p.ext_start, p.n))
-                    at += p.n
-                self.d2h_bytes += p.n * self.token_bytes * self.n_layers
-            self.d2h_done.record(tr.d2h)
-        if new_all is not None:
-            tr.keep_alive(new_all, tr.d2h)
-        if jobs:  # the host copies into the per-head layout run on the CPU side's thread, in order
-            self._stage_job = self.executor.submit(self._write_unpinned, self.d2h_done, stage, jobs)
-        if plan.tails:
-            tr.wait(compute, self.d2h_done)  # the write-backs have read the old D-window contents
-            for row, src_start, n, dst in plan.tails:
-                self.window[:, plan.seqs[row].slot, dst:dst + n] = new_all[:, row, src_start:src_start + n]
-        self.flush_pending = any(p.source == "window" for p in plan.placements)
+            tr.wait(tr.d2h, ready)  # after this layer's D-window append and new KV
+            for p, at in zip(plan.placements, plan.stage_at):
+                if p.source == "window":
+                    src = self.window[layer, plan.seqs[p.row].slot, p.src_start:p.src_start + p.n]
+                elif new is not None:
+                    src = new[p.row, p.src_start:p.src_start + p.n]
+                else:
+                    continue  # a failed step's new tokens: cropped away right after
+                dst = plan.stage[layer, at:at + p.n] if p.to_cpu else self.pinned.slab(layer, p.extent, p.ext_start, p.n)
+                dst.copy_(src, non_blocking=True)  # one contiguous DMA
+            layer_done = tr.event()
+            layer_done.record(tr.d2h)
+        if new is not None:
+            tr.keep_alive(new, tr.d2h)
+            if plan.tails:
+                tr.wait(compute, layer_done)  # the write-backs have read the old D-window contents
+                for row, src_start, n, dst in plan.tails:
+                    self.window[layer, plan.seqs[row].slot, dst:dst + n] = new[row, src_start:src_start + n]
 
-    def _new_tokens(self, plan: StepPlan) -> torch.Tensor:
-        """This step's new KV of every layer, token-interleaved; layers a failed step never reached
-        are zeros (those tokens are cropped away right after)."""
-        B, T = len(plan.seqs), plan.n_new
-        out = torch.zeros((self.n_layers, B, T, 2, self.n_kv, self.head_dim), device=self.device, dtype=self.dtype)
-        for layer, kv in enumerate(plan.new_kv):
-            if kv is not None:
-                out[layer] = torch.stack(kv, dim=1).permute(0, 3, 1, 2, 4)  # (B, 2, n_kv, T, hs) → (B, T, 2, n_kv, hs)
-        return out
+    def finish(self, plan: StepPlan) -> None:
+        """End of step: layers a failed step never reached still get their D-window write-backs (the
+        tokens already placed elsewhere in other layers must exist in every layer); the CPU side's
+        thread then copies the staged tokens into its per-head layout, after every other job queued."""
+        for layer in range(self.n_layers):
+            if layer not in plan.placed_layers:
+                self.flush(layer, plan)
+        if not plan.placements:
+            return
+        tr = self.transport
+        self.d2h_done.record(tr.d2h)
+        jobs = [(at, p.extent * self.spec.pingpong_tokens + p.ext_start, p.n)
+                for p, at in zip(plan.placements, plan.stage_at) if p.to_cpu]
+        if jobs:
+            self._stage_job = self.executor.submit(self._write_unpinned, self.d2h_done, plan.stage, jobs)
+        self.flush_pending = any(p.source == "window" for p in plan.placements)
+        self.d2h_bytes += sum(p.n for p in plan.placements) * self.token_bytes * self.n_layers
 
     def _staging(self, n_tokens: int) -> torch.Tensor:
         if self._stage_job is not None:
@@ -366,6 +375,7 @@ class InplaceKVCache:
             self._stage = self.transport.host((self.n_layers, size, 2, self.n_kv, self.head_dim), self.dtype, pinned=True)
         return self._stage.tensor
 
+    @torch.inference_mode()
     def _write_unpinned(self, ready, stage: torch.Tensor, jobs: list[tuple[int, int, int]]) -> None:
         ready.synchronize()
         for at, start, n in jobs:

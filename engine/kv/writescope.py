@@ -152,6 +152,7 @@ class WriteScopeKV(KVBackend):
             parts.append(attend_dense(q, k, v, scale, causal=True))
         chunks = self._stream(layer, q, plan, scale) if plan.chunks else None
         self._end_timing(timing, plan)
+        self.cache.flush(layer, plan, k, v)  # write-time routing of this layer, while the CPU works
         if cpu is not None:
             staged, seconds = cpu.result()
             parts.append(self.exchange.to_device(staged))
@@ -160,7 +161,7 @@ class WriteScopeKV(KVBackend):
 
     def end_step(self) -> None:
         plan, self.plan = self.plan, None
-        self.cache.flush(plan)
+        self.cache.finish(plan)
         self.cache.commit(plan)
 
     # -- the parts ----------------------------------------------------------------------------

@@ -230,3 +230,32 @@ def test_cuda_hybrid_attention_in_bf16_and_page_locked_load_region(policy):
         assert buffers and all(b.pinned and b.tensor.is_pinned() for b in buffers)
         assert not kv.cache.unpinned.data.is_pinned()
     kv.close()
+
+
+@pytest.mark.parametrize("policy", ["fixed:0.5", "monolithic"])
+def test_a_step_that_fails_midway_leaves_the_cache_consistent(policy):
+    """As the generator does on an exception: end_step, then crop the step's tokens away. A failed
+    step that evicted a full D-window must still have written every layer's copy of it."""
+    kv = make(policy)
+    m = Mirror(kv, seed=21)
+    a = m.new()
+    m.step([a], 11)
+
+    def fail(seq_ids, T):
+        before = [kv.length(s) for s in seq_ids]
+        kv.begin_step(seq_ids, T)
+        kv.attend(0, m.rand(len(seq_ids), NH, T, HS), m.rand(len(seq_ids), NKV, T, HS),
+                  m.rand(len(seq_ids), NKV, T, HS))  # layer 1 never runs
+        kv.end_step()
+        for s, n in zip(seq_ids, before):
+            kv.crop(s, n)
+
+    for i in range(3 * D):
+        if policy != "monolithic" and kv.cache.seqs[a].window == D - 1:
+            fail([a], 1)  # this step would evict the full D-window
+        m.step([a], 1)
+    fail([a], 2 * D + 3)  # a long turn that would move the D-window out and place new tokens
+    m.step([a], 5)
+    for _ in range(D + 2):
+        m.step([a], 1)
+    kv.close()
