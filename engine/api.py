@@ -67,6 +67,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     session_id: str | None = None  # a chat's id: its KV is kept between calls
+    ignore_eos: bool = False  # benchmarks: always produce max_new_tokens
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.greedy, self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.seed)
@@ -159,7 +160,8 @@ class Engine:
             try:
                 for i, req in enumerate(requests):
                     stream = TextStream(tok, req.stop) if tok is not None else None
-                    run = SeqRun(self.prompt_ids(req), req.max_new_tokens, Sampler(req.sampling()), eos, stream,
+                    run = SeqRun(self.prompt_ids(req), req.max_new_tokens, Sampler(req.sampling()),
+                                 set() if req.ignore_eos else eos, stream,
                                  (lambda t, i=i: on_text(i, t)) if on_text else None)
                     run.session = self.generator.session(req.session_id)
                     runs.append(run)
