@@ -113,7 +113,8 @@ class Engine:
                 "experts": p.args.n_experts or None, "top_k": p.args.top_k or None,
                 "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
                 "max_context": p.max_context, "kv_policy": p.kv.policy,
-                "expert_policy": p.experts.policy if p.experts else None}
+                "expert_policy": p.experts.policy if p.experts else None,
+                "load_s": p.load_s}
 
     # -- text helpers ---------------------------------------------------------------------------
     def _need_tokenizer(self):

@@ -60,8 +60,8 @@ def args_from_config(config: dict) -> ModelArgs:
     )
 
 
-def route(logits: torch.Tensor, k: int):
-    """Routing of the upcycled MoE variant: softmax → top-k → renormalise."""
+def route(logits: torch.Tensor, k: int, renormalise: bool = True):
+    """Routing of the upcycled MoE variant: softmax → top-k → always renormalise (the flag is ignored)."""
     return softmax_topk(logits, k, renormalise=True)
 
 
