@@ -114,7 +114,7 @@ class Engine:
                 "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
                 "max_context": p.max_context, "kv_policy": p.kv.policy,
                 "expert_policy": p.experts.policy if p.experts else None,
-                "load_s": p.load_s}
+                "load_s": p.load_s, "vocab_size": p.args.vocab_size}
 
     # -- text helpers ---------------------------------------------------------------------------
     def _need_tokenizer(self):
