@@ -23,7 +23,7 @@ class Checkpoint:
     path: Path  # the .gguf file or the model folder
     family: str  # key of engine.models.families.FAMILIES
     config: dict  # HF-style config.json contents
-    tensors: dict[str, torch.Tensor] = field(repr=False)  # HF names, engine dtype, on the host
+    tensors: dict[str, torch.Tensor] = field(repr=False)  # HF names, engine dtype; on the host (synthetic: placed)
     tokenizer_dir: Path | None = None  # folder to load the tokenizer from (None: no tokenizer)
     gguf_file: str | None = None  # file name inside tokenizer_dir when the tokenizer is in a GGUF
 

@@ -38,7 +38,8 @@ def test_experts_of_one_layer_across_shards_are_fused_in_order(sharded):
     assert ckpt.tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 32, 32)
     assert ckpt.tensors["model.layers.2.mlp.experts.down_proj"].shape == (8, 32, 16)
     assert not any(".experts.0." in k for k in ckpt.tensors)
-    assert len(layer0) >= 2  # layer 0's experts really straddle shards
+    if any(".experts.0." in k for k in index):  # per-expert names (what transformers 5.24 writes)
+        assert len(layer0) >= 2  # layer 0's experts really straddle shards
 
 
 def test_missing_shard(sharded, tmp_path):
@@ -122,3 +123,26 @@ def test_bf16_folder_loads_in_its_dtype(tmp_path):
     full = engine_logits(tiny_engine(folder, dtype="float32"), PROMPT)
     assert torch.isfinite(ours).all()
     assert (ours - full).abs().max() < 0.1 * full.abs().max()
+
+
+def test_tokenizer_and_chat_template_come_from_the_folder(tmp_path):
+    """A folder with tokenizer files: text in, text out, through the folder's own chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.api import GenerationRequest
+
+    vocab = {f"w{i}": i for i in range(95)} | {"<eos>": 95}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>",
+                                  chat_template="{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}w3")
+    folder = write_layout(tiny(seed=9), tmp_path / "m", "per_expert")
+    tok.save_pretrained(folder)
+    engine = tiny_engine(folder)
+    assert engine.tokenizer is not None
+    messages = [{"role": "user", "content": "w40 w41 w42"}]
+    assert engine.render(messages) == [1, 40, 41, 42, 2, 3]
+    result = engine.generate(GenerationRequest(messages=messages, max_new_tokens=10, greedy=True))
+    assert result.token_ids == engine.generate_ids([1, 40, 41, 42, 2, 3], 10)
+    assert result.text.split() == [f"w{t}" for t in result.token_ids if t != 95]
