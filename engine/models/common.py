@@ -35,7 +35,7 @@ class ModelArgs:
     qk_norm_scope: str = "head"  # "head": over each head's hs (Qwen3); "all": over all heads' projection (OLMoE)
     qkv_bias: bool = False  # biases on q/k/v_proj
     o_bias: bool = False  # bias on o_proj
-    clip_qkv: float | None = None  # clamp q, k, v to ±clip after the norms (OLMoE option)
+    clip_qkv: float | None = None  # clamp q, k, v to ±clip (OLMoE option: after its whole-projection norms)
     sliding_window: int | None = None  # a query sees itself and the window−1 keys before it; None: all
     rope_inv_freq: torch.Tensor | None = None  # (hs/2,) fp32 for scaled RoPE variants; None: θ^(−2i/hs)
     rope_attention_factor: float = 1.0  # cos/sin multiplier of the scaled variants (YaRN)
