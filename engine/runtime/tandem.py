@@ -42,7 +42,8 @@ class TandemBackend:
                 "experts": p.args.n_experts or None, "top_k": p.args.top_k or None,
                 "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
                 "max_context": p.max_context, "kv_policy": p.kv.policy,
-                "expert_policy": p.experts.policy if p.experts else None}
+                "expert_policy": p.experts.policy if p.experts else None,
+                "load_s": p.load_s, "vocab_size": p.args.vocab_size}
 
     def _need_tokenizer(self):
         if self.parts.tokenizer is None:
