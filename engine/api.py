@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from engine.errors import ConfigError, TandemError
+from engine.hw import profile as hw_profile
 from engine.models.builtin import DEFAULT_MODEL
 from engine.runtime.chat import eos_ids, render_chat
 from engine.runtime.generator import Generator, SeqRun
@@ -27,7 +28,8 @@ from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.telemetry import StatsSnapshot, Telemetry
 from engine.runtime.textstream import TextStream
 
-__all__ = ["Engine", "EngineConfig", "GenerationRequest", "GenerationResult", "StatsSnapshot", "TandemError"]
+__all__ = ["Engine", "EngineConfig", "GenerationRequest", "GenerationResult", "StatsSnapshot", "TandemError",
+           "probe_hardware", "calibrate", "load_profile"]
 
 
 @dataclass
@@ -94,6 +96,7 @@ class Engine:
             raise ConfigError(f"max_batch must be at least 1 (got {self.config.max_batch})", "set max_batch ≥ 1")
         self._lock = threading.Lock()
         self.telemetry = Telemetry()
+        self.profile = hw_profile.load(self.config.profile_path)  # None: not calibrated (or another machine's)
         self.parts = load_parts(self.config, progress)
         p = self.parts
         self.generator = Generator(p.model, p.kv, p.device, p.max_context, self.config.max_batch, self.telemetry)
@@ -193,7 +196,7 @@ class Engine:
         weights = p.weights_bytes + (experts_tel or {}).get("bytes", 0)
         return self.telemetry.snapshot(device=p.device, weights_bytes=weights, kv_tel=p.kv.telemetry(),
                                        experts_tel=experts_tel, vram_budget_bytes=budget, model_info=self.info(),
-                                       profile=self.config.profile_path)
+                                       profile=self.profile.name if self.profile else None)
 
     def close(self) -> None:
         """Free the KV, the weights and cached GPU memory, in reverse order of creation."""
@@ -206,3 +209,41 @@ class Engine:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+# -- hardware: what the first-run wizard and `tandem calibrate` call ---------------------------------
+
+def probe_hardware() -> dict:
+    """What this machine is: {cpu, memory, gpu, software}; a missing value is None and its section's
+    `unavailable` dict says why."""
+    from engine.hw.probe import probe
+
+    return probe()
+
+
+def calibrate(mode: str = "quick", progress: Callable[[str, float], None] | None = None,
+              profile_path: str | None = None, *, model: str | None = None, device: str = "auto",
+              dtype: str = "auto", cancel: threading.Event | None = None) -> dict:
+    """Measure this machine for `model`'s shape (default: the default model), write the profile
+    atomically (profile_path, default: the user data dir) and return it as a dict.
+
+    mode: "quick" (under a minute; the wizard's default) or "full". progress(step, fraction) is
+    called as it goes; setting `cancel` (or raising from progress) stops it and keeps the previous
+    profile. Without CUDA the profile is CPU-only, its GPU fields None with the reason.
+    """
+    from engine.hw.calibrate import calibrate as measure
+    from engine.models.shape import model_shape
+    from engine.runtime.loading import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    shape = model_shape(model or DEFAULT_MODEL, resolve_dtype(dtype, dev))
+    data = measure(shape, mode, progress, cancel, use_cuda=dev.type == "cuda")
+    path = hw_profile.save(data, profile_path)
+    return hw_profile.read(path)
+
+
+def load_profile(path: str | None = None, strict: bool = False) -> dict | None:
+    """The saved profile of this machine, or None when there is none. A profile from another machine
+    or version is ignored with a logged warning; strict=True raises its TandemError (what + remedy)."""
+    found = hw_profile.load(path, strict=strict)
+    return None if found is None else found.to_dict()
