@@ -101,9 +101,10 @@ def _fits(nbytes: int, share: float = 0.25) -> bool:
 
 def calibrate(shape: ModelShape, mode: str = "quick", progress: Callable[[str, float], None] | None = None,
               cancel: threading.Event | None = None, kernels: Kernels | None = None,
-              use_cuda: bool | None = None) -> dict:
-    """Measure the machine for `shape` and return the profile dict (nothing is written here)."""
-    plan = plan_for(mode)
+              use_cuda: bool | None = None, plan: Plan | None = None) -> dict:
+    """Measure the machine for `shape` and return the profile dict (nothing is written here).
+    `plan` replaces the mode's sizes (tools and tests)."""
+    plan = plan or plan_for(mode)
     kernels = kernels or Kernels()
     cuda = torch.cuda.is_available() if use_cuda is None else (use_cuda and torch.cuda.is_available())
     no_gpu = ("no CUDA device is available" if not torch.cuda.is_available()
@@ -206,10 +207,10 @@ def measure_shape(shape: ModelShape, plan: Plan, kernels: Kernels, cuda: bool, n
         entry["experts"] = {}
         mark_unavailable(entry["experts"], "cpu_ms", "a dense model has no routed experts")
         return entry
-    gpu_l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else None
-    tokens = [n for n in plan.expert_tokens]
+    gpu_l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size",
+                     FALLBACK_L3) if cuda else None
     experts = expert_costs.measure(
-        shape.expert, tokens, l3, gpu_l2, plan.warmup, plan.repeats, plan.concurrency_ms,
+        shape.expert, list(plan.expert_tokens), l3, gpu_l2, plan.warmup, plan.repeats, plan.concurrency_ms,
         kernels.cpu_expert.fn, kernels.gpu_expert.fn,
         tick=lambda f: prog.step("experts", f, "expert costs"))
     experts["cpu_kernel"] = kernels.cpu_expert.name

@@ -10,15 +10,14 @@ is injectable: `kernel(x (n, H), gate_up (2I, H), down (H, I)) -> (n, H)`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Callable
 
 import torch
 
-from engine.hw.hostmem import registered
-from engine.hw.shapes import ExpertShape
+from engine.hw.hostmem import PAGE, registered, touched
+from engine.hw.shapes import DTYPE_BYTES, ExpertShape
 from engine.hw.timing import time_cpu, time_cuda
 from engine.kernels.experts_torch import expert_ffn
 
@@ -32,14 +31,21 @@ def rotation(expert_bytes: int, cache_bytes: int) -> int:
 
 
 class ExpertStore:
-    """`count` experts of `shape`, each one flat contiguous buffer on `device`."""
+    """`count` experts of `shape` in one buffer on `device`, each a page-aligned flat slot (on the
+    host the buffer is what gets page-locked, once)."""
 
     def __init__(self, shape: ExpertShape, count: int, device: str = "cpu"):
         self.shape = shape
         dtype = getattr(torch, shape.dtype)
-        n = 3 * shape.hidden * shape.ffn
+        n = 3 * shape.hidden * shape.ffn  # elements of one expert
+        stride = -(-shape.bytes_per_expert // PAGE) * PAGE // DTYPE_BYTES[shape.dtype]  # elements per slot
+        if device == "cpu":
+            self.buffer = touched(count * stride * DTYPE_BYTES[shape.dtype], dtype)
+        else:
+            self.buffer = torch.empty(count * stride, dtype=dtype, device=device)
         # Scaled like trained weights, so activations stay finite whatever the token count.
-        self.flat = [torch.empty(n, dtype=dtype, device=device).uniform_(-0.02, 0.02) for _ in range(count)]
+        self.buffer.uniform_(-0.02, 0.02)
+        self.flat = [self.buffer[e * stride:e * stride + n] for e in range(count)]
 
     def views(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         H, I = self.shape.hidden, self.shape.ffn
@@ -124,9 +130,7 @@ def measure(shape: ExpertShape, tokens: list[int], cache_bytes: int, gpu_cache_b
     gpu_store = ExpertStore(shape, rotation(nbytes, gpu_cache_bytes), device="cuda")
     out["gpu_ms"] = gpu_expert_points(gpu_store, tokens, gpu_kernel, warmup, repeats, lambda f: tick(0.4 + 0.3 * f))
     del gpu_store
-    with contextlib.ExitStack() as pinned:
-        for t in store.flat:
-            pinned.enter_context(registered(t))
+    with registered(store.buffer):
         out["fill_ms"] = fill_ms(store, warmup, repeats)
         tick(0.8)
         out["B_P_GBps"] = nbytes / (out["fill_ms"] * 1e-3) / 1e9

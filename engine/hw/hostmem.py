@@ -28,11 +28,18 @@ def unregister(t: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostUnregister failed with CUDA error {err}")
 
 
+PAGE = 4096
+
+
 def touched(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A host tensor of nbytes whose pages are committed (written once), so timing never counts
-    first-touch page faults."""
-    n = nbytes // torch.empty((), dtype=dtype).element_size()
-    t = torch.empty(n, dtype=dtype)
+    """A page-aligned host tensor of nbytes whose pages are committed (written once), so timing never
+    counts first-touch page faults. Its pages hold nothing else, so registering it can never
+    overlap another registration (cudaHostRegister refuses a page registered twice)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    span = -(-nbytes // PAGE) * PAGE  # whole pages
+    raw = torch.empty(span + PAGE, dtype=torch.uint8)  # one page of slack to align the start
+    start = (-raw.data_ptr()) % PAGE
+    t = raw[start:start + nbytes - nbytes % item].view(dtype)  # keeps raw's storage alive
     t.view(torch.uint8).fill_(1)
     return t
 

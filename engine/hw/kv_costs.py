@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 
 from engine.hw.attention_kernels import NamedKernel, merge_lse
-from engine.hw.hostmem import registered
-from engine.hw.shapes import KVShape
+from engine.hw.hostmem import registered, touched
+from engine.hw.shapes import DTYPE_BYTES, KVShape
 from engine.hw.timing import fit_line, time_cpu, time_cuda
 
 MAX_ROTATION = 64  # layers' worth of KV cycled through so small steps do not run from cache
@@ -86,7 +86,8 @@ class PingPongStream:
         dtype = _torch_dtype(shape.dtype)
         self.chunk_elems = 2 * batch * shape.n_kv_heads * chunk_tokens * shape.head_dim  # K and V of one chunk
         n_chunks = math.ceil(max_tokens / chunk_tokens)
-        self.host = _rand(n_chunks * self.chunk_elems, dtype)  # chunk-major: chunk i at [i·chunk_elems, …)
+        # Chunk-major pinned load region: chunk i's K and V at [i·chunk_elems, (i+1)·chunk_elems).
+        self.host = touched(n_chunks * self.chunk_elems * DTYPE_BYTES[shape.dtype], dtype).uniform_(-0.5, 0.5)
         self.buffers = [torch.empty(self.chunk_elems, dtype=dtype, device="cuda") for _ in range(2)]
         self.q = _rand((batch, shape.n_heads, 1, shape.head_dim), dtype, "cuda")
         self.copy_stream = torch.cuda.Stream()

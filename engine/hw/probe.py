@@ -144,14 +144,17 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def probe_gpu(index: int = 0) -> dict:
-    """The GPU torch would compute on: name, VRAM, PCIe link, driver. Every key is always present."""
+def probe_gpu(index: int | None = None) -> dict:
+    """The GPU torch would compute on (default: the current device): name, VRAM, PCIe link, driver.
+    Every key is always present."""
     gpu: dict = {"cuda_runtime": torch.version.cuda}
     if torch.version.cuda is None:
         gpu["cuda_runtime"] = None
         gpu.setdefault("unavailable", {})["cuda_runtime"] = "this torch build has no CUDA support"
     cuda = torch.cuda.is_available()
     gpu["available"] = cuda
+    if index is None:
+        index = torch.cuda.current_device() if cuda else 0
     if cuda:
         free, total = torch.cuda.mem_get_info(index)
         major, minor = torch.cuda.get_device_capability(index)
@@ -185,9 +188,18 @@ def probe() -> dict:
     return {"cpu": probe_cpu(), "memory": probe_memory(), "gpu": probe_gpu(), "software": probe_software()}
 
 
+FINGERPRINT_KEYS = ("cpu_model", "logical_cores", "physical_cores", "gpu_name", "driver", "torch")
+
+
 def fingerprint(machine: dict) -> dict:
-    """The facts a profile must share with the machine to be trusted on it."""
+    """The facts a profile must share with the machine to be trusted on it (FINGERPRINT_KEYS)."""
     cpu, gpu, sw = machine["cpu"], machine["gpu"], machine["software"]
-    return {"cpu_model": cpu.get("model"), "logical_cores": cpu.get("logical_cores"),
-            "physical_cores": cpu.get("physical_cores"), "gpu_name": gpu.get("name"),
-            "driver": gpu.get("driver"), "torch": sw.get("torch")}
+    fp = {"cpu_model": cpu.get("model"), "logical_cores": cpu.get("logical_cores"),
+          "physical_cores": cpu.get("physical_cores"), "gpu_name": gpu.get("name"),
+          "driver": gpu.get("driver"), "torch": sw.get("torch")}
+    sources = {"cpu_model": (cpu, "model"), "physical_cores": (cpu, "physical_cores"),
+               "gpu_name": (gpu, "name"), "driver": (gpu, "driver")}
+    for key, (section, field) in sources.items():
+        if fp[key] is None:
+            mark_unavailable(fp, key, (section.get("unavailable") or {}).get(field, "not reported"))
+    return fp

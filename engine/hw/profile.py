@@ -28,7 +28,7 @@ from pathlib import Path
 import platformdirs
 
 from engine.errors import TandemError
-from engine.hw.probe import fingerprint, probe
+from engine.hw.probe import FINGERPRINT_KEYS, fingerprint, probe
 from engine.hw.shapes import ExpertShape, KVShape
 
 log = logging.getLogger("tandem.hw")
@@ -130,7 +130,8 @@ def check(data: dict, path: Path, current: dict | None = None) -> None:
             "run `tandem calibrate` to measure this machine with this version")
     current = current if current is not None else fingerprint(probe())
     theirs = data.get("fingerprint") or {}
-    differs = [f"{k}: profile {theirs.get(k)!r}, this machine {v!r}" for k, v in current.items() if theirs.get(k) != v]
+    differs = [f"{k}: profile {theirs.get(k)!r}, this machine {current.get(k)!r}"
+               for k in FINGERPRINT_KEYS if theirs.get(k) != current.get(k)]
     if differs:
         raise ProfileMismatchError(
             f"the calibration profile {path} was measured on another machine or software stack ({'; '.join(differs)})",
@@ -205,15 +206,12 @@ class ExpertCosts:
 
 
 def _interpolate(table: dict[int, float], x: float) -> float:
-    """Linear in tokens between measured counts; beyond the ends, proportional to the nearest
-    end's cost per token above it (constant below the smallest count)."""
+    """Linear in tokens between measured counts; past the largest, the last segment's slope goes on
+    (a fixed cost plus a cost per token); below the smallest, the smallest count's cost."""
     xs = sorted(table)
-    if x <= xs[0]:
-        return table[xs[0]]
-    if x >= xs[-1]:
-        return table[xs[-1]] * x / xs[-1] if len(xs) == 1 else table[xs[-1]] + (
-            (table[xs[-1]] - table[xs[-2]]) / (xs[-1] - xs[-2])) * (x - xs[-1])
-    i = bisect_left(xs, x)
+    if x <= xs[0] or len(xs) == 1:
+        return table[xs[0]] * (x / xs[0] if x > xs[0] else 1.0)
+    i = min(bisect_left(xs, x), len(xs) - 1)
     x0, x1 = xs[i - 1], xs[i]
     return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
 
