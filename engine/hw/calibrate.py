@@ -22,7 +22,7 @@ from typing import Callable
 import psutil
 import torch
 
-from engine.hw import bandwidth, expert_costs, kv_costs
+from engine.hw import bandwidth, expert_costs, kv_costs, split_check
 from engine.hw.attention_kernels import DEFAULT_CPU, DEFAULT_GPU, NamedKernel, pick
 from engine.hw.probe import fingerprint, mark_unavailable, probe
 from engine.hw.profile import SCHEMA, SCHEMA_VERSION
@@ -49,6 +49,8 @@ class Plan:
     pingpong_tokens: int  # tokens per streamed chunk (one ping-pong buffer)
     expert_tokens: tuple[int, ...]  # tokens per expert
     concurrency_ms: float
+    split_check_lengths: tuple[int, ...] = ()  # L of the r(L) check (CUDA only; empty: skipped)
+    split_check_batch: int = 1
 
 
 PLANS = {
@@ -59,7 +61,8 @@ PLANS = {
     "full": Plan("full", warmup=3, repeats=11, dram_bytes=1 * GiB,
                  transfer_sizes=tuple(64 * KiB * 2**i for i in range(11)), pin_bytes=256 * MiB,
                  kv_batches=(1, 4), kv_lengths=(1024, 4096, 16384, 32768), pingpong_tokens=4096,
-                 expert_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256), concurrency_ms=300.0),
+                 expert_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256), concurrency_ms=300.0,
+                 split_check_lengths=(4096, 16384, 32768), split_check_batch=4),
 }
 
 
@@ -109,9 +112,14 @@ def calibrate(shape: ModelShape, mode: str = "quick", progress: Callable[[str, f
     cuda = torch.cuda.is_available() if use_cuda is None else (use_cuda and torch.cuda.is_available())
     no_gpu = ("no CUDA device is available" if not torch.cuda.is_available()
               else "calibration was asked to skip the GPU")
-    weights = {"probe": 0.5, "dram": 2.0, "kv_cpu": 8.0, "experts": 5.0}
+    # Step weights (rough expected time) in the order the steps run, so the fraction only grows.
+    weights = {"probe": 0.5, "dram": 2.0}
     if cuda:
-        weights.update(transfer=4.0, pinning=2.0, kv_gpu=5.0)
+        weights.update(transfer=4.0, pinning=2.0)
+    weights["kv"] = 13.0 if cuda else 8.0
+    if cuda and plan.split_check_lengths:
+        weights["split_check"] = 6.0
+    weights["experts"] = 5.0
     prog = Progress(weights, progress, cancel)
     t_start = time.perf_counter()
 
@@ -179,28 +187,39 @@ def measure_shape(shape: ModelShape, plan: Plan, kernels: Kernels, cuda: bool, n
         mark_unavailable(kv, "gpu_kernel", no_gpu)
 
     kv["by_batch"] = {}
+    prog.step("kv", label="CPU attention cost A")
     runs = [(b, [kv_costs.OVERHEAD_TOKENS] + [L for L in plan.kv_lengths
                                               if _fits(2 * b * L * shape.kv.bytes_per_token)])
             for b in plan.kv_batches]
     for j, (batch, lengths) in enumerate(runs):
         if len(lengths) < 3:
             continue  # too little memory for a fit at this batch size
+        share = 0.5 if cuda else 1.0  # of this batch size's slice of the "kv" step
         label = f"CPU attention cost A (batch {batch})"
         cpu_points = kv_costs.cpu_attention_points(
             shape.kv, batch, lengths, cpu_kernel, plan.warmup, plan.repeats, l3, gpu_roundtrip=cuda,
-            tick=lambda f, j=j, label=label: prog.step("kv_cpu", (j + f) / len(runs), label))
+            tick=lambda f, j=j, label=label: prog.step("kv", (j + share * f) / len(runs), label))
         gpu_points = None
         if cuda:
             label = f"GPU streamed attention cost B (batch {batch})"
             gpu_points = kv_costs.gpu_attention_points(
                 shape.kv, batch, lengths, gpu_kernel, plan.pingpong_tokens, plan.warmup, plan.repeats,
-                tick=lambda f, j=j, label=label: prog.step("kv_gpu", (j + f) / len(runs), label))
+                tick=lambda f, j=j, label=label: prog.step("kv", (j + 0.5 + 0.5 * f) / len(runs), label))
         costs = kv_costs.kv_costs_for_batch(cpu_points, gpu_points)
         if gpu_points is None:
             for key in ("B_ns_per_token", "C_gpu_ms", "delta_ms", "gpu_points"):
                 mark_unavailable(costs, key, no_gpu)
         kv["by_batch"][str(batch)] = costs
     entry["kv"] = kv
+    if cuda and plan.split_check_lengths:
+        b = plan.split_check_batch
+        costs = kv["by_batch"].get(str(b))
+        lengths = [L for L in plan.split_check_lengths if _fits(4 * b * L * shape.kv.bytes_per_token)]
+        if costs is not None and lengths:
+            prog.step("split_check", label="checking r(L) against a sweep of fixed shares")
+            entry["split_check"] = split_check.check(
+                shape.kv, b, lengths, costs, cpu_kernel, gpu_kernel, plan.pingpong_tokens, plan.warmup,
+                plan.repeats, tick=lambda f: prog.step("split_check", f, "checking r(L) against a sweep of fixed shares"))
 
     prog.step("experts", label="expert costs")
     if shape.expert is None:

@@ -226,10 +226,6 @@ class MachineProfile:
         where = str(self.path) if self.path else "in memory"
         return f"{where} ({self.data.get('mode')}, {self.data.get('created_utc')})"
 
-    @property
-    def has_gpu(self) -> bool:
-        return bool(self.data.get("machine", {}).get("gpu", {}).get("available"))
-
     def _shapes(self, part: str) -> list[tuple[dict, dict]]:
         """(shape dict of the part, section) for every calibrated shape that has the part measured."""
         out = []

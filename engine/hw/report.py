@@ -61,7 +61,7 @@ def table(data: dict, shape_key: str | None = None) -> str:
     else:
         lines.append(f"  PCIe     not measured — {_why(tr, 'h2d')}")
     busy = data.get("load_average") or {}
-    if busy.get("after") is not None and busy["after"] > 0.5 * busy["usable_cores"] + 0.5:
+    if busy.get("before") is not None and busy["before"] > 0.5 * busy["usable_cores"] + 0.5:
         lines.append(f"  WARNING  the machine was busy (load average {busy['before']} → {busy['after']} on "
                      f"{busy['usable_cores']} cores): CPU costs are inflated; calibrate again when it is idle")
     keys = [shape_key] if shape_key else list(data.get("shapes", {}))
@@ -86,6 +86,13 @@ def _shape_lines(entry: dict) -> list[str]:
                   for L in (1024, 8192, 32768, 131072)]
         if shares[0][1] is not None:
             lines.append("             roofline CPU share r(L): " + ", ".join(f"L={L}: {r:.2f}" for L, r in shares))
+    check = entry.get("split_check")
+    if check:
+        lines.append(f"  r(L)     fastest fixed share vs roofline prediction (batch {check['batch']}):")
+        for row in check["rows"]:
+            lines.append(f"           L={row['L']}: best r {row['r_best']:.1f} ({row['ms_best']:.2f} ms), predicted "
+                         f"{row['r_predicted']:.2f} ({row['ms_at_predicted']:.2f} ms, "
+                         f"{100 * row['slowdown_at_predicted']:+.1f}%), deviation {row['deviation']:.2f}")
     if ex.get("cpu_ms"):
         tokens = [p["tokens"] for p in ex["cpu_ms"]]
         lines.append(f"  experts  {_size(ex['bytes_per_expert'])} each; ms per expert by tokens: "

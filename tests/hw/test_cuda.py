@@ -16,7 +16,7 @@ SHAPE = ModelShape("small-bf16", KVShape(8, 2, 64, "bfloat16"), ExpertShape(256,
                    n_experts=4, top_k=2)
 PLAN = hw.Plan("test", warmup=1, repeats=3, dram_bytes=32 * 2**20, transfer_sizes=(64 * 2**10, 2**20, 8 * 2**20),
                pin_bytes=8 * 2**20, kv_batches=(1, 2), kv_lengths=(1024, 4096, 10000), pingpong_tokens=1024,
-               expert_tokens=(1, 8, 64), concurrency_ms=30.0)
+               expert_tokens=(1, 8, 64), concurrency_ms=30.0, split_check_lengths=(2048, 8192), split_check_batch=2)
 
 
 def test_registered_memory_round_trips_through_async_copies():
@@ -47,7 +47,9 @@ def test_streamed_ping_pong_attention_is_exact():
 
 
 def test_cuda_calibration_fills_every_gpu_field():
-    data = hw.calibrate(SHAPE, plan=PLAN)
+    steps = []
+    data = hw.calibrate(SHAPE, plan=PLAN, progress=lambda step, frac: steps.append(frac))
+    assert steps == sorted(steps) and steps[-1] == 1.0
     assert unexplained_nulls(data) == []
     assert data["machine"]["gpu"]["available"] and data["machine"]["gpu"]["name"]
     tr = data["transfer"]
@@ -65,3 +67,8 @@ def test_cuda_calibration_fills_every_gpu_field():
     assert len(ex["gpu_ms"]) == 3 and ex["fill_ms"] > 0 and ex["B_P_GBps"] > 0
     assert ex["B_R_GBps"] == max(ex["B_H_GBps"] - ex["B_P_GBps"], 0.0)
     assert ex["concurrent"]["fills"] >= 8 and ex["concurrent"]["B_P_GBps"] > 0
+    rows = entry["split_check"]["rows"]
+    assert [row["L"] for row in rows] == [2048, 8192]
+    for row in rows:
+        assert 0.0 <= row["r_predicted"] <= 1.0 and row["ms_best"] <= min(t for _, t in row["ms_by_r"]) + 1e-9
+        assert row["ms_at_predicted"] > 0
