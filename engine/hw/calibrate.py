@@ -27,7 +27,7 @@ from engine.hw.attention_kernels import DEFAULT_CPU, DEFAULT_GPU, NamedKernel, p
 from engine.hw.probe import fingerprint, mark_unavailable, probe
 from engine.hw.profile import SCHEMA, SCHEMA_VERSION
 from engine.hw.shapes import ModelShape
-from engine.hw.timing import Progress
+from engine.hw.timing import CalibrationCancelled, Progress
 from engine.kernels.experts_torch import expert_ffn
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -216,10 +216,16 @@ def measure_shape(shape: ModelShape, plan: Plan, kernels: Kernels, cuda: bool, n
         costs = kv["by_batch"].get(str(b))
         lengths = [L for L in plan.split_check_lengths if _fits(4 * b * L * shape.kv.bytes_per_token)]
         if costs is not None and lengths:
-            prog.step("split_check", label="checking r(L) against a sweep of fixed shares")
-            entry["split_check"] = split_check.check(
-                shape.kv, b, lengths, costs, cpu_kernel, gpu_kernel, plan.pingpong_tokens, plan.warmup,
-                plan.repeats, tick=lambda f: prog.step("split_check", f, "checking r(L) against a sweep of fixed shares"))
+            label = "checking r(L) against a sweep of fixed shares"
+            prog.step("split_check", label=label)
+            try:  # a check of the costs above, not one of them: its failure must not lose them
+                entry["split_check"] = split_check.check(
+                    shape.kv, b, lengths, costs, cpu_kernel, gpu_kernel, plan.pingpong_tokens, plan.warmup,
+                    plan.repeats, tick=lambda f: prog.step("split_check", f, label))
+            except CalibrationCancelled:
+                raise
+            except Exception as e:
+                mark_unavailable(entry, "split_check", f"the check failed: {type(e).__name__}: {e}")
 
     prog.step("experts", label="expert costs")
     if shape.expert is None:

@@ -103,15 +103,15 @@ def concurrent_bandwidths(store: ExpertStore, kernel: ExpertKernel, solo_fill_ms
             slots[j % 2].copy_(store.flat[j % len(store.flat)], non_blocking=True)
         end.record(stream)
     done, t0 = 0, time.perf_counter()
-    while not end.query():  # CPU experts for as long as the fills run
+    while done == 0 or not end.query():  # CPU experts for as long as the fills run (at least one)
         kernel(x, *store.views(done))
         done += 1
     cpu_s = time.perf_counter() - t0
     end.synchronize()
     copy_ms = start.elapsed_time(end)
     return {"B_P_GBps": n_fills * nbytes / (copy_ms * 1e-3) / 1e9,
-            "B_H_GBps": done * nbytes / cpu_s / 1e9 if done else 0.0,
-            "fill_ms": copy_ms / n_fills, "cpu_ms_per_expert": cpu_s * 1e3 / done if done else None,
+            "B_H_GBps": done * nbytes / cpu_s / 1e9,
+            "fill_ms": copy_ms / n_fills, "cpu_ms_per_expert": cpu_s * 1e3 / done,
             "fills": n_fills, "cpu_experts": done}
 
 

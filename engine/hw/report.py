@@ -87,6 +87,8 @@ def _shape_lines(entry: dict) -> list[str]:
         if shares[0][1] is not None:
             lines.append("             roofline CPU share r(L): " + ", ".join(f"L={L}: {r:.2f}" for L, r in shares))
     check = entry.get("split_check")
+    if "split_check" in entry and check is None:
+        lines.append(f"  r(L)     check not run — {_why(entry, 'split_check')}")
     if check:
         lines.append(f"  r(L)     fastest fixed share vs roofline prediction (batch {check['batch']}):")
         for row in check["rows"]:
