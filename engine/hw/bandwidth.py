@@ -13,7 +13,8 @@ from typing import Callable
 import torch
 
 from engine.hw.hostmem import register, registered, touched, unregister
-from engine.hw.timing import fit_line, time_cpu, time_cuda
+from engine.hw.probe import mark_unavailable
+from engine.hw.timing import GPU, fit_line, time_cpu, time_cuda
 
 KiB, MiB = 2**10, 2**20
 # Strided transfers: 32 KiB of valid data in every 256 KiB of source (one head's rows in a
@@ -42,7 +43,7 @@ def transfer_curves(sizes: list[int], warmup: int, repeats: int,
                     tick: Callable[[float], None] = lambda f: None) -> dict:
     """H2D and D2H GB/s by transfer size for pinned (cudaHostRegister), pageable and strided host
     memory, one copy_ per transfer, timed by CUDA events on a side stream."""
-    dev = torch.device("cuda")
+    dev = torch.device(GPU)
     largest = max(sizes)
     stream = torch.cuda.Stream()
     gpu = torch.empty(largest, dtype=torch.uint8, device=dev)
@@ -71,8 +72,12 @@ def transfer_curves(sizes: list[int], warmup: int, repeats: int,
         pts = out[direction]["pinned"]
         if len(pts) >= 2:  # t = latency + bytes / peak, fitted over the pinned curve
             slope, intercept = fit_line([p["bytes"] for p in pts], [p["ms"] for p in pts])
-            out[direction]["pinned_fit"] = {"latency_us": max(intercept, 0.0) * 1e3,
-                                            "GBps": 1.0 / (slope * 1e-3) / 1e9 if slope > 0 else None}
+            fit = {"latency_us": max(intercept, 0.0) * 1e3}
+            if slope > 0:
+                fit["GBps"] = 1.0 / (slope * 1e-3) / 1e9
+            else:
+                mark_unavailable(fit, "GBps", "transfer time did not grow with size (too few or noisy points)")
+            out[direction]["pinned_fit"] = fit
     out["method"] = ("one copy_ per transfer on a side stream, CUDA events; pinned = ordinary memory under "
                      "cudaHostRegister; strided = 32 KiB valid in every 256 KiB of pinned memory, one copy_ of the view")
     return out

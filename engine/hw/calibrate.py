@@ -27,7 +27,7 @@ from engine.hw.attention_kernels import DEFAULT_CPU, DEFAULT_GPU, NamedKernel, p
 from engine.hw.probe import fingerprint, mark_unavailable, probe
 from engine.hw.profile import SCHEMA, SCHEMA_VERSION
 from engine.hw.shapes import ModelShape
-from engine.hw.timing import CalibrationCancelled, Progress
+from engine.hw.timing import CalibrationCancelled, GPU, Progress
 from engine.kernels.experts_torch import expert_ffn
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -179,7 +179,7 @@ def measure_shape(shape: ModelShape, plan: Plan, kernels: Kernels, cuda: bool, n
     gpu_kernel = None
     if cuda:
         gpu_kernel, why = pick(kernels.gpu_attention, shape.kv.n_heads, shape.kv.n_kv_heads, shape.kv.head_dim,
-                               dtype, torch.device("cuda"))
+                               dtype, torch.device(GPU))
         kv["gpu_kernel"] = gpu_kernel.name
         if why:
             kv["gpu_kernel_fallback_reason"] = why

@@ -18,7 +18,7 @@ import torch
 
 from engine.hw.hostmem import PAGE, registered, touched
 from engine.hw.shapes import DTYPE_BYTES, ExpertShape
-from engine.hw.timing import time_cpu, time_cuda
+from engine.hw.timing import GPU, time_cpu, time_cuda
 from engine.kernels.experts_torch import expert_ffn
 
 ExpertKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -70,7 +70,7 @@ def gpu_expert_points(store: ExpertStore, tokens: list[int], kernel: ExpertKerne
     """Median ms (CUDA events) of one expert applied to n tokens on the GPU, weights in VRAM."""
     points = []
     for j, n in enumerate(tokens):
-        x = torch.empty(n, store.shape.hidden, dtype=store.flat[0].dtype, device="cuda").uniform_(-1, 1)
+        x = torch.empty(n, store.shape.hidden, dtype=store.flat[0].dtype, device=GPU).uniform_(-1, 1)
         t = time_cuda(lambda i, x=x: kernel(x, *store.views(i)), warmup, repeats)
         points.append({"tokens": n, "ms": t.median_ms})
         tick((j + 1) / len(tokens))
@@ -80,7 +80,7 @@ def gpu_expert_points(store: ExpertStore, tokens: list[int], kernel: ExpertKerne
 def fill_ms(store: ExpertStore, warmup: int, repeats: int) -> float:
     """Median ms (CUDA events) of one expert fill: pinned host buffer → GPU slot, on a side stream.
     The store must be registered (page-locked) by the caller."""
-    slot = torch.empty_like(store.flat[0], device="cuda")
+    slot = torch.empty_like(store.flat[0], device=GPU)
     stream = torch.cuda.Stream()
     return time_cuda(lambda i: slot.copy_(store.flat[i % len(store.flat)], non_blocking=True),
                      warmup, repeats, stream).median_ms
@@ -91,7 +91,7 @@ def concurrent_bandwidths(store: ExpertStore, kernel: ExpertKernel, solo_fill_ms
     run for about duration_ms. Returns what each achieved under the other's load."""
     nbytes = store.flat[0].numel() * store.flat[0].element_size()
     n_fills = max(8, math.ceil(duration_ms / max(solo_fill_ms, 1e-3)))
-    slots = [torch.empty_like(store.flat[0], device="cuda") for _ in range(2)]
+    slots = [torch.empty_like(store.flat[0], device=GPU) for _ in range(2)]
     stream = torch.cuda.Stream()
     x = torch.empty(1, store.shape.hidden, dtype=store.flat[0].dtype).uniform_(-1, 1)  # (1, H): a decode token
     kernel(x, *store.views(0))  # warm the CPU path
@@ -127,7 +127,7 @@ def measure(shape: ExpertShape, tokens: list[int], cache_bytes: int, gpu_cache_b
                  "cpu_ms": cpu, "B_H_GBps": nbytes / (one["ms"] * 1e-3) / 1e9}
     if gpu_cache_bytes is None:
         return out
-    gpu_store = ExpertStore(shape, rotation(nbytes, gpu_cache_bytes), device="cuda")
+    gpu_store = ExpertStore(shape, rotation(nbytes, gpu_cache_bytes), device=GPU)
     out["gpu_ms"] = gpu_expert_points(gpu_store, tokens, gpu_kernel, warmup, repeats, lambda f: tick(0.4 + 0.3 * f))
     del gpu_store
     with registered(store.buffer):

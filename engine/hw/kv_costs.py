@@ -5,9 +5,9 @@ Per decode step and layer, the split attention costs
     T_GPU(r) = (1−r)·B·N + C_GPU    (pinned share streamed through two ping-pong buffers)
 with N the KV tokens of the step (batch × length). Both lines are fitted to the median step time
 at several N: the slope is the per-token cost (A, B in ns per KV token of one layer); the fixed
-per-step overhead (C_CPU, C_GPU) is the time of a 16-token step less its token cost; Δ = C_GPU − C_CPU. The CPU step includes the
-round trip a real split step pays when a GPU exists (q down, partial output and LSE up). The
-merge with the CPU part is r-independent and left out, as in the paper.
+per-step overhead (C_CPU, C_GPU) is the time of a 16-token step less its token cost; Δ = C_GPU − C_CPU.
+The CPU step includes the round trip a real split step pays when a GPU exists (q down, partial
+output and LSE up). The merge with the CPU part is r-independent and left out, as in the paper.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from engine.hw.attention_kernels import NamedKernel, merge_lse
 from engine.hw.hostmem import registered, touched
 from engine.hw.shapes import DTYPE_BYTES, KVShape
-from engine.hw.timing import fit_line, time_cpu, time_cuda
+from engine.hw.timing import GPU, fit_line, time_cpu, time_cuda
 
 MAX_ROTATION = 64  # layers' worth of KV cycled through so small steps do not run from cache
 OVERHEAD_TOKENS = 16  # the step whose time is (almost) all fixed overhead: one small block
@@ -53,7 +53,7 @@ def cpu_attention_points(shape: KVShape, batch: int, lengths: list[int], kernel:
     """Median ms of one CPU attention step over batch × L tokens of per-head host KV, for each L."""
     dtype = _torch_dtype(shape.dtype)
     scale = shape.head_dim ** -0.5
-    dev = torch.device("cuda") if gpu_roundtrip else torch.device("cpu")
+    dev = torch.device(GPU) if gpu_roundtrip else torch.device("cpu")
     q = _rand((batch, shape.n_heads, 1, shape.head_dim), dtype, dev)  # (B, nh, 1, hs), where the model has it
     points = []
     for n, L in enumerate(lengths):
@@ -88,8 +88,8 @@ class PingPongStream:
         n_chunks = math.ceil(max_tokens / chunk_tokens)
         # Chunk-major pinned load region: chunk i's K and V at [i·chunk_elems, (i+1)·chunk_elems).
         self.host = touched(n_chunks * self.chunk_elems * DTYPE_BYTES[shape.dtype], dtype).uniform_(-0.5, 0.5)
-        self.buffers = [torch.empty(self.chunk_elems, dtype=dtype, device="cuda") for _ in range(2)]
-        self.q = _rand((batch, shape.n_heads, 1, shape.head_dim), dtype, "cuda")
+        self.buffers = [torch.empty(self.chunk_elems, dtype=dtype, device=GPU) for _ in range(2)]
+        self.q = _rand((batch, shape.n_heads, 1, shape.head_dim), dtype, GPU)
         self.copy_stream = torch.cuda.Stream()
         self.ready = [torch.cuda.Event(), torch.cuda.Event()]
         self.free = [torch.cuda.Event(), torch.cuda.Event()]

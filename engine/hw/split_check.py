@@ -23,6 +23,7 @@ from engine.hw.attention_kernels import NamedKernel, merge_lse
 from engine.hw.hostmem import registered
 from engine.hw.kv_costs import PingPongStream, _rand
 from engine.hw.shapes import KVShape
+from engine.hw.timing import GPU
 
 R_GRID = tuple(i / 10 for i in range(11))
 
@@ -58,7 +59,7 @@ class SplitStep:
         out, lse = self.pp.step(n_gpu) if n_gpu else (None, None)
         if future is not None:
             c_out, c_lse = future.result()
-            c_out, c_lse = c_out.to("cuda", non_blocking=True), c_lse.to("cuda", non_blocking=True)
+            c_out, c_lse = c_out.to(GPU, non_blocking=True), c_lse.to(GPU, non_blocking=True)
             out, lse = (c_out, c_lse) if out is None else merge_lse(out, lse, c_out, c_lse)
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1e3

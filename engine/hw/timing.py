@@ -18,6 +18,9 @@ import torch
 from engine.errors import TandemError
 
 
+GPU = "cuda"  # the device every GPU measurement runs on (torch's current CUDA device)
+
+
 class CalibrationCancelled(TandemError):
     """The caller asked calibration to stop; nothing was written."""
 
