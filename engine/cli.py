@@ -140,6 +140,18 @@ def cmd_gui(args) -> int:
     return app_main(sys.argv[2:] if len(sys.argv) > 2 else [])
 
 
+def cmd_bench(args) -> int:
+    from engine.bench.common import write_json
+
+    if args.kind == "builtin":
+        from engine.bench import builtin
+        record = builtin.run(threads=args.threads, new_tokens=args.new_tokens, repeats=args.repeats)
+    else:
+        raise TandemError(f"unknown benchmark '{args.kind}'", "available: builtin")
+    write_json(record, args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Private MoE chat on one GPU plus the CPU.")
     sub = parser.add_subparsers(dest="command")
@@ -177,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     k.set_defaults(func=cmd_calibrate)
     sub.add_parser("gui", help="open the desktop app").set_defaults(func=cmd_gui)
+
+    b = sub.add_parser("bench", help="run a benchmark, print (and save) its JSON record")
+    b.add_argument("kind", help="builtin")
+    b.add_argument("--json", default=None, help="also write the record here")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--new-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

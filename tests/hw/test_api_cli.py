@@ -40,11 +40,11 @@ def test_calibrate_bad_model_is_a_clear_error(tmp_path):
 
 def test_stats_name_the_profile_in_use(tmp_path):
     gguf = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
-    engine = Engine(EngineConfig(model=str(gguf), device="cpu"))
+    engine = Engine(EngineConfig(model=str(gguf), device="cpu", backend="tandem"))
     assert engine.stats().profile is None  # nothing calibrated yet
     engine.close()
     path = profile.save(make_profile(created="2026-02-03T04:05:06+00:00"), tmp_path / "mine.json")
-    engine = Engine(EngineConfig(model=str(gguf), device="cpu", profile_path=str(path)))
+    engine = Engine(EngineConfig(model=str(gguf), device="cpu", backend="tandem", profile_path=str(path)))
     named = engine.stats().profile
     assert str(path) in named and "2026-02-03T04:05:06" in named
     assert json.loads(engine.stats().to_json())["profile"] == named
