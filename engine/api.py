@@ -20,7 +20,8 @@ from engine.models.builtin import DEFAULT_MODEL
 from engine.runtime.requests import GenerationRequest, GenerationResult
 from engine.runtime.telemetry import StatsSnapshot
 
-__all__ = ["Engine", "EngineConfig", "GenerationRequest", "GenerationResult", "StatsSnapshot", "TandemError"]
+__all__ = ["Engine", "EngineConfig", "GenerationRequest", "GenerationResult", "StatsSnapshot", "TandemError",
+           "probe_hardware", "calibrate", "load_profile"]
 
 
 @dataclass
@@ -137,3 +138,44 @@ class Engine:
     def close(self) -> None:
         with self._lock:
             self.backend.close()
+
+
+# -- hardware: what the first-run wizard and `tandem calibrate` call ---------------------------------
+
+def probe_hardware() -> dict:
+    """What this machine is: {cpu, memory, gpu, software}; a missing value is None and its section's
+    `unavailable` dict says why."""
+    from engine.hw.probe import probe
+
+    return probe()
+
+
+def calibrate(mode: str = "quick", progress: Callable[[str, float], None] | None = None,
+              profile_path: str | None = None, *, model: str | None = None, device: str = "auto",
+              dtype: str = "auto", cancel: threading.Event | None = None) -> dict:
+    """Measure this machine for `model`'s shape (default: the default model), write the profile
+    atomically (profile_path, default: the user data dir) and return it as a dict.
+
+    mode: "quick" (under a minute; the wizard's default) or "full". progress(step, fraction) is
+    called as it goes; setting `cancel` (or raising from progress) stops it and keeps the previous
+    profile. Without CUDA the profile is CPU-only, its GPU fields None with the reason.
+    """
+    from engine.hw import profile as hw_profile
+    from engine.hw.calibrate import calibrate as measure
+    from engine.models.shape import model_shape
+    from engine.runtime.loading import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    shape = model_shape(model or DEFAULT_MODEL, resolve_dtype(dtype, dev))
+    data = measure(shape, mode, progress, cancel, use_cuda=dev.type == "cuda")
+    path = hw_profile.save(data, profile_path)
+    return hw_profile.read(path)
+
+
+def load_profile(path: str | None = None, strict: bool = False) -> dict | None:
+    """The saved profile of this machine, or None when there is none. A profile from another machine
+    or version is ignored with a logged warning; strict=True raises its TandemError (what + remedy)."""
+    from engine.hw import profile as hw_profile
+
+    found = hw_profile.load(path, strict=strict)
+    return None if found is None else found.to_dict()

@@ -151,6 +151,29 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from engine.api import calibrate
+    from engine.hw.report import table
+
+    if args.cpu_threads:
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
+    mode = "full" if args.full else "quick"
+    data = calibrate(mode, None if args.quiet else _progress, args.profile_path, model=args.model,
+                     device=args.device, dtype=args.dtype)
+    from engine.hw.profile import resolve_path
+
+    print(table(data, data["calibrated_shape"]))
+    print(f"saved to {resolve_path(args.profile_path)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        print(f"JSON written to {args.json}", file=sys.stderr)
+    return 0
+
+
 def cmd_gui(args) -> int:
     try:
         from app.main import main as app_main
@@ -196,6 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     sub.add_parser("models", help="list the built-in models").set_defaults(func=cmd_models)
+
+    from engine.models.builtin import DEFAULT_MODEL
+
+    k = sub.add_parser("calibrate", help="measure this machine (bandwidths, attention and expert costs) and save the profile")
+    speed = k.add_mutually_exclusive_group()
+    speed.add_argument("--quick", action="store_true", help="under a minute (the default)")
+    speed.add_argument("--full", action="store_true", help="every transfer size, two batch sizes, long contexts")
+    k.add_argument("--model", default=DEFAULT_MODEL, help="whose KV and expert shape to measure (builtin:…, "
+                   "synthetic:…, a .gguf file or a model folder; only its metadata is read)")
+    k.add_argument("--json", default=None, metavar="PATH", help="also write the profile JSON here")
+    k.add_argument("--profile-path", default=None, help="profile file (default: the user data dir)")
+    k.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: a CPU-only profile)")
+    k.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: bf16 with CUDA, fp32 without)")
+    k.add_argument("--cpu-threads", type=int, default=None, help="torch threads for the CPU kernels")
+    k.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    k.set_defaults(func=cmd_calibrate)
     sub.add_parser("gui", help="open the desktop app").set_defaults(func=cmd_gui)
 
     b = sub.add_parser("bench", help="run a benchmark, print (and save) its JSON record")

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from engine.errors import ConfigError
+from engine.hw import profile as hw_profile
 from engine.runtime.chat import eos_ids, render_chat
 from engine.runtime.generator import Generator, SeqRun
 from engine.runtime.loading import load_parts
@@ -24,6 +25,7 @@ class TandemBackend:
     def __init__(self, config, progress: Callable[[str, float], None] | None = None):
         self.config = config
         self.telemetry = Telemetry()
+        self.profile = hw_profile.load(config.profile_path)  # None: not calibrated (or another machine's)
         self.parts = load_parts(config, progress)
         p = self.parts
         self.generator = Generator(p.model, p.kv, p.device, p.max_context, config.max_batch, self.telemetry)
@@ -95,7 +97,7 @@ class TandemBackend:
         weights = p.weights_bytes + (experts_tel or {}).get("bytes", 0)
         return self.telemetry.snapshot(device=p.device, weights_bytes=weights, kv_tel=p.kv.telemetry(),
                                        experts_tel=experts_tel, vram_budget_bytes=budget, model_info=self.info(),
-                                       profile=self.config.profile_path)
+                                       profile=self.profile.name if self.profile else None)
 
     def close(self) -> None:
         """Free the KV, the weights and cached GPU memory, in reverse order of creation."""
