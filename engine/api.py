@@ -90,6 +90,11 @@ class Engine:
         return self.backend.tokenizer
 
     @property
+    def parts(self):
+        """The Tandem backend's placed model, KV and experts, for tests and tools (None on other backends)."""
+        return getattr(self.backend, "parts", None)
+
+    @property
     def max_context(self) -> int:
         return self.backend.max_context
 

@@ -60,7 +60,7 @@ def write_layout(model, path: Path, layout: str) -> Path:
 
 
 def tiny_engine(path, device: str = "cpu", dtype: str = "float32", **kw) -> Engine:
-    return Engine(EngineConfig(model=str(path), device=device, dtype=dtype, max_batch=2, **kw))
+    return Engine(EngineConfig(model=str(path), backend="tandem", device=device, dtype=dtype, max_batch=2, **kw))
 
 
 @torch.inference_mode()
