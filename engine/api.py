@@ -206,3 +206,11 @@ class Engine:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+def builtin_models() -> list[dict]:
+    """The built-in models for model pickers: name, one-line description, whether it is the default."""
+    from engine.models.builtin import BUILTINS
+
+    return [{"name": f"builtin:{key}", "description": b.description, "default": f"builtin:{key}" == DEFAULT_MODEL}
+            for key, b in BUILTINS.items()]
