@@ -52,6 +52,8 @@ class Conversation(QObject):
     busy_changed = Signal(bool)
     chats_changed = Signal()  # a title or ordering changed: the list reloads
     notice = Signal(str)  # a short message for the status bar
+    streamed = Signal(str)  # a batch of reply text, after the view showed it
+    reply_finished = Signal(str, dict)  # status (done | error), the result's fields (or what/remedy)
 
     def __init__(self, store: ChatStore, host, view, composer, parent=None):
         super().__init__(parent)
@@ -230,6 +232,7 @@ class Conversation(QObject):
             w = self.view.widget_for(job.message_id)
             if w is not None:
                 w.refresh(job.text)
+        self.streamed.emit(text)
 
     def _on_finished(self, job_id: str, result: dict) -> None:
         if self.job is None or self.job.job_id != job_id:
@@ -249,6 +252,7 @@ class Conversation(QObject):
         if job.chat_id == self.chat_id:
             self.set_chat(self.chat_id)
         self.chats_changed.emit()
+        self.reply_finished.emit(status, {"text": text, **stats})
 
     def abandon(self) -> None:
         """On quit with a reply still open: keep its text, marked as interrupted."""

@@ -102,8 +102,11 @@ class HardwarePage(QWizardPage):
             return
         self.task = Task(gather_facts, self)
         self.task.done.connect(self._loaded)
-        self.task.failed.connect(lambda what, remedy: self.text.setText(f"The hardware probe failed: {what} {remedy}"))
+        self.task.failed.connect(self._failed)
         self.task.start()
+
+    def _failed(self, what: str, remedy: str) -> None:
+        self.text.setText(f"The hardware probe failed: {what} {remedy}")
 
     def _loaded(self, facts: dict) -> None:
         self.wizard().facts = facts

@@ -217,7 +217,7 @@ class EngineHost(QObject):
             sig.connect(slot)
         w = self.worker
         w.loaded.connect(self._on_loaded)
-        w.load_failed.connect(lambda what, remedy: self._set_state("failed"))
+        w.load_failed.connect(self._on_load_failed)  # bound methods: a lambda would run on the worker thread
         w.finished.connect(self._job_done)
         w.failed.connect(self._job_done)
         w.stats.connect(self._on_stats)
@@ -244,6 +244,9 @@ class EngineHost(QObject):
     def _on_loaded(self, info: dict) -> None:
         self.info = info
         self._set_state("ready")
+
+    def _on_load_failed(self, what: str, remedy: str) -> None:
+        self._set_state("failed")
 
     @property
     def busy(self) -> bool:
