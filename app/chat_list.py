@@ -18,13 +18,14 @@ def _when(ts: float) -> str:
 class ChatList(QWidget):
     chat_selected = Signal(str)  # chat id ("" when none is left)
     chat_deleted = Signal(str)
+    chat_renamed = Signal(str)
 
     def __init__(self, store: ChatStore, parent=None):
         super().__init__(parent)
         self.store = store
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
-        self.new_btn = QPushButton("＋ New chat")
+        self.new_btn = QPushButton("+ New chat")
         self.new_btn.clicked.connect(self.new_chat)
         lay.addWidget(self.new_btn)
         self.search = QLineEdit()
@@ -33,6 +34,9 @@ class ChatList(QWidget):
         self.search.textChanged.connect(lambda _: self.reload())
         lay.addWidget(self.search)
         self.list = QListWidget()
+        self.list.setWordWrap(True)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.list.currentItemChanged.connect(self._current_changed)
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._menu)
@@ -100,6 +104,7 @@ class ChatList(QWidget):
                 return
         self.store.rename_chat(chat_id, title)
         self.reload()
+        self.chat_renamed.emit(chat_id)
 
     def delete(self, chat_id: str) -> None:
         chat = self.store.chat(chat_id) if chat_id else None

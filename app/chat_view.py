@@ -196,8 +196,8 @@ class ChatView(QScrollArea):
         self.notice.setObjectName("contextNotice")
         self.notice.setWordWrap(True)
         self.notice.hide()
-        self.empty_label = QLabel("Say something to start the chat. Attach text files with the paper-clip button "
-                                  "or by pasting them.")
+        self.empty_label = QLabel("Say something to start the chat. Attach text files with Attach… or by pasting "
+                                  "or dropping them on the message box.")
         self.empty_label.setObjectName("emptyHint")
         self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.vbox.insertWidget(0, self.empty_label)

@@ -54,7 +54,7 @@ class AttachmentChip(QFrame):
     def refresh(self) -> None:
         a = self.attachment
         n = "counting…" if a.tokens is None else f"{a.tokens:,} tokens"
-        self.label.setText(f"📄 {a.name} — {n}")
+        self.label.setText(f"{a.name} — {n}")
 
 
 class Composer(QWidget):
@@ -72,13 +72,13 @@ class Composer(QWidget):
         lay.addLayout(self.chips_row)
         self.edit = MessageEdit()
         self.edit.setPlaceholderText("Message (Enter sends, Shift+Enter for a new line; paste or drop text files)")
-        self.edit.setMaximumHeight(140)
+        self.edit.setMaximumHeight(96)
         self.edit.submit.connect(self.send_requested)
         self.edit.files_pasted.connect(self.files_chosen)
         self.edit.textChanged.connect(self.changed)
         lay.addWidget(self.edit)
         row = QHBoxLayout()
-        self.attach_btn = QPushButton("📎 Attach…")
+        self.attach_btn = QPushButton("Attach…")
         self.attach_btn.setToolTip("Attach plain-text files (text, Markdown, source code)")
         self.attach_btn.clicked.connect(self._choose_files)
         row.addWidget(self.attach_btn)

@@ -184,7 +184,11 @@ class Conversation(QObject):
     def _act(self, p: Pending, plan) -> None:
         if plan is None or not plan.fits or p.chat_id != self.chat_id:
             self._set_busy(False)
-            if plan is not None:
+            if p.chat_id != self.chat_id:
+                self.notice.emit("Not sent: another chat was opened before the message went out.")
+            elif plan is None:
+                self.notice.emit("Not sent: the prompt could not be counted (is a model loaded?).")
+            else:
                 self.composer.set_plan(plan)
                 self.notice.emit("Not sent: " + plan.describe())
             return

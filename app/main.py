@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -40,6 +41,7 @@ def make_application(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(argv if argv is not None else sys.argv[1:]))
+    from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QDialog, QMessageBox
 
     from app.db import ChatStore
@@ -74,7 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         window = MainWindow(store, host, overrides)
         window.show()
         window.load_model()
-        return app.exec()
+        # Ctrl+C in the terminal closes the window as the Quit menu does (stop, join, free the engine).
+        # Python only runs signal handlers between bytecodes, so a timer wakes it a few times a second.
+        signal.signal(signal.SIGINT, lambda *_: window.close())
+        wake = QTimer()
+        wake.timeout.connect(lambda: None)
+        wake.start(250)
+        rc = app.exec()
+        host.shutdown()  # no-op when the window's close already did it
+        return rc
     finally:
         store.close()
         lock.release()

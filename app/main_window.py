@@ -92,10 +92,11 @@ class MainWindow(QMainWindow):
 
         self.conv = Conversation(store, host, self.view, self.composer, self)
         self.conv.notice.connect(lambda text: self.statusBar().showMessage(text, 10000))
-        self.conv.chats_changed.connect(lambda: self.chat_list.reload())
+        self.conv.chats_changed.connect(self._chats_changed)
         self.conv.busy_changed.connect(self._busy)
         self.chat_list.chat_selected.connect(self.show_chat)
         self.chat_list.chat_deleted.connect(self._deleted)
+        self.chat_list.chat_renamed.connect(lambda _id: self._chats_changed())
         w = host.worker
         w.load_progress.connect(self._load_progress)
         w.load_failed.connect(self._load_failed)
@@ -152,6 +153,12 @@ class MainWindow(QMainWindow):
         self.title_label.setText(f"<h3>{chat.title}</h3>" if chat else "<h3>No chat</h3>")
         self.settings_btn.setEnabled(chat is not None)
         self.conv.set_chat(chat.id if chat else "")
+
+    def _chats_changed(self) -> None:
+        self.chat_list.reload()
+        chat = self.store.chat(self.conv.chat_id) if self.conv.chat_id else None
+        if chat is not None:
+            self.title_label.setText(f"<h3>{chat.title}</h3>")
 
     def _deleted(self, chat_id: str) -> None:
         if self.conv.job and self.conv.job.chat_id == chat_id:
@@ -218,15 +225,16 @@ class MainWindow(QMainWindow):
         wiz = SetupWizard(current, start, self)
         if wiz.exec() != QDialog.DialogCode.Accepted:
             return False
-        self.apply_setup(wiz.values())
+        # A new calibration profile is read when the engine loads: reload to put it to use.
+        self.apply_setup(wiz.values(), reload=wiz.calibration.result is not None)
         return True
 
-    def apply_setup(self, values: dict) -> None:
+    def apply_setup(self, values: dict, reload: bool = False) -> None:
         before = engine_config(self.store, self.overrides)
         self.store.set_setting("engine", {k: values.get(k) for k in CONFIG_KEYS})
         self.store.set_setting("wizard_done", True)
         self.overrides = {k: v for k, v in self.overrides.items() if k not in CONFIG_KEYS}
-        if engine_config(self.store, self.overrides) != before or self.host.state != "ready":
+        if reload or engine_config(self.store, self.overrides) != before or self.host.state != "ready":
             self.load_model()
 
     # -- exports --------------------------------------------------------------------------------

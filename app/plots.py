@@ -81,9 +81,9 @@ class Sparkline(QWidget):
                     path.moveTo(x, y)
                     drawing = True
             p.drawPath(path)
-        if n == 0:
+        if all(v is None for d in self.data.values() for v in d):
             p.setPen(pal.color(QPalette.ColorRole.PlaceholderText))
-            p.drawText(rect, Qt.AlignmentFlag.AlignCenter, "waiting for samples")
+            p.drawText(rect, Qt.AlignmentFlag.AlignCenter, "n/a" if n else "waiting for samples")
         p.end()
 
 

@@ -219,6 +219,7 @@ class ModelPage(QWizardPage):
     def __init__(self, current: dict, parent=None):
         super().__init__(parent)
         self.setTitle("Model and memory")
+        self.setSubTitle("Which model to load, and how much memory it may use.")
         self.current = current
         self.lay = QVBoxLayout(self)
         self.group = QButtonGroup(self)

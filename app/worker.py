@@ -33,6 +33,10 @@ STATS_INTERVAL_S = 0.25
 IDLE_SAMPLE_HZ = 2
 
 
+class LoadCancelled(Exception):
+    pass
+
+
 def _unexpected(e: BaseException) -> tuple[str, str]:
     traceback.print_exception(e, file=sys.stderr)
     return f"{type(e).__name__}: {e}", "this is a bug in Tandem; your chats are kept — try again or restart the app"
@@ -54,6 +58,7 @@ class EngineWorker(QObject):
         super().__init__()
         self.engine = engine
         self.owns_engine = engine is None  # an engine handed in belongs to its giver, who closes it
+        self.cancel_load = threading.Event()  # set on quit: a load in progress gives up at its next step
 
     # -- model ----------------------------------------------------------------------------------
     @Slot(dict)
@@ -64,8 +69,17 @@ class EngineWorker(QObject):
             self.load_failed.emit(f"the engine cannot be imported ({e})", "reinstall Tandem: pip install -e .")
             return
         self._drop_engine()
+
+        def progress(step: str, frac: float) -> None:
+            if self.cancel_load.is_set():
+                raise LoadCancelled()
+            self.load_progress.emit(step, frac)
+
         try:
-            engine = Engine(EngineConfig(**config), progress=lambda step, frac: self.load_progress.emit(step, frac))
+            engine = Engine(EngineConfig(**config), progress=progress)
+        except LoadCancelled:
+            self.load_failed.emit("loading was cancelled", "")
+            return
         except TandemError as e:
             self.load_failed.emit(e.what, e.remedy)
             return
@@ -302,6 +316,7 @@ class EngineHost(QObject):
             return True
         self._timer.stop()
         self.stop()
+        self.worker.cancel_load.set()
         self._close.emit()  # queued behind a running generate, which the stop event ends at its next step
         joined = self.thread.wait(int(timeout_s * 1000))
         self._set_state("closed")
