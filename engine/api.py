@@ -184,3 +184,11 @@ def load_profile(path: str | None = None, strict: bool = False) -> dict | None:
 
     found = hw_profile.load(path, strict=strict)
     return None if found is None else found.to_dict()
+
+
+def builtin_models() -> list[dict]:
+    """The built-in models for model pickers: name, one-line description, whether it is the default."""
+    from engine.models.builtin import BUILTINS
+
+    return [{"name": f"builtin:{key}", "description": b.description, "default": f"builtin:{key}" == DEFAULT_MODEL}
+            for key, b in BUILTINS.items()]
