@@ -39,6 +39,7 @@ class EngineConfig:
     cpu_threads: int | None = None  # None: torch's default
     profile_path: str | None = None  # calibration profile; None: the default location
     simulate_hybrid: bool = False  # run hybrid paths with the "GPU side" on the CPU (tests)
+    expert_cache_slots: int | None = None  # GPU expert slots; None: what vram_budget_gb leaves (offload policies)
 
     @classmethod
     def field_names(cls) -> list[str]:

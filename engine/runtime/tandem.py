@@ -102,6 +102,8 @@ class TandemBackend:
             return
         for key in list(self.generator.sessions):
             self.generator.end_session(key)
+        if hasattr(self.parts.experts, "close"):  # offloaded experts: copies done, worker stopped, store unpinned
+            self.parts.experts.close()
         self.generator = self.parts = None
         gc.collect()
         if torch.cuda.is_available():
