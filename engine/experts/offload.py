@@ -28,7 +28,7 @@ from engine.experts.executor import ExpertExecutor
 from engine.experts.planner import MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
-from engine.kernels.experts_gpu import grouped_expert_ffn, grouped_impl
+from engine.kernels.experts_gpu import grouped_expert_ffn, grouped_impl, uses_grouped_mm
 from engine.kernels.experts_torch import expert_ffn
 from engine.sched.expert_cost import ExpertCostModel
 
@@ -87,6 +87,7 @@ class OffloadedExperts(ExpertExecutor):
         self._map_np = self._map_host.numpy()
         self._map_dev = torch.empty_like(self._map_host, device=self.device) if on_gpu else self._map_host
         self._group_ends = torch.arange(1, n_slots + 1, device=self.device)  # searchsorted → group end rows
+        self._grouped_mm = uses_grouped_mm(self.device, s.dtype)  # else: a loop over the host-known groups
         self._opened = True
 
     def attach_predictor(self, predictor: GateLookahead) -> None:
@@ -139,7 +140,9 @@ class OffloadedExperts(ExpertExecutor):
         if plan.cpu:
             job = self._workers.submit(self._cpu_set, layer, plan.cpu, x.cpu(), ids_h, weights.cpu())
             self.cpu_executed += len(plan.cpu)
-        out = self._gpu_set(x, ids, weights, hits + plan.fill, hit_slots + fill_slots) if hits or fill_slots else None
+        gpu_experts = hits + plan.fill
+        out = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts]) \
+            if gpu_experts else None
         if plan.prefetch and predicted is not None and self.cache is not None:
             self._prefetch(layer, host[N:], plan.prefetch)
         if lru is not None:
@@ -157,8 +160,8 @@ class OffloadedExperts(ExpertExecutor):
         self.h2d_bytes += self.store.block_bytes
         return slot
 
-    def _gpu_set(self, x, ids, weights, experts: list[int], slots: list[int]) -> torch.Tensor:
-        """Σ over the GPU-side experts, as one grouped computation over the slot pool."""
+    def _gpu_set(self, x, ids, weights, experts: list[int], slots: list[int], pairs_per_expert: np.ndarray):
+        """Σ over the GPU-side experts, as one grouped computation over the slot pool → (N, H)."""
         N, k = ids.shape
         self._map_np.fill(self._sentinel)
         self._map_np[experts] = slots
@@ -168,8 +171,15 @@ class OffloadedExperts(ExpertExecutor):
         slot_of_pair = self._map_dev[ids.reshape(-1)]  # (N·k,) slot, or the sentinel for CPU pairs
         sorted_slots, perm = torch.sort(slot_of_pair, stable=True)
         xs = x[perm // k]  # (N·k, H) rows grouped by slot
-        offs = torch.searchsorted(sorted_slots, self._group_ends, out_int32=True)  # (S,) group ends
-        y = grouped_expert_ffn(xs, self.cache.gate_up, self.cache.down, offs)  # (N·k, H)
+        if self._grouped_mm:  # group ends on the device: no host round trip
+            offs, groups = torch.searchsorted(sorted_slots, self._group_ends, out_int32=True), None  # (S,)
+        else:  # the host knows the groups: slot order, rows per slot
+            by_slot = np.argsort(slots)
+            ends = np.cumsum(pairs_per_expert[by_slot])
+            groups = list(zip(np.asarray(slots)[by_slot].tolist(), (ends - pairs_per_expert[by_slot]).tolist(),
+                              ends.tolist()))
+            offs = None
+        y = grouped_expert_ffn(xs, self.cache.gate_up, self.cache.down, offs, groups)  # (N·k, H)
         on_gpu = (sorted_slots < self._sentinel).unsqueeze(1)  # (N·k, 1)
         w = weights.reshape(-1)[perm].unsqueeze(1).float()
         y = torch.where(on_gpu, y.float() * w, 0.0)  # CPU pairs' rows are undefined: zero them

@@ -89,3 +89,29 @@ def open_offloaded(executor: OffloadedExperts, model, kv, config, device: torch.
         executor.warm(table.top(n), source=str(path))
     else:
         executor.warm(even_spread(executor.store.layers, executor.store.n_experts, n), source="even-spread")
+
+
+def switch_expert_policy(parts, config, policy: str) -> OffloadedExperts:
+    """Replace an engine's offloaded executor by one of another offload policy over the same host
+    store, without reloading the model: the old slots are freed first, then the new cache is sized
+    and warmed as at load. (Benchmarks compare policies this way; `resident` needs a reload.)"""
+    old = parts.experts
+    if not isinstance(old, OffloadedExperts):
+        raise ConfigError("only an engine loaded with an offload expert policy can switch policies",
+                          f"load it with expert_policy one of {', '.join(OFFLOAD_POLICIES)}")
+    if policy not in OFFLOAD_POLICIES:
+        raise ConfigError(f"cannot switch to expert_policy '{policy}'", f"use one of {', '.join(OFFLOAD_POLICIES)}")
+    old.close(release_store=False)
+    old.cache = None  # the slot pool goes with the last reference to it
+    new = OffloadedExperts(policy, old.store, device=old.device, costs=old.costs,
+                           max_decode_tokens=old.planner.max_decode_tokens, cpu_ffn=old.cpu_ffn,
+                           cpu_kernel=old.cpu_kernel)
+    for layer in parts.model.model.layers:
+        if getattr(layer.mlp, "experts", None) is old:
+            layer.mlp.experts = new
+    parts.experts = new
+    del old
+    if parts.device.type == "cuda":
+        torch.cuda.empty_cache()
+    open_offloaded(new, parts.model, parts.kv, config, parts.device, parts.weights_bytes)
+    return new

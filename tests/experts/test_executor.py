@@ -118,16 +118,27 @@ def test_cold_cache_and_one_slot_without_warmup(model):
     ex.close()
 
 
-def test_group_loop_fallback_equals_grouped_mm(model, monkeypatch):
-    """Where torch._grouped_mm is unavailable the loop over slot groups must give the same result."""
-    ex = make("on-demand", model, L * E)
-    x = torch.randn(5, H)
-    w, ids = softmax_topk(x @ model[2][1].T, K, True)
-    with_gmm = ex.run(1, x, ids, w)
-    monkeypatch.setitem(experts_gpu._SUPPORT, (x.device.type, x.dtype), False)
-    assert experts_gpu.grouped_impl(x.device, x.dtype) == "group-loop"
-    torch.testing.assert_close(ex.run(1, x, ids, w), with_gmm, atol=1e-5, rtol=1e-5)
-    ex.close()
+def test_group_loop_equals_grouped_mm_and_plain_mm():
+    """The loop over host-known groups and torch._grouped_mm (where this torch has it for the CPU)
+    compute the same grouped SwiGLU as per-expert F.linear."""
+    g = torch.Generator().manual_seed(7)
+    pool = torch.randn(5, 3 * H * I, generator=g)  # (slots, P)
+    gate_up = pool[:, :2 * I * H].unflatten(1, (2 * I, H))
+    down = pool[:, 2 * I * H:].unflatten(1, (H, I))
+    xs = torch.randn(9, H, generator=g)
+    offs = torch.tensor([2, 2, 2, 7, 8], dtype=torch.int32)  # slot 0: rows 0-1, 3: rows 2-6, 4: row 7; row 8 spare
+    groups = [(0, 0, 2), (3, 2, 7), (4, 7, 8)]
+    assert experts_gpu.groups_of(offs) == groups
+    looped = experts_gpu.grouped_expert_ffn(xs, gate_up, down, offs, groups)
+    for slot, a, b in groups:
+        torch.testing.assert_close(looped[a:b], offload_mod.expert_ffn(xs[a:b], gate_up[slot], down[slot]))
+    assert torch.equal(looped[8], torch.zeros(H))
+    assert experts_gpu.grouped_impl(torch.device("cpu"), torch.float32) == "group-loop"
+    if experts_gpu._probe(torch.device("cpu"), torch.float32):  # torch's own CPU kernel, where present
+        h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
+        a, b = h.chunk(2, dim=-1)
+        mm = torch._grouped_mm(torch.nn.functional.silu(a) * b, down.transpose(1, 2), offs=offs)
+        torch.testing.assert_close(mm[:8], looped[:8], atol=1e-5, rtol=1e-5)
 
 
 def test_cpu_kernel_is_injectable(model):
@@ -146,4 +157,25 @@ def test_cpu_kernel_is_injectable(model):
     torch.testing.assert_close(ex.run(0, x, ids, w), moe_experts(x, ids, w, gate_up[0], down[0]))
     assert sum(calls) == 4 * K and ex.telemetry()["cpu_kernel"] == "counting"
     assert np.isclose(ex.telemetry()["cpu_expert_s"], ex.cpu_s)
+    ex.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["adaptive", "on-demand"])
+def test_cuda_bf16_grouped_path_matches_resident(model, policy):
+    """The engine dtype on a GPU: one torch._grouped_mm per matmul over the slot pool."""
+    gate_up, down, routers = model
+    store = ExpertStore.from_layers(gate_up, down, dtype=torch.bfloat16, pin=True)
+    ex = OffloadedExperts(policy, store, device=torch.device("cuda"), n_slots=7, costs=QWEN3_COSTS)
+    assert ex.telemetry()["gpu_kernel"] == "grouped_mm"
+    g = torch.Generator().manual_seed(6)
+    for step in range(6):
+        for layer in range(L):
+            x = torch.randn(3 if step else 24, H, generator=g).to("cuda", torch.bfloat16)
+            w, ids = softmax_topk(x.float() @ routers[layer].T.cuda(), K, True)
+            w = w.to(torch.bfloat16)
+            ref = moe_experts(x, ids, w, gate_up[layer].cuda().bfloat16(), down[layer].cuda().bfloat16())
+            torch.testing.assert_close(ex.run(layer, x, ids, w), ref, atol=3e-2, rtol=3e-2)
+    assert ex.telemetry()["fills"] > 0
     ex.close()
