@@ -19,6 +19,7 @@ from engine.experts.cache import slots_for_budget
 from engine.experts.offload import OFFLOAD_POLICIES, OffloadedExperts
 from engine.experts.predictor import GateLookahead, HotTable, default_hot_table_path, even_spread
 from engine.experts.store import ExpertStore
+from engine.sched.expert_cost import ExpertCostModel
 
 RESERVE_BYTES = 1 << 30  # activations, grouped-GEMM intermediates, allocator slack on the device
 
@@ -37,12 +38,13 @@ def check_offload(policy: str, device: torch.device, simulate_hybrid: bool) -> b
 
 
 def build_offloaded(policy: str, gate_up, down, *, device: torch.device, dtype: torch.dtype,
-                    max_decode_tokens: int) -> OffloadedExperts:
-    """The store (pinned when the device is a GPU) and the executor; the cache opens later."""
+                    max_decode_tokens: int, costs: ExpertCostModel | None = None) -> OffloadedExperts:
+    """The store (pinned when the device is a GPU) and the executor; the cache opens later.
+    costs: the expert cost model from a calibration profile (None: the documented defaults)."""
     store = ExpertStore.from_layers(gate_up, down, dtype=dtype, pin=device.type == "cuda")
     gate_up.clear()  # the store holds the weights now; drop the loader's references
     down.clear()
-    return OffloadedExperts(policy, store, device=device, max_decode_tokens=max_decode_tokens)
+    return OffloadedExperts(policy, store, device=device, max_decode_tokens=max_decode_tokens, costs=costs)
 
 
 def _device_kv_bytes(kv) -> int:
