@@ -135,6 +135,14 @@ class Engine:
     def stats(self) -> StatsSnapshot:
         return self.backend.stats()
 
+    def set_expert_policy(self, policy: str) -> None:
+        """Switch between the offload expert policies (adaptive, on-demand, static, cpu-only) without
+        reloading; the engine must have been loaded with one of them. The cache starts afresh."""
+        if not hasattr(self.backend, "set_expert_policy"):
+            raise ConfigError(f"the {self.backend.name} backend has no expert policies", "use the tandem backend")
+        with self._lock:
+            self.backend.set_expert_policy(policy)
+
     def close(self) -> None:
         with self._lock:
             self.backend.close()

@@ -17,8 +17,6 @@ where the engine looks for it at load (`tandem bench trace`).
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-
 from engine.bench.common import header
 
 POLICIES = ("cpu-only", "on-demand", "static", "adaptive")
@@ -26,10 +24,16 @@ ROUTING_NOTE = ("synthetic models route with random routers: expert use is near-
                 "expert cache; real checkpoints have skewed, temporally local routing")
 
 
+def _counters(engine) -> dict:
+    """Cumulative expert counters and PCIe bytes from the engine's StatsSnapshot."""
+    snap = engine.stats()
+    return {**snap.experts, "h2d_bytes": snap.pcie["h2d_bytes"]}
+
+
 def _phase(before: dict, after: dict, seconds: float, tokens: int) -> dict:
     d = {k: (after[k] or 0) - (before[k] or 0) for k in ("hits", "misses", "fills", "cpu_executed", "evictions",
                                                           "prefetch_issued", "prefetch_used", "prefetch_wasted",
-                                                          "h2d_bytes", "cpu_expert_s", "cpu_wait_s")}
+                                                          "h2d_bytes", "cpu_expert_s")}
     lookups = d["hits"] + d["misses"]
     return {"tok_s": round(tokens / seconds, 3) if seconds > 0 else None, "tokens": tokens,
             "seconds": round(seconds, 4), "hit_rate": round(d["hits"] / lookups, 4) if lookups else None,
@@ -37,27 +41,26 @@ def _phase(before: dict, after: dict, seconds: float, tokens: int) -> dict:
             "cpu_expert_ms_per_token": round(1e3 * d["cpu_expert_s"] / tokens, 3) if tokens else None,
             **{k: d[k] for k in ("fills", "cpu_executed", "evictions", "prefetch_issued", "prefetch_used",
                                  "prefetch_wasted")},
-            "cpu_expert_s": round(d["cpu_expert_s"], 4), "cpu_wait_s": round(d["cpu_wait_s"], 4)}
+            "cpu_expert_s": round(d["cpu_expert_s"], 4)}
 
 
 def _measure(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> dict:
     """Prefill (first token) and decode (the rest) of a batch, each with its own expert deltas."""
     from engine.api import GenerationRequest
 
-    ex = engine.backend.parts.experts
     sessions = [f"{tag}-{i}" for i in range(len(prompts))]
-    before = ex.telemetry()
+    before = _counters(engine)
     t0 = time.perf_counter()
     first = engine.generate_batch([GenerationRequest(prompt_ids=p, max_new_tokens=1, greedy=True, ignore_eos=True,
                                                      session_id=s) for p, s in zip(prompts, sessions)])
     t_prefill = time.perf_counter() - t0
-    mid = ex.telemetry()
+    mid = _counters(engine)
     reqs = [GenerationRequest(prompt_ids=p + r.token_ids, max_new_tokens=new_tokens, greedy=True, ignore_eos=True,
                               session_id=s) for p, r, s in zip(prompts, first, sessions)]
     t0 = time.perf_counter()
     second = engine.generate_batch(reqs)
     t_decode = time.perf_counter() - t0
-    after = ex.telemetry()
+    after = _counters(engine)
     for s in sessions:
         engine.end_session(s)
     prefilled = sum(r.prefilled_tokens for r in first)
@@ -79,7 +82,6 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
     import torch
 
     from engine.api import Engine, EngineConfig
-    from engine.runtime.expert_placement import switch_expert_policy
 
     policies = list(policies)
     t0 = time.perf_counter()
@@ -92,14 +94,14 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
                                      cpu_threads=cpu_threads))
     load_s = time.perf_counter() - t0
     config = engine.config
-    parts = engine.backend.parts
+    parts = engine.backend.parts  # read only: model shape, store and cost model for the record
     gen = torch.Generator().manual_seed(seed)
     vocab = parts.args.vocab_size
     rows = []
     try:
         for policy in policies:
-            if parts.experts.policy != policy:
-                switch_expert_policy(parts, replace(config, expert_policy=policy), policy)
+            if engine.info()["expert_policy"] != policy:
+                engine.set_expert_policy(policy)
             tel = parts.experts.telemetry()
             if warmup:  # first-call costs (kernel selection, allocator growth) stay out of the numbers
                 _measure(engine, [torch.randint(0, vocab, (16,), generator=gen).tolist()], 2, "warmup")

@@ -87,6 +87,14 @@ class TandemBackend:
     def end_session(self, session_id: str) -> None:
         self.generator.end_session(session_id)
 
+    def set_expert_policy(self, policy: str) -> None:
+        from dataclasses import replace
+
+        from engine.runtime.expert_placement import switch_expert_policy
+
+        switch_expert_policy(self.parts, replace(self.config, expert_policy=policy), policy)
+        self.config.expert_policy = policy  # the engine's config describes what runs
+
     def stats(self) -> StatsSnapshot:
         p = self.parts
         budget = int(self.config.vram_budget_gb * 2**30) if self.config.vram_budget_gb else None
