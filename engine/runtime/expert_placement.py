@@ -71,7 +71,8 @@ def open_offloaded(executor: OffloadedExperts, model, kv, config, device: torch.
     """Size and open the cache, attach the lookahead predictor, warm the cache."""
     used = dense_bytes + _device_kv_bytes(kv) if device.type == "cuda" or config.vram_budget_gb else 0
     executor.open_cache(cache_slots(config, device, executor, used))
-    moe = [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if getattr(layer.mlp, "experts", None) is executor]
+    moe = [(i, layer.mlp) for i, layer in enumerate(model.model.layers)
+           if getattr(layer.mlp, "experts", None) is executor]
     if executor.planner.prefetches and moe:
         routers = {i: mlp.gate.weight for i, mlp in moe}  # (E, H) each, already on the device
         executor.attach_predictor(GateLookahead(routers, moe[0][1].route, moe[0][1].top_k))
