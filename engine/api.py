@@ -40,6 +40,7 @@ class EngineConfig:
     cpu_threads: int | None = None  # None: torch's default
     profile_path: str | None = None  # calibration profile; None: the default location
     simulate_hybrid: bool = False  # run hybrid paths with the "GPU side" on the CPU (tests)
+    expert_cache_slots: int | None = None  # GPU expert slots; None: what vram_budget_gb leaves (offload policies)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -139,6 +140,14 @@ class Engine:
 
     def stats(self) -> StatsSnapshot:
         return self.backend.stats()
+
+    def set_expert_policy(self, policy: str) -> None:
+        """Switch between the offload expert policies (adaptive, on-demand, static, cpu-only) without
+        reloading; the engine must have been loaded with one of them. The cache starts afresh."""
+        if not hasattr(self.backend, "set_expert_policy"):
+            raise ConfigError(f"the {self.backend.name} backend has no expert policies", "use the tandem backend")
+        with self._lock:
+            self.backend.set_expert_policy(policy)
 
     def close(self) -> None:
         with self._lock:
