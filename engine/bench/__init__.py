@@ -1,1 +1,1 @@
-"""The benchmark harness behind `tandem bench`: functions that measure and return JSON records."""
+"""The benchmark harness behind `tandem bench`: one JSON record per configuration."""

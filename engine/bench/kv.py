@@ -200,3 +200,39 @@ def _line(rec: dict) -> str:
     r = f" r={rec['r_deployed']:.2f}" if rec.get("r_deployed") is not None else ""
     return (f"{rec['policy']:>12} bs={rec['bs']:<3} L={rec['L']:<6} {rec['decode_ms_per_layer']:8.3f} ms/layer "
             f"({rec['effective_gbps']:.1f} GB/s){r}{extra}")
+
+
+def add_arguments(p) -> None:
+    """The flags of `tandem bench kv` (argparse)."""
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated KV policies")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--lengths", default="2048,8192,32768", help="context lengths L")
+    p.add_argument("--layers", type=int, default=QWEN3_30B_A3B.n_layers)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    p.add_argument("--d-window", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", default=None, help="write the records here")
+
+
+def from_args(args) -> list[dict]:
+    shape = AttentionShape(QWEN3_30B_A3B.n_heads, QWEN3_30B_A3B.n_kv_heads, QWEN3_30B_A3B.head_dim, args.layers)
+    records = run([p for p in args.policies.split(",") if p], [int(x) for x in args.batch_sizes.split(",")],
+                  [int(x) for x in args.lengths.split(",")], shape=shape, device=args.device, dtype=args.dtype,
+                  d_window=args.d_window, block_size=args.block_size, steps=args.steps, warmup=args.warmup,
+                  progress=lambda line: print(line, flush=True))
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump({"bench": "kv", "shape": vars(shape), "records": records}, f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m engine.bench.kv", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    from_args(parser.parse_args())

@@ -6,20 +6,19 @@ hybrid that serves spilled KV from both engines. The comparison policies (`gpu-c
 `cpu-centric`, `fixed:<r>`, `monolithic`) run in the same runtime with the same kernels.
 
 Hybrid policies need a GPU; `simulate_hybrid` runs them on a CPU-only machine with the "GPU side"
-on CPU tensors and synchronous copies (tests, CI). Calibrated A, B, Δ come from the profile
-file's `kv` section (`A_ns_per_token`, `B_ns_per_token`, `delta_ms`, optional `c_cpu_ms`) when
-it has one; otherwise documented defaults start the online estimators.
+on CPU tensors and synchronous copies (tests, CI). Calibrated A, B, Δ come from the machine
+profile (`tandem calibrate`) when it has the KV costs; otherwise the documented defaults of
+`PartitionSpec.for_shape` start the online estimators.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
 
-from engine.errors import ConfigError, OutOfMemoryError
+from engine.errors import ConfigError, OutOfMemoryError, TandemError
+from engine.hw.shapes import KVShape, dtype_name
 from engine.kv.backend import KVBackend
 from engine.kv.inplace import PartitionSpec
 from engine.kv.monolithic import MonolithicKV
@@ -62,26 +61,33 @@ def choose_policy(config, device: torch.device, resident_bytes: int, weights_byt
     return policy
 
 
-def roofline_from_profile(path: str | None) -> RooflineParams | None:
-    if not path or not os.path.isfile(path):
+def roofline_from_profile(profile, args, dtype: torch.dtype, batch: int) -> RooflineParams | None:
+    """A, B, Δ (and C_CPU) calibrated on this machine for this attention shape (scaled by bytes per
+    token from the nearest calibrated one); None without a profile or KV measurements, or when the
+    profile has no GPU side (a CPU-only machine): then the defaults start the online estimators."""
+    if profile is None:
         return None
     try:
-        with open(path) as f:
-            kv = json.load(f).get("kv") or {}
-        return RooflineParams(float(kv["A_ns_per_token"]), float(kv["B_ns_per_token"]), float(kv["delta_ms"]),
-                              float(kv.get("c_cpu_ms", 0.05)))
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError):
-        return None  # a profile without KV costs: start from the defaults
+        costs = profile.kv_costs(KVShape(args.n_heads, args.n_kv_heads, args.head_dim, dtype_name(dtype)), batch)
+    except TandemError:
+        return None
+    if costs.B_ns_per_token is None or costs.delta_ms is None:
+        return None
+    return RooflineParams(costs.A_ns_per_token, costs.B_ns_per_token, costs.delta_ms, costs.C_cpu_ms)
 
 
-def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dtype, max_context: int) -> KVBackend:
+def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dtype, max_context: int, *,
+             sliding_window: int | None = None, profile=None) -> KVBackend:
+    """The KV backend of `config.kv_policy` (resident turns into writescope when it does not fit).
+    profile: the machine's calibration (engine.hw.profile.MachineProfile) or None."""
     shape = dict(n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
     resident_bytes = resident_kv_bytes(args.n_layers, args.n_kv_heads, args.head_dim, max_context,
                                        config.max_batch, config.block_size, dtype)
     policy = choose_policy(config, device, resident_bytes, device_weights_bytes(model, experts, device))
     if policy == "resident":
         return ResidentKV(args.n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
-                          max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype)
+                          max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype,
+                          sliding_window=sliding_window)
     if device.type != "cuda" and not config.simulate_hybrid:
         raise ConfigError(f"kv_policy '{policy}' splits attention between a GPU and the CPU, but the compute "
                           f"device is {device}", "use kv_policy resident (or simulate_hybrid to test the hybrid path)")
@@ -89,7 +95,8 @@ def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dt
         return MonolithicKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device, dtype=dtype)
     spec = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=device.type == "cuda",
                                    block_size=config.block_size, d_window=config.d_window,
-                                   roofline=roofline_from_profile(config.profile_path), max_context=max_context)
+                                   roofline=roofline_from_profile(profile, args, dtype, config.max_batch),
+                                   max_context=max_context)
     if config.vram_budget_gb:
         need = spec.device_bytes(args.n_layers, config.max_batch, args.n_kv_heads, args.head_dim, dtype)
         room = config.vram_budget_gb * 2**30 - device_weights_bytes(model, experts, device)

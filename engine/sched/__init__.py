@@ -1,1 +1,1 @@
-"""Scheduling arithmetic: the roofline share of the KV cache and the cost models (no torch)."""
+"""Scheduling arithmetic: cost models and policies, pure functions of measured costs (no torch)."""
