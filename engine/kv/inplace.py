@@ -6,7 +6,7 @@ Regions (E = PartitionSpec.pingpong_tokens, D = d_window):
     D-window    device  (n_layers, max_batch, D, 2, n_kv, hs)   each sequence's newest tokens, ≤ D
     ping-pong   device  (2, E, 2, n_kv, hs)                     two buffers, created once, overwritten
     pinned      host    page-locked extents (n_layers, E, 2, n_kv, hs)   the GPU's placed share
-    unpinned    host    pageable (n_layers, 2, n_kv, tokens, hs)          the CPU's placed share
+    unpinned    host    pageable, per layer (2, n_kv, tokens, hs)        the CPU's placed share
 
 Each token has one final residency, chosen when it is written: prefill KV goes straight to the
 pinned or unpinned region; decode KV is staged in the D-window and, once D entries accumulate,

@@ -92,17 +92,23 @@ class ExtentPool:
 class UnpinnedRegion:
     """The CPU compute region: pageable host memory in per-head layout.
 
-    data (n_layers, 2, n_kv, n_extents·E, hs): for each layer, K and V are n_kv head rows; extent e
-    holds tokens [e·E, (e+1)·E) of every row. A run of tokens is a (n_kv, t, hs) view that the CPU
-    kernel walks in place. Pages are committed when first written, so the capacity is virtual.
+    layers[l] (2, n_kv, n_extents·E, hs): K and V of layer l as n_kv head rows; extent e holds
+    tokens [e·E, (e+1)·E) of every row. A run of tokens is a (n_kv, t, hs) view that the CPU kernel
+    walks in place. Pages are committed when first written, so the capacity is virtual; one tensor
+    per layer keeps each reservation modest for the kernel's overcommit check.
     """
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, extent_tokens: int, n_extents: int,
                  dtype: torch.dtype):
         self.E = extent_tokens
-        self.data = torch.empty((n_layers, 2, n_kv, n_extents * extent_tokens, head_dim), dtype=dtype)
+        shape = (2, n_kv, n_extents * extent_tokens, head_dim)
+        try:
+            self.layers = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
+        except RuntimeError as e:
+            raise OutOfMemoryError(f"cannot reserve {n_layers * math.prod(shape) * dtype.itemsize / 2**30:.1f} GiB "
+                                   f"of address space for the host KV ({e})", "lower max_context or max_batch") from e
         self.pool = ExtentPool(n_extents)
-        self.extent_bytes = self.data[:, :, :, :extent_tokens].numel() * self.data.element_size()
+        self.extent_bytes = n_layers * 2 * n_kv * extent_tokens * head_dim * dtype.itemsize
 
     def allocate(self) -> int | None:
         return self.pool.allocate()
@@ -112,13 +118,14 @@ class UnpinnedRegion:
 
     def views(self, layer: int, ranges: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zero-copy (k, v) views, each (n_kv, stop − start, hs), of arena token ranges."""
-        kv = self.data[layer]
+        kv = self.layers[layer]
         return [(kv[0, :, a:b], kv[1, :, a:b]) for a, b in ranges]
 
     def write(self, start: int, src: torch.Tensor) -> None:
         """src (n_layers, n, 2, n_kv, hs) host, token-interleaved → arena tokens [start, start+n)."""
         n = src.shape[1]
-        self.data[:, :, :, start:start + n].copy_(src.permute(0, 2, 3, 1, 4))
+        for layer, kv in enumerate(self.layers):
+            kv[:, :, start:start + n].copy_(src[layer].permute(1, 2, 0, 3))  # (2, n_kv, n, hs)
 
     @property
     def bytes_in_use(self) -> int:

@@ -140,7 +140,7 @@ class WriteScopeKV(KVBackend):
             q_host, ready = self.exchange.to_host(q, self.dtype)
             cpu = self.worker.submit(self._cpu_part, layer, plan, q_host, ready, scale)
             self._cpu_ran = True
-        timing = self._start_timing()
+        timing = self._start_timing() if plan.stream_tokens else None
         parts = []  # (o (B, nh, T, hs) fp32, lse (B, nh, T)) with every row
         if plan.window_max:
             wk, wv = self.cache.window_views(layer, plan)

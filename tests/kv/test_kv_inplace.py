@@ -158,7 +158,7 @@ def token_address(cache, s, pos, layer):
             i = positions.index(pos)
             ext, off = run.extents[i // E], i % E
             if name == "unpinned":
-                row = cache.unpinned.data[layer, 0, 0, ext * E + off]
+                row = cache.unpinned.layers[layer][0, 0, ext * E + off]
             else:
                 row = cache.pinned.buffers[ext].tensor[layer, off, 0, 0]
             return row.data_ptr(), row.clone()
@@ -228,7 +228,7 @@ def test_cuda_hybrid_attention_in_bf16_and_page_locked_load_region(policy):
     if policy != "monolithic":
         buffers = [b for b in kv.cache.pinned.buffers if b is not None]
         assert buffers and all(b.pinned and b.tensor.is_pinned() for b in buffers)
-        assert not kv.cache.unpinned.data.is_pinned()
+        assert not kv.cache.unpinned.layers[0].is_pinned()
     kv.close()
 
 
