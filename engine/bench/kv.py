@@ -3,7 +3,7 @@
 For every (policy, batch size, context length) the KV is filled through the real append path (one
 prefill step per sequence with random q/k/v of the chosen attention shape, routed to its final
 regions at write time), then decode steps run `begin_step / attend × layers / end_step` with random
-queries. Records (JSON-serialisable dicts):
+queries. `run` returns one JSON record (header, settings, `points`), each point a dict:
 
     policy, bs, L, layers, dtype, device, simulated
     decode_ms_per_layer        median over the timed steps of (step time / layers)
@@ -23,6 +23,7 @@ they measured (calibration on the spot); the comparison policies run as they are
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -156,14 +157,18 @@ def _h2d_counters(kv) -> tuple[int, float] | None:
 
 def run(policies=POLICIES, batch_sizes=(1, 4, 16), lengths=(2048, 8192, 32768), *, shape=QWEN3_30B_A3B,
         device: str = "auto", dtype: str = "auto", d_window=256, block_size=64, steps=8, warmup=2,
-        progress=print) -> list[dict]:
-    """The whole grid; writescope at each point starts from A and B measured by r=0 and r=1 there."""
+        progress=print) -> dict:
+    """The whole grid → one JSON record: header (date, command, machine), settings, `points` (one
+    dict per policy, bs and L). writescope at each point starts from the A and B that r=0 and r=1
+    measured there."""
+    from engine.bench.common import header
+
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
           "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     b_h2d = h2d_gbps(dev)
-    records = []
+    points = []
     order = [p for p in ("gpu-centric", "cpu-centric") if p in policies] + \
             [p for p in policies if p not in ("gpu-centric", "cpu-centric")]
     for L in lengths:
@@ -171,7 +176,8 @@ def run(policies=POLICIES, batch_sizes=(1, 4, 16), lengths=(2048, 8192, 32768), 
             at = {}
             for policy in order:
                 params = None
-                if policy == "writescope" and "gpu-centric" in at and "cpu-centric" in at:
+                if policy == "writescope" and "decode_ms_per_layer" in at.get("gpu-centric", {}) \
+                        and "decode_ms_per_layer" in at.get("cpu-centric", {}):
                     tokens = bs * L
                     params = RooflineParams(A_ns_per_token=at["cpu-centric"]["decode_ms_per_layer"] * 1e6 / tokens,
                                             B_ns_per_token=at["gpu-centric"]["decode_ms_per_layer"] * 1e6 / tokens,
@@ -187,10 +193,12 @@ def run(policies=POLICIES, batch_sizes=(1, 4, 16), lengths=(2048, 8192, 32768), 
                     rec["b_h2d_gbps"], rec["b_cpu_gbps"] = b_h2d, cpu
                     if b_h2d and cpu:
                         rec["bound_ms_per_layer"] = rec["kv_bytes_per_layer"] / ((b_h2d + cpu) * 1e9) * 1e3
-                records.append(rec)
+                points.append(rec)
                 if progress:
                     progress(_line(rec))
-    return records
+    return {"bench": "kv", **header(), "shape": vars(shape), "dtype": str(dt).removeprefix("torch."),
+            "device": str(dev), "d_window": d_window, "block_size": block_size, "steps": steps, "warmup": warmup,
+            "b_h2d_gbps": b_h2d, "points": points}
 
 
 def _line(rec: dict) -> str:
@@ -203,7 +211,7 @@ def _line(rec: dict) -> str:
 
 
 def add_arguments(p) -> None:
-    """The flags of `tandem bench kv` (argparse)."""
+    """The flags of `python -m engine.bench.kv` (the names `from_args` reads)."""
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated KV policies")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--lengths", default="2048,8192,32768", help="context lengths L")
@@ -214,25 +222,24 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--json", default=None, help="write the records here")
+    p.add_argument("--json", default=None, help="also write the record here")
 
 
-def from_args(args) -> list[dict]:
+def from_args(args) -> dict:
     shape = AttentionShape(QWEN3_30B_A3B.n_heads, QWEN3_30B_A3B.n_kv_heads, QWEN3_30B_A3B.head_dim, args.layers)
-    records = run([p for p in args.policies.split(",") if p], [int(x) for x in args.batch_sizes.split(",")],
-                  [int(x) for x in args.lengths.split(",")], shape=shape, device=args.device, dtype=args.dtype,
-                  d_window=args.d_window, block_size=args.block_size, steps=args.steps, warmup=args.warmup,
-                  progress=lambda line: print(line, flush=True))
-    if args.json:
-        import json
-        with open(args.json, "w") as f:
-            json.dump({"bench": "kv", "shape": vars(shape), "records": records}, f, indent=1)
-    return records
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # stdout carries the JSON
+    return run([p for p in args.policies.split(",") if p], [int(x) for x in args.batch_sizes.split(",")],
+               [int(x) for x in args.lengths.split(",")], shape=shape, device=args.device, dtype=args.dtype,
+               d_window=args.d_window, block_size=args.block_size, steps=args.steps, warmup=args.warmup,
+               progress=progress)
 
 
 if __name__ == "__main__":
     import argparse
 
+    from engine.bench.common import write_json
+
     parser = argparse.ArgumentParser(prog="python -m engine.bench.kv", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    from_args(parser.parse_args())
+    ns = parser.parse_args()
+    write_json(from_args(ns), ns.json)

@@ -80,8 +80,8 @@ class MonolithicKV(KVBackend):
         return (torch.tensor(lengths)[:, None] + torch.arange(n_new)).to(self.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        seq_ids, slots, lengths, T, excluded = self._step
-        B, nh, _, hs = q.shape
+        _, slots, lengths, T, excluded = self._step
+        B, _, _, hs = q.shape
         scale = hs ** -0.5
         out, lse = attend_dense(q, k, v, scale, causal=T > 1)  # the new tokens
         L = max(lengths)

@@ -62,7 +62,7 @@ class Transport:
         if self.cuda and tensor.is_cuda:
             tensor.record_stream(stream)
 
-    def host(self, shape: tuple, dtype: torch.dtype, pinned: bool) -> "HostBuffer":
+    def host(self, shape: tuple, dtype: torch.dtype, pinned: bool) -> HostBuffer:
         return HostBuffer(shape, dtype, pin=pinned and self.cuda)
 
     def synchronize(self) -> None:

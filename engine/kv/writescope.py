@@ -131,7 +131,7 @@ class WriteScopeKV(KVBackend):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan
-        B, nh, T, hs = q.shape
+        nh, hs = q.shape[1], q.shape[3]
         self._n_heads = nh
         scale = hs ** -0.5
         self.cache.append(layer, plan, k, v)

@@ -99,7 +99,7 @@ class SharePolicy:
         self.B = CostTracker(params.B_ns_per_token, c_gpu_ms, window)
 
     @classmethod
-    def from_name(cls, policy: str, params: RooflineParams, window: int = 256) -> "SharePolicy":
+    def from_name(cls, policy: str, params: RooflineParams, window: int = 256) -> SharePolicy:
         return cls(policy, params, parse_share(policy), window)
 
     def target(self, placed_tokens: int) -> float:

@@ -8,10 +8,12 @@ from engine.bench.kv import AttentionShape, run
 def test_bench_kv_records_every_policy_and_point():
     policies = ("gpu-centric", "cpu-centric", "writescope", "fixed:0.5", "monolithic", "resident")
     lines = []
-    records = run(policies, batch_sizes=(1, 2), lengths=(70,), shape=AttentionShape(4, 2, 16, 2),
-                  d_window=16, block_size=8, steps=2, warmup=1, progress=lines.append)
+    record = run(policies, batch_sizes=(1, 2), lengths=(70,), shape=AttentionShape(4, 2, 16, 2),
+                 d_window=16, block_size=8, steps=2, warmup=1, progress=lines.append)
+    json.dumps(record)  # plain JSON
+    assert record["bench"] == "kv" and record["machine"]["logical_cores"] > 0
+    records = record["points"]
     assert len(records) == len(policies) * 2 == len(lines)
-    json.dumps(records)  # plain JSON
     for rec in records:
         assert "error" not in rec, rec
         assert rec["decode_ms_per_layer"] > 0 and rec["kv_bytes_per_layer"] == rec["bs"] * 70 * 2 * 2 * 16 * 4

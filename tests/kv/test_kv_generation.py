@@ -18,6 +18,7 @@ from engine.kv.writescope import WriteScopeKV
 from engine.runtime.kv_setup import build_kv
 from engine.sched.roofline import RooflineParams
 
+
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     """The simulated "GPU" (this thread) and the CPU side (the worker thread) each get one core,

@@ -2,8 +2,15 @@
 
 import pytest
 
-from engine.sched.roofline import (CostTracker, RooflineParams, SharePolicy, parse_share, route_to_cpu,
-                                   split_run, target_share)
+from engine.sched.roofline import (
+    CostTracker,
+    RooflineParams,
+    SharePolicy,
+    parse_share,
+    route_to_cpu,
+    split_run,
+    target_share,
+)
 
 
 @pytest.mark.parametrize("A,B,delta,L", [(200, 40, 0.1, 32768), (100, 100, -0.2, 4096), (50, 80, 0.0, 1000),
