@@ -112,6 +112,7 @@ class InplaceKVCache:
         self._next_id = 0
         self._stage = None  # HostBuffer (n_layers, S, 2, n_kv, hs): write-back staging for the CPU region
         self._stage_job = None
+        self.pinned.reserve_ahead()  # the first pinned extent is prepared at load, not at the first prefill
         self.d2h_done = transport.event()
         self.flush_pending = False  # the D-window was read by write-backs still in flight
         self.d2h_bytes = 0
@@ -181,7 +182,8 @@ class InplaceKVCache:
                 plan.window_after.append(0)
             else:
                 staged = s.window + n_new
-                if staged <= D:  # short prefill (a chat turn): staged with the decode tokens
+                if staged < D:  # short prefill (a chat turn): staged with the decode tokens; a decode
+                    # step always finds room for its token, since a window that would be full is placed
                     plan.tails.append((row, 0, n_new, s.window))
                     plan.window_after.append(staged)
                     continue

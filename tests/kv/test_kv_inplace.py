@@ -92,6 +92,8 @@ def scenario(m: Mirror, check=lambda: None, decode_steps=40):
         check()
     m.step([b], 13)  # a chat turn: prefill over a history spread over every region
     check()
+    m.step([c, b], 3)  # two sequences' turns in one step: unequal D-windows, several queries each
+    check()
     m.free(a)
     check()
     d = m.new()
