@@ -97,6 +97,11 @@ class InplaceKVCache:
         self.max_context, self.max_batch, self.device, self.dtype = max_context, max_batch, device, dtype
         D, E = spec.d_window, spec.pingpong_tokens
         self.token_bytes = 2 * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()  # per layer
+        need = spec.device_bytes(n_layers, max_batch, n_kv_heads, head_dim, dtype)
+        if spec.vram_budget_bytes is not None and need > spec.vram_budget_bytes:
+            raise OutOfMemoryError(f"the D-window and ping-pong buffers need {need / 2**30:.2f} GiB; the VRAM budget "
+                                   f"leaves {max(spec.vram_budget_bytes, 0) / 2**30:.2f} GiB after the weights",
+                                   "lower d_window or max_batch, or raise vram_budget_gb")
         try:  # zeros: padded keys are masked, but their values must stay finite
             self.window = torch.zeros((n_layers, max_batch, D, 2, n_kv_heads, head_dim), device=device, dtype=dtype)
             self.pingpong = torch.empty((2, E, 2, n_kv_heads, head_dim), device=device, dtype=dtype)

@@ -2,8 +2,9 @@
 
 Block size (the routing quantum), the D-window size D (decode tokens staged on the device and
 evicted D at a time), the ping-pong size E (tokens per ping-pong buffer, and per host extent, so
-one extent-layer is one DMA filling one buffer), the roofline's A, B, Δ, and a cap on page-locked
-memory. `for_shape` derives the defaults from one layer's KV bytes per token.
+one extent-layer is one DMA filling one buffer), the roofline's A, B, Δ, the device budget of the
+two GPU regions and a cap on page-locked memory. `for_shape` derives the defaults from one layer's
+KV bytes per token.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class PartitionSpec:
         A_ns_per_token=2048 / DEFAULT_CPU_GBPS, B_ns_per_token=2048 / DEFAULT_H2D_GBPS, delta_ms=DEFAULT_DELTA_MS))
     pinned_cap_bytes: int | None = None  # most page-locked host memory to use (None: no cap)
     cost_window: int = 256  # layer-steps in the sliding window of the online cost estimators
+    vram_budget_bytes: int | None = None  # device memory the D-window and ping-pong may take (None: no check)
 
     def validate(self) -> None:
         bs, D, E = self.block_size, self.d_window, self.pingpong_tokens
@@ -48,7 +50,7 @@ class PartitionSpec:
     def for_shape(cls, n_kv_heads: int, head_dim: int, dtype: torch.dtype, *, cuda: bool,
                   block_size: int = 64, d_window: int = 256, pingpong_tokens: int | None = None,
                   roofline: RooflineParams | None = None, pinned_cap_bytes: int | None = None,
-                  max_context: int | None = None) -> PartitionSpec:
+                  max_context: int | None = None, vram_budget_bytes: int | None = None) -> PartitionSpec:
         """Defaults derived from the per-token KV size of one layer (2 · n_kv · hs · element): the
         ping-pong size makes one extent-layer ~8 MiB (one context's worth at most)."""
         token_bytes = 2 * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -62,7 +64,8 @@ class PartitionSpec:
             roofline = RooflineParams(A_ns_per_token=token_bytes / DEFAULT_CPU_GBPS,
                                       B_ns_per_token=token_bytes / h2d,
                                       delta_ms=DEFAULT_DELTA_MS if cuda else 0.0)
-        spec = cls(block_size, d_window, pingpong_tokens, roofline, pinned_cap_bytes)
+        spec = cls(block_size, d_window, pingpong_tokens, roofline, pinned_cap_bytes,
+                   vram_budget_bytes=vram_budget_bytes)
         spec.validate()
         return spec
 

@@ -72,6 +72,12 @@ class HostExchange:
         lo.copy_(lse)
         return o, lo
 
+    def close(self) -> None:
+        for buf in (self._q, self._res):
+            if buf is not None:
+                buf.release()
+        self._q = self._res = None
+
     def to_device(self, staged):
         if not self.tr.cuda:
             return staged
@@ -285,4 +291,5 @@ class WriteScopeKV(KVBackend):
     def close(self) -> None:
         self.worker.shutdown(wait=True)
         self.transport.synchronize()
+        self.exchange.close()
         self.cache.close()

@@ -93,16 +93,12 @@ def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dt
                           f"device is {device}", "use kv_policy resident (or simulate_hybrid to test the hybrid path)")
     if policy == "monolithic":
         return MonolithicKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device, dtype=dtype)
+    room = None
+    if config.vram_budget_gb:
+        room = int(config.vram_budget_gb * 2**30) - device_weights_bytes(model, experts, device)
     spec = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=device.type == "cuda",
                                    block_size=config.block_size, d_window=config.d_window,
                                    roofline=roofline_from_profile(profile, args, dtype, config.max_batch),
-                                   max_context=max_context)
-    if config.vram_budget_gb:
-        need = spec.device_bytes(args.n_layers, config.max_batch, args.n_kv_heads, args.head_dim, dtype)
-        room = config.vram_budget_gb * 2**30 - device_weights_bytes(model, experts, device)
-        if need > room:
-            raise OutOfMemoryError(f"the D-window and ping-pong buffers need {need / 2**30:.2f} GiB; the VRAM budget "
-                                   f"leaves {max(room, 0) / 2**30:.2f} GiB after the weights",
-                                   "lower d_window or max_batch, or raise vram_budget_gb")
+                                   max_context=max_context, vram_budget_bytes=room)
     return WriteScopeKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device,
                         dtype=dtype, spec=spec, policy=policy)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.api import Engine, EngineConfig, GenerationRequest
-from engine.errors import ConfigError
+from engine.errors import ConfigError, OutOfMemoryError
 from engine.kv.inplace import PartitionSpec
 from engine.kv.monolithic import MonolithicKV
 from engine.kv.resident import ResidentKV
@@ -173,3 +173,6 @@ def test_hybrid_policies_need_a_gpu_or_simulation(dense_engine):
     kv = build_kv(config, parts.args, parts.model, None, parts.device, parts.dtype, 256)
     assert isinstance(kv, WriteScopeKV) and kv.policy == "writescope"
     kv.close()
+    config.vram_budget_gb = 0.3  # less than the weights: no room for the D-window and ping-pong buffers
+    with pytest.raises(OutOfMemoryError, match="d_window"):
+        build_kv(config, parts.args, parts.model, None, parts.device, parts.dtype, 256)
