@@ -12,9 +12,14 @@ DType expert_activation_dtype(const ExpertProblem& P) {
   return dp ? DType::bf16 : DType::f32;
 }
 
+// n elements (a multiple of W) of dtype In → fp32 or bf16, W at a time.
 template <DType In, DType Out>
 inline void convert_row(const typename Elem<In>::type* src, typename Elem<Out>::type* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = from_f32<Out>(to_f32<In>(src[i]));
+  for (int64_t i = 0; i < n; i += Simd::W) {
+    const Simd::V v = Simd::load_f32<In>(src + i);
+    if constexpr (Out == DType::f32) Simd::store(dst + i, v);
+    else Simd::store_bf16(dst + i, v);
+  }
 }
 
 template <DType Out>
@@ -46,33 +51,77 @@ void expert_prepare_x(const ExpertProblem& P, void* xs, int64_t n_pad, int64_t t
 }
 
 // Lane r·TB + t = w[r] · a[t] over K elements; a holds TB rows of K contiguous activations.
+// Few tokens (TB < 4, memory-bound): each weight row is read start to end (ascending addresses, the
+// prefetchers' favourite), with U interleaved partial sums per (row, token) so that ≥ 4 independent
+// chains hide the latency. Four tokens (compute-bound): 4 rows × 4 tokens at once, so each loaded
+// weight vector serves 4 tokens and each activation vector 4 rows.
 template <DType WD, bool DP, int RB, int TB>
 inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act, int64_t K) {
   static_assert(RB * TB == Simd::W, "a tile fills exactly one vector of results");
+  constexpr int64_t step = DP ? 2 * Simd::W : Simd::W;  // elements per vector of weights
+  const uint16_t* a16 = static_cast<const uint16_t*>(act);
+  const float* a32 = static_cast<const float*>(act);
   Simd::V acc[RB * TB];
-  for (auto& a : acc) a = Simd::zero();
-  if constexpr (DP) {
-    const uint16_t* a = static_cast<const uint16_t*>(act);
-    for (int64_t k = 0; k < K; k += 2 * Simd::W) {
-      Simd::VI wv[RB];
-      for (int r = 0; r < RB; ++r) wv[r] = Simd::load_raw(w[r] + k);
-      for (int t = 0; t < TB; ++t) {
-        const Simd::VI xv = Simd::load_raw(a + t * K + k);
-        for (int r = 0; r < RB; ++r) acc[r * TB + t] = Simd::dp(acc[r * TB + t], wv[r], xv);
+  if constexpr (TB >= 4) {
+    for (auto& v : acc) v = Simd::zero();
+    for (int64_t k = 0; k < K; k += step) {
+      if constexpr (DP) {
+        Simd::VI wv[RB];
+        for (int r = 0; r < RB; ++r) wv[r] = Simd::load_raw(w[r] + k);
+        for (int t = 0; t < TB; ++t) {
+          const Simd::VI xv = Simd::load_raw(a16 + t * K + k);
+          for (int r = 0; r < RB; ++r) acc[r * TB + t] = Simd::dp(acc[r * TB + t], wv[r], xv);
+        }
+      } else {
+        Simd::V wv[RB];
+        for (int r = 0; r < RB; ++r) wv[r] = Simd::load_f32<WD>(w[r] + k);
+        for (int t = 0; t < TB; ++t) {
+          const Simd::V xv = Simd::load(a32 + t * K + k);
+          for (int r = 0; r < RB; ++r) acc[r * TB + t] = Simd::fma(wv[r], xv, acc[r * TB + t]);
+        }
       }
     }
-  } else {
-    const float* a = static_cast<const float*>(act);
-    for (int64_t k = 0; k < K; k += Simd::W) {
-      Simd::V wv[RB];
-      for (int r = 0; r < RB; ++r) wv[r] = Simd::load_f32<WD>(w[r] + k);
-      for (int t = 0; t < TB; ++t) {
-        const Simd::V xv = Simd::load(a + t * K + k);
-        for (int r = 0; r < RB; ++r) acc[r * TB + t] = Simd::fma(wv[r], xv, acc[r * TB + t]);
+    return Simd::transpose_reduce(acc);
+  }
+  constexpr int U = TB >= 4 ? 1 : 4 / TB;
+  for (int r = 0; r < RB; ++r) {
+    Simd::V part[U * TB];
+    for (auto& v : part) v = Simd::zero();
+    int64_t k = 0;
+    for (; k + U * step <= K; k += U * step)
+      for (int u = 0; u < U; ++u) {
+        const int64_t ku = k + u * step;
+        if constexpr (DP) {
+          const Simd::VI wv = Simd::load_raw(w[r] + ku);
+          for (int t = 0; t < TB; ++t) part[u * TB + t] = Simd::dp(part[u * TB + t], wv, Simd::load_raw(a16 + t * K + ku));
+        } else {
+          const Simd::V wv = Simd::load_f32<WD>(w[r] + ku);
+          for (int t = 0; t < TB; ++t) part[u * TB + t] = Simd::fma(wv, Simd::load(a32 + t * K + ku), part[u * TB + t]);
+        }
       }
+    for (; k < K; k += step) {  // K not a multiple of U·step
+      if constexpr (DP) {
+        const Simd::VI wv = Simd::load_raw(w[r] + k);
+        for (int t = 0; t < TB; ++t) part[t] = Simd::dp(part[t], wv, Simd::load_raw(a16 + t * K + k));
+      } else {
+        const Simd::V wv = Simd::load_f32<WD>(w[r] + k);
+        for (int t = 0; t < TB; ++t) part[t] = Simd::fma(wv, Simd::load(a32 + t * K + k), part[t]);
+      }
+    }
+    for (int t = 0; t < TB; ++t) {
+      Simd::V sum = part[t];
+      for (int u = 1; u < U; ++u) sum = Simd::add(sum, part[u * TB + t]);
+      acc[r * TB + t] = sum;
     }
   }
   return Simd::transpose_reduce(acc);
+}
+
+// silu(g)·u = g·u / (1 + e^−g), with e^−g = 2^(−g·log2 e): exp2's clamp at 2^−126 leaves silu(g) = g
+// for large g, and its overflow to inf gives −0 for very negative g.
+inline Simd::V swiglu(Simd::V g, Simd::V u) {
+  const Simd::V e = Simd::exp2(Simd::mul(g, Simd::set1(-1.4426950408889634f)));
+  return Simd::div(Simd::mul(g, u), Simd::add(Simd::set1(1.0f), e));
 }
 
 // Stage 1, rows [j0, j1) of the intermediate: h[t][j] = silu(gate_j · x_t) · (up_j · x_t).
@@ -83,7 +132,7 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
   const WT* gu = static_cast<const WT*>(P.gate_up);
   const int64_t H = P.hidden, I = P.inter;
-  alignas(64) float g[W], u[W];
+  alignas(64) float hs[W];  // one tile of h, lane r·TB + t
   for (int64_t j = j0; j < j1; j += RB) {
     const WT* gate[RB];
     const WT* up[RB];
@@ -93,13 +142,11 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
     }
     for (int64_t t0 = 0; t0 < n_pad; t0 += TB) {
       const AT* a = static_cast<const AT*>(xs) + t0 * H;
-      Simd::store(g, dot_tile<WD, DP, RB, TB>(gate, a, H));
-      Simd::store(u, dot_tile<WD, DP, RB, TB>(up, a, H));
+      const Simd::V hv = swiglu(dot_tile<WD, DP, RB, TB>(gate, a, H), dot_tile<WD, DP, RB, TB>(up, a, H));
+      Simd::store(hs, hv);
       for (int r = 0; r < RB; ++r)
-        for (int t = 0; t < TB; ++t) {
-          const float gv = g[r * TB + t], hv = gv / (1.0f + std::exp(-gv)) * u[r * TB + t];
-          static_cast<AT*>(h)[(t0 + t) * I + j + r] = from_f32<DP ? DType::bf16 : DType::f32>(hv);
-        }
+        for (int t = 0; t < TB; ++t)
+          static_cast<AT*>(h)[(t0 + t) * I + j + r] = from_f32<DP ? DType::bf16 : DType::f32>(hs[r * TB + t]);
     }
   }
 }

@@ -19,6 +19,7 @@ struct Simd {
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float lane0(V v) { return _mm512_cvtss_f32(v); }
   static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }

@@ -15,6 +15,7 @@ struct Simd {
   static V add(V a, V b) { return a + b; }
   static V sub(V a, V b) { return a - b; }
   static V mul(V a, V b) { return a * b; }
+  static V div(V a, V b) { return a / b; }
   static V fma(V a, V b, V c) { return a * b + c; }  // std::fma is a slow libm call without FMA hardware
   static float lane0(V v) { return v; }
   static float reduce_add(V v) { return v; }

@@ -164,46 +164,47 @@ def attend_blocks(q: torch.Tensor, k_blocks, v_blocks=None, scale: float | None 
                   out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                   threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over the KV blocks with its LSE; see the module docstring for the shapes."""
-    if not isinstance(q, torch.Tensor) or q.dim() not in (2, 3, 4):
+    dim = q.dim() if isinstance(q, torch.Tensor) else 0
+    if dim not in (2, 3, 4):
         raise KernelInputError("q must be a tensor of shape (n_heads, hs), (B, n_heads, hs) or (B, n_heads, T, hs)")
     if q.device.type != "cpu" or q.dtype not in _KV_DTYPES:
         raise KernelInputError(f"q must be an fp32/bf16/fp16 CPU tensor, got {q.dtype} on {q.device}")
-    q4 = {2: lambda: q[None, :, None, :], 3: lambda: q[:, :, None, :], 4: lambda: q}[q.dim()]()  # (B, nh, T, hs)
+    q4 = q if dim == 4 else q[:, :, None] if dim == 3 else q[None, :, None]  # (B, nh, T, hs), a view
     B, nh, T, hs = q4.shape
     if isinstance(k_blocks, KVBlockTable):
         table = k_blocks
     else:
-        if q.dim() == 2:
+        if dim == 2:
             k_blocks, v_blocks = [k_blocks], [v_blocks]
         elif v_blocks is None or len(k_blocks) != B or any(isinstance(k, torch.Tensor) for k in k_blocks):
             raise KernelInputError(f"with q of shape {tuple(q.shape)}, k_blocks and v_blocks must be {B} lists of blocks")
         empty = not any(len(ks) for ks in k_blocks)  # then any head layout fits: outputs are 0, lse −inf
         table = KVBlockTable.from_blocks(k_blocks, v_blocks, n_kv_heads=nh if empty else None, head_dim=hs,
                                          dtype=q.dtype if empty else None)
-    if table.batch_size != B or table.head_dim != hs or nh % table.n_kv_heads:
+    if table.seq_offsets.numel() != B + 1 or table.head_dim != hs or nh % table.n_kv_heads:
         raise KernelInputError(f"q {tuple(q.shape)} does not fit KV of {table.batch_size} sequences, "
                                f"{table.n_kv_heads} KV heads of dim {table.head_dim}")
-    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    scale = hs ** -0.5 if scale is None else float(scale)
     out = _output(out, q.shape, "out")
     lse = _output(lse, q.shape[:-1], "lse")
-    out4, lse3 = out.view(B, nh, T, hs), lse.view(B, nh, T)
     nat = native.module()
-    if nat is not None and table.unit_stride and native_head_dim(hs):
+    if nat is not None and table.unit_stride and hs % 16 == 0 and 16 <= hs <= 256:
         if q4.stride(3) != 1:
             q4 = q4.contiguous()  # (B, nh, T, hs): queries are small; KV is never copied
-        nat.attention_decode(q4.data_ptr(), native.DTYPE_CODES[q4.dtype], B, T, nh, hs, q4.stride(0), q4.stride(1),
-                             q4.stride(2), table.rows.data_ptr(), table.seq_offsets.data_ptr(), table.n_kv_heads,
-                             native.DTYPE_CODES[table.dtype], scale, out4.data_ptr(), lse3.data_ptr(),
-                             threads or native.threads())
+        sb, sh, st, _ = q4.stride()
+        codes = native.DTYPE_CODES
+        nat.attention_decode(q4.data_ptr(), codes[q4.dtype], B, T, nh, hs, sb, sh, st, table.rows.data_ptr(),
+                             table.seq_offsets.data_ptr(), table.n_kv_heads, codes[table.dtype], scale,
+                             out.data_ptr(), lse.data_ptr(), threads or native.threads())
     else:
-        attend_blocks_torch(q4, table, scale, out4, lse3)
+        attend_blocks_torch(q4, table, scale, out.view(B, nh, T, hs), lse.view(B, nh, T))
     return out, lse
 
 
 def _output(buf: torch.Tensor | None, shape, name: str) -> torch.Tensor:
     if buf is None:
         return torch.empty(shape, dtype=torch.float32)
-    if buf.dtype != torch.float32 or tuple(buf.shape) != tuple(shape) or not buf.is_contiguous() or buf.device.type != "cpu":
+    if buf.dtype != torch.float32 or buf.shape != shape or not buf.is_contiguous() or buf.device.type != "cpu":
         raise KernelInputError(f"{name} must be a contiguous fp32 CPU tensor of shape {tuple(shape)}, "
                                f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
     return buf

@@ -63,7 +63,8 @@ def available_cores() -> int:
 
 
 def set_threads(n: int | None) -> None:
-    """Threads of every native CPU kernel call from now on; None: the default (all usable cores)."""
+    """Threads of every native CPU kernel call from now on; None: the default (TANDEM_CPU_THREADS,
+    else all usable cores)."""
     global _threads
     if n is not None and n < 1:
         raise ValueError(f"thread count must be ≥ 1, got {n}")
@@ -71,7 +72,8 @@ def set_threads(n: int | None) -> None:
 
 
 def threads() -> int:
-    if _threads is not None:
-        return _threads
-    env = os.environ.get("TANDEM_CPU_THREADS")
-    return int(env) if env else available_cores()
+    global _threads
+    if _threads is None:
+        env = os.environ.get("TANDEM_CPU_THREADS")
+        _threads = int(env) if env else available_cores()
+    return _threads
