@@ -11,29 +11,23 @@ worker thread. Errors meant for the user are `engine.errors.TandemError`s.
 
 from __future__ import annotations
 
-import gc
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Callable
-
-import torch
 
 from engine.errors import ConfigError, TandemError
 from engine.models.builtin import DEFAULT_MODEL
-from engine.runtime.chat import eos_ids, render_chat
-from engine.runtime.generator import Generator, SeqRun
-from engine.runtime.loading import load_parts
-from engine.runtime.sampling import Sampler, SamplingParams
-from engine.runtime.telemetry import StatsSnapshot, Telemetry
-from engine.runtime.textstream import TextStream
+from engine.runtime.requests import GenerationRequest, GenerationResult
+from engine.runtime.telemetry import StatsSnapshot
 
-__all__ = ["Engine", "EngineConfig", "GenerationRequest", "GenerationResult", "StatsSnapshot", "TandemError"]
+__all__ = ["Engine", "EngineConfig", "GenerationRequest", "GenerationResult", "StatsSnapshot", "TandemError",
+           "probe_hardware", "calibrate", "load_profile"]
 
 
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL  # builtin:…, synthetic:…, a model folder, or a .gguf path
-    backend: str = "tandem"  # tandem | llamacpp
+    backend: str = "auto"  # auto | tandem | llamacpp (auto: see choose_backend)
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
     vram_budget_gb: float | None = None
@@ -52,92 +46,71 @@ class EngineConfig:
         return [f.name for f in fields(cls)]
 
 
-@dataclass
-class GenerationRequest:
-    messages: list[dict] | None = None  # [{"role": "user", "content": "…"}, …] through the chat template
-    prompt: str | None = None  # one user message (or raw text when raw=True)
-    prompt_ids: list[int] | None = None  # token ids as they are
-    raw: bool = False
-    max_new_tokens: int = 256
-    greedy: bool = False
-    temperature: float = 0.7
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    session_id: str | None = None  # a chat's id: its KV is kept between calls
+def choose_backend(config: EngineConfig) -> str:
+    """`auto`: llama.cpp for GGUF files on machines without CUDA when llama-cpp-python is installed
+    (it decodes quantised weights several times faster on the CPU: benchmarks/RESULTS.md), else Tandem.
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.greedy, self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.seed)
+    The built-in models stay on Tandem: they are the reference the tests hold to transformers, and
+    llama.cpp's quantised-activation kernels change the dense model's greedy answer (asked for the
+    capital of France it lists Parisian landmarks instead of answering "Paris")."""
+    if config.backend != "auto":
+        return config.backend
+    import importlib.util
 
+    import torch
 
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # stop | length | stopped | context_full
-    prompt_tokens: int
-    prefilled_tokens: int  # prompt tokens computed this call (the rest were already in the session's KV)
-    completion_tokens: int
-    ttft_s: float | None
-    prefill_tok_s: float | None
-    decode_tok_s: float | None
+    gguf_model = config.model.lower().endswith(".gguf")
+    plain = (config.kv_policy, config.expert_policy) == ("resident", "resident") and not config.simulate_hybrid
+    no_gpu = config.device == "cpu" or not torch.cuda.is_available()
+    if gguf_model and plain and no_gpu and importlib.util.find_spec("llama_cpp") is not None:
+        return "llamacpp"
+    return "tandem"
 
 
 class Engine:
+    """The engine behind one model. Calls are serialised: one generation at a time."""
+
     def __init__(self, config: EngineConfig | None = None, progress: Callable[[str, float], None] | None = None):
         self.config = config or EngineConfig()
-        if self.config.backend != "tandem":
-            raise ConfigError(f"backend '{self.config.backend}' is not available in this build", "use backend tandem")
         if self.config.max_batch < 1:
             raise ConfigError(f"max_batch must be at least 1 (got {self.config.max_batch})", "set max_batch ≥ 1")
         self._lock = threading.Lock()
-        self.telemetry = Telemetry()
-        self.parts = load_parts(self.config, progress)
-        p = self.parts
-        self.generator = Generator(p.model, p.kv, p.device, p.max_context, self.config.max_batch, self.telemetry)
+        kind = choose_backend(self.config)
+        if kind == "tandem":
+            from engine.runtime.tandem import TandemBackend
+            self.backend = TandemBackend(self.config, progress)
+        elif kind == "llamacpp":
+            from engine.backends.llamacpp import LlamaCppBackend
+            self.backend = LlamaCppBackend(self.config, progress)
+        else:
+            raise ConfigError(f"unknown backend '{self.config.backend}'", "use auto, tandem or llamacpp")
 
-    # -- facts ----------------------------------------------------------------------------------
     @property
     def tokenizer(self):
-        return self.parts.tokenizer
+        return self.backend.tokenizer
+
+    @property
+    def parts(self):
+        """The Tandem backend's placed model, KV and experts, for tests and tools (None on other backends)."""
+        return getattr(self.backend, "parts", None)
 
     @property
     def max_context(self) -> int:
-        return self.parts.max_context
+        return self.backend.max_context
 
     def info(self) -> dict:
-        p = self.parts
-        return {"model": self.config.model, "family": p.family, "layers": p.args.n_layers,
-                "experts": p.args.n_experts or None, "top_k": p.args.top_k or None,
-                "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
-                "max_context": p.max_context, "kv_policy": p.kv.policy,
-                "expert_policy": p.experts.policy if p.experts else None}
-
-    # -- text helpers ---------------------------------------------------------------------------
-    def _need_tokenizer(self):
-        if self.parts.tokenizer is None:
-            raise ConfigError(f"{self.config.model} has no tokenizer files", "pass token ids (generate_ids) or add a tokenizer")
-        return self.parts.tokenizer
+        return self.backend.info()
 
     def tokenize(self, text: str) -> list[int]:
-        return self._need_tokenizer().encode(text, add_special_tokens=False)
+        return self.backend.tokenize(text)
 
     def render(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat under the model's template, ending with the assistant's turn."""
-        return render_chat(self._need_tokenizer(), messages)
+        return self.backend.render(messages)
 
-    def prompt_ids(self, req: GenerationRequest) -> list[int]:
-        if req.prompt_ids is not None:
-            return list(req.prompt_ids)
-        if req.messages is not None:
-            return self.render(req.messages)
-        if req.prompt is None:
-            raise ConfigError("the request has no prompt", "give messages, prompt or prompt_ids")
-        return self.tokenize(req.prompt) if req.raw else self.render([{"role": "user", "content": req.prompt}])
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        return self.backend.prompt_ids(request)
 
-    # -- generation -----------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, on_text: Callable[[str], None] | None = None,
                  stop_event: threading.Event | None = None) -> GenerationResult:
         cb = (lambda i, t: on_text(t)) if on_text else None
@@ -153,28 +126,7 @@ class Engine:
         if len(keys) != len(set(keys)):
             raise ConfigError("one session appears twice in a batch", "send one request per chat")
         with self._lock:
-            runs = []
-            tok = self.parts.tokenizer
-            eos = eos_ids(tok, self.parts.args.eos_token_ids)
-            try:
-                for i, req in enumerate(requests):
-                    stream = TextStream(tok, req.stop) if tok is not None else None
-                    run = SeqRun(self.prompt_ids(req), req.max_new_tokens, Sampler(req.sampling()), eos, stream,
-                                 (lambda t, i=i: on_text(i, t)) if on_text else None)
-                    run.session = self.generator.session(req.session_id)
-                    runs.append(run)
-                timer = self.generator.run(runs, stop_event)
-            finally:  # throwaway sequences give their blocks back, whatever happened
-                for req, run in zip(requests, runs):
-                    if req.session_id is None and run.session is not None:
-                        self.parts.kv.free(run.session.seq_id)
-                    elif req.session_id is not None and run.finish_reason is None:
-                        self.generator.end_session(req.session_id)  # failed mid-way: its KV is suspect
-            return [GenerationResult(
-                text=r.stream.text if r.stream else "", token_ids=r.generated, finish_reason=r.finish_reason,
-                prompt_tokens=len(r.prompt), prefilled_tokens=r.prefilled, completion_tokens=len(r.generated),
-                ttft_s=timer.ttft_s, prefill_tok_s=timer.prefill_tok_s, decode_tok_s=timer.decode_tok_s)
-                for r in runs]
+            return self.backend.generate_batch(requests, on_text, stop_event)
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, greedy: bool = True, **sampling) -> list[int]:
         """Token ids in, token ids out: no template, no stop strings, EOS still ends generation."""
@@ -183,26 +135,52 @@ class Engine:
 
     def end_session(self, session_id: str) -> None:
         with self._lock:
-            self.generator.end_session(session_id)
+            self.backend.end_session(session_id)
 
-    # -- stats and teardown ---------------------------------------------------------------------
     def stats(self) -> StatsSnapshot:
-        p = self.parts
-        budget = int(self.config.vram_budget_gb * 2**30) if self.config.vram_budget_gb else None
-        experts_tel = p.experts.telemetry() if p.experts else None
-        weights = p.weights_bytes + (experts_tel or {}).get("bytes", 0)
-        return self.telemetry.snapshot(device=p.device, weights_bytes=weights, kv_tel=p.kv.telemetry(),
-                                       experts_tel=experts_tel, vram_budget_bytes=budget, model_info=self.info(),
-                                       profile=self.config.profile_path)
+        return self.backend.stats()
 
     def close(self) -> None:
-        """Free the KV, the weights and cached GPU memory, in reverse order of creation."""
         with self._lock:
-            if getattr(self, "parts", None) is None:
-                return
-            for key in list(self.generator.sessions):
-                self.generator.end_session(key)
-            self.parts = self.generator = None
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            self.backend.close()
+
+
+# -- hardware: what the first-run wizard and `tandem calibrate` call ---------------------------------
+
+def probe_hardware() -> dict:
+    """What this machine is: {cpu, memory, gpu, software}; a missing value is None and its section's
+    `unavailable` dict says why."""
+    from engine.hw.probe import probe
+
+    return probe()
+
+
+def calibrate(mode: str = "quick", progress: Callable[[str, float], None] | None = None,
+              profile_path: str | None = None, *, model: str | None = None, device: str = "auto",
+              dtype: str = "auto", cancel: threading.Event | None = None) -> dict:
+    """Measure this machine for `model`'s shape (default: the default model), write the profile
+    atomically (profile_path, default: the user data dir) and return it as a dict.
+
+    mode: "quick" (under a minute; the wizard's default) or "full". progress(step, fraction) is
+    called as it goes; setting `cancel` (or raising from progress) stops it and keeps the previous
+    profile. Without CUDA the profile is CPU-only, its GPU fields None with the reason.
+    """
+    from engine.hw import profile as hw_profile
+    from engine.hw.calibrate import calibrate as measure
+    from engine.models.shape import model_shape
+    from engine.runtime.loading import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    shape = model_shape(model or DEFAULT_MODEL, resolve_dtype(dtype, dev))
+    data = measure(shape, mode, progress, cancel, use_cuda=dev.type == "cuda")
+    path = hw_profile.save(data, profile_path)
+    return hw_profile.read(path)
+
+
+def load_profile(path: str | None = None, strict: bool = False) -> dict | None:
+    """The saved profile of this machine, or None when there is none. A profile from another machine
+    or version is ignored with a logged warning; strict=True raises its TandemError (what + remedy)."""
+    from engine.hw import profile as hw_profile
+
+    found = hw_profile.load(path, strict=strict)
+    return None if found is None else found.to_dict()

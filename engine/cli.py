@@ -55,6 +55,8 @@ def cmd_generate(args) -> int:
     from engine.api import Engine, GenerationRequest
 
     engine = Engine(_config(args), progress=None if args.quiet else _progress)
+    if args.prompt_ids is not None or args.random_prompt or args.batch > 1:
+        return _generate_batch_of_ids(args, engine)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     req = GenerationRequest(prompt=prompt, raw=args.raw, **_sampling(args))
     result = engine.generate(req, on_text=lambda t: print(t, end="", flush=True))
@@ -63,6 +65,41 @@ def cmd_generate(args) -> int:
         print(f"[{result.completion_tokens} tokens, {result.finish_reason}; prefill "
               f"{result.prefill_tok_s or 0:.1f} tok/s, decode {result.decode_tok_s or 0:.1f} tok/s]",
               file=sys.stderr)
+    if args.stats_json:
+        with open(args.stats_json, "w") as f:
+            f.write(engine.stats().to_json(indent=2))
+    engine.close()
+    return 0
+
+
+def _generate_batch_of_ids(args, engine) -> int:
+    """`--batch B` sequences decoded together from token ids (`--prompt-ids`, `--random-prompt N`, or
+    the prompt text): what benchmarks of tokenizer-less (synthetic) models run. One line per
+    sequence on stdout: its text, or its token ids when the model has no tokenizer."""
+    import random
+
+    from engine.api import GenerationRequest
+
+    if args.prompt_ids is not None:
+        prompts = [[int(t) for t in args.prompt_ids.replace(",", " ").split()]] * args.batch
+    elif args.random_prompt:
+        vocab = engine.info()["vocab_size"]
+        prompts = [[random.Random(1000 + b).randrange(vocab) for _ in range(args.random_prompt)]
+                   for b in range(args.batch)]  # a different fixed prompt per sequence
+    else:
+        text = args.prompt if args.prompt is not None else sys.stdin.read()
+        prompts = [engine.prompt_ids(GenerationRequest(prompt=text, raw=args.raw))] * args.batch
+    sampling = _sampling(args)
+    requests = [GenerationRequest(prompt_ids=p, **{**sampling, "seed": None if args.seed is None else args.seed + b})
+                for b, p in enumerate(prompts)]
+    results = engine.generate_batch(requests)
+    for r in results:
+        print(r.text if engine.tokenizer is not None else " ".join(map(str, r.token_ids)), flush=True)
+    if not args.quiet:
+        r = results[0]
+        print(f"[{len(results)} × {r.prompt_tokens} prompt tokens → {sum(x.completion_tokens for x in results)} tokens; "
+              f"prefill {r.prefill_tok_s or 0:.1f} tok/s, decode {r.decode_tok_s or 0:.1f} tok/s (all sequences); "
+              f"loaded in {engine.info()['load_s']:.1f} s]", file=sys.stderr)
     if args.stats_json:
         with open(args.stats_json, "w") as f:
             f.write(engine.stats().to_json(indent=2))
@@ -105,7 +142,35 @@ def cmd_models(args) -> int:
     for key, b in BUILTINS.items():
         name = f"builtin:{key}"
         print(f"{name:<28} {b.description}{'  [default]' if name == DEFAULT_MODEL else ''}")
+    from engine.models.synthetic import PRESETS
+
+    for key, config in PRESETS.items():
+        print(f"{'synthetic:' + key:<28} random weights in the shape of {config['model_type']} "
+              f"({config['num_hidden_layers']} layers; -L<n> for the first n); token ids only")
     print("Also: a path to a .gguf file, or a Hugging Face model folder (config.json + *.safetensors).")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from engine.api import calibrate
+    from engine.hw.report import table
+
+    if args.cpu_threads:
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
+    mode = "full" if args.full else "quick"
+    data = calibrate(mode, None if args.quiet else _progress, args.profile_path, model=args.model,
+                     device=args.device, dtype=args.dtype)
+    from engine.hw.profile import resolve_path
+
+    print(table(data, data["calibrated_shape"]))
+    print(f"saved to {resolve_path(args.profile_path)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        print(f"JSON written to {args.json}", file=sys.stderr)
     return 0
 
 
@@ -117,6 +182,18 @@ def cmd_gui(args) -> int:
     return app_main(sys.argv[2:] if len(sys.argv) > 2 else [])
 
 
+def cmd_bench(args) -> int:
+    from engine.bench.common import write_json
+
+    if args.kind == "builtin":
+        from engine.bench import builtin
+        record = builtin.run(threads=args.threads, new_tokens=args.new_tokens, repeats=args.repeats)
+    else:
+        raise TandemError(f"unknown benchmark '{args.kind}'", "available: builtin")
+    write_json(record, args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Private MoE chat on one GPU plus the CPU.")
     sub = parser.add_subparsers(dest="command")
@@ -126,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="feed the prompt as it is, without the chat template")
     g.add_argument("--stats-json", default=None, help="write the final StatsSnapshot here")
     g.add_argument("--quiet", action="store_true", help="no progress or timing lines on stderr")
+    g.add_argument("--prompt-ids", default=None, help="the prompt as token ids, e.g. '1,2,3' (no template)")
+    g.add_argument("--random-prompt", type=int, default=None, metavar="N",
+                   help="a fixed pseudo-random prompt of N token ids per sequence (benchmarks)")
+    g.add_argument("--batch", type=int, default=1, metavar="B",
+                   help="decode B sequences together (needs max_batch ≥ B); prints one line each")
     _add_sampling_flags(g)
     _add_engine_flags(g)
     g.set_defaults(func=cmd_generate)
@@ -137,7 +219,31 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     sub.add_parser("models", help="list the built-in models").set_defaults(func=cmd_models)
+
+    from engine.models.builtin import DEFAULT_MODEL
+
+    k = sub.add_parser("calibrate", help="measure this machine (bandwidths, attention and expert costs) and save the profile")
+    speed = k.add_mutually_exclusive_group()
+    speed.add_argument("--quick", action="store_true", help="under a minute (the default)")
+    speed.add_argument("--full", action="store_true", help="every transfer size, two batch sizes, long contexts")
+    k.add_argument("--model", default=DEFAULT_MODEL, help="whose KV and expert shape to measure (builtin:…, "
+                   "synthetic:…, a .gguf file or a model folder; only its metadata is read)")
+    k.add_argument("--json", default=None, metavar="PATH", help="also write the profile JSON here")
+    k.add_argument("--profile-path", default=None, help="profile file (default: the user data dir)")
+    k.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: a CPU-only profile)")
+    k.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: bf16 with CUDA, fp32 without)")
+    k.add_argument("--cpu-threads", type=int, default=None, help="torch threads for the CPU kernels")
+    k.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    k.set_defaults(func=cmd_calibrate)
     sub.add_parser("gui", help="open the desktop app").set_defaults(func=cmd_gui)
+
+    b = sub.add_parser("bench", help="run a benchmark, print (and save) its JSON record")
+    b.add_argument("kind", help="builtin")
+    b.add_argument("--json", default=None, help="also write the record here")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--new-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

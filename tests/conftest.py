@@ -5,13 +5,13 @@ from engine.api import Engine, EngineConfig
 
 @pytest.fixture(scope="session")
 def dense_engine():
-    engine = Engine(EngineConfig(model="builtin:smollm2-135m", device="cpu"))
+    engine = Engine(EngineConfig(model="builtin:smollm2-135m", backend="tandem", device="cpu"))
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="session")
 def moe_engine():
-    engine = Engine(EngineConfig(model="builtin:smollm2-135m-moe", device="cpu"))
+    engine = Engine(EngineConfig(model="builtin:smollm2-135m-moe", backend="tandem", device="cpu"))
     yield engine
     engine.close()

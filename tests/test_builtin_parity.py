@@ -41,7 +41,7 @@ def test_moe_really_routes_to_several_experts(moe_engine):
     """The upcycled router is a fixed random projection: tokens spread over the 8 experts."""
     info = moe_engine.info()
     assert info["experts"] == 8 and info["top_k"] == 2
-    layer = moe_engine.parts.model.model.layers[0].mlp
-    x = torch.randn(64, moe_engine.parts.args.dim)
+    layer = moe_engine.backend.parts.model.model.layers[0].mlp
+    x = torch.randn(64, moe_engine.backend.parts.args.dim)
     _, ids = layer.route(layer.gate(x), layer.top_k)
     assert len(torch.unique(ids)) >= 6

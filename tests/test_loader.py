@@ -14,7 +14,7 @@ from helpers import TINY, write_tiny_llama_folder, write_tiny_llama_gguf
 
 
 def tiny_engine(path, **kw):
-    return Engine(EngineConfig(model=str(path), device="cpu", max_batch=2, **kw))
+    return Engine(EngineConfig(model=str(path), backend="tandem", device="cpu", max_batch=2, **kw))
 
 
 def test_missing_file_names_the_path(tmp_path):
@@ -71,7 +71,7 @@ def test_cuda_asked_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match="no CUDA GPU"):
-        Engine(EngineConfig(model="builtin:smollm2-135m", device="cuda"))
+        Engine(EngineConfig(model="builtin:smollm2-135m", backend="tandem", device="cuda"))
 
 
 def test_bad_policy_is_refused_before_loading():

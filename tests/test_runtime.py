@@ -59,7 +59,7 @@ def test_second_turn_prefills_only_new_tokens(moe_engine):
 
 
 def test_kv_blocks_return_to_the_pool(moe_engine):
-    kv = moe_engine.parts.kv
+    kv = moe_engine.backend.parts.kv
     before = kv.allocator.n_free
     moe_engine.generate(GenerationRequest(prompt="Count to five.", max_new_tokens=8, greedy=True, session_id="k"))
     assert kv.allocator.n_free < before

@@ -2,7 +2,8 @@
 
 The pools hold max_batch × max_context tokens per layer; sequences take blocks from a free list,
 so a step never reallocates. Attention gathers each sequence's blocks and runs SDPA with a mask
-(padding for batches of unequal lengths, causal for prefill).
+(padding for batches of unequal lengths, causal for prefill, and a sliding window when the model
+has one: a query at position p sees keys p−window+1 … p, as transformers' sliding-window mask).
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from engine.kv.regions import BlockAllocator, SequenceBlocks
 
 class ResidentKV(KVBackend):
     policy = "resident"
+    supports_sliding_window = True
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int,
-                 max_batch: int, block_size: int, device: torch.device, dtype: torch.dtype):
+                 max_batch: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 sliding_window: int | None = None):
         self.max_context, self.block_size, self.device = max_context, block_size, device
+        self.window = sliding_window  # None: every past key is visible
         blocks_per_seq = -(-max_context // block_size)
         n_blocks = blocks_per_seq * max_batch
         n_slots = n_blocks * block_size
@@ -73,12 +77,19 @@ class ResidentKV(KVBackend):
         write = torch.cat([s.slots(s.length, s.length + n_new) for s in seqs])  # (B·T,)
         fresh = len(seqs) == 1 and lengths[0] == 0  # prefill from empty: attend to k, v directly
         read = mask = None
+        if fresh and self.window is not None and n_new > self.window:  # prefill longer than the window
+            pos = torch.arange(n_new)
+            mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window))[None, None]
+            mask = mask.to(self.device)  # (1, 1, T, T)
         if not fresh:
             read = torch.stack([F.pad(s.slots(0, s.length + n_new), (0, total - s.length - n_new))
                                 for s in seqs])  # (B, S): padding points at slot 0, masked out
             key_pos = torch.arange(total)  # (S,)
             query_pos = torch.tensor(lengths)[:, None] + torch.arange(n_new)  # (B, T)
-            mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
+            mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (B, T, S)
+            if self.window is not None:
+                mask &= key_pos[None, None, :] > query_pos[:, :, None] - self.window
+            mask = mask.unsqueeze(1)  # (B, 1, T, S)
             read, mask = read.to(self.device), mask.to(self.device)
         self._step = (seqs, n_new, write.to(self.device), read, mask)
         positions = torch.tensor(lengths)[:, None] + torch.arange(n_new)  # (B, T)
@@ -90,6 +101,8 @@ class ResidentKV(KVBackend):
         self.k[layer][write] = k.transpose(1, 2).reshape(B * T, n_kv, hs)
         self.v[layer][write] = v.transpose(1, 2).reshape(B * T, n_kv, hs)
         if read is None:
+            if mask is not None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
         keys = self.k[layer][read].transpose(1, 2)  # (B, n_kv, S, hs)
         values = self.v[layer][read].transpose(1, 2)

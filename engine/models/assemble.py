@@ -2,7 +2,10 @@
 
 Modules are built on the meta device and take the checkpoint's tensors by assignment, so no
 random initialisation is ever paid for. Routed expert tensors are not module parameters: they go
-to the expert executor the caller makes (`make_experts(gate_up, down)`, per-layer lists).
+to the expert executor the caller makes (`make_experts(gate_up, down)`, lists over the MoE layers
+in order — `args.moe_layer_ids()`; a model with dense layers between them passes fewer entries
+than it has layers, and `MoEFeedForward.expert_layer` indexes these lists). Tensors already on the
+target device in the target dtype (synthetic models generate them there) are taken as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from engine.models.common import Decoder, FeedForward, ModelArgs, MoEFeedForward
 
 def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A real copy on an accelerator; on the host, keep storage (and shared views) where possible."""
+    same_device = t.device.type == device.type and device.index in (None, t.device.index)
+    if same_device and t.dtype == dtype:
+        return t  # already placed (generated in place)
     if device.type == "cpu":
         return t.to(dtype)
     return torch.empty(t.shape, device=device, dtype=dtype).copy_(t)
@@ -22,9 +28,12 @@ def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.T
 
 def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source: str,
              device: torch.device, dtype: torch.dtype, make_experts=None) -> Decoder:
+    moe_layers = args.moe_layer_ids()
+    expert_layer = {layer: j for j, layer in enumerate(moe_layers)}  # decoder layer → executor index
+
     def make_mlp(i: int):
-        if args.is_moe:
-            return MoEFeedForward(args, i, route)
+        if i in expert_layer:
+            return MoEFeedForward(args, i, route, expert_layer[i])
         return FeedForward(args.dim, args.ffn_dim)
 
     with torch.device("meta"):
@@ -37,7 +46,7 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
     gate_up, down = [], []
     if args.is_moe:
         E, I, H = args.n_experts, args.expert_ffn_dim, args.dim
-        for i in range(args.n_layers):
+        for i in moe_layers:
             gu = tensors.pop(f"model.layers.{i}.mlp.experts.gate_up_proj", None)
             dn = tensors.pop(f"model.layers.{i}.mlp.experts.down_proj", None)
             _check(source, f"model.layers.{i}.mlp.experts.gate_up_proj", gu, (E, 2 * I, H))
@@ -58,8 +67,8 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
     model.init_rope(args.max_position, device, dtype)
     if args.is_moe:
         executor = make_experts(gate_up, down)
-        for layer in model.model.layers:
-            layer.mlp.experts = executor
+        for i in moe_layers:
+            model.model.layers[i].mlp.experts = executor
     model.eval()
     return model
 
@@ -70,3 +79,23 @@ def _check(source: str, name: str, t: torch.Tensor | None, shape: tuple) -> None
     if tuple(t.shape) != tuple(shape):
         raise ModelFileError(f"{source}: tensor {name} has shape {tuple(t.shape)}, the config needs {tuple(shape)}",
                              "the weights do not match the config: re-download or re-convert the model")
+
+
+def tensor_shapes(args: ModelArgs) -> dict[str, tuple]:
+    """Every tensor a checkpoint of `args` must provide, with its shape (experts fused per layer,
+    no lm_head when the embeddings are tied): what `assemble` checks, for generators of weights."""
+    moe_layers = args.moe_layer_ids()
+
+    def make_mlp(i: int):
+        return MoEFeedForward(args, i, route=None) if i in moe_layers else FeedForward(args.dim, args.ffn_dim)
+
+    with torch.device("meta"):
+        model = Decoder(args, make_mlp)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if args.tie_embeddings:
+        shapes.pop("lm_head.weight")
+    E, I, H = args.n_experts, args.expert_ffn_dim, args.dim
+    for i in moe_layers:
+        shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] = (E, 2 * I, H)
+        shapes[f"model.layers.{i}.mlp.experts.down_proj"] = (E, H, I)
+    return shapes

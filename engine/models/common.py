@@ -31,18 +31,32 @@ class ModelArgs:
     norm_eps: float = 1e-5
     max_position: int = 8192
     tie_embeddings: bool = False
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    qk_norm: bool = False  # RMSNorm on q and k before RoPE (Qwen3, OLMoE)
+    qk_norm_scope: str = "head"  # "head": over each head's hs (Qwen3); "all": over all heads' projection (OLMoE)
+    qkv_bias: bool = False  # biases on q/k/v_proj
+    o_bias: bool = False  # bias on o_proj
+    clip_qkv: float | None = None  # clamp q, k, v to ±clip (OLMoE option: after its whole-projection norms)
+    sliding_window: int | None = None  # a query sees itself and the window−1 keys before it; None: all
+    rope_inv_freq: torch.Tensor | None = None  # (hs/2,) fp32 for scaled RoPE variants; None: θ^(−2i/hs)
+    rope_attention_factor: float = 1.0  # cos/sin multiplier of the scaled variants (YaRN)
     # MoE (0 experts = dense FFN everywhere)
     n_experts: int = 0
     top_k: int = 0
     expert_ffn_dim: int = 0
     norm_topk_prob: bool = True
+    moe_layers: list[int] | None = None  # layers whose FFN is routed; None: every layer (when n_experts > 0)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    def moe_layer_ids(self) -> list[int]:
+        """Decoder layers with routed experts, ascending; the rest have a dense FFN of ffn_dim."""
+        if not self.is_moe:
+            return []
+        return list(range(self.n_layers)) if self.moe_layers is None else sorted(self.moe_layers)
 
 
 class RMSNorm(nn.Module):
@@ -58,13 +72,20 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_tables(head_dim: int, theta: float, n_pos: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (n_pos, head_dim) in the rotate-half layout of the HF checkpoints."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hs/2,)
+def rope_tables(head_dim: int, theta: float, n_pos: int, device, dtype, inv_freq: torch.Tensor | None = None,
+                attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (n_pos, head_dim) in the rotate-half layout of the HF checkpoints.
+
+    `inv_freq` (hs/2,) and `attention_factor` come from a scaled RoPE variant (linear, YaRN, llama3);
+    without them the plain frequencies θ^(−2i/hs) are used.
+    """
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hs/2,)
     t = torch.arange(n_pos, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # (n_pos, hs/2)
+    freqs = torch.outer(t, inv_freq.float().cpu())  # (n_pos, hs/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (n_pos, hs)
-    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+    cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,22 +100,31 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.norm_all_heads = args.qk_norm_scope == "all"
+        self.clip_qkv = args.clip_qkv
         if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+            q_dim = args.n_heads * args.head_dim if self.norm_all_heads else args.head_dim
+            k_dim = args.n_kv_heads * args.head_dim if self.norm_all_heads else args.head_dim
+            self.q_norm = RMSNorm(q_dim, args.norm_eps)
+            self.k_norm = RMSNorm(k_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, nh·hs), (B, T, n_kv·hs) ×2
+        if self.q_norm is not None and self.norm_all_heads:  # OLMoE: one norm over every head at once
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.norm_all_heads:  # Qwen3: each head on its own
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -118,14 +148,19 @@ class FeedForward(nn.Module):
 class MoEFeedForward(nn.Module):
     """Router + top-k; the routed experts themselves live in an expert executor, not here.
 
-    `route` is the family's rule (softmax → top-k → renormalise, …); the executor computes
-    Σ_k w_k · expert_k(x) wherever the experts are placed.
+    `route(logits, k, renormalise)` is the family's rule (softmax → top-k → renormalise, …), given the
+    config's `norm_topk_prob` (a family whose rule is fixed ignores it); the executor computes
+    Σ_k w_k · expert_k(x) wherever the experts are placed. `expert_layer` is the layer's index among the
+    MoE layers only (= layer_idx when every layer is MoE): the executor's per-layer lists hold MoE
+    layers only.
     """
 
-    def __init__(self, args: ModelArgs, layer_idx: int, route):
+    def __init__(self, args: ModelArgs, layer_idx: int, route, expert_layer: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.expert_layer = layer_idx if expert_layer is None else expert_layer
         self.top_k = args.top_k
+        self.renormalise = args.norm_topk_prob
         self.route = route
         self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
         self.experts = None  # ExpertExecutor, attached by the builder
@@ -134,8 +169,8 @@ class MoEFeedForward(nn.Module):
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
         logits = self.gate(flat)  # (B·T, E)
-        weights, ids = self.route(logits, self.top_k)  # (B·T, k) each
-        return self.experts.run(self.layer_idx, flat, ids, weights.to(x.dtype)).view(B, T, H)
+        weights, ids = self.route(logits, self.top_k, self.renormalise)  # (B·T, k) each
+        return self.experts.run(self.expert_layer, flat, ids, weights.to(x.dtype)).view(B, T, H)
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +209,9 @@ class Decoder(nn.Module):
         self.rope_cos = self.rope_sin = None  # (max_position, hs), set by init_rope
 
     def init_rope(self, n_pos: int, device, dtype) -> None:
-        self.rope_cos, self.rope_sin = rope_tables(self.args.head_dim, self.args.rope_theta, n_pos, device, dtype)
+        a = self.args
+        self.rope_cos, self.rope_sin = rope_tables(a.head_dim, a.rope_theta, n_pos, device, dtype,
+                                                   a.rope_inv_freq, a.rope_attention_factor)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, last_only: bool = True) -> torch.Tensor:
         """tokens, positions: (B, T) → logits (B, vocab) of the last position, or (B, T, vocab)."""

@@ -7,8 +7,11 @@ from pathlib import Path
 
 from engine.errors import UnsupportedModelError
 from engine.models import llama
+from engine.models import mixtral, olmoe, qwen3_moe
 
 FAMILIES = {m.NAME: m for m in (llama,)}
+for _family in (qwen3_moe, mixtral, olmoe):
+    FAMILIES[_family.NAME] = _family
 
 
 def _supported() -> str:
@@ -21,6 +24,16 @@ def for_gguf_arch(arch: str | None, path: Path):
             return fam
     raise UnsupportedModelError(f"{path}: GGUF architecture '{arch}' is not supported",
                                 f"Tandem runs these families: {_supported()}")
+
+
+def for_gguf_meta(meta: dict, path: Path):
+    """Like for_gguf_arch, but a family may claim files of a shared architecture by their metadata
+    (llama.cpp writes Mixtral as `llama` with an expert count)."""
+    for fam in FAMILIES.values():
+        claims = getattr(fam, "claims_gguf", None)
+        if claims is not None and claims(meta):
+            return fam
+    return for_gguf_arch(meta.get("general.architecture"), path)
 
 
 def for_model_type(model_type: str | None, path: Path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.common import ModelArgs, softmax_topk
+from engine.models.hf_config import rope_settings
 
 NAME = "llama"
 GGUF_ARCHS = {"llama"}
@@ -41,7 +42,7 @@ def config_from_gguf(meta: dict) -> dict:
 def args_from_config(config: dict) -> ModelArgs:
     n_heads = config["num_attention_heads"]
     eos = config.get("eos_token_id")
-    rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    rope_theta, rope_inv_freq, rope_attention_factor = rope_settings(config, default_theta=10000.0)  # llama3, linear, …
     return ModelArgs(
         arch=NAME,
         vocab_size=config["vocab_size"],
@@ -52,6 +53,8 @@ def args_from_config(config: dict) -> ModelArgs:
         head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
         ffn_dim=config["intermediate_size"],
         rope_theta=float(rope_theta),
+        rope_inv_freq=rope_inv_freq,
+        rope_attention_factor=rope_attention_factor,
         norm_eps=config.get("rms_norm_eps", 1e-5),
         max_position=config.get("max_position_embeddings", 4096),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -60,8 +63,8 @@ def args_from_config(config: dict) -> ModelArgs:
     )
 
 
-def route(logits: torch.Tensor, k: int):
-    """Routing of the upcycled MoE variant: softmax → top-k → renormalise."""
+def route(logits: torch.Tensor, k: int, renormalise: bool = True):
+    """Routing of the upcycled MoE variant: softmax → top-k → always renormalise (the flag is ignored)."""
     return softmax_topk(logits, k, renormalise=True)
 
 

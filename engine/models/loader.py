@@ -23,7 +23,7 @@ class Checkpoint:
     path: Path  # the .gguf file or the model folder
     family: str  # key of engine.models.families.FAMILIES
     config: dict  # HF-style config.json contents
-    tensors: dict[str, torch.Tensor] = field(repr=False)  # HF names, engine dtype, on the host
+    tensors: dict[str, torch.Tensor] = field(repr=False)  # HF names, engine dtype; on the host (synthetic: placed)
     tokenizer_dir: Path | None = None  # folder to load the tokenizer from (None: no tokenizer)
     gguf_file: str | None = None  # file name inside tokenizer_dir when the tokenizer is in a GGUF
 
@@ -66,8 +66,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
             meta[key] = fld.contents()
         except Exception:  # a field type this gguf version cannot decode: not one we use
             continue
-    arch = meta.get("general.architecture")
-    family = families.for_gguf_arch(arch, path)
+    family = families.for_gguf_meta(meta, path)
     config = family.config_from_gguf(meta)
 
     supported = set(gguf.quants._type_traits) | {gguf.GGMLQuantizationType.F32,
@@ -83,10 +82,18 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only map
             array = array.copy()
         raw[t.name] = torch.from_numpy(array).to(dtype)
-    tensors = family.sanitize_gguf(raw, config)
+    tensors = _sanitize(family.sanitize_gguf, raw, config, path)
     if "tokenizer.ggml.model" not in reader.fields:  # weights only: usable through token ids
         return Checkpoint(path, family.NAME, config, tensors)
     return Checkpoint(path, family.NAME, config, tensors, tokenizer_dir=path.parent, gguf_file=path.name)
+
+
+def _sanitize(sanitize, raw: dict, config: dict, path: Path) -> dict:
+    """The family's name mapping; its errors get the file's path in front."""
+    try:
+        return sanitize(raw, config)
+    except ModelFileError as e:
+        raise ModelFileError(f"{path}: {e.what}", e.remedy) from e
 
 
 # -- Hugging Face folders --------------------------------------------------------------------------
@@ -128,6 +135,6 @@ def _load_folder(path: Path, dtype: torch.dtype) -> Checkpoint:
         except Exception as e:
             raise ModelFileError(f"{shard_path} could not be read ({e})",
                                  "the file is truncated or corrupt: download it again") from e
-    tensors = family.sanitize_hf(raw, config)
+    tensors = _sanitize(family.sanitize_hf, raw, config, path)
     has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
     return Checkpoint(path, family.NAME, config, tensors, tokenizer_dir=path if has_tokenizer else None)

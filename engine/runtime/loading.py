@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from engine.errors import ConfigError, OutOfMemoryError
+from engine.errors import ConfigError, OutOfMemoryError, UnsupportedModelError
 from engine.experts.executor import ExpertExecutor, ResidentExperts
 from engine.kv.backend import KVBackend
 from engine.kv.resident import ResidentKV
-from engine.models import builtin, families
+from engine.models import builtin, families, synthetic
 from engine.models.assemble import assemble
 from engine.models.common import Decoder, ModelArgs
 from engine.models.loader import load_checkpoint
@@ -34,6 +35,7 @@ class Parts:
     dtype: torch.dtype
     max_context: int
     weights_bytes: int
+    load_s: float | None = None  # wall time from the name to placed weights and KV
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,6 +79,7 @@ def check_policies(kv_policy: str, expert_policy: str) -> None:
 
 
 def load_parts(config, progress: Callable[[str, float], None] | None = None) -> Parts:
+    t_start = time.perf_counter()
     report = progress or (lambda step, frac: None)
     check_policies(config.kv_policy, config.expert_policy)
     device = resolve_device(config.device)
@@ -89,14 +92,24 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None) -> 
     if config.model.startswith("builtin:"):
         path, upcycle = builtin.resolve(config.model)
     elif config.model.startswith("synthetic:"):
-        raise ConfigError(f"synthetic models ('{config.model}') are not available in this build",
-                          "use a builtin: model, a .gguf file or a model folder")
+        path = config.model
     else:
         path = os.path.expanduser(config.model)
-    ckpt = load_checkpoint(path, dtype)
+    if config.model.startswith("synthetic:"):  # random weights generated where they will stay
+        if config.dtype == "auto":
+            dtype = torch.bfloat16  # the published models' dtype, on any device
+        report("generating random weights", 0.1)
+        try:
+            ckpt = synthetic.load(config.model, device=device, dtype=dtype)
+        except torch.OutOfMemoryError as e:
+            raise OutOfMemoryError(f"{config.model} does not fit in the memory of {device} ({e})",
+                                   "choose fewer layers (-L<n>) or a device with more memory") from e
+    else:
+        ckpt = load_checkpoint(path, dtype)
     family = families.get(ckpt.family)
     args = family.args_from_config(ckpt.config)
     tensors = ckpt.tensors
+    family_name, tokenizer_dir, gguf_file = ckpt.family, ckpt.tokenizer_dir, ckpt.gguf_file
     if upcycle is not None:
         args, tensors = builtin.upcycle_to_moe(args, tensors, upcycle)
     max_context = min(config.max_context or args.max_position, args.max_position)
@@ -111,16 +124,25 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None) -> 
     try:
         model = assemble(args, tensors, family.route, source=str(path), device=device, dtype=dtype,
                          make_experts=make_experts)
+        del tensors, ckpt  # the model holds what it uses
         report("allocating KV cache", 0.8)
+        window = args.sliding_window if args.sliding_window and args.sliding_window < max_context else None
         kv = ResidentKV(args.n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
-                        max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype)
+                        max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype,
+                        sliding_window=window)
+        if window is not None and not getattr(kv, "supports_sliding_window", False):
+            raise UnsupportedModelError(
+                f"{config.model} attends within a sliding window of {window} tokens, which kv_policy "
+                f"'{kv.policy}' does not implement", f"use kv_policy resident, or max_context ≤ {window}")
     except torch.OutOfMemoryError as e:
         raise OutOfMemoryError(f"{config.model} does not fit in the memory of {device} ({e})",
                                "choose a smaller model or max_context, or a device with more memory") from e
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     report("loading tokenizer", 0.9)
-    tokenizer = load_tokenizer(ckpt.tokenizer_dir, ckpt.gguf_file) if ckpt.tokenizer_dir else None
+    tokenizer = load_tokenizer(tokenizer_dir, gguf_file) if tokenizer_dir else None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # generated weights are ready only when their kernels are done
     report("ready", 1.0)
-    return Parts(args, ckpt.family, model, kv, holder.get("experts"), tokenizer, device, dtype,
-                 max_context, weights_bytes)
+    return Parts(args, family_name, model, kv, holder.get("experts"), tokenizer, device, dtype,
+                 max_context, weights_bytes, load_s=time.perf_counter() - t_start)

@@ -89,7 +89,7 @@ class Telemetry:
         t = self.last
         speed = {"prefill_tok_s": t and t.prefill_tok_s, "decode_tok_s": t and t.decode_tok_s,
                  "ttft_s": t and t.ttft_s}
-        kernels = {"cpu_attention": "torch-sdpa" if device.type == "cpu" else kv_tel.get("cpu_kernel"),
+        kernels = {"cpu_attention": kv_tel.get("cpu_kernel") or ("torch-sdpa" if device.type == "cpu" else None),
                    "cpu_experts": (experts_tel or {}).get("cpu_kernel")}
         return StatsSnapshot(phase=self.phase, vram=vram, host=host, kv=kv, experts=experts, pcie=pcie,
                              speed=speed, kernels=kernels, profile=profile, model=model_info)

@@ -1,0 +1,1 @@
+"""The benchmark harness behind `tandem bench`: one JSON record per configuration."""

@@ -1,0 +1,130 @@
+"""The model shapes calibration measures for: plain numbers, no weights.
+
+The costs Tandem's schedulers need depend on the model only through these numbers: the KV bytes of
+one token (heads, head size, dtype) and the bytes of one routed expert (hidden size, expert FFN
+size, dtype). `ModelShape.of(args, dtype)` reads any object with ModelArgs' attribute names, so this
+floor never imports the models package above it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from engine.errors import ConfigError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_name(dtype) -> str:
+    """'bfloat16' for torch.bfloat16 or 'bfloat16'; checked against the dtypes calibration knows."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"calibration does not know dtype '{name}'", f"use one of {', '.join(DTYPE_BYTES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class KVShape:
+    n_heads: int  # query heads
+    n_kv_heads: int
+    head_dim: int
+    dtype: str  # "bfloat16" | "float32" | "float16"
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token of one sequence in one layer."""
+        return 2 * self.n_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def key(self) -> str:
+        return f"q{self.n_heads}-kv{self.n_kv_heads}x{self.head_dim}-{self.dtype}"
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    hidden: int  # H
+    ffn: int  # I of one routed expert
+    dtype: str
+
+    @property
+    def bytes_per_expert(self) -> int:
+        """gate_up (2I, H) plus down (H, I): one contiguous DMA in the expert store."""
+        return 3 * self.hidden * self.ffn * DTYPE_BYTES[self.dtype]
+
+    @property
+    def key(self) -> str:
+        return f"h{self.hidden}-i{self.ffn}-{self.dtype}"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str  # what the user called the model (for tables and messages)
+    kv: KVShape
+    expert: ExpertShape | None  # None: a dense model, no routed experts
+    n_layers: int
+    n_experts: int = 0
+    top_k: int = 0
+
+    @property
+    def key(self) -> str:
+        return self.kv.key + ("/" + self.expert.key if self.expert else "/dense")
+
+    @classmethod
+    def of(cls, args, dtype, name: str = "") -> "ModelShape":
+        """From anything with ModelArgs' fields (n_heads, n_kv_heads, head_dim, dim, expert_ffn_dim, …)."""
+        d = dtype_name(dtype)
+        kv = KVShape(int(args.n_heads), int(args.n_kv_heads), int(args.head_dim), d)
+        moe = int(getattr(args, "n_experts", 0) or 0) > 0
+        expert = ExpertShape(int(args.dim), int(args.expert_ffn_dim or args.ffn_dim), d) if moe else None
+        return cls(name, kv, expert, int(args.n_layers), int(getattr(args, "n_experts", 0) or 0),
+                   int(getattr(args, "top_k", 0) or 0))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelShape":
+        return cls(d["name"], KVShape(**d["kv"]), ExpertShape(**d["expert"]) if d.get("expert") else None,
+                   d["n_layers"], d.get("n_experts", 0), d.get("top_k", 0))
+
+
+@dataclass(frozen=True)
+class _Ref:
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    dim: int
+    expert_ffn_dim: int
+    n_experts: int
+    top_k: int
+    ffn_dim: int = 0
+
+
+# Published configs of the models the synthetic presets reproduce (config.json of each checkpoint),
+# so a machine can be calibrated for a model it does not hold.
+REFERENCE_SHAPES = {
+    "qwen3-30b-a3b": _Ref(n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, dim=2048, expert_ffn_dim=768,
+                          n_experts=128, top_k=8),
+    "mixtral-8x7b": _Ref(n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, dim=4096, expert_ffn_dim=14336,
+                         n_experts=8, top_k=2),
+    "olmoe-1b-7b": _Ref(n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128, dim=2048, expert_ffn_dim=1024,
+                        n_experts=64, top_k=8),
+}
+
+
+def reference_shape(name: str, dtype) -> ModelShape:
+    """'synthetic:qwen3-30b-a3b' (optionally '-L<n>' for the first n layers) → its ModelShape."""
+    key = name.removeprefix("synthetic:")
+    m = re.fullmatch(r"(.+?)(?:-L(\d+))?", key)
+    base, layers = m.group(1), m.group(2)
+    if base not in REFERENCE_SHAPES:
+        raise ConfigError(f"no reference shape for '{name}'",
+                          f"use one of: {', '.join('synthetic:' + k for k in REFERENCE_SHAPES)}")
+    ref = REFERENCE_SHAPES[base]
+    shape = ModelShape.of(ref, dtype, name)
+    if layers:
+        shape = ModelShape(shape.name, shape.kv, shape.expert, min(int(layers), ref.n_layers),
+                           shape.n_experts, shape.top_k)
+    return shape

@@ -1,0 +1,80 @@
+"""Mixtral (Mixtral-8x7B, Mixtral-8x22B): config, name mapping, routing rule.
+
+The forward is `common.Decoder`, with these family details:
+  - attention: llama-style GQA, no q/k norms, no biases, RoPE θ = 1e6; a sliding window when the
+    config sets `sliding_window` (the published Mixtral configs set none);
+  - FFN: every layer routes to `num_local_experts` SwiGLU experts of `intermediate_size`, top
+    `num_experts_per_tok`; no shared expert;
+  - routing: softmax over experts in fp32 → top-k → always renormalise (no config switch).
+Checkpoints name the block `block_sparse_moe` with experts `w1/w3/w2` (gate/up/down); transformers
+5.x names it `mlp` with fused experts. GGUF files carry Mixtral under llama.cpp's `llama`
+architecture with an expert count, q/k rows permuted as for llama.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.common import ModelArgs, softmax_topk
+from engine.models.expert_names import fuse_experts
+from engine.models.gguf_names import moe_config_from_gguf, sanitize_moe_gguf
+from engine.models.hf_config import eos_list, expert_count, rope_settings, sliding_window
+from engine.models.llama import _unpermute  # the inverse of llama.cpp's q/k permutation
+from engine.models.qwen3_moe import check_activation
+
+NAME = "mixtral"
+GGUF_ARCHS: set[str] = set()  # llama.cpp writes Mixtral as "llama"; see claims_gguf
+MODEL_TYPES = {"mixtral"}
+
+
+def claims_gguf(meta: dict) -> bool:
+    """A `llama` GGUF with routed experts is a Mixtral."""
+    return meta.get("general.architecture") == "llama" and int(meta.get("llama.expert_count") or 0) > 0
+
+
+def args_from_config(config: dict) -> ModelArgs:
+    check_activation(config)
+    n_heads, dim = config["num_attention_heads"], config["hidden_size"]
+    theta, inv_freq, attention_factor = rope_settings(config, default_theta=1e6)
+    expert_ffn = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+    return ModelArgs(
+        arch=NAME,
+        vocab_size=config["vocab_size"],
+        dim=dim,
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        head_dim=config.get("head_dim") or dim // n_heads,
+        ffn_dim=expert_ffn,
+        rope_theta=theta,
+        rope_inv_freq=inv_freq,
+        rope_attention_factor=attention_factor,
+        norm_eps=config.get("rms_norm_eps", 1e-5),
+        max_position=config.get("max_position_embeddings", 32768),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        sliding_window=sliding_window(config),
+        n_experts=expert_count(config),
+        top_k=int(config["num_experts_per_tok"]),
+        expert_ffn_dim=expert_ffn,
+        norm_topk_prob=True,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_list(config),
+    )
+
+
+def route(logits: torch.Tensor, k: int, renormalise: bool = True):
+    """Softmax over all experts in fp32 → top-k → always renormalise (the flag is ignored)."""
+    return softmax_topk(logits, k, renormalise=True)
+
+
+def sanitize_hf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    raw = {k: v for k, v in raw.items() if "rotary_emb.inv_freq" not in k}
+    return fuse_experts(raw, expert_count(config))
+
+
+def config_from_gguf(meta: dict) -> dict:
+    return moe_config_from_gguf(meta, NAME)
+
+
+def sanitize_gguf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    return sanitize_moe_gguf(raw, config, unpermute_qk=_unpermute)

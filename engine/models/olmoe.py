@@ -1,0 +1,86 @@
+"""OLMoE (OLMoE-1B-7B): config, name mapping, routing rule.
+
+The forward is `common.Decoder`, with these family details:
+  - attention: RMSNorm on q and k over the *whole* projection (q_norm over nh·hs, k_norm over
+    n_kv·hs, before splitting into heads — unlike Qwen3's per-head norms), then an optional clamp of
+    q, k, v to ±`clip_qkv`; biases only if `attention_bias`; plain RoPE (θ = 1e4); no window;
+  - FFN: every layer routes to `num_experts` SwiGLU experts of `intermediate_size`, top
+    `num_experts_per_tok`; no shared expert;
+  - routing: softmax over experts in fp32 → top-k → renormalise iff `norm_topk_prob` (false in the
+    published model).
+GGUF (llama.cpp `olmoe`) stores q/k unpermuted (NEOX RoPE).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.common import ModelArgs, softmax_topk
+from engine.models.expert_names import fuse_experts
+from engine.models.gguf_names import moe_config_from_gguf, sanitize_moe_gguf
+from engine.models.hf_config import eos_list, expert_count, rope_settings
+from engine.models.qwen3_moe import check_activation
+
+NAME = "olmoe"
+GGUF_ARCHS = {"olmoe"}
+MODEL_TYPES = {"olmoe"}
+
+
+def args_from_config(config: dict) -> ModelArgs:
+    check_activation(config)
+    n_heads, dim = config["num_attention_heads"], config["hidden_size"]
+    theta, inv_freq, attention_factor = rope_settings(config, default_theta=10000.0)
+    bias = bool(config.get("attention_bias", False))
+    expert_ffn = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+    clip = config.get("clip_qkv")
+    return ModelArgs(
+        arch=NAME,
+        vocab_size=config["vocab_size"],
+        dim=dim,
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        head_dim=dim // n_heads,  # OLMoE's norms assume it: q_norm spans hidden_size
+        ffn_dim=expert_ffn,
+        rope_theta=theta,
+        rope_inv_freq=inv_freq,
+        rope_attention_factor=attention_factor,
+        norm_eps=config.get("rms_norm_eps", 1e-5),
+        max_position=config.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=True,
+        qk_norm_scope="all",
+        qkv_bias=bias,
+        o_bias=bias,
+        clip_qkv=float(clip) if clip else None,
+        n_experts=expert_count(config),
+        top_k=int(config["num_experts_per_tok"]),
+        expert_ffn_dim=expert_ffn,
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_list(config),
+    )
+
+
+def route(logits: torch.Tensor, k: int, renormalise: bool = False):
+    """Softmax over all experts in fp32 → top-k → renormalise the k weights iff norm_topk_prob."""
+    return softmax_topk(logits, k, renormalise)
+
+
+def sanitize_hf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    raw = {k: v for k, v in raw.items() if "rotary_emb.inv_freq" not in k}
+    return fuse_experts(raw, expert_count(config))
+
+
+def config_from_gguf(meta: dict) -> dict:
+    a = meta["general.architecture"]
+    config = moe_config_from_gguf(meta, NAME)
+    config["norm_topk_prob"] = bool(meta.get(f"{a}.expert_weights_norm", False))
+    clamp = meta.get(f"{a}.attention.clamp_kqv")
+    if clamp:
+        config["clip_qkv"] = float(clamp)
+    return config
+
+
+def sanitize_gguf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    return sanitize_moe_gguf(raw, config)

@@ -1,0 +1,181 @@
+"""Synthetic models: the published shapes of real MoE models with seeded random weights.
+
+`synthetic:<preset>` builds the model of a real checkpoint's config.json (values copied from the
+published file, cited per preset) with random weights, so that every benchmark runs on machines
+that hold no checkpoint. `synthetic:<preset>-L<n>` keeps only the first n layers' shape (e.g.
+`synthetic:qwen3-30b-a3b-L12`).
+
+Weights are generated straight into their final placement: each tensor is allocated on the target
+device and filled there by torch's RNG (one kernel per tensor, no host copy, no per-element Python),
+in bf16 unless asked otherwise. The 61 GB Qwen3-30B-A3B is a few hundred such calls. Routed experts
+come stacked per layer in the fused (E, 2I, H)/(E, H, I) layout the expert executors take.
+
+Scale: every matrix is N(0, 1/fan_in) and every norm weight 1, so each sublayer maps unit-RMS
+inputs to O(1) outputs, the residual stream grows only like √layers, and logits and router logits
+are O(1): activations stay finite in bf16 over long decodes.
+
+What these models are not: they have no tokenizer (token ids in and out: `Engine.generate_ids`) and
+no EOS (generation always runs to max_new_tokens). Their routers are random projections, which spread
+tokens near-uniformly over the experts — the worst case for an expert cache, not what trained
+routers do; benchmarks must report it as such. The numbers drawn depend on the device (CPU and CUDA
+generators differ) but are fixed for a given device, seed and preset.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from engine.errors import ConfigError
+from engine.models import families
+from engine.models.assemble import tensor_shapes
+from engine.models.loader import Checkpoint
+
+DEFAULT_SEED = 0
+
+PRESETS: dict[str, dict] = {
+    # Qwen/Qwen3-30B-A3B config.json: 48 layers, 128 experts (top 8) of 768, 30.5 B parameters.
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    # mistralai/Mixtral-8x7B-v0.1 config.json: 32 layers, 8 experts (top 2) of 14336, 46.7 B parameters.
+    "mixtral-8x7b": {
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # allenai/OLMoE-1B-7B-0924 config.json: 16 layers, 64 experts (top 8) of 1024, 6.9 B parameters.
+    "olmoe-1b-7b": {
+        "model_type": "olmoe",
+        "vocab_size": 50304,
+        "hidden_size": 2048,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "clip_qkv": None,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "tie_word_embeddings": False,
+        "pad_token_id": 1,
+        "bos_token_id": None,
+        "eos_token_id": 50279,
+    },
+}
+
+_NAME = re.compile(r"synthetic:(?P<preset>[a-z0-9.-]+?)(?:-L(?P<layers>\d+))?")
+
+
+def names() -> list[str]:
+    return [f"synthetic:{k}" for k in PRESETS]
+
+
+def parse(name: str) -> tuple[str, int | None]:
+    """'synthetic:<preset>[-L<n>]' → (preset, n or None)."""
+    m = _NAME.fullmatch(name)
+    if m is None or m["preset"] not in PRESETS:
+        raise ConfigError(f"unknown synthetic model '{name}'",
+                          f"choose one of: {', '.join(names())}, each optionally with -L<layers>")
+    layers = int(m["layers"]) if m["layers"] else None
+    full = PRESETS[m["preset"]]["num_hidden_layers"]
+    if layers is not None and not 1 <= layers <= full:
+        raise ConfigError(f"'{name}' asks for {layers} layers; {m['preset']} has 1 to {full}",
+                          f"use -L1 … -L{full}, or no suffix for all {full}")
+    return m["preset"], layers
+
+
+def config_for(name: str) -> dict:
+    """The preset's config.json, cut to its first n layers, without an EOS token."""
+    preset, layers = parse(name)
+    config = dict(PRESETS[preset])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+        if config.get("mlp_only_layers"):
+            config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
+    config["eos_token_id"] = None  # random weights: no token means "stop"
+    return config
+
+
+def init_std(name: str, shape: tuple) -> float | None:
+    """Standard deviation of a weight's normal init; None: a norm weight (ones) or a bias (zeros)."""
+    if len(shape) == 1:
+        return None
+    if name.endswith("embed_tokens.weight"):
+        return 1.0  # unit-RMS token vectors; the first norm sees them as they are
+    return shape[-1] ** -0.5  # fan_in is the last dim of (out, in) and of (E, out, in)
+
+
+def load(name: str, *, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = DEFAULT_SEED,
+         expert_device: torch.device | None = None) -> Checkpoint:
+    """A Checkpoint whose tensors already lie where the model will use them.
+
+    `expert_device` places the routed experts elsewhere (the host store of an offloading executor);
+    default: with the rest on `device`.
+    """
+    config = config_for(name)
+    family = families.for_model_type(config["model_type"], Path(name))
+    args = family.args_from_config(config)
+    generators: dict[str, torch.Generator] = {}
+    tensors = {}
+    for tensor_name, shape in tensor_shapes(args).items():  # a fixed order: same seed, same weights
+        where = expert_device if expert_device is not None and ".mlp.experts." in tensor_name else device
+        key = str(where)
+        if key not in generators:
+            generators[key] = torch.Generator(device=where).manual_seed(seed)
+        t = torch.empty(shape, device=where, dtype=dtype)
+        std = init_std(tensor_name, shape)
+        if std is not None:
+            t.normal_(0.0, std, generator=generators[key])
+        elif tensor_name.endswith(".bias"):
+            t.zero_()
+        else:
+            t.fill_(1.0)
+        tensors[tensor_name] = t
+    return Checkpoint(Path(name), family.NAME, config, tensors)

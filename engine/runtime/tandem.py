@@ -1,0 +1,111 @@
+"""Tandem's own backend: the placed model, its KV and experts, the generator, the counters."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Callable
+
+import torch
+
+from engine.errors import ConfigError
+from engine.hw import profile as hw_profile
+from engine.runtime.chat import eos_ids, render_chat
+from engine.runtime.generator import Generator, SeqRun
+from engine.runtime.loading import load_parts
+from engine.runtime.requests import GenerationRequest, GenerationResult, prompt_ids_of
+from engine.runtime.sampling import Sampler
+from engine.runtime.telemetry import StatsSnapshot, Telemetry
+from engine.runtime.textstream import TextStream
+
+
+class TandemBackend:
+    name = "tandem"
+
+    def __init__(self, config, progress: Callable[[str, float], None] | None = None):
+        self.config = config
+        self.telemetry = Telemetry()
+        self.profile = hw_profile.load(config.profile_path)  # None: not calibrated (or another machine's)
+        self.parts = load_parts(config, progress)
+        p = self.parts
+        self.generator = Generator(p.model, p.kv, p.device, p.max_context, config.max_batch, self.telemetry)
+
+    @property
+    def tokenizer(self):
+        return self.parts.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.parts.max_context
+
+    def info(self) -> dict:
+        p = self.parts
+        return {"backend": self.name, "model": self.config.model, "family": p.family, "layers": p.args.n_layers,
+                "experts": p.args.n_experts or None, "top_k": p.args.top_k or None,
+                "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
+                "max_context": p.max_context, "kv_policy": p.kv.policy,
+                "expert_policy": p.experts.policy if p.experts else None,
+                "load_s": p.load_s, "vocab_size": p.args.vocab_size}
+
+    def _need_tokenizer(self):
+        if self.parts.tokenizer is None:
+            raise ConfigError(f"{self.config.model} has no tokenizer files", "pass token ids (generate_ids) or add a tokenizer")
+        return self.parts.tokenizer
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._need_tokenizer().encode(text, add_special_tokens=False)
+
+    def render(self, messages: list[dict]) -> list[int]:
+        return render_chat(self._need_tokenizer(), messages)
+
+    def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        return prompt_ids_of(req, self.tokenize, self.render)
+
+    def generate_batch(self, requests: list[GenerationRequest], on_text: Callable[[int, str], None] | None,
+                       stop_event: threading.Event | None) -> list[GenerationResult]:
+        runs = []
+        tok = self.parts.tokenizer
+        eos = eos_ids(tok, self.parts.args.eos_token_ids)
+        try:
+            for i, req in enumerate(requests):
+                stream = TextStream(tok, req.stop) if tok is not None else None
+                run = SeqRun(self.prompt_ids(req), req.max_new_tokens, Sampler(req.sampling()),
+                             set() if req.ignore_eos else eos, stream,
+                             (lambda t, i=i: on_text(i, t)) if on_text else None)
+                run.session = self.generator.session(req.session_id)
+                runs.append(run)
+            timer = self.generator.run(runs, stop_event)
+        finally:  # throwaway sequences give their blocks back, whatever happened
+            for req, run in zip(requests, runs):
+                if req.session_id is None and run.session is not None:
+                    self.parts.kv.free(run.session.seq_id)
+                elif req.session_id is not None and run.finish_reason is None:
+                    self.generator.end_session(req.session_id)  # failed mid-way: its KV is suspect
+        return [GenerationResult(
+            text=r.stream.text if r.stream else "", token_ids=r.generated, finish_reason=r.finish_reason,
+            prompt_tokens=len(r.prompt), prefilled_tokens=r.prefilled, completion_tokens=len(r.generated),
+            ttft_s=timer.ttft_s, prefill_tok_s=timer.prefill_tok_s, decode_tok_s=timer.decode_tok_s)
+            for r in runs]
+
+    def end_session(self, session_id: str) -> None:
+        self.generator.end_session(session_id)
+
+    def stats(self) -> StatsSnapshot:
+        p = self.parts
+        budget = int(self.config.vram_budget_gb * 2**30) if self.config.vram_budget_gb else None
+        experts_tel = p.experts.telemetry() if p.experts else None
+        weights = p.weights_bytes + (experts_tel or {}).get("bytes", 0)
+        return self.telemetry.snapshot(device=p.device, weights_bytes=weights, kv_tel=p.kv.telemetry(),
+                                       experts_tel=experts_tel, vram_budget_bytes=budget, model_info=self.info(),
+                                       profile=self.profile.name if self.profile else None)
+
+    def close(self) -> None:
+        """Free the KV, the weights and cached GPU memory, in reverse order of creation."""
+        if self.parts is None:
+            return
+        for key in list(self.generator.sessions):
+            self.generator.end_session(key)
+        self.generator = self.parts = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,63 @@
+"""The llama.cpp backend behind the same Engine interface, on the built-in GGUF."""
+
+import threading
+
+import pytest
+
+from engine.api import Engine, EngineConfig, GenerationRequest, choose_backend
+from engine.errors import ConfigError, ContextOverflowError, ModelFileError
+
+pytest.importorskip("llama_cpp")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    engine = Engine(EngineConfig(model="builtin:smollm2-135m", backend="llamacpp", cpu_threads=2, max_context=1024))
+    yield engine
+    engine.close()
+
+
+def test_answers_and_streams(llama):
+    pieces = []
+    res = llama.generate(GenerationRequest(prompt="Write one sentence about Paris.", max_new_tokens=24, greedy=True),
+                         on_text=pieces.append)
+    assert "Paris" in res.text and "".join(pieces) == res.text
+    assert res.finish_reason in ("stop", "length") and res.decode_tok_s > 0
+    snap = llama.stats().to_dict()
+    assert snap["kernels"]["cpu_attention"] == "llama.cpp" and snap["speed"]["ttft_s"] > 0
+
+
+def test_follow_up_turn_reuses_the_prefix(llama):
+    turn1 = [{"role": "user", "content": "Name a fruit."}]
+    r1 = llama.generate(GenerationRequest(messages=turn1, max_new_tokens=12, greedy=True, session_id="a"))
+    turn2 = turn1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "Another one?"}]
+    r2 = llama.generate(GenerationRequest(messages=turn2, max_new_tokens=12, greedy=True, session_id="a"))
+    assert r2.prefilled_tokens < r2.prompt_tokens - r1.prompt_tokens
+    other = llama.generate(GenerationRequest(messages=turn2, max_new_tokens=12, greedy=True, session_id="b"))
+    assert other.prefilled_tokens == other.prompt_tokens  # another chat never sees chat a's KV
+    # (no token-equality check here: llama.cpp's batched and single-token kernels round differently,
+    # so a reused prefix may change its greedy continuation)
+
+
+def test_stop_event_and_context(llama):
+    stop = threading.Event()
+    res = llama.generate(GenerationRequest(prompt="Write a long essay about rivers.", max_new_tokens=200, greedy=True),
+                         on_text=lambda t: stop.set(), stop_event=stop)
+    assert res.finish_reason == "stopped" and res.completion_tokens <= 3
+    with pytest.raises(ContextOverflowError):
+        llama.generate_ids([1] * 2000, 4)
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(ConfigError, match="upcycled"):
+        Engine(EngineConfig(model="builtin:smollm2-135m-moe", backend="llamacpp"))
+    with pytest.raises(ModelFileError, match="not found"):
+        Engine(EngineConfig(model=str(tmp_path / "x.gguf"), backend="llamacpp"))
+
+
+def test_auto_picks_llamacpp_only_for_plain_gguf_on_cpu():
+    assert choose_backend(EngineConfig(model="/models/m.gguf", device="cpu")) == "llamacpp"
+    assert choose_backend(EngineConfig(model="/models/m.gguf", device="cpu", simulate_hybrid=True)) == "tandem"
+    assert choose_backend(EngineConfig(model="/models/m.gguf", backend="tandem")) == "tandem"
+    assert choose_backend(EngineConfig(model="builtin:smollm2-135m", device="cpu")) == "tandem"
+    assert choose_backend(EngineConfig(model="/models/folder", device="cpu")) == "tandem"
