@@ -229,3 +229,12 @@ def attend_blocks_torch(q4: torch.Tensor, table: KVBlockTable, scale: float, out
         scores = torch.bmm(queries, keys.transpose(1, 2)) * scale  # (n_kv, group·T, L)
         lse3[b] = torch.logsumexp(scores, dim=-1).reshape(nh, T)
         out4[b] = torch.bmm(torch.softmax(scores, dim=-1), values).reshape(nh, T, hs)
+
+
+def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The AttentionKernel interface of engine/hw/attention_kernels.py, for calibration:
+    q (B, nh, 1, hs), k, v (B, n_kv, L, hs) → out (B, nh, 1, hs) in q's dtype, lse (B, nh, 1) fp32.
+    Each sequence's K and V are read in place as one block."""
+    table = KVBlockTable.from_blocks([[k[b]] for b in range(k.shape[0])], [[v[b]] for b in range(v.shape[0])])
+    out, lse = attend_blocks(q, table, scale=scale)
+    return out.to(q.dtype), lse

@@ -22,9 +22,11 @@ from engine.kernels import native
 from engine.kernels.experts_torch import expert_ffn as expert_ffn_torch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Largest token count sent to the native kernel; above it torch runs. Default from the dev machine's
-# measurement (2 cores, no AMX), where native led at every size tried; see benchmarks/.
-_native_max_tokens = 256
+# Largest token count sent to the native kernel; above it torch runs. The default is the crossover
+# measured on the development machine (AMD Zen 4, AVX512_BF16, no AMX, one thread): native ahead up to
+# 16 tokens, torch from 64. `tandem bench cpu-kernels` reports each machine's crossover
+# (experts.crossover_tokens); calibration sets it with set_native_max_tokens.
+_native_max_tokens = 16
 
 
 def set_native_max_tokens(n: int) -> None:
