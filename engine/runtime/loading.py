@@ -11,6 +11,7 @@ import torch
 
 from engine.errors import ConfigError, OutOfMemoryError, UnsupportedModelError
 from engine.experts.executor import ExpertExecutor, ResidentExperts
+from engine.kernels import native
 from engine.kv.backend import KVBackend
 from engine.kv.resident import ResidentKV
 from engine.models import builtin, families, synthetic
@@ -86,6 +87,9 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None) -> 
     dtype = resolve_dtype(config.dtype, device)
     if config.cpu_threads:
         torch.set_num_threads(int(config.cpu_threads))
+        native.set_threads(int(config.cpu_threads))  # the native CPU kernels follow the same setting
+    elif device.type == "cuda":
+        native.set_threads(max(1, native.available_cores() - 1))  # a core of its own for the GPU-driving thread
 
     report("reading model file", 0.0)
     upcycle = None
