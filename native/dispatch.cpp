@@ -115,7 +115,7 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
 
   // Token ranges ("splits") per sequence, cut at block boundaries. Aim at ~4 items per thread so
   // that dynamic scheduling evens out, but keep each item long enough to amortise its setup.
-  constexpr int64_t kMinSplitTokens = 256;
+  constexpr int64_t kMinSplitTokens = 128;
   int64_t total = 0;
   for (int64_t b = 0; b < P.B; ++b)
     for (int64_t i = P.seq_offsets[b]; i < P.seq_offsets[b + 1]; ++i) total += P.blocks[i].n_tokens;
@@ -146,9 +146,16 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
   }
   const int64_t stride = kMaxItemRows * (hs + 2);  // per item: o (rows × hs), m (rows), l (rows)
   float* part = scratch(partial, items.size() * size_t(stride));
-  const int64_t n_items = int64_t(items.size()), n_groups = int64_t(groups.size());
+  // The merge runs per output row (there may be a single group, e.g. one sequence): row_start[k] is
+  // the first merge row of group k.
+  static thread_local std::vector<int64_t> row_start;
+  row_start.assign(1, 0);
+  for (const Group& G : groups) row_start.push_back(row_start.back() + (G.g_end - G.g) * (G.row_end - G.row_begin));
+  const int64_t n_items = int64_t(items.size()), n_merge = row_start.back();
   const AttentionItem* item_data = items.data();
   const Group* group_data = groups.data();
+  const int64_t* starts = row_start.data();
+  const int64_t n_groups = int64_t(groups.size());
 
 #pragma omp parallel num_threads(nt) if (nt > 1 && n_items > 1)
   {
@@ -159,34 +166,33 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
     }
     // Merge: out = Σ_s o_s·2^(m_s − M) / Σ_s l_s·2^(m_s − M), lse = ln 2 · (M + log2 Σ_s l_s·2^(m_s − M)).
 #pragma omp for schedule(static)
-    for (int64_t gi = 0; gi < n_groups; ++gi) {
+    for (int64_t k = 0; k < n_merge; ++k) {
+      const int64_t gi = std::upper_bound(starts, starts + n_groups + 1, k) - starts - 1;
       const Group& G = group_data[gi];
-      const int64_t n_rows = G.row_end - G.row_begin;
-      for (int64_t i = 0; i < (G.g_end - G.g) * n_rows; ++i) {
-        // Rows of one KV head are contiguous in out: (b, head g·group, t) flattened.
-        const int64_t out_row = (G.b * P.n_heads + (G.g + i / n_rows) * group) * P.T + G.row_begin + i % n_rows;
-        float* out = P.out + out_row * hs;
-        float m_max = -INFINITY;
-        for (int64_t s = 0; s < G.n_items; ++s)
-          m_max = std::max(m_max, part[(G.first_item + s) * stride + kMaxItemRows * hs + i]);
-        for (int64_t d = 0; d < hs; ++d) out[d] = 0.0f;
-        if (m_max == -INFINITY) {  // no keys: zero output, weight zero in any later merge
-          P.lse[out_row] = -INFINITY;
-          continue;
-        }
-        float l_sum = 0.0f;
-        for (int64_t s = 0; s < G.n_items; ++s) {
-          const float* o = part + (G.first_item + s) * stride;
-          const float m = o[kMaxItemRows * hs + i], l = o[kMaxItemRows * hs + kMaxItemRows + i];
-          if (m == -INFINITY) continue;
-          const float w = std::exp2(m - m_max);
-          l_sum += l * w;
-          for (int64_t d = 0; d < hs; ++d) out[d] += o[i * hs + d] * w;
-        }
-        const float inv = 1.0f / l_sum;
-        for (int64_t d = 0; d < hs; ++d) out[d] *= inv;
-        P.lse[out_row] = float(0.6931471805599453 * (double(m_max) + std::log2(double(l_sum))));
+      const int64_t i = k - starts[gi], n_rows = G.row_end - G.row_begin;
+      // Rows of one KV head are contiguous in out: (b, head g·group, t) flattened.
+      const int64_t out_row = (G.b * P.n_heads + (G.g + i / n_rows) * group) * P.T + G.row_begin + i % n_rows;
+      float* out = P.out + out_row * hs;
+      float m_max = -INFINITY;
+      for (int64_t s = 0; s < G.n_items; ++s)
+        m_max = std::max(m_max, part[(G.first_item + s) * stride + kMaxItemRows * hs + i]);
+      for (int64_t d = 0; d < hs; ++d) out[d] = 0.0f;
+      if (m_max == -INFINITY) {  // no keys: zero output, weight zero in any later merge
+        P.lse[out_row] = -INFINITY;
+        continue;
       }
+      float l_sum = 0.0f;
+      for (int64_t s = 0; s < G.n_items; ++s) {
+        const float* o = part + (G.first_item + s) * stride;
+        const float m = o[kMaxItemRows * hs + i], l = o[kMaxItemRows * hs + kMaxItemRows + i];
+        if (m == -INFINITY) continue;
+        const float w = std::exp2(m - m_max);
+        l_sum += l * w;
+        for (int64_t d = 0; d < hs; ++d) out[d] += o[i * hs + d] * w;
+      }
+      const float inv = 1.0f / l_sum;
+      for (int64_t d = 0; d < hs; ++d) out[d] *= inv;
+      P.lse[out_row] = float(0.6931471805599453 * (double(m_max) + std::log2(double(l_sum))));
     }
   }
 }
