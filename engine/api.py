@@ -40,6 +40,7 @@ class EngineConfig:
     cpu_threads: int | None = None  # None: torch's default
     profile_path: str | None = None  # calibration profile; None: the default location
     simulate_hybrid: bool = False  # run hybrid paths with the "GPU side" on the CPU (tests)
+    expert_cache_slots: int | None = None  # GPU expert slots; None: what vram_budget_gb leaves (offload policies)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -140,6 +141,14 @@ class Engine:
     def stats(self) -> StatsSnapshot:
         return self.backend.stats()
 
+    def set_expert_policy(self, policy: str) -> None:
+        """Switch between the offload expert policies (adaptive, on-demand, static, cpu-only) without
+        reloading; the engine must have been loaded with one of them. The cache starts afresh."""
+        if not hasattr(self.backend, "set_expert_policy"):
+            raise ConfigError(f"the {self.backend.name} backend has no expert policies", "use the tandem backend")
+        with self._lock:
+            self.backend.set_expert_policy(policy)
+
     def close(self) -> None:
         with self._lock:
             self.backend.close()
@@ -184,3 +193,11 @@ def load_profile(path: str | None = None, strict: bool = False) -> dict | None:
 
     found = hw_profile.load(path, strict=strict)
     return None if found is None else found.to_dict()
+
+
+def builtin_models() -> list[dict]:
+    """The built-in models for model pickers: name, one-line description, whether it is the default."""
+    from engine.models.builtin import BUILTINS
+
+    return [{"name": f"builtin:{key}", "description": b.description, "default": f"builtin:{key}" == DEFAULT_MODEL}
+            for key, b in BUILTINS.items()]

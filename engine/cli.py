@@ -179,7 +179,7 @@ def cmd_gui(args) -> int:
         from app.main import main as app_main
     except ImportError as e:
         raise TandemError(f"the desktop app cannot start ({e})", "install the app's dependencies: pip install -e .")
-    return app_main(sys.argv[2:] if len(sys.argv) > 2 else [])
+    return app_main(list(getattr(args, "app_args", None) or []))
 
 
 def cmd_bench(args) -> int:
@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--cpu-threads", type=int, default=None, help="torch threads for the CPU kernels")
     k.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     k.set_defaults(func=cmd_calibrate)
-    sub.add_parser("gui", help="open the desktop app").set_defaults(func=cmd_gui)
+    # The app parses its own options (--model, --data-dir, …; `tandem gui --help` lists them).
+    sub.add_parser("gui", help="open the desktop app", add_help=False).set_defaults(func=cmd_gui)
 
     b = sub.add_parser("bench", help="run a benchmark, print (and save) its JSON record")
     b.add_argument("kind", help="builtin | cpu-kernels")
@@ -262,7 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "gui":
+        args.app_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         args.func = cmd_gui
     try:

@@ -54,9 +54,9 @@ class LlamaCppBackend:
                               "use backend tandem for kv_policy/expert_policy other than resident")
         self.config = config
         self.version = llama_cpp.__version__
+        report("reading model file", 0.0)
         self.path = gguf_path_for(config.model)
         self.threads = config.cpu_threads or os.cpu_count() or 1
-        report("reading model file", 0.0)
         try:
             self.llm = llama_cpp.Llama(model_path=str(self.path), n_threads=self.threads, n_threads_batch=self.threads,
                                        n_ctx=config.max_context or 4096, n_gpu_layers=0, verbose=False)

@@ -27,7 +27,9 @@ def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.T
 
 
 def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source: str,
-             device: torch.device, dtype: torch.dtype, make_experts=None) -> Decoder:
+             device: torch.device, dtype: torch.dtype, make_experts=None, place_experts: bool = True) -> Decoder:
+    """place_experts=False hands the routed expert tensors to make_experts as read (host, file dtype)
+    for an executor that lays them out itself (the offloading store)."""
     moe_layers = args.moe_layer_ids()
     expert_layer = {layer: j for j, layer in enumerate(moe_layers)}  # decoder layer → executor index
 
@@ -51,8 +53,8 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
             dn = tensors.pop(f"model.layers.{i}.mlp.experts.down_proj", None)
             _check(source, f"model.layers.{i}.mlp.experts.gate_up_proj", gu, (E, 2 * I, H))
             _check(source, f"model.layers.{i}.mlp.experts.down_proj", dn, (E, H, I))
-            gate_up.append(_place(gu, device, dtype))
-            down.append(_place(dn, device, dtype))
+            gate_up.append(_place(gu, device, dtype) if place_experts else gu)
+            down.append(_place(dn, device, dtype) if place_experts else dn)
 
     for name, shape in expected.items():
         _check(source, name, tensors.get(name), shape)

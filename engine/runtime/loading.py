@@ -19,6 +19,7 @@ from engine.models.assemble import assemble
 from engine.models.common import Decoder, ModelArgs
 from engine.models.loader import load_checkpoint
 from engine.runtime.chat import load_tokenizer
+from engine.runtime.expert_placement import build_offloaded, check_offload, open_offloaded
 
 KV_POLICIES = ("resident", "writescope", "gpu-centric", "cpu-centric", "monolithic")  # and fixed:<r>
 EXPERT_POLICIES = ("resident", "adaptive", "cpu-only", "on-demand", "static")
@@ -74,9 +75,6 @@ def check_policies(kv_policy: str, expert_policy: str) -> None:
     # This build places everything on the compute device; the hybrid policies plug in here.
     if kv_policy != "resident":
         raise ConfigError(f"kv_policy '{kv_policy}' is not available in this build", "use kv_policy resident")
-    if expert_policy != "resident":
-        raise ConfigError(f"expert_policy '{expert_policy}' is not available in this build",
-                          "use expert_policy resident")
 
 
 def load_parts(config, progress: Callable[[str, float], None] | None = None) -> Parts:
@@ -85,6 +83,7 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None) -> 
     check_policies(config.kv_policy, config.expert_policy)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    offload = check_offload(config.expert_policy, device, config.simulate_hybrid)
     if config.cpu_threads:
         torch.set_num_threads(int(config.cpu_threads))
         native.set_threads(int(config.cpu_threads))  # the native CPU kernels follow the same setting
@@ -122,12 +121,16 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None) -> 
     holder: dict = {}
 
     def make_experts(gate_up, down):
-        holder["experts"] = ResidentExperts(gate_up, down)
+        if offload:
+            holder["experts"] = build_offloaded(config.expert_policy, gate_up, down, device=device, dtype=dtype,
+                                                max_decode_tokens=config.max_batch)
+        else:
+            holder["experts"] = ResidentExperts(gate_up, down)
         return holder["experts"]
 
     try:
         model = assemble(args, tensors, family.route, source=str(path), device=device, dtype=dtype,
-                         make_experts=make_experts)
+                         make_experts=make_experts, place_experts=not offload)
         del tensors, ckpt  # the model holds what it uses
         report("allocating KV cache", 0.8)
         window = args.sliding_window if args.sliding_window and args.sliding_window < max_context else None
@@ -142,6 +145,9 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None) -> 
         raise OutOfMemoryError(f"{config.model} does not fit in the memory of {device} ({e})",
                                "choose a smaller model or max_context, or a device with more memory") from e
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if offload and holder.get("experts") is not None:
+        report("placing experts", 0.85)
+        open_offloaded(holder["experts"], model, kv, config, device, weights_bytes)
 
     report("loading tokenizer", 0.9)
     tokenizer = load_tokenizer(tokenizer_dir, gguf_file) if tokenizer_dir else None

@@ -90,6 +90,14 @@ class TandemBackend:
     def end_session(self, session_id: str) -> None:
         self.generator.end_session(session_id)
 
+    def set_expert_policy(self, policy: str) -> None:
+        from dataclasses import replace
+
+        from engine.runtime.expert_placement import switch_expert_policy
+
+        switch_expert_policy(self.parts, replace(self.config, expert_policy=policy), policy)
+        self.config.expert_policy = policy  # the engine's config describes what runs
+
     def stats(self) -> StatsSnapshot:
         p = self.parts
         budget = int(self.config.vram_budget_gb * 2**30) if self.config.vram_budget_gb else None
@@ -105,6 +113,8 @@ class TandemBackend:
             return
         for key in list(self.generator.sessions):
             self.generator.end_session(key)
+        if hasattr(self.parts.experts, "close"):  # offloaded experts: copies done, worker stopped, store unpinned
+            self.parts.experts.close()
         self.generator = self.parts = None
         gc.collect()
         if torch.cuda.is_available():

@@ -82,10 +82,15 @@ class Telemetry:
         for key in ("r_target", "r_deployed", "A_ns_per_token", "B_ns_per_token", "delta_ms"):
             kv[key] = kv_tel.get(key)
         experts = dict.fromkeys(("policy", "hits", "misses", "fills", "cpu_executed", "evictions",
-                                 "prefetch_used", "prefetch_wasted", "hit_rate"))
+                                 "prefetch_used", "prefetch_wasted", "hit_rate",
+                                 "prefetch_issued", "slots", "cpu_expert_s", "predictor"))
         experts.update({k: v for k, v in (experts_tel or {}).items() if k in experts})
         pcie = dict.fromkeys(("h2d_bytes", "d2h_bytes", "h2d_gbps", "d2h_gbps"))
         pcie.update(kv_tel.get("pcie", {}))
+        for key in ("h2d_bytes", "h2d_gbps"):  # expert fills and prefetches add to the KV's own traffic
+            extra = (experts_tel or {}).get(key)
+            if extra is not None:
+                pcie[key] = (pcie[key] or 0) + extra
         t = self.last
         speed = {"prefill_tok_s": t and t.prefill_tok_s, "decode_tok_s": t and t.decode_tok_s,
                  "ttft_s": t and t.ttft_s}

@@ -1,0 +1,1 @@
+"""Tandem's desktop app (PySide6). It reaches the engine only through `engine/api.py` and never imports torch."""

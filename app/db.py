@@ -1,0 +1,180 @@
+"""Chats, messages, per-message stats and app settings in one SQLite file.
+
+Journal: WAL, so a reader never blocks the writer and a crash mid-write leaves the last committed
+state. `synchronous=NORMAL`: in WAL mode a commit is safe against the *process* dying (kill -9,
+a crash) because the WAL frames are already in the OS; only a power cut or kernel panic can lose
+the last few commits, and even then the file stays consistent. FULL would add an fsync per commit,
+and the assistant reply is committed every ~0.5 s while it streams — NORMAL keeps that free.
+
+The assistant's reply is one row created when generation starts (status 'streaming'), its text
+updated in place as it grows and closed with status 'done' and its stats. A row still 'streaming'
+when the file is opened was cut off by a crash: it becomes 'interrupted' and keeps the text it had.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS chats (
+    id TEXT PRIMARY KEY,
+    title TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    settings TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    chat_id TEXT NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+    role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
+    content TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'done' CHECK (status IN ('done', 'streaming', 'interrupted', 'error')),
+    stats TEXT,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_chat ON messages (chat_id, id);
+CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+# Per-chat defaults: what a new chat starts with (the chat settings dialog edits them).
+DEFAULT_CHAT_SETTINGS = {
+    "system_prompt": "",
+    "max_new_tokens": 512,
+    "greedy": False,
+    "temperature": 0.7,
+    "top_k": 0,
+    "top_p": 0.95,
+    "repetition_penalty": 1.0,
+    "seed": None,
+    "overflow": "drop_oldest",  # drop_oldest | refuse: what happens when the prompt outgrows the context
+}
+
+
+@dataclass
+class Chat:
+    id: str
+    title: str
+    created: float
+    updated: float
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Message:
+    id: int
+    chat_id: str
+    role: str
+    content: str
+    status: str
+    stats: dict | None
+    created: float
+
+
+class ChatStore:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        # isolation_level=None: autocommit; multi-statement changes open their own transaction.
+        self.conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=5.0)
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn.execute("PRAGMA foreign_keys=ON")
+        self.conn.executescript(SCHEMA)
+        self.conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        self.recovered = self.conn.execute(
+            "UPDATE messages SET status='interrupted' WHERE status='streaming'").rowcount
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    # -- chats ----------------------------------------------------------------------------------
+    def create_chat(self, title: str = "New chat", settings: dict | None = None) -> Chat:
+        now = time.time()
+        chat = Chat(uuid.uuid4().hex, title, now, now, {**DEFAULT_CHAT_SETTINGS, **(settings or {})})
+        self.conn.execute("INSERT INTO chats VALUES (?, ?, ?, ?, ?)",
+                          (chat.id, chat.title, now, now, json.dumps(chat.settings)))
+        return chat
+
+    def _chat(self, row) -> Chat:
+        return Chat(row["id"], row["title"], row["created"], row["updated"],
+                    {**DEFAULT_CHAT_SETTINGS, **json.loads(row["settings"] or "{}")})
+
+    def chat(self, chat_id: str) -> Chat | None:
+        row = self.conn.execute("SELECT * FROM chats WHERE id=?", (chat_id,)).fetchone()
+        return self._chat(row) if row else None
+
+    def chats(self, search: str = "") -> list[Chat]:
+        """Newest first; `search` matches the title or any message's text (case-insensitive)."""
+        if not search:
+            rows = self.conn.execute("SELECT * FROM chats ORDER BY updated DESC")
+        else:
+            like = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            rows = self.conn.execute(
+                "SELECT * FROM chats WHERE title LIKE ?1 ESCAPE '\\' OR id IN "
+                "(SELECT chat_id FROM messages WHERE content LIKE ?1 ESCAPE '\\') ORDER BY updated DESC", (like,))
+        return [self._chat(r) for r in rows]
+
+    def rename_chat(self, chat_id: str, title: str) -> None:
+        self.conn.execute("UPDATE chats SET title=? WHERE id=?", (title.strip() or "Untitled", chat_id))
+
+    def set_chat_settings(self, chat_id: str, settings: dict) -> None:
+        self.conn.execute("UPDATE chats SET settings=? WHERE id=?", (json.dumps(settings), chat_id))
+
+    def delete_chat(self, chat_id: str) -> None:
+        self.conn.execute("DELETE FROM chats WHERE id=?", (chat_id,))  # messages go by ON DELETE CASCADE
+
+    def _touch(self, chat_id: str) -> None:
+        self.conn.execute("UPDATE chats SET updated=? WHERE id=?", (time.time(), chat_id))
+
+    # -- messages -------------------------------------------------------------------------------
+    def messages(self, chat_id: str) -> list[Message]:
+        rows = self.conn.execute("SELECT * FROM messages WHERE chat_id=? ORDER BY id", (chat_id,))
+        return [Message(r["id"], r["chat_id"], r["role"], r["content"], r["status"],
+                        json.loads(r["stats"]) if r["stats"] else None, r["created"]) for r in rows]
+
+    def add_message(self, chat_id: str, role: str, content: str, status: str = "done",
+                    stats: dict | None = None) -> int:
+        with self.conn:  # one transaction: the message and the chat's new timestamp together
+            self.conn.execute("BEGIN")
+            cur = self.conn.execute(
+                "INSERT INTO messages (chat_id, role, content, status, stats, created) VALUES (?, ?, ?, ?, ?, ?)",
+                (chat_id, role, content, status, json.dumps(stats) if stats else None, time.time()))
+            self._touch(chat_id)
+        return cur.lastrowid
+
+    def update_streaming(self, message_id: int, content: str) -> None:
+        """The reply so far: one small autocommitted UPDATE (a crash keeps the last one written)."""
+        self.conn.execute("UPDATE messages SET content=? WHERE id=? AND status='streaming'", (content, message_id))
+
+    def finish_message(self, message_id: int, content: str, stats: dict | None, status: str = "done") -> None:
+        self.conn.execute("UPDATE messages SET content=?, stats=?, status=? WHERE id=?",
+                          (content, json.dumps(stats) if stats else None, status, message_id))
+
+    def edit_message(self, message_id: int, content: str) -> None:
+        self.conn.execute("UPDATE messages SET content=? WHERE id=?", (content, message_id))
+
+    def delete_from(self, chat_id: str, message_id: int) -> None:
+        """Delete this message and every later one of the chat (regenerate, edit-and-resend)."""
+        self.conn.execute("DELETE FROM messages WHERE chat_id=? AND id>=?", (chat_id, message_id))
+
+    # -- settings -------------------------------------------------------------------------------
+    def setting(self, key: str, default=None):
+        row = self.conn.execute("SELECT value FROM settings WHERE key=?", (key,)).fetchone()
+        return json.loads(row["value"]) if row else default
+
+    def set_setting(self, key: str, value) -> None:
+        self.conn.execute("INSERT INTO settings VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                          (key, json.dumps(value)))
+
+    def integrity(self) -> str:
+        return self.conn.execute("PRAGMA integrity_check").fetchone()[0]

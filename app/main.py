@@ -1,0 +1,90 @@
+"""`tandem` / `tandem gui`: open the desktop app (first launch: the setup wizard, then the chat window)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tandem gui", description="Open the Tandem desktop app.")
+    p.add_argument("--model", default=None, help="model to load this time (builtin:…, a .gguf file or a folder)")
+    p.add_argument("--device", default=None, help="auto | cuda | cpu")
+    p.add_argument("--max-context", type=int, default=None, help="context window in tokens")
+    p.add_argument("--vram-budget-gb", type=float, default=None)
+    p.add_argument("--data-dir", default=None, help="where chats and settings live (default: $TANDEM_DATA_DIR "
+                                                   "or the user data folder)")
+    p.add_argument("--skip-wizard", action="store_true", help="do not open the setup wizard on first launch")
+    return p.parse_args(argv)
+
+
+def make_application(argv: list[str]):
+    from PySide6.QtGui import QIcon
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication(["tandem", *argv])
+    app.setApplicationName("Tandem")
+    app.setOrganizationName("Tandem")
+    icon = ASSETS / "tandem.svg"
+    if icon.is_file():
+        app.setWindowIcon(QIcon(str(icon)))
+    style = ASSETS / "style.qss"
+    if style.is_file():
+        app.setStyleSheet(style.read_text())
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(argv if argv is not None else sys.argv[1:]))
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QDialog, QMessageBox
+
+    from app.db import ChatStore
+    from app.main_window import MainWindow, engine_config
+    from app.paths import DB_NAME, InstanceLock, data_dir
+    from app.wizard import SetupWizard
+    from app.worker import EngineHost
+
+    app = make_application([])
+    folder = data_dir(args.data_dir)
+    lock = InstanceLock(folder)
+    holder = lock.acquire()
+    if holder is not None:
+        text = (f"Tandem is already running with the data folder {folder} ({holder.describe()}).\n\n"
+                "Switch to that window, or close it first. To run a second, separate copy, give it its own "
+                "folder with --data-dir or TANDEM_DATA_DIR.")
+        print("error: " + text.replace("\n\n", " "), file=sys.stderr)
+        if os.environ.get("QT_QPA_PLATFORM") != "offscreen":
+            QMessageBox.critical(None, "Tandem is already running", text)
+        return 3
+    store = ChatStore(folder / DB_NAME)
+    overrides = {"model": args.model, "device": args.device, "max_context": args.max_context,
+                 "vram_budget_gb": args.vram_budget_gb}
+    try:
+        if not store.setting("wizard_done") and not args.skip_wizard:
+            wiz = SetupWizard(engine_config(store, overrides))
+            if wiz.exec() == QDialog.DialogCode.Accepted:
+                store.set_setting("engine", wiz.values())
+                store.set_setting("wizard_done", True)
+                overrides["model"] = None  # the wizard's choice wins over --model from here on
+        host = EngineHost()
+        window = MainWindow(store, host, overrides)
+        window.show()
+        window.load_model()
+        # Ctrl+C in the terminal closes the window as the Quit menu does (stop, join, free the engine).
+        # Python only runs signal handlers between bytecodes, so a timer wakes it a few times a second.
+        signal.signal(signal.SIGINT, lambda *_: window.close())
+        wake = QTimer()
+        wake.timeout.connect(lambda: None)
+        wake.start(250)
+        rc = app.exec()
+        host.shutdown()  # no-op when the window's close already did it
+        return rc
+    finally:
+        store.close()
+        lock.release()

@@ -1,0 +1,215 @@
+"""The live panels: what the engine's StatsSnapshot says, drawn as it changes.
+
+Every number shown comes from a snapshot; a null says "n/a" with the reason the snapshot itself
+gives (the model runs on the CPU, the KV policy keeps all KV on one device, the model is dense, …).
+"""
+
+from __future__ import annotations
+
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QDockWidget, QGroupBox, QLabel, QScrollArea, QVBoxLayout, QWidget
+
+from app.plots import Segment, Series, Sparkline, StackedBar
+
+VRAM_REGIONS = [("weights", "weights", "#4e79a7"), ("expert_cache", "expert cache", "#f28e2b"),
+                ("kv_dwindow", "KV D-window", "#59a14f"), ("kv_pingpong", "KV ping-pong", "#76b7b2"),
+                ("kv_resident", "KV resident", "#edc948"), ("workspace", "workspace", "#b07aa1")]
+
+
+def fmt_bytes(b) -> str:
+    if b is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= size:
+            return f"{b / size:.2f} {unit}"
+    return f"{b} B"
+
+
+def fmt(v, spec: str = ".2f", unit: str = "") -> str:
+    return "n/a" if v is None else f"{v:{spec}}{unit}"
+
+
+def _device(snap: dict) -> str:
+    return (snap.get("model") or {}).get("device") or "?"
+
+
+def why_no_vram(snap: dict) -> str | None:
+    if snap["vram"].get("device_total") is not None:
+        return None
+    return f"n/a — the model runs on {_device(snap)}: no GPU memory in use"
+
+
+def why_no_r(snap: dict) -> str | None:
+    kv = snap["kv"]
+    if kv.get("r_deployed") is not None or kv.get("r_target") is not None:
+        return None
+    return f"n/a — KV policy '{kv.get('policy')}' keeps all KV on {_device(snap)}; no CPU/GPU split"
+
+
+def why_no_experts(snap: dict) -> str | None:
+    ex = snap["experts"]
+    if ex.get("hit_rate") is not None or ex.get("hits") is not None:
+        return None
+    if not (snap.get("model") or {}).get("experts"):
+        return "n/a — dense model: no experts"
+    return f"n/a — expert policy '{ex.get('policy')}': every expert stays on {_device(snap)}, no cache"
+
+
+def why_no_pcie(snap: dict) -> str | None:
+    pc = snap["pcie"]
+    if any(pc.get(k) is not None for k in ("h2d_gbps", "d2h_gbps", "h2d_bytes", "d2h_bytes")):
+        return None
+    if _device(snap).startswith("cuda"):
+        return "n/a — nothing crosses PCIe under the resident policies"
+    return f"n/a — no GPU (the model runs on {_device(snap)})"
+
+
+class Panel(QGroupBox):
+    def __init__(self, title: str, parent=None):
+        super().__init__(title, parent)
+        self.box = QVBoxLayout(self)
+        self.box.setContentsMargins(6, 4, 6, 6)
+        self.box.setSpacing(3)
+
+    def label(self) -> QLabel:
+        lab = QLabel()
+        lab.setWordWrap(True)
+        self.box.addWidget(lab)
+        return lab
+
+
+class LivePanels(QWidget):
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(4, 4, 4, 4)
+
+        self.vram = Panel("GPU memory by region")
+        self.vram_bar = StackedBar()
+        self.vram.box.addWidget(self.vram_bar)
+        self.vram_text = self.vram.label()
+        self.host_text = self.vram.label()
+
+        self.r = Panel("CPU share of KV attention (r)")
+        self.r_text = self.r.label()
+        self.r_plot = Sparkline([Series("r_deployed", QColor("#e15759")),
+                                 Series("r_target", QColor("#4e79a7"), dashed=True)], y_max=1.0)
+        self.r.box.addWidget(self.r_plot)
+        self.kv_text = self.r.label()
+
+        self.experts = Panel("Expert cache")
+        self.experts_text = self.experts.label()
+        self.hit_plot = Sparkline([Series("hit_rate", QColor("#59a14f"))], y_max=1.0)
+        self.experts.box.addWidget(self.hit_plot)
+        self.flow_plot = Sparkline([Series("fills_per_s", QColor("#f28e2b")),
+                                    Series("cpu_per_s", QColor("#b07aa1"))])
+        self.experts.box.addWidget(self.flow_plot)
+        self.counts_text = self.experts.label()
+
+        self.pcie = Panel("PCIe transfers")
+        self.pcie_text = self.pcie.label()
+        self.pcie_plot = Sparkline([Series("h2d_gbps", QColor("#4e79a7")), Series("d2h_gbps", QColor("#e15759"))])
+        self.pcie.box.addWidget(self.pcie_plot)
+
+        self.speed = Panel("Speed")
+        self.speed_text = self.speed.label()
+        self.speed_plot = Sparkline([Series("decode_tok_s", QColor("#59a14f"))])
+        self.speed.box.addWidget(self.speed_plot)
+        self.kernel_text = self.speed.label()
+
+        for panel in (self.speed, self.vram, self.r, self.experts, self.pcie):
+            lay.addWidget(panel)
+        lay.addStretch(1)
+        self.last: dict | None = None
+        self.samples = 0
+
+    def update_snapshot(self, snap: dict) -> None:
+        prev, self.last = self.last, snap
+        self.samples += 1
+        self._vram(snap)
+        self._r(snap)
+        self._experts(snap, prev)
+        self._pcie(snap)
+        self._speed(snap)
+
+    def _vram(self, s: dict) -> None:
+        v = s["vram"]
+        self.vram_bar.set_data([Segment(label, v.get(key), QColor(color)) for key, label, color in VRAM_REGIONS],
+                               v.get("budget"), v.get("device_total"))
+        why = why_no_vram(s)
+        if why:
+            self.vram_text.setText(why)
+        else:
+            parts = [f"<span style='color:{c}'>■</span> {label} {fmt_bytes(v.get(k))}" for k, label, c in VRAM_REGIONS]
+            parts.append(f"budget {fmt_bytes(v.get('budget'))} · used {fmt_bytes(v.get('device_used'))} of "
+                         f"{fmt_bytes(v.get('device_total'))}")
+            self.vram_text.setText("<br>".join(parts))
+        h = s["host"]
+        self.host_text.setText(f"Host: process {fmt_bytes(h.get('rss'))} · KV pinned {fmt_bytes(h.get('kv_pinned'))}"
+                               f" · KV unpinned {fmt_bytes(h.get('kv_unpinned'))} · expert store "
+                               f"{fmt_bytes(h.get('expert_store'))}")
+
+    def _r(self, s: dict) -> None:
+        kv = s["kv"]
+        self.r_plot.add({"r_deployed": kv.get("r_deployed"), "r_target": kv.get("r_target")})
+        why = why_no_r(s)
+        self.r_text.setText(why or f"r deployed {fmt(kv.get('r_deployed'))} · target {fmt(kv.get('r_target'))} · "
+                                   f"A {fmt(kv.get('A_ns_per_token'), '.1f', ' ns/tok')} · "
+                                   f"B {fmt(kv.get('B_ns_per_token'), '.1f', ' ns/tok')} · "
+                                   f"Δ {fmt(kv.get('delta_ms'), '.2f', ' ms')}")
+        t = kv.get("tokens") or {}
+        self.kv_text.setText("KV tokens: " + " · ".join(
+            f"{name} {fmt(t.get(key), ',')}" for key, name in
+            (("resident", "resident"), ("dwindow", "D-window"), ("pinned", "pinned"), ("unpinned", "unpinned"))))
+
+    def _experts(self, s: dict, prev: dict | None) -> None:
+        ex = s["experts"]
+        self.hit_plot.add({"hit_rate": ex.get("hit_rate")})
+        rates = {}
+        for key, out in (("fills", "fills_per_s"), ("cpu_executed", "cpu_per_s")):
+            old = prev["experts"].get(key) if prev else None
+            dt = (s.get("t") or 0) - ((prev or {}).get("t") or 0)
+            rates[out] = (ex[key] - old) / dt if ex.get(key) is not None and old is not None and dt > 0 else None
+        self.flow_plot.add(rates)
+        why = why_no_experts(s)
+        self.experts_text.setText(why or f"hit rate {fmt(ex.get('hit_rate'), '.1%')} (windowed) · "
+                                         f"fills {fmt(rates['fills_per_s'], '.1f', '/s')} · "
+                                         f"CPU-executed {fmt(rates['cpu_per_s'], '.1f', '/s')}")
+        self.counts_text.setText(" · ".join(f"{k.replace('_', ' ')} {fmt(ex.get(k), ',')}" for k in
+                                            ("hits", "misses", "fills", "cpu_executed", "evictions",
+                                             "prefetch_used", "prefetch_wasted")))
+
+    def _pcie(self, s: dict) -> None:
+        pc = s["pcie"]
+        self.pcie_plot.add({"h2d_gbps": pc.get("h2d_gbps"), "d2h_gbps": pc.get("d2h_gbps")})
+        why = why_no_pcie(s)
+        self.pcie_text.setText(why or f"H2D {fmt(pc.get('h2d_gbps'), '.2f', ' GB/s')} · "
+                                      f"D2H {fmt(pc.get('d2h_gbps'), '.2f', ' GB/s')} · moved "
+                                      f"{fmt_bytes(pc.get('h2d_bytes'))} / {fmt_bytes(pc.get('d2h_bytes'))}")
+
+    def _speed(self, s: dict) -> None:
+        sp = s["speed"]
+        busy = s.get("phase") not in (None, "idle")
+        self.speed_plot.add({"decode_tok_s": sp.get("decode_tok_s") if busy else None})
+        which = "now" if busy else "last reply"
+        self.speed_text.setText(f"phase <b>{s.get('phase')}</b> · {which}: decode "
+                                f"{fmt(sp.get('decode_tok_s'), '.1f', ' tok/s')} · prefill "
+                                f"{fmt(sp.get('prefill_tok_s'), '.1f', ' tok/s')} · TTFT "
+                                f"{fmt(sp.get('ttft_s'), '.2f', ' s')}")
+        k = s.get("kernels") or {}
+        m = s.get("model") or {}
+        self.kernel_text.setText(f"{m.get('device', '?')} · {m.get('dtype', '?')} · CPU attention "
+                                 f"{k.get('cpu_attention') or 'n/a'} · CPU experts {k.get('cpu_experts') or 'n/a'}"
+                                 f" · profile {s.get('profile') or 'none'}")
+
+
+class PanelsDock(QDockWidget):
+    def __init__(self, parent=None):
+        super().__init__("Live engine panels", parent)
+        self.setObjectName("panelsDock")
+        self.panels = LivePanels()
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setWidget(self.panels)
+        self.setWidget(scroll)
+        self.setMinimumWidth(300)

@@ -1,0 +1,59 @@
+"""Where the app keeps its files, and the lock that keeps a second instance off the same data.
+
+The data dir is `$TANDEM_DATA_DIR` when set (tests, portable installs), else platformdirs' user data
+dir for "tandem". It holds `chats.sqlite3` (chats, messages, settings) and `tandem.lock`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QLockFile
+
+DB_NAME = "chats.sqlite3"
+LOCK_NAME = "tandem.lock"
+
+
+def data_dir(override: str | os.PathLike | None = None) -> Path:
+    import platformdirs
+
+    path = Path(override or os.environ.get("TANDEM_DATA_DIR") or platformdirs.user_data_dir("tandem"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass
+class LockHolder:
+    pid: int
+    hostname: str
+    appname: str
+
+    def describe(self) -> str:
+        here = "this computer" if self.hostname in ("", socket.gethostname()) else self.hostname
+        return f"process {self.pid} on {here}" if self.pid > 0 else "another process"
+
+
+class InstanceLock:
+    """One app instance per data dir. A lock left by a killed process is stale and taken over."""
+
+    def __init__(self, directory: Path):
+        self.path = Path(directory) / LOCK_NAME
+        self._lock = QLockFile(str(self.path))
+        self._lock.setStaleLockTime(0)  # staleness is decided by whether the holder's pid still runs
+
+    def acquire(self) -> LockHolder | None:
+        """Take the lock; None on success, else who holds it."""
+        if self._lock.tryLock(0):
+            return None
+        info = self._lock.getLockInfo()  # (pid, host, app); some bindings prepend an ok flag
+        if len(info) == 4:
+            info = info[1:] if info[0] else (-1, "", "")
+        pid, host, app = info
+        return LockHolder(int(pid or -1), host or "", app or "")
+
+    def release(self) -> None:
+        if self._lock.isLocked():
+            self._lock.unlock()

@@ -1,0 +1,323 @@
+"""The engine on its own thread: an EngineWorker (QObject) moved to a QThread, driven by EngineHost.
+
+Every Engine call — load, generate, render/tokenize for counting, stats — runs on the worker thread,
+so the GUI thread never waits on the engine and the tokenizer is never used from two threads at once.
+The GUI talks to the worker only through queued signals; the one exception is stop, which sets a
+`threading.Event` that the engine checks between steps.
+
+Stats sampling (the live panels): while a reply streams, the worker itself takes a snapshot from
+inside the token callback at most every STATS_INTERVAL_S — it is between two decode steps there, so
+the numbers are consistent and no second thread touches the engine. While idle, the host's timer
+asks the worker for one snapshot at a time (never queueing more than one request), so an idle engine
+is sampled at IDLE_SAMPLE_HZ and a busy one never has requests piling up behind the generation.
+(This relies on `Engine.stats()` not taking the generation lock, as the engine's telemetry promises:
+"readers call Engine.stats() whenever they like".)
+
+Tokens are batched: the callback joins text and emits at most every TOKEN_BATCH_S, so a fast
+engine cannot flood the GUI's event queue; the last batch is flushed before `finished`.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+
+from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
+
+from app.context import plan_context
+
+TOKEN_BATCH_S = 0.04
+STATS_INTERVAL_S = 0.25
+IDLE_SAMPLE_HZ = 2
+
+
+class LoadCancelled(Exception):
+    pass
+
+
+def _unexpected(e: BaseException) -> tuple[str, str]:
+    traceback.print_exception(e, file=sys.stderr)
+    return f"{type(e).__name__}: {e}", "this is a bug in Tandem; your chats are kept — try again or restart the app"
+
+
+class EngineWorker(QObject):
+    load_progress = Signal(str, float)
+    loaded = Signal(dict)  # Engine.info() plus max_context and the built-in model's description
+    load_failed = Signal(str, str)  # what, remedy
+    tokens = Signal(str, str)  # job id, text since the last batch
+    finished = Signal(str, dict)  # job id, GenerationResult fields (no token ids) plus wall_s
+    failed = Signal(str, str, str)  # job id, what, remedy
+    stats = Signal(dict)  # StatsSnapshot.to_dict() plus "t" (unix time)
+    planned = Signal(int, object)  # request id, ContextPlan (or None when no model is loaded)
+    counted = Signal(int, object)  # request id, token count (or None)
+    closed = Signal()
+
+    def __init__(self, engine=None):
+        super().__init__()
+        self.engine = engine
+        self.owns_engine = engine is None  # an engine handed in belongs to its giver, who closes it
+        self.cancel_load = threading.Event()  # set on quit: a load in progress gives up at its next step
+
+    # -- model ----------------------------------------------------------------------------------
+    @Slot(dict)
+    def load(self, config: dict) -> None:
+        try:
+            from engine.api import Engine, EngineConfig, TandemError, builtin_models
+        except ImportError as e:
+            self.load_failed.emit(f"the engine cannot be imported ({e})", "reinstall Tandem: pip install -e .")
+            return
+        self._drop_engine()
+
+        def progress(step: str, frac: float) -> None:
+            if self.cancel_load.is_set():
+                raise LoadCancelled()
+            self.load_progress.emit(step, frac)
+
+        try:
+            engine = Engine(EngineConfig(**config), progress=progress)
+        except LoadCancelled:
+            self.load_failed.emit("loading was cancelled", "")
+            return
+        except TandemError as e:
+            self.load_failed.emit(e.what, e.remedy)
+            return
+        except Exception as e:  # noqa: BLE001 — a failed load must leave the app usable
+            self.load_failed.emit(*_unexpected(e))
+            return
+        self.engine, self.owns_engine = engine, True
+        self.loaded.emit(self._info(builtin_models()))
+
+    @Slot()
+    def adopt(self) -> None:
+        """Announce an engine handed in at construction (already loaded)."""
+        from engine.api import builtin_models
+
+        self.loaded.emit(self._info(builtin_models()))
+
+    def _info(self, builtins: list[dict]) -> dict:
+        info = dict(self.engine.info())
+        info["max_context"] = self.engine.max_context
+        info["description"] = next((b["description"] for b in builtins if b["name"] == info["model"]), None)
+        return info
+
+    def _drop_engine(self) -> None:
+        if self.engine is not None and self.owns_engine:
+            self.engine.close()
+        self.engine = None
+
+    # -- generation -----------------------------------------------------------------------------
+    @Slot(str, dict, object)
+    def generate(self, job_id: str, request: dict, stop_event: threading.Event) -> None:
+        from engine.api import GenerationRequest, TandemError
+
+        if self.engine is None:
+            self.failed.emit(job_id, "no model is loaded", "load a model (Settings → Model and memory)")
+            return
+        buf: list[str] = []
+        last = {"tokens": time.monotonic(), "stats": time.monotonic()}
+
+        def on_text(text: str) -> None:
+            buf.append(text)
+            now = time.monotonic()
+            if now - last["tokens"] >= TOKEN_BATCH_S:
+                self.tokens.emit(job_id, "".join(buf))
+                buf.clear()
+                last["tokens"] = now
+            if now - last["stats"] >= STATS_INTERVAL_S:
+                self._emit_stats()
+                last["stats"] = now
+
+        t0 = time.monotonic()
+        try:
+            result = self.engine.generate(GenerationRequest(**request), on_text=on_text, stop_event=stop_event)
+        except TandemError as e:
+            self._flush(job_id, buf)
+            self.failed.emit(job_id, e.what, e.remedy)
+            return
+        except Exception as e:  # noqa: BLE001
+            self._flush(job_id, buf)
+            self.failed.emit(job_id, *_unexpected(e))
+            return
+        self._flush(job_id, buf)
+        fields = {k: getattr(result, k) for k in ("text", "finish_reason", "prompt_tokens", "prefilled_tokens",
+                                                  "completion_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s")}
+        fields["wall_s"] = time.monotonic() - t0
+        self._emit_stats()
+        self.finished.emit(job_id, fields)
+
+    def _flush(self, job_id: str, buf: list[str]) -> None:
+        if buf:
+            self.tokens.emit(job_id, "".join(buf))
+            buf.clear()
+
+    # -- counting and stats ---------------------------------------------------------------------
+    @Slot(int, dict)
+    def plan(self, request_id: int, args: dict) -> None:
+        if self.engine is None:
+            self.planned.emit(request_id, None)
+            return
+        try:
+            plan = plan_context(self.engine.render, max_context=self.engine.max_context, **args)
+        except Exception as e:  # noqa: BLE001 — a counting failure must not take the app down
+            _unexpected(e)
+            plan = None
+        self.planned.emit(request_id, plan)
+
+    @Slot(int, str)
+    def count(self, request_id: int, text: str) -> None:
+        n = None
+        if self.engine is not None:
+            try:
+                n = len(self.engine.tokenize(text))
+            except Exception as e:  # noqa: BLE001
+                _unexpected(e)
+        self.counted.emit(request_id, n)
+
+    @Slot(str)
+    def end_session(self, session_id: str) -> None:
+        if self.engine is not None:
+            self.engine.end_session(session_id)
+
+    @Slot()
+    def sample(self) -> None:
+        self._emit_stats()
+
+    def _emit_stats(self) -> None:
+        if self.engine is None:
+            return
+        try:
+            snap = self.engine.stats().to_dict()
+        except Exception as e:  # noqa: BLE001 — a panel must never take a reply down with it
+            _unexpected(e)
+            return
+        snap["t"] = time.time()
+        self.stats.emit(snap)
+
+    # -- teardown -------------------------------------------------------------------------------
+    @Slot()
+    def close(self) -> None:
+        self._drop_engine()
+        self.closed.emit()
+        QThread.currentThread().quit()
+
+
+class EngineHost(QObject):
+    """The GUI side: owns the worker's thread, forwards requests, tracks state, samples stats when idle."""
+
+    _load = Signal(dict)
+    _adopt = Signal()
+    _generate = Signal(str, dict, object)
+    _plan = Signal(int, dict)
+    _count = Signal(int, str)
+    _sample = Signal()
+    _end_session = Signal(str)
+    _close = Signal()
+
+    state_changed = Signal(str)  # empty | loading | ready | failed | closed
+
+    def __init__(self, engine=None, parent=None):
+        super().__init__(parent)
+        self.worker = EngineWorker(engine)
+        self.thread = QThread()
+        self.thread.setObjectName("tandem-engine")
+        self.worker.moveToThread(self.thread)
+        for sig, slot in ((self._load, self.worker.load), (self._adopt, self.worker.adopt),
+                          (self._generate, self.worker.generate), (self._plan, self.worker.plan),
+                          (self._count, self.worker.count), (self._sample, self.worker.sample),
+                          (self._end_session, self.worker.end_session),
+                          (self._close, self.worker.close)):
+            sig.connect(slot)
+        w = self.worker
+        w.loaded.connect(self._on_loaded)
+        w.load_failed.connect(self._on_load_failed)  # bound methods: a lambda would run on the worker thread
+        w.finished.connect(self._job_done)
+        w.failed.connect(self._job_done)
+        w.stats.connect(self._on_stats)
+        self.thread.start()
+        self.state = "empty"
+        self.info: dict | None = None
+        self.job: str | None = None
+        self.stop_event: threading.Event | None = None
+        self.last_stats: dict | None = None
+        self._sample_pending = False
+        self._next_request = 0
+        self._timer = QTimer(self)
+        self._timer.setInterval(int(1000 / IDLE_SAMPLE_HZ))
+        self._timer.timeout.connect(self._tick)
+        self._timer.start()
+        if engine is not None:
+            self._set_state("loading")
+            self._adopt.emit()
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        self.state_changed.emit(state)
+
+    def _on_loaded(self, info: dict) -> None:
+        self.info = info
+        self._set_state("ready")
+
+    def _on_load_failed(self, what: str, remedy: str) -> None:
+        self._set_state("failed")
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None
+
+    def load(self, config: dict) -> None:
+        self.info = None
+        self._set_state("loading")
+        self._load.emit(dict(config))
+
+    def generate(self, job_id: str, request: dict) -> None:
+        self.job = job_id
+        self.stop_event = threading.Event()
+        self._generate.emit(job_id, dict(request), self.stop_event)
+
+    def stop(self) -> None:
+        if self.stop_event is not None:
+            self.stop_event.set()
+
+    def _job_done(self, job_id: str, *rest) -> None:
+        if job_id == self.job:
+            self.job, self.stop_event = None, None
+
+    def _request_id(self) -> int:
+        self._next_request += 1
+        return self._next_request
+
+    def plan(self, args: dict) -> int:
+        rid = self._request_id()
+        self._plan.emit(rid, dict(args))
+        return rid
+
+    def count(self, text: str) -> int:
+        rid = self._request_id()
+        self._count.emit(rid, text)
+        return rid
+
+    def end_session(self, session_id: str) -> None:
+        self._end_session.emit(session_id)
+
+    def _tick(self) -> None:
+        if self.state == "ready" and not self.busy and not self._sample_pending:
+            self._sample_pending = True
+            self._sample.emit()
+
+    def _on_stats(self, snap: dict) -> None:
+        self._sample_pending = False
+        self.last_stats = snap
+
+    def shutdown(self, timeout_s: float = 60.0) -> bool:
+        """Stop any reply, close the engine on its thread (freeing its memory), join the thread."""
+        if self.state == "closed":
+            return True
+        self._timer.stop()
+        self.stop()
+        self.worker.cancel_load.set()
+        self._close.emit()  # queued behind a running generate, which the stop event ends at its next step
+        joined = self.thread.wait(int(timeout_s * 1000))
+        self._set_state("closed")
+        return joined

@@ -1,0 +1,209 @@
+"""`tandem bench experts`: expert placement policies side by side on one model and VRAM budget.
+
+For each policy, context length and batch size: prefill of `context` random prompt tokens per
+sequence, then `new_tokens` greedy decode steps (EOS ignored), each phase measured on its own
+(the decode call reuses the session's KV, so it prefills one token). Per phase: tokens/s, expert
+cache hit rate, expert PCIe GB/s, fills, CPU-executed experts, CPU expert time; per run the
+lookahead predictor's accuracy. The model loads once; policies switch over the same host store
+(`switch_expert_policy`), each with a freshly sized and warmed cache.
+
+Synthetic models have random routers: expert use is near-uniform, a worst case for any cache;
+the record says so.
+
+`trace` records a hot-expert table (tokens per layer and expert) from generations and saves it
+where the engine looks for it at load (`tandem bench trace`).
+"""
+
+from __future__ import annotations
+
+import time
+from engine.bench.common import header
+
+POLICIES = ("cpu-only", "on-demand", "static", "adaptive")
+ROUTING_NOTE = ("synthetic models route with random routers: expert use is near-uniform, a worst case for any "
+                "expert cache; real checkpoints have skewed, temporally local routing")
+
+
+def _counters(engine) -> dict:
+    """Cumulative expert counters and PCIe bytes from the engine's StatsSnapshot."""
+    snap = engine.stats()
+    return {**snap.experts, "h2d_bytes": snap.pcie["h2d_bytes"]}
+
+
+def _phase(before: dict, after: dict, seconds: float, tokens: int) -> dict:
+    d = {k: (after[k] or 0) - (before[k] or 0) for k in ("hits", "misses", "fills", "cpu_executed", "evictions",
+                                                          "prefetch_issued", "prefetch_used", "prefetch_wasted",
+                                                          "h2d_bytes", "cpu_expert_s")}
+    lookups = d["hits"] + d["misses"]
+    return {"tok_s": round(tokens / seconds, 3) if seconds > 0 else None, "tokens": tokens,
+            "seconds": round(seconds, 4), "hit_rate": round(d["hits"] / lookups, 4) if lookups else None,
+            "pcie_gbps": round(d["h2d_bytes"] / seconds / 1e9, 3) if seconds > 0 else None,
+            "cpu_expert_ms_per_token": round(1e3 * d["cpu_expert_s"] / tokens, 3) if tokens else None,
+            **{k: d[k] for k in ("fills", "cpu_executed", "evictions", "prefetch_issued", "prefetch_used",
+                                 "prefetch_wasted")},
+            "cpu_expert_s": round(d["cpu_expert_s"], 4)}
+
+
+def _measure(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> dict:
+    """Prefill (first token) and decode (the rest) of a batch, each with its own expert deltas."""
+    from engine.api import GenerationRequest
+
+    sessions = [f"{tag}-{i}" for i in range(len(prompts))]
+    before = _counters(engine)
+    t0 = time.perf_counter()
+    first = engine.generate_batch([GenerationRequest(prompt_ids=p, max_new_tokens=1, greedy=True, ignore_eos=True,
+                                                     session_id=s) for p, s in zip(prompts, sessions)])
+    t_prefill = time.perf_counter() - t0
+    mid = _counters(engine)
+    reqs = [GenerationRequest(prompt_ids=p + r.token_ids, max_new_tokens=new_tokens, greedy=True, ignore_eos=True,
+                              session_id=s) for p, r, s in zip(prompts, first, sessions)]
+    t0 = time.perf_counter()
+    second = engine.generate_batch(reqs)
+    t_decode = time.perf_counter() - t0
+    after = _counters(engine)
+    for s in sessions:
+        engine.end_session(s)
+    prefilled = sum(r.prefilled_tokens for r in first)
+    decoded = sum(r.completion_tokens for r in second)
+    prefill = _phase(before, mid, t_prefill, prefilled)
+    decode = _phase(mid, after, t_decode, decoded)
+    # the engine's own phase timers (exclude tokenising and session bookkeeping)
+    prefill["engine_tok_s"] = first[0].prefill_tok_s
+    decode["engine_tok_s"] = second[0].decode_tok_s
+    return {"prefill": prefill, "decode": decode, "predictor": after.get("predictor")}
+
+
+def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(1, 4), contexts=(2048,),
+        new_tokens: int = 32, vram_budget_gb: float | None = 24.0, device: str = "auto", dtype: str = "auto",
+        simulate_hybrid: bool = False, expert_cache_slots: int | None = None, cpu_threads: int | None = None,
+        seed: int = 0, warmup: bool = True, engine=None) -> dict:
+    """engine: an already loaded engine with an offload policy to measure instead of loading one
+    (the caller keeps and closes it; its config decides budget and slots)."""
+    import torch
+
+    from engine.api import Engine, EngineConfig
+
+    policies = list(policies)
+    t0 = time.perf_counter()
+    owned = engine is None
+    if owned:
+        engine = Engine(EngineConfig(model=model, backend="tandem", device=device, dtype=dtype,
+                                     expert_policy=policies[0], vram_budget_gb=vram_budget_gb,
+                                     max_batch=max(batch_sizes), max_context=max(contexts) + new_tokens + 2,
+                                     simulate_hybrid=simulate_hybrid, expert_cache_slots=expert_cache_slots,
+                                     cpu_threads=cpu_threads))
+    load_s = time.perf_counter() - t0
+    config = engine.config
+    parts = engine.backend.parts  # read only: model shape, store and cost model for the record
+    gen = torch.Generator().manual_seed(seed)
+    vocab = parts.args.vocab_size
+    rows = []
+    try:
+        for policy in policies:
+            if engine.info()["expert_policy"] != policy:
+                engine.set_expert_policy(policy)
+            tel = parts.experts.telemetry()
+            if warmup:  # first-call costs (kernel selection, allocator growth) stay out of the numbers
+                _measure(engine, [torch.randint(0, vocab, (16,), generator=gen).tolist()], 2, "warmup")
+            for context in contexts:
+                for bs in batch_sizes:
+                    prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(bs)]
+                    rows.append({"policy": policy, "context": context, "batch": bs, "slots": tel["slots"],
+                                 "cache_gib": round(tel["cache_bytes"] / 2**30, 3),
+                                 **_measure(engine, prompts, new_tokens, f"{policy}-{context}-{bs}")})
+        store = parts.experts.store
+        info = engine.info()
+        record = {**header(), "bench": "experts", "model": config.model, "load_s": round(load_s, 1) if owned else None,
+                  "vram_budget_gb": config.vram_budget_gb, "device": info["device"], "dtype": info["dtype"],
+                  "simulate_hybrid": config.simulate_hybrid, "new_tokens": new_tokens,
+                  "store_gib": round(store.nbytes / 2**30, 3), "store_pinned": store.pinned,
+                  "expert_mib_each": round(store.block_bytes / 2**20, 3), "routed_experts": store.n_routed,
+                  "cpu_kernel": parts.experts.cpu_kernel, "gpu_kernel": parts.experts.telemetry()["gpu_kernel"],
+                  "cost_model": dict(vars(parts.experts.costs)),
+                  "routing": ROUTING_NOTE if config.model.startswith("synthetic:") else None,
+                  "results": rows, "adaptive_vs_best_baseline_decode": speedups(rows)}
+    finally:
+        if owned:
+            engine.close()
+    if torch.cuda.is_available() and not config.simulate_hybrid:
+        record["cpu_expert_pinning"] = pinning_penalty()
+    return record
+
+
+def speedups(rows: list[dict]) -> dict:
+    """Decode tok/s of adaptive over the better of cpu-only and on-demand, per (context, batch)."""
+    out = {}
+    for r in rows:
+        if r["policy"] != "adaptive":
+            continue
+        peers = [q["decode"]["tok_s"] for q in rows if q["policy"] in ("cpu-only", "on-demand")
+                 and (q["context"], q["batch"]) == (r["context"], r["batch"]) and q["decode"]["tok_s"]]
+        if peers and r["decode"]["tok_s"]:
+            out[f"ctx{r['context']}-bs{r['batch']}"] = round(r["decode"]["tok_s"] / max(peers), 3)
+    return out
+
+
+def pinning_penalty(hidden: int = 2048, expert_ffn: int = 768, tokens=(1, 16), repeats: int = 50) -> dict:
+    """CPU expert FFN time reading pageable vs page-locked (cudaHostRegister'ed) weights, bf16, in ms.
+    Answers whether the store should keep a pageable copy for the CPU (seed 000 §3.1: 10–25 %)."""
+    import torch
+
+    from engine.experts.offload import default_cpu_kernel
+
+    ffn, _ = default_cpu_kernel()
+    block = torch.randn(3 * hidden * expert_ffn).to(torch.bfloat16)
+    split = 2 * expert_ffn * hidden
+    gate_up, down = block[:split].view(2 * expert_ffn, hidden), block[split:].view(hidden, expert_ffn)
+
+    def timed(n: int) -> float:
+        x = torch.randn(n, hidden).to(torch.bfloat16)
+        for _ in range(5):
+            ffn(x, gate_up, down)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            ffn(x, gate_up, down)
+        return 1e3 * (time.perf_counter() - t0) / repeats
+
+    out = {f"pageable_ms_{n}tok": round(timed(n), 4) for n in tokens}
+    rt = torch.cuda.cudart()
+    torch.cuda.check_error(rt.cudaHostRegister(block.data_ptr(), block.numel() * block.element_size(), 0))
+    try:
+        out.update({f"pinned_ms_{n}tok": round(timed(n), 4) for n in tokens})
+    finally:
+        torch.cuda.check_error(rt.cudaHostUnregister(block.data_ptr()))
+    return out
+
+
+def trace(model: str, prompts: list, new_tokens: int = 64, path: str | None = None, **config) -> dict:
+    """Load `model` with an offload policy and record its hot-expert table (see record_trace)."""
+    import torch
+
+    from engine.api import Engine, EngineConfig
+
+    config.setdefault("expert_policy", "adaptive")
+    if not torch.cuda.is_available():
+        config.setdefault("simulate_hybrid", True)
+    engine = Engine(EngineConfig(model=model, backend="tandem", **config))
+    try:
+        return record_trace(engine, prompts, new_tokens, path)
+    finally:
+        engine.close()
+
+
+def record_trace(engine, prompts: list, new_tokens: int = 64, path: str | None = None) -> dict:
+    """Run prompts (chat text, or token-id lists for models without a tokenizer) and save the tokens
+    each (layer, expert) received as the model's hot-expert table (default: where loading looks)."""
+    from engine.api import GenerationRequest
+    from engine.experts.predictor import default_hot_table_path
+
+    ex = engine.backend.parts.experts
+    if ex is None or not hasattr(ex, "trace"):
+        raise ValueError(f"{engine.config.model} has no offloaded experts to trace")
+    ex.trace.counts[:] = 0
+    for p in prompts:
+        source = {"messages": [{"role": "user", "content": p}]} if isinstance(p, str) else {"prompt_ids": list(p)}
+        engine.generate(GenerationRequest(**source, max_new_tokens=new_tokens, greedy=True))
+    target = path or str(default_hot_table_path(engine.config.model))
+    ex.trace.save(target, engine.config.model)
+    return {**header(), "bench": "trace", "model": engine.config.model, "path": target, "prompts": len(prompts),
+            "tokens_routed": int(ex.trace.counts.sum()), "top10": ex.trace.top(10)}

@@ -1,0 +1,207 @@
+"""The GPU expert cache: a fixed pool of slots shared by all layers, least-recently-used (seed 004).
+
+`SlotLRU` is the bookkeeping, keyed (layer, expert): a hit refreshes recency, a fill admits into a
+free slot or evicts the least recently used entry, a prefetch admits only into a free slot or one
+whose entry went unused for a whole forward pass. Entries the current layer computes with are
+locked until the layer ends, so neither its own fills nor the next layer's prefetches overwrite a
+slot a kernel still reads.
+
+`ExpertCache` owns the slots: one (n_slots, P) tensor allocated once, where a slot holds one
+expert's block [gate_up (2I·H) | down (H·I)] exactly as the host store lays it out, so a fill is one
+contiguous copy, issued on its own copy stream. Nothing is allocated after construction.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import OutOfMemoryError
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass
+class _Entry:
+    slot: int
+    tick: int  # clock value of the last use (hit, fill or prefetch)
+    prefetched: bool = False  # admitted by a prefetch and not hit since
+
+
+class SlotLRU:
+    def __init__(self, n_slots: int):
+        if n_slots < 0:
+            raise ValueError("n_slots must be ≥ 0")
+        self.n_slots = n_slots
+        self.entries: OrderedDict[Key, _Entry] = OrderedDict()  # least recently used first
+        self.free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.locked: set[Key] = set()
+        self.clock = 0
+        self.hits = self.misses = self.fills = self.evictions = 0
+        self.prefetches = self.prefetch_used = self.prefetch_wasted = 0
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def order(self) -> list[Key]:
+        """Keys from least to most recently used."""
+        return list(self.entries)
+
+    def slot_of(self, key: Key) -> int | None:
+        ent = self.entries.get(key)
+        return None if ent is None else ent.slot
+
+    def lookup(self, layer: int, experts: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Hits refresh recency and are locked for this layer → (hit experts, their slots, misses)."""
+        hits, slots, misses = [], [], []
+        for e in experts:
+            key = (layer, e)
+            ent = self.entries.get(key)
+            if ent is None:
+                misses.append(e)
+                continue
+            self.entries.move_to_end(key)
+            ent.tick = self._tick()
+            if ent.prefetched:
+                ent.prefetched = False
+                self.prefetch_used += 1
+            self.locked.add(key)
+            hits.append(e)
+            slots.append(ent.slot)
+        self.hits += len(hits)
+        self.misses += len(misses)
+        return hits, slots, misses
+
+    def admit(self, layer: int, expert: int) -> tuple[int, Key | None]:
+        """A fill for this layer: a free slot, else the least recently used unlocked entry's.
+        Returns (slot, evicted key or None)."""
+        key = (layer, expert)
+        if key in self.entries:
+            raise KeyError(f"expert {key} is cached already")
+        evicted = None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            evicted = next((k for k in self.entries if k not in self.locked), None)
+            if evicted is None:
+                raise RuntimeError(f"all {self.n_slots} slots are in use by this layer; the planner must cap fills")
+            slot = self._evict(evicted)
+        self.entries[key] = _Entry(slot, self._tick())
+        self.locked.add(key)
+        self.fills += 1
+        return slot, evicted
+
+    def admit_prefetch(self, layer: int, expert: int, stale_before: int, protect: set[Key]) -> int | None:
+        """A prefetch: a free slot, or the slot of the least recently used entry that is neither
+        locked nor protected and was last used before `stale_before`; None when there is none."""
+        key = (layer, expert)
+        if key in self.entries:
+            return None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            victim = None
+            for k, ent in self.entries.items():  # oldest first: stop at the first recent one
+                if ent.tick >= stale_before:
+                    break
+                if k not in self.locked and k not in protect:
+                    victim = k
+                    break
+            if victim is None:
+                return None
+            slot = self._evict(victim)
+        self.entries[key] = _Entry(slot, self._tick(), prefetched=True)
+        self.prefetches += 1
+        return slot
+
+    def place(self, layer: int, expert: int) -> int | None:
+        """Warm-up at load (hot table, static placement): a free slot or nothing; no eviction."""
+        key = (layer, expert)
+        if key in self.entries or not self.free:
+            return None
+        slot = self.free.pop()
+        self.entries[key] = _Entry(slot, self._tick())
+        return slot
+
+    def unlock(self) -> None:
+        self.locked.clear()
+
+    def _evict(self, key: Key) -> int:
+        ent = self.entries.pop(key)
+        if ent.prefetched:
+            self.prefetch_wasted += 1
+        self.evictions += 1
+        return ent.slot
+
+
+class ExpertCache:
+    """The slot pool on the compute device, with the LRU over it and a copy stream for fills."""
+
+    def __init__(self, n_slots: int, hidden: int, expert_ffn: int, dtype: torch.dtype, device: torch.device):
+        self.lru = SlotLRU(n_slots)
+        self.hidden, self.expert_ffn = hidden, expert_ffn
+        self.device = torch.device(device)
+        block = 3 * hidden * expert_ffn  # elements: gate_up (2I·H) then down (H·I)
+        try:
+            self.pool = torch.empty((n_slots, block), dtype=dtype, device=self.device)  # (S, P), the only allocation
+        except torch.OutOfMemoryError as e:
+            raise OutOfMemoryError(f"cannot allocate {n_slots} expert slots on {self.device}",
+                                   "lower vram_budget_gb or expert_cache_slots") from e
+        self.allocations = 1  # slot allocations ever made; stays 1 (tests check it)
+        split = 2 * expert_ffn * hidden
+        # Views over the pool, never copies: (S, 2I, H) and (S, H, I), slot-major like the store.
+        self.gate_up = self.pool[:, :split].unflatten(1, (2 * expert_ffn, hidden))
+        self.down = self.pool[:, split:].unflatten(1, (hidden, expert_ffn))
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @property
+    def n_slots(self) -> int:
+        return self.lru.n_slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.pool.shape[1] * self.pool.element_size()
+
+    def copy_in(self, slot: int, block: torch.Tensor) -> None:
+        """One expert's host block (P,) into a slot: async on the copy stream from pinned memory;
+        a plain copy when the "GPU" is the CPU (simulated hybrid)."""
+        if self.copy_stream is None:
+            self.pool[slot].copy_(block)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.pool[slot].copy_(block, non_blocking=True)
+
+    def wait_copies(self) -> None:
+        """Make the compute stream wait for every fill and prefetch issued so far."""
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def synchronize(self) -> None:
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+
+
+def slots_for_budget(budget_bytes: int, used_bytes: int, slot_bytes: int, reserve_bytes: int) -> int:
+    """Expert slots that fit in a device budget after the dense weights and KV (`used_bytes`) and a
+    reserve for activations and workspace."""
+    free = budget_bytes - used_bytes - reserve_bytes
+    if free < slot_bytes:
+        raise OutOfMemoryError(
+            f"the VRAM budget ({budget_bytes / 2**30:.2f} GiB) leaves no room for one expert slot "
+            f"({slot_bytes / 2**20:.1f} MiB) after dense weights and KV ({used_bytes / 2**30:.2f} GiB) "
+            f"and a {reserve_bytes / 2**30:.2f} GiB reserve",
+            "raise vram_budget_gb, lower max_context or max_batch, or use expert_policy cpu-only")
+    return free // slot_bytes

@@ -1,0 +1,262 @@
+"""OffloadedExperts: routed experts in a host store, a GPU LRU cache of them, a per-layer split.
+
+One MoE layer (`run`), in order:
+1. The layer's routing, and the lookahead prediction for the next layer, come to the host in one
+   copy (the layer's only host sync).
+2. Active experts are looked up in the LRU: hits run on the GPU; the planner splits the misses into
+   fills (copied into slots on the copy stream, then computed on the GPU, kept) and a CPU set.
+3. The CPU set starts in a worker thread, computing in place from the store.
+4. The GPU side — hits and fills — runs as one grouped computation over the slot pool.
+5. Predicted next-layer misses are prefetched into free or stale slots while the link is idle.
+6. The CPU part joins and is added. The sum does not depend on which side computed what.
+
+With the compute device a CPU (`simulate_hybrid`), "slots" are host tensors and copies are
+synchronous, but the LRU, fills, CPU set, prefetch and merge all run as on a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from engine.experts.cache import ExpertCache
+from engine.experts.executor import ExpertExecutor
+from engine.experts.planner import MissPlanner
+from engine.experts.predictor import GateLookahead, HotTable
+from engine.experts.store import ExpertStore
+from engine.kernels.experts_gpu import grouped_expert_ffn, grouped_impl, uses_grouped_mm
+from engine.kernels.experts_torch import expert_ffn
+from engine.sched.expert_cost import ExpertCostModel
+
+OFFLOAD_POLICIES = ("adaptive", "on-demand", "static", "cpu-only")
+
+
+def default_cpu_kernel():
+    """The native CPU expert kernel where it is built, else torch: (expert_ffn, name)."""
+    try:
+        from engine.kernels import experts_cpu
+    except ImportError:
+        return expert_ffn, "torch"
+    return experts_cpu.expert_ffn, str(getattr(experts_cpu, "IMPLEMENTATION", "experts_cpu"))
+
+
+class OffloadedExperts(ExpertExecutor):
+    def __init__(self, policy: str, store: ExpertStore, *, device: torch.device, n_slots: int | None = None,
+                 costs: ExpertCostModel | None = None, max_decode_tokens: int = 4, cpu_ffn=None,
+                 cpu_kernel: str | None = None, window: int = 256):
+        if policy not in OFFLOAD_POLICIES:
+            raise ValueError(f"unknown offload policy '{policy}' (one of {', '.join(OFFLOAD_POLICIES)})")
+        self.policy, self.store, self.device = policy, store, torch.device(device)
+        self.costs = costs or ExpertCostModel.from_shape(store.hidden, store.expert_ffn, store.blocks.element_size())
+        self.planner = MissPlanner(policy, self.costs, max_decode_tokens)
+        if cpu_ffn is None:
+            cpu_ffn, cpu_kernel = default_cpu_kernel()
+        self.cpu_ffn, self.cpu_kernel = cpu_ffn, cpu_kernel or getattr(cpu_ffn, "__module__", "custom")
+        self.cache: ExpertCache | None = None
+        self.predictor: GateLookahead | None = None
+        self.trace = HotTable(store.n_layers, store.n_experts)  # tokens per (layer, expert), always counted
+        self.hot_source: str | None = None  # what warmed the cache: a hot-table path or "even-spread"
+        self._first_layer = store.layers[0]
+        self._sweep_start = self._prev_sweep_start = 0  # LRU clock at the start of this / the last forward
+        self._workers = ThreadPoolExecutor(1, thread_name_prefix="tandem-cpu-experts")
+        self._window: deque[tuple[int, int]] = deque(maxlen=window)  # (hits, lookups) per layer step
+        self.cpu_executed = self.uncached_misses = self.h2d_bytes = 0
+        self.cpu_s = 0.0  # worker time computing CPU sets
+        self.cpu_wait_s = 0.0  # time the GPU-driving thread waited for them
+        self._rate_mark = (time.perf_counter(), 0)
+        self._opened = False
+        if n_slots is not None:
+            self.open_cache(n_slots)
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def open_cache(self, n_slots: int) -> None:
+        """Allocate the slot pool (once) and the per-layer slot map; `cpu-only` keeps no slots."""
+        if self._opened:
+            raise RuntimeError("the expert cache is allocated already")
+        n_slots = 0 if self.policy == "cpu-only" else max(0, min(int(n_slots), self.store.n_routed))
+        s = self.store
+        if n_slots:
+            self.cache = ExpertCache(n_slots, s.hidden, s.expert_ffn, s.dtype, self.device)
+        self._sentinel = n_slots  # slot id of experts the CPU computes: sorts after every real slot
+        on_gpu = self.device.type == "cuda"
+        self._map_host = torch.full((s.n_experts,), n_slots, dtype=torch.int64, pin_memory=on_gpu)  # expert → slot
+        self._map_np = self._map_host.numpy()
+        self._map_dev = torch.empty_like(self._map_host, device=self.device) if on_gpu else self._map_host
+        self._group_ends = torch.arange(1, n_slots + 1, device=self.device)  # searchsorted → group end rows
+        self._grouped_mm = uses_grouped_mm(self.device, s.dtype)  # else: a loop over the host-known groups
+        self._opened = True
+
+    def attach_predictor(self, predictor: GateLookahead) -> None:
+        self.predictor = predictor
+
+    def warm(self, keys: list[tuple[int, int]], source: str) -> int:
+        """Place (layer, expert) pairs into free slots at load (hot table / static placement)."""
+        placed = 0
+        if self.cache is not None:
+            for layer, e in keys:
+                slot = self.cache.lru.place(layer, e)
+                if slot is None:
+                    continue
+                self.cache.copy_in(slot, self.store.block(layer, e))
+                self.h2d_bytes += self.store.block_bytes
+                placed += 1
+            self.cache.synchronize()
+        self.hot_source = source
+        return placed
+
+    # -- one layer ------------------------------------------------------------------------------
+    def run(self, layer, x, ids, weights):
+        N, k = ids.shape
+        if N == 0:
+            return torch.zeros_like(x)
+        lru = self.cache.lru if self.cache is not None else None
+        if layer == self._first_layer:  # a new forward pass begins
+            self._prev_sweep_start, self._sweep_start = self._sweep_start, (lru.clock if lru else 0)
+        predicted = self.predictor.propose(layer, x) if self.predictor is not None else None
+        both = ids if predicted is None else torch.cat([ids, predicted.to(ids.dtype)])  # (N or 2N, k)
+        host = both.cpu().numpy()  # the layer's one host sync
+        ids_h = host[:N]
+        if self.predictor is not None:
+            self.predictor.score(layer, ids_h)
+            self.predictor.remember(layer, host[N:] if predicted is not None else None)
+        counts = np.bincount(ids_h.ravel(), minlength=self.store.n_experts)  # tokens per expert
+        self.trace.add(layer, counts)
+        active = np.flatnonzero(counts).tolist()
+        if lru is not None:
+            hits, hit_slots, misses = lru.lookup(layer, active)
+        else:
+            hits, hit_slots, misses = [], [], active
+            self.uncached_misses += len(active)
+        self._window.append((len(hits), len(active)))
+        capacity = self.cache.n_slots - len(hits) if self.cache is not None else 0
+        plan = self.planner.plan(N, misses, counts[misses].tolist(), len(hits), int(counts[hits].sum()),
+                                 capacity, self.predictor.hit_rate() if self.predictor else None)
+        fill_slots = [self._fill(layer, e) for e in plan.fill]
+        job = None
+        if plan.cpu:
+            job = self._workers.submit(self._cpu_set, layer, plan.cpu, x.cpu(), ids_h, weights.cpu())
+            self.cpu_executed += len(plan.cpu)
+        gpu_experts = hits + plan.fill
+        out = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts]) \
+            if gpu_experts else None
+        if plan.prefetch and predicted is not None and self.cache is not None:
+            self._prefetch(layer, host[N:], plan.prefetch)
+        if lru is not None:
+            lru.unlock()
+        if job is not None:
+            t0 = time.perf_counter()
+            cpu_out = job.result().to(self.device)
+            self.cpu_wait_s += time.perf_counter() - t0
+            out = cpu_out if out is None else out + cpu_out
+        return out
+
+    def _fill(self, layer: int, expert: int) -> int:
+        slot, _ = self.cache.lru.admit(layer, expert)
+        self.cache.copy_in(slot, self.store.block(layer, expert))
+        self.h2d_bytes += self.store.block_bytes
+        return slot
+
+    def _gpu_set(self, x, ids, weights, experts: list[int], slots: list[int], pairs_per_expert: np.ndarray):
+        """Σ over the GPU-side experts, as one grouped computation over the slot pool → (N, H)."""
+        N, k = ids.shape
+        self._map_np.fill(self._sentinel)
+        self._map_np[experts] = slots
+        if self._map_dev is not self._map_host:  # reused after the next layer's host sync: safe
+            self._map_dev.copy_(self._map_host, non_blocking=True)
+        self.cache.wait_copies()
+        slot_of_pair = self._map_dev[ids.reshape(-1)]  # (N·k,) slot, or the sentinel for CPU pairs
+        sorted_slots, perm = torch.sort(slot_of_pair, stable=True)
+        xs = x[perm // k]  # (N·k, H) rows grouped by slot
+        if self._grouped_mm:  # group ends on the device: no host round trip
+            offs, groups = torch.searchsorted(sorted_slots, self._group_ends, out_int32=True), None  # (S,)
+        else:  # the host knows the groups: slot order, rows per slot
+            by_slot = np.argsort(slots)
+            ends = np.cumsum(pairs_per_expert[by_slot])
+            groups = list(zip(np.asarray(slots)[by_slot].tolist(), (ends - pairs_per_expert[by_slot]).tolist(),
+                              ends.tolist()))
+            offs = None
+        y = grouped_expert_ffn(xs, self.cache.gate_up, self.cache.down, offs, groups)  # (N·k, H)
+        on_gpu = (sorted_slots < self._sentinel).unsqueeze(1)  # (N·k, 1)
+        w = weights.reshape(-1)[perm].unsqueeze(1).float()
+        y = torch.where(on_gpu, y.float() * w, 0.0)  # CPU pairs' rows are undefined: zero them
+        pairs = torch.empty_like(y).index_copy_(0, perm, y)  # back to (token, choice) order
+        return pairs.view(N, k, -1).sum(1).to(x.dtype)  # (N, H)
+
+    def _cpu_set(self, layer: int, experts: list[int], x_h: torch.Tensor, ids_h: np.ndarray,
+                 w_h: torch.Tensor) -> torch.Tensor:
+        """In the worker thread: Σ over the CPU-side experts, each computed from its store block."""
+        with torch.inference_mode():  # grad mode is per thread
+            t0 = time.perf_counter()
+            k = ids_h.shape[1]
+            flat = ids_h.ravel()
+            order = np.argsort(flat, kind="stable")  # (token, choice) pairs grouped by expert
+            sorted_ids = flat[order]
+            lo = np.searchsorted(sorted_ids, experts, side="left")
+            hi = np.searchsorted(sorted_ids, experts, side="right")
+            w_flat = w_h.reshape(-1)
+            out = torch.zeros_like(x_h)  # (N, H)
+            for e, a, b in zip(experts, lo.tolist(), hi.tolist()):
+                pairs = torch.from_numpy(order[a:b])
+                tok = pairs // k
+                gate_up, down = self.store.expert(layer, e)
+                out.index_add_(0, tok, self.cpu_ffn(x_h[tok], gate_up, down) * w_flat[pairs].unsqueeze(1))
+            self.cpu_s += time.perf_counter() - t0
+        return out
+
+    def _prefetch(self, layer: int, predicted: np.ndarray, depth: int) -> None:
+        """Copy the next layer's predicted misses, most-routed first, into free slots or slots whose
+        entry went unused through the whole last forward pass."""
+        nxt = self.predictor.next_of.get(layer)
+        if nxt is None:
+            return
+        counts = np.bincount(predicted.ravel(), minlength=self.store.n_experts)
+        wanted = sorted(np.flatnonzero(counts).tolist(), key=lambda e: (-counts[e], e))
+        lru = self.cache.lru
+        protect = {(nxt, e) for e in wanted}
+        for e in wanted:
+            if depth <= 0:
+                break
+            if (nxt, e) in lru:
+                continue
+            slot = lru.admit_prefetch(nxt, e, self._prev_sweep_start, protect)
+            if slot is None:
+                break
+            self.cache.copy_in(slot, self.store.block(nxt, e))
+            self.h2d_bytes += self.store.block_bytes
+            depth -= 1
+
+    # -- reporting ------------------------------------------------------------------------------
+    def hit_rate(self) -> float | None:
+        lookups = sum(n for _, n in self._window)
+        return sum(h for h, _ in self._window) / lookups if lookups else None
+
+    def telemetry(self) -> dict:
+        lru = self.cache.lru if self.cache is not None else None
+        now = time.perf_counter()
+        t0, b0 = self._rate_mark
+        self._rate_mark = (now, self.h2d_bytes)
+        c = lambda name: getattr(lru, name) if lru is not None else 0  # noqa: E731
+        return {
+            "policy": self.policy, "hits": c("hits"), "misses": c("misses") + self.uncached_misses,
+            "fills": c("fills"), "cpu_executed": self.cpu_executed, "evictions": c("evictions"),
+            "prefetch_issued": c("prefetches"), "prefetch_used": c("prefetch_used"),
+            "prefetch_wasted": c("prefetch_wasted"), "hit_rate": self.hit_rate(),
+            "slots": self.cache.n_slots if self.cache is not None else 0,
+            "cache_bytes": self.cache.nbytes if self.cache is not None else 0,
+            "store_bytes": self.store.nbytes, "store_pinned": self.store.pinned, "bytes": 0,
+            "cpu_kernel": self.cpu_kernel, "gpu_kernel": grouped_impl(self.device, self.store.dtype),
+            "h2d_bytes": self.h2d_bytes, "h2d_gbps": (self.h2d_bytes - b0) / (now - t0) / 1e9 if now > t0 else None,
+            "cpu_expert_s": self.cpu_s, "cpu_wait_s": self.cpu_wait_s, "hot_table": self.hot_source,
+            "predictor": self.predictor.accuracy() if self.predictor is not None else None,
+        }
+
+    def close(self, release_store: bool = True) -> None:
+        if self.cache is not None:
+            self.cache.synchronize()  # no copy may still read the store
+        self._workers.shutdown(wait=True)
+        if release_store:
+            self.store.close()

@@ -1,0 +1,136 @@
+"""The host expert store: every routed expert's weights in host memory, one contiguous block each.
+
+Block layout (P = 3·I·H elements, the engine's dtype): [gate_up (2I, H) row-major | down (H, I)
+row-major], the fused transformers layout of one expert. One block is one DMA into a GPU cache
+slot, which has the same layout, and the CPU computes on the block in place through two views.
+
+All blocks live in one (n_blocks, P) allocation, pinned where CUDA exists by registering that
+ordinary memory with `cudaHostRegister` (exact size; `pin_memory=True` would round 58 GB up to
+64 GB) and unregistered before it is freed. NOTES measured no CPU slowdown on pinned pages (CPU
+attention: 3.5 ms pinned vs 3.9 ms pageable), so the CPU computes from the same pinned blocks;
+`engine.bench.experts.pinning_penalty` re-measures it for the expert FFN.
+
+Experts that are views of the same memory (the built-in upcycled model: 8 stride-0 copies of each
+layer's FFN) share one block: (layer, expert) → block is a table, so fills, LRU and CPU execution
+work per (layer, expert) exactly as with distinct experts while the host keeps one copy.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from engine.errors import ModelFileError
+
+
+def _unregister(ptr: int, keepalive: torch.Tensor) -> None:
+    """Unpin before the memory is freed (keepalive holds the buffer until this has run)."""
+    try:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
+    except Exception:  # interpreter shutdown: the driver may be gone already
+        pass
+
+
+class ExpertStore:
+    def __init__(self, block_of: np.ndarray, n_blocks: int, hidden: int, expert_ffn: int, dtype: torch.dtype,
+                 pin: bool = False):
+        """block_of: (n_layers, E) block index of each (layer, expert), −1 for layers without routed
+        experts. Blocks are allocated here (uninitialised) and filled by `write`."""
+        self.block_of = np.asarray(block_of, dtype=np.int64)  # (L, E)
+        self.n_layers, self.n_experts = self.block_of.shape
+        self.hidden, self.expert_ffn, self.dtype = hidden, expert_ffn, dtype
+        self.layers = [l for l in range(self.n_layers) if (self.block_of[l] >= 0).any()]  # MoE layers
+        self.block_numel = 3 * hidden * expert_ffn  # P
+        self._split = 2 * expert_ffn * hidden
+        self.blocks = torch.empty((n_blocks, self.block_numel), dtype=dtype)  # (n_blocks, P), host
+        self.pinned = False
+        self._finalizer = None
+        if pin and torch.cuda.is_available() and self.blocks.numel():
+            ptr = self.blocks.data_ptr()
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0))
+            self.pinned = True
+            self._finalizer = weakref.finalize(self, _unregister, ptr, self.blocks)
+
+    # -- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_layers(cls, gate_up: list[torch.Tensor | None], down: list[torch.Tensor | None], *,
+                    dtype: torch.dtype, pin: bool = False) -> "ExpertStore":
+        """Per layer fused (E, 2I, H) and (E, H, I) tensors (None: a layer without routed experts),
+        any device or dtype → a store in `dtype`. Storage-sharing experts share a block."""
+        layers = [l for l, t in enumerate(gate_up) if t is not None]
+        if not layers:
+            raise ModelFileError("the model has no routed experts to store", "use expert_policy resident")
+        E, two_i, H = gate_up[layers[0]].shape
+        I = two_i // 2
+        block_of = np.full((len(gate_up), E), -1, dtype=np.int64)
+        firsts: dict[tuple, int] = {}
+        sources: list[tuple[int, int]] = []  # (layer, expert) whose weights fill each block
+        for l in layers:
+            gu, dn = gate_up[l], down[l]
+            if tuple(gu.shape) != (E, 2 * I, H) or dn is None or tuple(dn.shape) != (E, H, I):
+                raise ModelFileError(f"layer {l}: expert tensors of shapes {tuple(gu.shape)} / "
+                                     f"{None if dn is None else tuple(dn.shape)} do not match ({E}, {2 * I}, {H})",
+                                     "the weights do not match the config")
+            for e in range(E):
+                a, b = gu[e], dn[e]
+                key = (a.device, a.data_ptr(), a.stride(), b.data_ptr(), b.stride(), a.dtype)
+                if key not in firsts:
+                    firsts[key] = len(sources)
+                    sources.append((l, e))
+                block_of[l, e] = firsts[key]
+        store = cls(block_of, len(sources), H, I, dtype, pin)
+        for i, (l, e) in enumerate(sources):
+            store._write_block(i, gate_up[l][e], down[l][e])
+        return store
+
+    def _write_block(self, index: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        block = self.blocks[index]
+        block[:self._split].view(2 * self.expert_ffn, self.hidden).copy_(gate_up)
+        block[self._split:].view(self.hidden, self.expert_ffn).copy_(down)
+
+    def write(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Fill one expert's block: (2I, H) and (H, I), any dtype (for loaders that generate or
+        read experts one at a time straight into the store)."""
+        self._write_block(int(self.block_of[layer, expert]), gate_up, down)
+
+    @classmethod
+    def empty(cls, n_layers: int, moe_layers: list[int], n_experts: int, hidden: int, expert_ffn: int,
+              dtype: torch.dtype, pin: bool = False) -> "ExpertStore":
+        """One distinct block per (layer, expert) of the MoE layers, to be filled with `write`."""
+        block_of = np.full((n_layers, n_experts), -1, dtype=np.int64)
+        for i, l in enumerate(moe_layers):
+            block_of[l] = np.arange(i * n_experts, (i + 1) * n_experts)
+        return cls(block_of, len(moe_layers) * n_experts, hidden, expert_ffn, dtype, pin)
+
+    # -- access ---------------------------------------------------------------------------------
+    def block(self, layer: int, expert: int) -> torch.Tensor:
+        """The expert's contiguous block (P,): the source of one DMA."""
+        return self.blocks[int(self.block_of[layer, expert])]
+
+    def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (2I, H), (H, I) of the expert's block, for in-place CPU compute."""
+        block = self.block(layer, expert)
+        return (block[:self._split].view(2 * self.expert_ffn, self.hidden),
+                block[self._split:].view(self.hidden, self.expert_ffn))
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_numel * self.blocks.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() * self.blocks.element_size()
+
+    @property
+    def n_routed(self) -> int:
+        """(layer, expert) pairs the store serves (more than its blocks when experts share one)."""
+        return int((self.block_of >= 0).sum())
+
+    def close(self) -> None:
+        """Unpin now (the caller has finished every copy that reads the store)."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+            self.pinned = False

@@ -1,0 +1,82 @@
+"""Grouped expert FFN over a slot pool: every GPU-side expert of a layer in one computation.
+
+Rows of `xs` are (token, choice) pairs sorted by slot; `offs[s]` is the end row of slot s's group
+(int32, cumulative), so empty groups take no rows and the whole pool is the weight operand: no
+weight gather, no per-expert Python call. Rows at or past `offs[-1]` (pairs the CPU computes) are
+left undefined; the caller masks them.
+
+On CUDA, `torch._grouped_mm` does each matmul in one kernel (bf16, sm80+). Elsewhere — the CPU
+standing in for the GPU in simulated runs, or a device/dtype the kernel lacks — a loop over the
+non-empty groups runs instead; the caller passes those groups from the host so the loop needs no
+sync (torch's CPU `_grouped_mm` would visit every slot of the pool, empty or not). `grouped_impl()`
+says which one runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_SUPPORT: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs, and agrees with mm, on this device and dtype with the pool's
+    slot-major strides (decided once per process)."""
+    key = (device.type, dtype)
+    if key not in _SUPPORT:
+        ok = False
+        if hasattr(torch, "_grouped_mm"):
+            try:
+                g, h, i = 3, 32, 16
+                pool = torch.randn(g, 3 * h * i, device=device).to(dtype)  # (G, P) like a slot pool
+                w = pool[:, :2 * i * h].unflatten(1, (2 * i, h))  # (G, 2I, H)
+                x = torch.randn(8, h, device=device).to(dtype)
+                offs = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
+                out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # (8, 2I)
+                ref = torch.cat([x[:3] @ w[0].T, x[3:8] @ w[2].T])
+                ok = bool(torch.allclose(out.float(), ref.float(), atol=5e-2, rtol=5e-2))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _SUPPORT[key] = ok
+    return _SUPPORT[key]
+
+
+def uses_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    device = torch.device(device)
+    return device.type == "cuda" and _probe(device, dtype)
+
+
+def grouped_impl(device: torch.device, dtype: torch.dtype) -> str:
+    return "grouped_mm" if uses_grouped_mm(device, dtype) else "group-loop"
+
+
+def _loop_linear(xs: torch.Tensor, weight: torch.Tensor, groups: list[tuple[int, int, int]]) -> torch.Tensor:
+    """xs: (S, K); weight: (G, N, K); groups: (g, start, end) of the non-empty groups → (S, N)."""
+    out = xs.new_zeros((xs.shape[0], weight.shape[1]))  # rows outside every group stay zero
+    for g, start, end in groups:
+        torch.mm(xs[start:end], weight[g].T, out=out[start:end])
+    return out
+
+
+def groups_of(offs: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Non-empty (group, start, end) from cumulative ends (one host sync)."""
+    out, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out.append((g, start, end))
+        start = end
+    return out
+
+
+def grouped_expert_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor,
+                       groups: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """SwiGLU per group: xs (S, H); gate_up (G, 2I, H) gate rows first; down (G, H, I);
+    offs (G,) int32 cumulative group ends; groups: the same as host triples, if known → (S, H)."""
+    if uses_grouped_mm(xs.device, xs.dtype):
+        h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # (S, 2I)
+        gate, up = h.chunk(2, dim=-1)  # (S, I) each
+        return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (S, H)
+    groups = groups_of(offs) if groups is None else groups
+    gate, up = _loop_linear(xs, gate_up, groups).chunk(2, dim=-1)
+    return _loop_linear(F.silu(gate) * up, down, groups)

@@ -1,0 +1,1 @@
+"""Scheduling arithmetic: cost models and policies, pure functions of measured costs (no torch)."""

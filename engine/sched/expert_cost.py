@@ -1,0 +1,150 @@
+"""Expert cost model: how long one MoE layer's GPU side and CPU side take, and the miss split that
+makes them finish together.
+
+Seed 004: at each layer the misses M split into a fill set F (q experts copied over PCIe into cache
+slots, then computed on the GPU and kept) and a CPU set C (computed in place from host DRAM). Fills
+and CPU experts read the same DRAM, so while fills stream at B_P the CPU is left the residual
+bandwidth B_R = max(B_H − B_P, 0). PDScope §4.3: an expert's cost grows with the tokens routed to it
+(prefill: many, decode: one per sequence); fills take the token-heavy experts first (on-demand
+monotonicity) and the prefetch depth follows the link's idle time and the predictor's hit rate.
+
+Pure arithmetic, no torch. Units: bytes, milliseconds, GB/s (= 1e6 bytes/ms), TFLOP/s (= 1e9 FLOP/ms).
+The defaults are the GPU machine's measurements (Qwen3-30B-A3B expert shape, bf16, 16 threads);
+a calibration profile replaces them through the constructor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+BYTES_PER_MS_PER_GBPS = 1e6
+FLOP_PER_MS_PER_TFLOPS = 1e9
+
+
+@dataclass(frozen=True)
+class ExpertCostModel:
+    expert_bytes: int  # one expert's gate_up + down in the store's dtype
+    flops_per_token: float  # 6·H·I: three (H × I) matmuls, 2 FLOP per multiply-add
+    pcie_gbps: float = 52.7  # B_P: pinned H2D into a slot (0.179 ms per 9.4 MB expert)
+    host_gbps: float = 76.0  # B_H: DRAM bandwidth fills and CPU experts share (23 GB/s CPU beside a 53.7 GB/s fill)
+    cpu_gbps: float = 31.0  # the CPU kernel's own weight-streaming rate when alone (0.30 ms per 9.4 MB expert)
+    cpu_tflops: float = 3.2  # CPU per-token compute (0.45 ms at 64 tokens, 1.05 ms at 256)
+    cpu_overhead_ms: float = 0.05  # per layer with a CPU set: hidden state to the host, hand-off, result back
+    gpu_launch_ms: float = 0.08  # per layer: the grouped FFN's few launches (a torch expert call costs 0.078 ms)
+    gpu_gbps: float = 3000.0  # HBM reads of slot weights
+    gpu_tflops: float = 300.0  # bf16 tensor-core throughput actually reached by grouped GEMMs
+    fill_latency_ms: float = 0.01  # α: DMA start-up of a layer's fills
+    attn_ms: float = 0.1  # next layer's attention + router: link time a prefetch can hide behind
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or value < 0 or (value == 0 and f.name.endswith(("gbps", "tflops"))):
+                raise ValueError(f"ExpertCostModel.{f.name} must be a positive number (got {value!r})")
+
+    @classmethod
+    def from_shape(cls, hidden: int, expert_ffn: int, dtype_bytes: int, **measured) -> "ExpertCostModel":
+        """Cost model of an expert of shape (H, I); `measured` overrides the default constants."""
+        return cls(expert_bytes=3 * hidden * expert_ffn * dtype_bytes, flops_per_token=6.0 * hidden * expert_ffn,
+                   **measured)
+
+    # -- bandwidths -----------------------------------------------------------------------------
+    @property
+    def residual_gbps(self) -> float:
+        """B_R = max(B_H − B_P, 0): host bandwidth left to CPU experts while fills saturate PCIe."""
+        return max(self.host_gbps - self.pcie_gbps, 0.0)
+
+    @property
+    def cpu_alone_gbps(self) -> float:
+        return min(self.cpu_gbps, self.host_gbps)
+
+    @property
+    def cpu_beside_fills_gbps(self) -> float:
+        return min(self.cpu_gbps, self.residual_gbps)
+
+    # -- per-side times -------------------------------------------------------------------------
+    def fill_ms(self) -> float:
+        """One expert over PCIe (t_io)."""
+        return self.expert_bytes / (self.pcie_gbps * BYTES_PER_MS_PER_GBPS)
+
+    def fills_ms(self, q: int) -> float:
+        """q fills in series on one copy stream (PDScope premise 3: serial I/O)."""
+        return self.fill_latency_ms + q * self.fill_ms() if q else 0.0
+
+    def cpu_ms(self, n_experts: int, tokens: int, fills_ms: float = 0.0) -> float:
+        """CPU set of n experts routed `tokens` tokens in all, while fills occupy the first fills_ms.
+
+        Weights stream at the residual rate while fills run and at the CPU's own rate after; with
+        B_R = 0 the CPU waits for the fills. The per-token compute adds on top.
+        """
+        if n_experts == 0:
+            return 0.0
+        stream = n_experts * self.expert_bytes  # bytes
+        beside = self.cpu_beside_fills_gbps * BYTES_PER_MS_PER_GBPS * fills_ms  # bytes read during fills
+        if stream <= beside:
+            t_stream = stream / (self.cpu_beside_fills_gbps * BYTES_PER_MS_PER_GBPS)
+        else:
+            t_stream = fills_ms + (stream - beside) / (self.cpu_alone_gbps * BYTES_PER_MS_PER_GBPS)
+        return t_stream + tokens * self.flops_per_token / (self.cpu_tflops * FLOP_PER_MS_PER_TFLOPS) \
+            + self.cpu_overhead_ms
+
+    def gpu_ms(self, n_experts: int, tokens: int) -> float:
+        """One grouped computation over n cached experts routed `tokens` tokens in all."""
+        if n_experts == 0:
+            return 0.0
+        return (self.gpu_launch_ms + n_experts * self.expert_bytes / (self.gpu_gbps * BYTES_PER_MS_PER_GBPS)
+                + tokens * self.flops_per_token / (self.gpu_tflops * FLOP_PER_MS_PER_TFLOPS))
+
+    def layer_ms(self, n_hits: int, hit_tokens: int, fill_tokens: Sequence[int],
+                 cpu_tokens: Sequence[int]) -> tuple[float, float]:
+        """(T_G, T_C): the GPU side (fills, then one grouped computation over hits + fills) and the
+        CPU side (in place, concurrently) of one layer."""
+        t_fill = self.fills_ms(len(fill_tokens))
+        t_gpu = t_fill + self.gpu_ms(n_hits + len(fill_tokens), hit_tokens + sum(fill_tokens))
+        return t_gpu, self.cpu_ms(len(cpu_tokens), sum(cpu_tokens), t_fill)
+
+    # -- decisions ------------------------------------------------------------------------------
+    def best_split(self, miss_tokens_desc: Sequence[int], n_hits: int, hit_tokens: int,
+                   capacity: int) -> tuple[int, float, float]:
+        """q minimising the layer's makespan max(T_G, T_C), where the q most token-heavy misses fill
+        and the rest run on the CPU; ties go to more fills (a fill is kept for later hits).
+
+        miss_tokens_desc: tokens per missed expert, heaviest first; capacity: slots free for fills.
+        Returns (q, T_G, T_C).
+        """
+        m = len(miss_tokens_desc)
+        total = sum(miss_tokens_desc)
+        best = None
+        filled_tokens = 0
+        for q in range(0, min(m, max(capacity, 0)) + 1):
+            if q:
+                filled_tokens += miss_tokens_desc[q - 1]
+            t_fill = self.fills_ms(q)
+            t_gpu = t_fill + self.gpu_ms(n_hits + q, hit_tokens + filled_tokens)
+            t_cpu = self.cpu_ms(m - q, total - filled_tokens, t_fill)
+            span = max(t_gpu, t_cpu)
+            if best is None or span <= best[0] + 1e-12:
+                best = (span, q, t_gpu, t_cpu)
+        return best[1], best[2], best[3]
+
+    def prefetch_depth(self, idle_ms: float, hit_rate: float, aggressive: bool) -> int:
+        """How many predicted experts to prefetch into an idle link window of idle_ms.
+
+        f = idle / t_io prefetches hide completely; the partial (⌈f⌉-th) one is issued when its
+        expected gain beats its expected loss, ξ = R·frac·t_io − (1 − R)·(1 − frac)·t_io > 0
+        (PDScope §4.3.4), or always when `aggressive` (prefill: a starved GPU costs more than a
+        late prefetch).
+        """
+        if idle_ms <= 0:
+            return 0
+        f = idle_ms / self.fill_ms()
+        whole = math.floor(f)
+        frac = f - whole
+        if frac <= 1e-9:
+            return whole
+        if aggressive:
+            return whole + 1
+        xi = hit_rate * frac - (1.0 - hit_rate) * (1.0 - frac)
+        return whole + (1 if xi > 0 else 0)

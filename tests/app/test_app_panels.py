@@ -1,0 +1,61 @@
+"""The live panels show what StatsSnapshot carries: real values, and "n/a" with a reason for nulls."""
+
+from gui_helpers import send_and_wait, set_chat
+
+from app.panels import LivePanels, fmt_bytes
+from engine.api import StatsSnapshot
+
+
+def test_panels_show_the_engine_snapshot(qtbot, open_window, moe_engine):
+    w = open_window()
+    set_chat(w, greedy=True, max_new_tokens=6)
+    result = send_and_wait(qtbot, w, "Say hi.")
+    qtbot.waitUntil(lambda: w.dock.panels.last is not None and w.dock.panels.last["phase"] == "idle", timeout=5000)
+    snap = w.dock.panels.last
+    p = w.dock.panels
+    assert snap == w.timeline.records[-1]  # the panels show the latest record of the session timeline
+    # The CPU-only engine reports no VRAM, no r split, no expert cache, no PCIe: each says so, none shows 0.
+    assert snap["vram"]["device_total"] is None
+    assert p.vram_text.text() == "n/a — the model runs on cpu: no GPU memory in use"
+    assert p.r_text.text().startswith("n/a — KV policy 'resident'")
+    assert p.experts_text.text().startswith("n/a — expert policy 'resident'")
+    assert p.pcie_text.text().startswith("n/a — no GPU")
+    # What it does report is shown as reported.
+    assert fmt_bytes(snap["host"]["rss"]) in p.host_text.text()
+    assert f"resident {snap['kv']['tokens']['resident']:,}" in p.kv_text.text()
+    assert snap["kv"]["tokens"]["resident"] >= result["prompt_tokens"]
+    assert f"decode {snap['speed']['decode_tok_s']:.1f} tok/s" in p.speed_text.text()
+    assert f"TTFT {snap['speed']['ttft_s']:.2f} s" in p.speed_text.text()
+    assert "torch-sdpa" in p.kernel_text.text()
+    assert p.r_plot.values("r_deployed")[-1] is None  # a gap in the plot, not a zero
+
+
+def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine):
+    """A snapshot as a GPU build reports it (same dataclass, GPU-side fields filled) is drawn as given."""
+    base = moe_engine.stats().to_dict()
+    gib = 2**30
+    base["vram"].update(weights=2 * gib, expert_cache=3 * gib, kv_dwindow=gib // 4, kv_pingpong=gib // 8,
+                        workspace=gib // 2, budget=8 * gib, device_total=16 * gib, device_used=6 * gib)
+    base["kv"].update(r_target=0.4, r_deployed=0.35, A_ns_per_token=12.5, B_ns_per_token=20.0, delta_ms=0.3)
+    base["experts"].update(hits=90, misses=10, fills=6, cpu_executed=4, evictions=2, prefetch_used=3,
+                           prefetch_wasted=1, hit_rate=0.9)
+    base["pcie"].update(h2d_bytes=3 * gib, d2h_bytes=gib // 10, h2d_gbps=24.5, d2h_gbps=1.5)
+    snap = StatsSnapshot(**base).to_dict()  # the engine's own record type: the fields must exist
+    snap["t"] = 1.0
+    panels = LivePanels()
+    qtbot.addWidget(panels)
+    panels.update_snapshot(snap)
+    later = {**snap, "t": 2.0, "experts": {**snap["experts"], "fills": 16, "cpu_executed": 6}}
+    panels.update_snapshot(later)
+    assert "weights 2.00 GiB" in panels.vram_text.text() and "expert cache 3.00 GiB" in panels.vram_text.text()
+    assert "budget 8.00 GiB" in panels.vram_text.text() and "of 16.00 GiB" in panels.vram_text.text()
+    assert [s.value for s in panels.vram_bar.segments][:2] == [2 * gib, 3 * gib]
+    assert panels.vram_bar.scale() == 16 * gib and panels.vram_bar.budget == 8 * gib
+    assert panels.r_text.text().startswith("r deployed 0.35 · target 0.40")
+    assert panels.r_plot.values("r_deployed") == [0.35, 0.35]
+    assert "hit rate 90.0%" in panels.experts_text.text()
+    assert "fills 10.0/s" in panels.experts_text.text() and "CPU-executed 2.0/s" in panels.experts_text.text()
+    assert panels.flow_plot.values("fills_per_s") == [None, 10.0]  # no rate from a single sample
+    assert "H2D 24.50 GB/s" in panels.pcie_text.text() and "D2H 1.50 GB/s" in panels.pcie_text.text()
+    img = panels.grab()
+    assert not img.isNull() and img.width() > 100

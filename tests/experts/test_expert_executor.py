@@ -1,0 +1,181 @@
+"""OffloadedExperts on random inputs against resident execution, for every policy and cache size.
+
+Runs in simulated mode (the "GPU" is the CPU) here and on the GPU where CUDA exists.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.experts import offload as offload_mod
+from engine.experts.offload import OFFLOAD_POLICIES, OffloadedExperts
+from engine.experts.predictor import GateLookahead, even_spread
+from engine.experts.store import ExpertStore
+from engine.kernels import experts_gpu
+from engine.kernels.experts_torch import moe_experts
+from engine.models.common import softmax_topk
+from engine.sched.expert_cost import ExpertCostModel
+
+L, E, H, I, K = 3, 6, 16, 8, 2
+# Plan as for Qwen3-30B-A3B experts on the GPU machine (the tiny test experts would always go to the CPU).
+QWEN3_COSTS = ExpertCostModel.from_shape(2048, 768, 2)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module")
+def model():
+    g = torch.Generator().manual_seed(0)
+    gate_up = [torch.randn(E, 2 * I, H, generator=g) / H**0.5 for _ in range(L)]
+    down = [torch.randn(E, H, I, generator=g) / I**0.5 for _ in range(L)]
+    routers = {layer: torch.randn(E, H, generator=g) for layer in range(L)}
+    return gate_up, down, routers
+
+
+def make(policy, model, n_slots, device="cpu", predictor=True, warm=True):
+    gate_up, down, routers = model
+    store = ExpertStore.from_layers(gate_up, down, dtype=torch.float32, pin=device == "cuda")
+    ex = OffloadedExperts(policy, store, device=torch.device(device), n_slots=n_slots, max_decode_tokens=4,
+                          costs=QWEN3_COSTS)
+    if predictor and policy == "adaptive":
+        route = lambda logits, k: softmax_topk(logits, k, True)  # noqa: E731
+        ex.attach_predictor(GateLookahead({l: r.to(device) for l, r in routers.items()}, route, K))
+    if warm:
+        ex.warm(even_spread(store.layers, E, n_slots), source="even-spread")
+    return ex
+
+
+def forward_passes(ex, model, device, n_passes, n_tokens, seed):
+    """Several forward passes over all layers; each layer's output checked against resident."""
+    gate_up, down, routers = model
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n_passes):
+        x = torch.randn(n_tokens, H, generator=g)
+        for layer in range(L):
+            w, ids = softmax_topk(x @ routers[layer].T, K, True)
+            ref = moe_experts(x, ids, w, gate_up[layer], down[layer])
+            out = ex.run(layer, x.to(device), ids.to(device), w.to(device))
+            assert out.shape == (n_tokens, H) and out.dtype == x.dtype
+            torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=1e-5)
+            x = x + 0.3 * torch.randn(n_tokens, H, generator=g)  # the next layer's input, similar
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", OFFLOAD_POLICIES)
+@pytest.mark.parametrize("n_slots", [1, 2, 7, L * E])
+def test_outputs_equal_resident(model, policy, n_slots, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ex = make(policy, model, n_slots, device)
+    forward_passes(ex, model, device, n_passes=3, n_tokens=24, seed=1)  # prefill-sized steps
+    forward_passes(ex, model, device, n_passes=6, n_tokens=3, seed=2)  # decode-sized steps
+    t = ex.telemetry()
+    lookups = t["hits"] + t["misses"]
+    assert lookups > 0 and t["misses"] == t["fills"] + t["cpu_executed"]
+    if policy == "cpu-only":
+        assert t["slots"] == 0 and t["hits"] == 0 and t["fills"] == 0 and t["cache_bytes"] == 0
+    if policy == "static":
+        assert t["fills"] == 0 and t["evictions"] == 0
+        assert t["hits"] > 0  # the warmed experts serve hits
+    if policy == "on-demand" and n_slots >= E:
+        assert t["cpu_executed"] == 0  # every miss is filled when the slots can hold a layer
+    if n_slots == L * E and policy != "cpu-only":
+        assert t["misses"] == 0 and t["hit_rate"] == 1.0  # warmed with everything
+    assert t["h2d_bytes"] == (t["fills"] + t["prefetch_issued"] + min(n_slots, L * E) * (policy != "cpu-only")) \
+        * ex.store.block_bytes
+    ex.close()
+
+
+def test_adaptive_uses_both_sides_and_prefetches(model):
+    # 12 of 18 experts cached: more than one pass uses, so some entries go stale and make room
+    ex = make("adaptive", model, 12)
+    forward_passes(ex, model, "cpu", n_passes=8, n_tokens=2, seed=3)
+    t = ex.telemetry()
+    assert t["fills"] > 0 and t["cpu_executed"] > 0 and t["hits"] > 0 and t["evictions"] > 0
+    assert t["prefetch_issued"] > 0 and t["prefetch_used"] > 0
+    assert t["prefetch_used"] + t["prefetch_wasted"] <= t["prefetch_issued"]
+    acc = t["predictor"]
+    assert acc["scored_layers"] == 8 * (L - 1)
+    assert 0.0 <= acc["token_accuracy"] <= 1.0 and 0.0 <= acc["set_recall"] <= 1.0
+    ex.close()
+
+
+def test_no_slot_allocation_during_decode(model):
+    ex = make("adaptive", model, 5)
+    pool_ptr, map_ptr = ex.cache.pool.data_ptr(), ex._map_dev.data_ptr()
+    forward_passes(ex, model, "cpu", n_passes=10, n_tokens=1, seed=4)
+    assert ex.cache.pool.data_ptr() == pool_ptr and ex._map_dev.data_ptr() == map_ptr
+    assert ex.cache.allocations == 1 and ex.telemetry()["fills"] > 0
+    with pytest.raises(RuntimeError, match="allocated already"):
+        ex.open_cache(5)
+    ex.close()
+
+
+def test_cold_cache_and_one_slot_without_warmup(model):
+    ex = make("on-demand", model, 1, warm=False)
+    forward_passes(ex, model, "cpu", n_passes=2, n_tokens=4, seed=5)
+    t = ex.telemetry()
+    assert t["fills"] > 0 and t["cpu_executed"] > 0 and t["hot_table"] is None
+    ex.close()
+
+
+def test_group_loop_equals_grouped_mm_and_plain_mm():
+    """The loop over host-known groups and torch._grouped_mm (where this torch has it for the CPU)
+    compute the same grouped SwiGLU as per-expert F.linear."""
+    g = torch.Generator().manual_seed(7)
+    pool = torch.randn(5, 3 * H * I, generator=g)  # (slots, P)
+    gate_up = pool[:, :2 * I * H].unflatten(1, (2 * I, H))
+    down = pool[:, 2 * I * H:].unflatten(1, (H, I))
+    xs = torch.randn(9, H, generator=g)
+    offs = torch.tensor([2, 2, 2, 7, 8], dtype=torch.int32)  # slot 0: rows 0-1, 3: rows 2-6, 4: row 7; row 8 spare
+    groups = [(0, 0, 2), (3, 2, 7), (4, 7, 8)]
+    assert experts_gpu.groups_of(offs) == groups
+    looped = experts_gpu.grouped_expert_ffn(xs, gate_up, down, offs, groups)
+    for slot, a, b in groups:
+        torch.testing.assert_close(looped[a:b], offload_mod.expert_ffn(xs[a:b], gate_up[slot], down[slot]))
+    assert torch.equal(looped[8], torch.zeros(H))
+    assert experts_gpu.grouped_impl(torch.device("cpu"), torch.float32) == "group-loop"
+    if experts_gpu._probe(torch.device("cpu"), torch.float32):  # torch's own CPU kernel, where present
+        h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
+        a, b = h.chunk(2, dim=-1)
+        mm = torch._grouped_mm(torch.nn.functional.silu(a) * b, down.transpose(1, 2), offs=offs)
+        torch.testing.assert_close(mm[:8], looped[:8], atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_is_injectable(model):
+    calls = []
+
+    def counting_ffn(x, gate_up, down):
+        calls.append(x.shape[0])
+        return offload_mod.expert_ffn(x, gate_up, down)
+
+    gate_up, down, _ = model
+    store = ExpertStore.from_layers(gate_up, down, dtype=torch.float32)
+    ex = OffloadedExperts("cpu-only", store, device=torch.device("cpu"), n_slots=0, cpu_ffn=counting_ffn,
+                          cpu_kernel="counting")
+    x = torch.randn(4, H)
+    w, ids = softmax_topk(torch.randn(4, E), K, True)
+    torch.testing.assert_close(ex.run(0, x, ids, w), moe_experts(x, ids, w, gate_up[0], down[0]))
+    assert sum(calls) == 4 * K and ex.telemetry()["cpu_kernel"] == "counting"
+    assert np.isclose(ex.telemetry()["cpu_expert_s"], ex.cpu_s)
+    ex.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["adaptive", "on-demand"])
+def test_cuda_bf16_grouped_path_matches_resident(model, policy):
+    """The engine dtype on a GPU: one torch._grouped_mm per matmul over the slot pool."""
+    gate_up, down, routers = model
+    store = ExpertStore.from_layers(gate_up, down, dtype=torch.bfloat16, pin=True)
+    ex = OffloadedExperts(policy, store, device=torch.device("cuda"), n_slots=7, costs=QWEN3_COSTS)
+    assert ex.telemetry()["gpu_kernel"] == "grouped_mm"
+    g = torch.Generator().manual_seed(6)
+    for step in range(6):
+        for layer in range(L):
+            x = torch.randn(3 if step else 24, H, generator=g).to("cuda", torch.bfloat16)
+            w, ids = softmax_topk(x.float() @ routers[layer].T.cuda(), K, True)
+            w = w.to(torch.bfloat16)
+            ref = moe_experts(x, ids, w, gate_up[layer].cuda().bfloat16(), down[layer].cuda().bfloat16())
+            torch.testing.assert_close(ex.run(layer, x, ids, w), ref, atol=3e-2, rtol=3e-2)
+    assert ex.telemetry()["fills"] > 0
+    ex.close()
