@@ -44,6 +44,7 @@ def implementation() -> str:
 
 
 def native_head_dim(head_dim: int) -> bool:
+    """Head dims the native kernel takes; others run the torch path."""
     return head_dim % 16 == 0 and 16 <= head_dim <= 256
 
 
@@ -188,7 +189,7 @@ def attend_blocks(q: torch.Tensor, k_blocks, v_blocks=None, scale: float | None 
     out = _output(out, q.shape, "out")
     lse = _output(lse, q.shape[:-1], "lse")
     nat = native.module()
-    if nat is not None and table.unit_stride and hs % 16 == 0 and 16 <= hs <= 256:
+    if nat is not None and table.unit_stride and native_head_dim(hs):
         if q4.stride(3) != 1:
             q4 = q4.contiguous()  # (B, nh, T, hs): queries are small; KV is never copied
         sb, sh, st, _ = q4.stride()
