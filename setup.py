@@ -24,6 +24,8 @@ class BuildNative(build_ext):
             flags, link = ["/O2", "/openmp"], []
         else:
             flags, link = ["-O3"], []
+            if has_flag(self.compiler, "-Wno-maybe-uninitialized"):  # GCC 12 trips over its own intrinsics
+                flags.append("-Wno-maybe-uninitialized")
             if has_flag(self.compiler, "-fopenmp"):
                 flags.append("-fopenmp")
                 link.append("-fopenmp")

@@ -1,10 +1,11 @@
-// Decode attention of one work item: ≤ kMaxRows query rows of each of a few KV heads of one sequence,
-// over a range of that sequence's KV blocks. Written once over `Simd`; each ISA translation unit includes this
-// inside an anonymous namespace after its target pragma.
+// Decode attention of one work item: ≤ kMaxRows query rows of each of a few KV heads of one
+// sequence, over a range of that sequence's KV blocks. Written once over `Simd`; each ISA translation
+// unit includes this inside an anonymous namespace after its target pragma.
 //
 // Zero copy: K and V rows are read in place through each block's strides. The tile loop takes W
 // tokens (one vector of scores per query row, never a score row in memory); online softmax keeps a
-// running max m and sum l per row in log2 units; the fp32 output accumulators (≤ 32 KiB) stay in L1/L2.
+// running max m and sum l per row in log2 units; the fp32 output accumulators (≤ 32 KiB) stay in
+// L1/L2. Per tile: (1) every row's scores, (2) every row's softmax update, (3) o += p·V for all rows.
 
 template <DType KV> using KvElem = typename Elem<KV>::type;
 
@@ -135,11 +136,13 @@ inline Simd::V tile_scores_dp(const uint16_t* q_hi, const uint16_t* q_lo, const 
 
 // n elements of a row of runtime dtype d, from element offset `off`, as fp32 (n a multiple of W).
 inline void load_row_f32(const void* src, DType d, int64_t off, float* dst, int64_t n) {
+  const float* f32 = static_cast<const float*>(src) + off;
+  const uint16_t* u16 = static_cast<const uint16_t*>(src) + off;
   for (int64_t i = 0; i < n; i += Simd::W) {
     switch (d) {
-      case DType::f32: Simd::store(dst + i, Simd::load_f32<DType::f32>(static_cast<const float*>(src) + off + i)); break;
-      case DType::bf16: Simd::store(dst + i, Simd::load_f32<DType::bf16>(static_cast<const uint16_t*>(src) + off + i)); break;
-      default: Simd::store(dst + i, Simd::load_f32<DType::f16>(static_cast<const uint16_t*>(src) + off + i));
+      case DType::f32: Simd::store(dst + i, Simd::load_f32<DType::f32>(f32 + i)); break;
+      case DType::bf16: Simd::store(dst + i, Simd::load_f32<DType::bf16>(u16 + i)); break;
+      default: Simd::store(dst + i, Simd::load_f32<DType::f16>(u16 + i));
     }
   }
 }
@@ -265,6 +268,7 @@ void attention_item_kv(const AttentionProblem& P, const AttentionItem& it, float
 
 template <DType KV>
 void attention_item_dtype(const AttentionProblem& P, const AttentionItem& it, float* o, float* m, float* l) {
+  if constexpr (Simd::W == 1) return attention_item_kv<KV, 0>(P, it, o, m, l);  // nothing to unroll
   switch (P.head_dim) {
     case 64: return attention_item_kv<KV, 64>(P, it, o, m, l);
     case 128: return attention_item_kv<KV, 128>(P, it, o, m, l);

@@ -110,7 +110,8 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
   const int64_t n_row_groups = (rows_per_head + kMaxRows - 1) / kMaxRows;
   const int64_t rows = (rows_per_head + n_row_groups - 1) / n_row_groups;  // per row group, ≤ kMaxRows
   // KV heads per item: as many as the item's query rows allow (see attention_kernel.h).
-  const int64_t heads = std::max<int64_t>(1, std::min({P.n_kv_heads, kMaxItemRows / rows, kMaxItemElems / (rows * hs)}));
+  const int64_t heads =
+      std::max<int64_t>(1, std::min({P.n_kv_heads, kMaxItemRows / rows, kMaxItemElems / (rows * hs)}));
   const int64_t n_head_groups = (P.n_kv_heads + heads - 1) / heads;
 
   // Token ranges ("splits") per sequence, cut at block boundaries. Aim at ~4 items per thread so

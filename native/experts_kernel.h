@@ -93,7 +93,8 @@ inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act
         const int64_t ku = k + u * step;
         if constexpr (DP) {
           const Simd::VI wv = Simd::load_raw(w[r] + ku);
-          for (int t = 0; t < TB; ++t) part[u * TB + t] = Simd::dp(part[u * TB + t], wv, Simd::load_raw(a16 + t * K + ku));
+          for (int t = 0; t < TB; ++t)
+            part[u * TB + t] = Simd::dp(part[u * TB + t], wv, Simd::load_raw(a16 + t * K + ku));
         } else {
           const Simd::V wv = Simd::load_f32<WD>(w[r] + ku);
           for (int t = 0; t < TB; ++t) part[u * TB + t] = Simd::fma(wv, Simd::load(a32 + t * K + ku), part[u * TB + t]);

@@ -84,7 +84,8 @@ class KVBlockTable:
                 if k.shape[1] == 0:
                     continue
                 unit = unit and k.stride(2) == 1 and v.stride(2) == 1
-                rows.append((k.data_ptr(), v.data_ptr(), k.shape[1], k.stride(0), k.stride(1), v.stride(0), v.stride(1)))
+                rows.append((k.data_ptr(), v.data_ptr(), k.shape[1],
+                             k.stride(0), k.stride(1), v.stride(0), v.stride(1)))
             offsets.append(len(rows))
         if first is None and (n_kv_heads is None or head_dim is None or dtype is None):
             raise KernelInputError("no KV blocks at all: pass n_kv_heads, head_dim and dtype")
@@ -105,7 +106,8 @@ class KVBlockTable:
             raise KernelInputError(f"K and V pools must be 4-D and alike, got {tuple(k_pool.shape)} {k_pool.dtype} "
                                    f"and {tuple(v_pool.shape)} {v_pool.dtype}")
         if k_pool.device.type != "cpu" or v_pool.device.type != "cpu" or k_pool.dtype not in _KV_DTYPES:
-            raise KernelInputError(f"KV pools must be fp32/bf16/fp16 CPU tensors, got {k_pool.dtype} on {k_pool.device}")
+            raise KernelInputError(f"KV pools must be fp32/bf16/fp16 CPU tensors, "
+                                   f"got {k_pool.dtype} on {k_pool.device}")
         if len(block_ids) != len(lengths):
             raise KernelInputError(f"{len(block_ids)} block lists but {len(lengths)} lengths")
         n_pool = k_pool.shape[block_dim]
@@ -115,7 +117,8 @@ class KVBlockTable:
             need = -(-int(length) // bs)
             blocks = torch.as_tensor(blocks, dtype=torch.int64).flatten()
             if length < 0 or blocks.numel() < need:
-                raise KernelInputError(f"sequence {b}: {length} tokens need {need} blocks of {bs}, got {blocks.numel()}")
+                raise KernelInputError(f"sequence {b}: {length} tokens need {need} blocks of {bs}, "
+                                       f"got {blocks.numel()}")
             ids.append(blocks[:need])
             n_tok.append(torch.full((need,), bs, dtype=torch.int64))
             if need:
@@ -155,7 +158,8 @@ def _check_block(k: torch.Tensor, v: torch.Tensor, n_kv: int, hs: int, dtype: to
     if k.device.type != "cpu" or v.device.type != "cpu":
         raise KernelInputError(f"KV blocks must be on the CPU, got {k.device} and {v.device}")
     if k.dtype not in _KV_DTYPES or k.dtype != dtype or v.dtype != dtype:
-        raise KernelInputError(f"KV blocks must all be one of fp32/bf16/fp16, got {k.dtype} and {v.dtype} (expected {dtype})")
+        raise KernelInputError(f"KV blocks must all be one of fp32/bf16/fp16, got {k.dtype} and {v.dtype} "
+                               f"(expected {dtype})")
     if k.dim() != 3 or k.shape != v.shape or k.shape[0] != n_kv or k.shape[2] != hs:
         raise KernelInputError(f"K and V blocks must both be (n_kv={n_kv}, tokens, head_dim={hs}), "
                                f"got {tuple(k.shape)} and {tuple(v.shape)}")
