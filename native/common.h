@@ -13,6 +13,11 @@
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define TANDEM_X86_KERNELS 1
 #endif
+// AVX512_BF16 intrinsics need GCC ≥ 10 or Clang ≥ 9; older compilers build the other paths.
+#if defined(TANDEM_X86_KERNELS) && ((defined(__clang__) && __clang_major__ >= 9) || \
+                                    (!defined(__clang__) && __GNUC__ >= 10))
+#define TANDEM_AVX512BF16_KERNELS 1
+#endif
 
 namespace tandem {
 
@@ -97,6 +102,8 @@ extern const KernelTable kTableScalar;
 #if defined(TANDEM_X86_KERNELS)
 extern const KernelTable kTableAvx2;
 extern const KernelTable kTableAvx512;
+#endif
+#if defined(TANDEM_AVX512BF16_KERNELS)
 extern const KernelTable kTableAvx512Bf16;
 #endif
 

@@ -31,6 +31,8 @@ bool cpu_supports(const KernelTable* t) {
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (t == &kTableAvx2) return avx2;  // every AVX2 + FMA CPU also has F16C
   if (t == &kTableAvx512) return avx512;
+#endif
+#if defined(TANDEM_AVX512BF16_KERNELS)
   if (t == &kTableAvx512Bf16) return avx512 && __builtin_cpu_supports("avx512bf16");
 #endif
   return false;
@@ -38,8 +40,11 @@ bool cpu_supports(const KernelTable* t) {
 
 // Best first.
 const KernelTable* const kAllTables[] = {
+#if defined(TANDEM_AVX512BF16_KERNELS)
+    &kTableAvx512Bf16,
+#endif
 #if defined(TANDEM_X86_KERNELS)
-    &kTableAvx512Bf16, &kTableAvx512, &kTableAvx2,
+    &kTableAvx512, &kTableAvx2,
 #endif
     &kTableScalar,
 };

@@ -4,7 +4,7 @@
 // Only the data table at the end is visible; dispatch.cpp reads it after checking the CPU.
 #include "common.h"
 
-#if defined(TANDEM_X86_KERNELS)
+#if defined(TANDEM_AVX512BF16_KERNELS)
 #include <immintrin.h>
 
 #include "convert.h"
@@ -32,4 +32,4 @@ const KernelTable kTableAvx512Bf16 = {"avx512bf16", Simd::W, &attention_item, &e
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif
-#endif  // TANDEM_X86_KERNELS
+#endif  // TANDEM_AVX512BF16_KERNELS
