@@ -97,6 +97,10 @@ struct KernelTable {
                       int64_t row_begin, int64_t row_end);
 };
 
+// Weight rows per expert tile for `lanes`-wide vectors and `tokens` tokens per tile: ≤ 4, so that the
+// rows split finely over threads (Qwen3-30B-A3B's I = 768 gives 192 units of work).
+constexpr int expert_tile_rows(int lanes, int tokens) { return lanes / tokens < 4 ? lanes / tokens : 4; }
+
 // Defined by the ISA translation units (only those compiled for this target exist).
 extern const KernelTable kTableScalar;
 #if defined(TANDEM_X86_KERNELS)

@@ -217,7 +217,7 @@ void expert_ffn(const ExpertProblem& P, int n_threads) {
   char* base = scratch(buffer, xs_bytes + size_t(n_pad * P.inter) * es + 64);
   char* xs = base + (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
   char* h = xs + xs_bytes;
-  const int64_t unit = K.lanes;  // rows per scheduling unit: a multiple of any tile's row count
+  const int64_t unit = expert_tile_rows(K.lanes, tpt);  // rows per scheduling unit: one tile's rows
   const int64_t n1 = P.inter / unit, n2 = P.hidden / unit;
 
 #pragma omp parallel num_threads(nt) if (nt > 1)

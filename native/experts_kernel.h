@@ -50,20 +50,21 @@ void expert_prepare_x(const ExpertProblem& P, void* xs, int64_t n_pad, int64_t t
   }
 }
 
-// Lane r·TB + t = w[r] · a[t] over K elements; a holds TB rows of K contiguous activations.
+// Lane r·TB + t = w[r] · a[t] over K elements (lanes past RB·TB: 0); a holds TB rows of K contiguous
+// activations.
 // Few tokens (TB < 4, memory-bound): each weight row is read start to end (ascending addresses, the
 // prefetchers' favourite), with U interleaved partial sums per (row, token) so that ≥ 4 independent
 // chains hide the latency. Four tokens (compute-bound): 4 rows × 4 tokens at once, so each loaded
 // weight vector serves 4 tokens and each activation vector 4 rows.
 template <DType WD, bool DP, int RB, int TB>
 inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act, int64_t K) {
-  static_assert(RB * TB == Simd::W, "a tile fills exactly one vector of results");
+  static_assert(RB * TB <= Simd::W, "a tile fits one vector of results (unused lanes stay zero)");
   constexpr int64_t step = DP ? 2 * Simd::W : Simd::W;  // elements per vector of weights
   const uint16_t* a16 = static_cast<const uint16_t*>(act);
   const float* a32 = static_cast<const float*>(act);
-  Simd::V acc[RB * TB];
+  Simd::V acc[Simd::W];
+  for (auto& v : acc) v = Simd::zero();
   if constexpr (TB >= 4) {
-    for (auto& v : acc) v = Simd::zero();
     for (int64_t k = 0; k < K; k += step) {
       if constexpr (DP) {
         Simd::VI wv[RB];
@@ -128,7 +129,7 @@ inline Simd::V swiglu(Simd::V g, Simd::V u) {
 // Stage 1, rows [j0, j1) of the intermediate: h[t][j] = silu(gate_j · x_t) · (up_j · x_t).
 template <DType WD, bool DP, int TB>
 void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad, int64_t j0, int64_t j1) {
-  constexpr int W = Simd::W, RB = W / TB;
+  constexpr int W = Simd::W, RB = expert_tile_rows(W, TB);
   using WT = typename Elem<WD>::type;
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
   const WT* gu = static_cast<const WT*>(P.gate_up);
@@ -155,7 +156,7 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
 // Stage 2, rows [r0, r1) of the output: y[t][r] = down_r · h_t, written in y's dtype.
 template <DType WD, bool DP, int TB>
 void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0, int64_t r1) {
-  constexpr int W = Simd::W, RB = W / TB;
+  constexpr int W = Simd::W, RB = expert_tile_rows(W, TB);
   using WT = typename Elem<WD>::type;
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
   const WT* dn = static_cast<const WT*>(P.down);
