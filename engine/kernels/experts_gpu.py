@@ -69,14 +69,34 @@ def groups_of(offs: torch.Tensor) -> list[tuple[int, int, int]]:
     return out
 
 
+MAX_GROUPS = 1024  # torch._grouped_mm refuses more groups than this in one call
+
+
+def _grouped_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # (S, 2I)
+    gate, up = h.chunk(2, dim=-1)  # (S, I) each
+    return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (S, H)
+
+
 def grouped_expert_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor,
                        groups: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
     """SwiGLU per group: xs (S, H); gate_up (G, 2I, H) gate rows first; down (G, H, I);
     offs (G,) int32 cumulative group ends; groups: the same as host triples, if known → (S, H)."""
     if uses_grouped_mm(xs.device, xs.dtype):
-        h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # (S, 2I)
-        gate, up = h.chunk(2, dim=-1)  # (S, I) each
-        return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (S, H)
+        G = gate_up.shape[0]
+        if G <= MAX_GROUPS:
+            return _grouped_swiglu(xs, gate_up, down, offs)
+        # torch's grouped GEMM takes at most MAX_GROUPS groups: run the slot pool in windows of them
+        groups = groups_of(offs) if groups is None else groups
+        out = xs.new_zeros((xs.shape[0], down.shape[1]))
+        for g0 in range(0, G, MAX_GROUPS):
+            g1 = min(g0 + MAX_GROUPS, G)
+            inside = [(s, e) for g, s, e in groups if g0 <= g < g1]
+            if not inside:
+                continue
+            r0, r1 = inside[0][0], inside[-1][1]  # rows are sorted by group: one contiguous range
+            out[r0:r1] = _grouped_swiglu(xs[r0:r1], gate_up[g0:g1], down[g0:g1], offs[g0:g1] - r0)
+        return out
     groups = groups_of(offs) if groups is None else groups
     gate, up = _loop_linear(xs, gate_up, groups).chunk(2, dim=-1)
     return _loop_linear(F.silu(gate) * up, down, groups)
