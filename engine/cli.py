@@ -188,8 +188,14 @@ def cmd_bench(args) -> int:
     if args.kind == "builtin":
         from engine.bench import builtin
         record = builtin.run(threads=args.threads, new_tokens=args.new_tokens, repeats=args.repeats)
+    elif args.kind == "cpu-kernels":
+        from engine.bench import cpu_kernels as ck
+        record = ck.run(threads=ck.parse_list(args.thread_counts), lengths=ck.parse_list(args.lengths),
+                        batches=ck.parse_list(args.batches), tokens=ck.parse_list(args.tokens), quick=args.quick,
+                        repeats=args.repeats, torch_sdpa=not args.no_torch_sdpa,
+                        progress=lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True))
     else:
-        raise TandemError(f"unknown benchmark '{args.kind}'", "available: builtin")
+        raise TandemError(f"unknown benchmark '{args.kind}'", "available: builtin, cpu-kernels")
     write_json(record, args.json)
     return 0
 
@@ -239,11 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("gui", help="open the desktop app", add_help=False).set_defaults(func=cmd_gui)
 
     b = sub.add_parser("bench", help="run a benchmark, print (and save) its JSON record")
-    b.add_argument("kind", help="builtin")
+    b.add_argument("kind", help="builtin | cpu-kernels")
     b.add_argument("--json", default=None, help="also write the record here")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
+    # cpu-kernels (native CPU attention and expert kernels next to STREAM and torch):
+    b.add_argument("--thread-counts", default=None, help="cpu-kernels: e.g. 1,2,4,8,15,16 (default: 1…all cores)")
+    b.add_argument("--lengths", default=None, help="cpu-kernels: KV lengths, e.g. 2k,8k,32k (default: 2k…64k)")
+    b.add_argument("--batches", default=None, help="cpu-kernels: sequences per step (default: 1,4)")
+    b.add_argument("--tokens", default=None, help="cpu-kernels: tokens per expert (default: 1,2,4,…,256)")
+    b.add_argument("--quick", action="store_true", help="cpu-kernels: fewer lengths, smaller buffers")
+    b.add_argument("--no-torch-sdpa", action="store_true", help="cpu-kernels: skip torch's CPU attention")
     b.set_defaults(func=cmd_bench)
     return parser
 

@@ -34,3 +34,7 @@ class ConfigError(TandemError):
 
 class OutOfMemoryError(TandemError):
     """An allocation failed on the device or the host."""
+
+
+class KernelInputError(TandemError, ValueError):
+    """A compute kernel got tensors of the wrong shape, dtype, device or layout (a caller's bug)."""

@@ -28,8 +28,14 @@ def machine() -> dict:
 
 def header() -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "tandem " + " ".join(sys.argv[1:]) if sys.argv and "tandem" in os.path.basename(sys.argv[0])
+            "command": "tandem " + " ".join(sys.argv[1:]) if sys.argv and _is_cli(sys.argv[0])
             else " ".join(sys.argv), "machine": machine()}
+
+
+def _is_cli(argv0: str) -> bool:
+    """The `tandem` script, or `python -m engine.cli` (whose argv[0] is the module's file path)."""
+    name = os.path.basename(argv0)
+    return "tandem" in name or argv0.replace(os.sep, "/").endswith("engine/cli.py")
 
 
 def median(xs: list[float]) -> float:

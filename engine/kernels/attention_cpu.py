@@ -130,7 +130,10 @@ def implementation(dtype: torch.dtype, nh: int, n_kv: int, hs: int) -> str:
 def kernel_name(dtype: torch.dtype, nh: int, n_kv: int, hs: int) -> str:
     """For StatsSnapshot's `kernels.cpu_attention`: "native", "torch-sdpa" or "torch-matmul"."""
     name = implementation(dtype, nh, n_kv, hs)
-    return name if name == "native" else f"torch-{name}"
+    if name == "native":
+        from engine.kernels import attention_native
+        return attention_native.implementation()  # "native-<isa>"
+    return f"torch-{name}"
 
 
 def set_implementation(name: str | None) -> None:
@@ -171,3 +174,20 @@ def attend_view(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         raise ValueError("causal attention here expects the queries' own keys only (T == S)")
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return o.float(), lse.contiguous()
+
+
+def _register_native() -> None:
+    """The C++ kernel (engine/kernels/attention_native.py) serves every call when the extension loaded."""
+    from engine.kernels import attention_native
+
+    if not attention_native.implementation().startswith("native"):
+        return
+
+    def native_kernel(q: torch.Tensor, blocks: list[list[KVView]], scale: float):
+        return attention_native.attend_blocks(q, [[k for k, _ in views] for views in blocks],
+                                              [[v for _, v in views] for views in blocks], scale)
+
+    register("native", native_kernel)
+
+
+_register_native()

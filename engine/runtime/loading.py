@@ -11,6 +11,7 @@ import torch
 
 from engine.errors import ConfigError, OutOfMemoryError, UnsupportedModelError
 from engine.experts.executor import ExpertExecutor, ResidentExperts
+from engine.kernels import native
 from engine.kv.backend import KVBackend
 from engine.models import builtin, families, synthetic
 from engine.models.assemble import assemble
@@ -82,6 +83,9 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
     offload = check_offload(config.expert_policy, device, config.simulate_hybrid)
     if config.cpu_threads:
         torch.set_num_threads(int(config.cpu_threads))
+        native.set_threads(int(config.cpu_threads))  # the native CPU kernels follow the same setting
+    elif device.type == "cuda":
+        native.set_threads(max(1, native.available_cores() - 1))  # a core of its own for the GPU-driving thread
 
     report("reading model file", 0.0)
     upcycle = None

@@ -1,0 +1,92 @@
+// Python module engine._native: raw pointers, shapes and strides in; the GIL released for the
+// whole of every compute call. Shapes are checked here once more (the Python wrappers in
+// engine/kernels/ check dtypes, devices and layouts before they call).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace py = pybind11;
+using namespace tandem;
+
+namespace {
+
+DType dtype_of(int code) {
+  if (code < 0 || code > 2) throw std::invalid_argument("dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
+  return DType(code);
+}
+
+void require(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+void attention_decode_py(uintptr_t q, int q_dtype, int64_t B, int64_t T, int64_t n_heads, int64_t head_dim,
+                         int64_t q_stride_b, int64_t q_stride_h, int64_t q_stride_t, uintptr_t blocks,
+                         uintptr_t seq_offsets, int64_t n_kv_heads, int kv_dtype, double scale, uintptr_t out,
+                         uintptr_t lse, int threads) {
+  require(B >= 0 && T >= 1 && n_heads >= 1 && n_kv_heads >= 1, "B ≥ 0, T ≥ 1 and head counts ≥ 1");
+  require(n_heads % n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
+  require(head_dim >= 16 && head_dim <= kMaxHeadDim && head_dim % 16 == 0,
+          "head_dim must be a multiple of 16 in [16, 256]");
+  require(B == 0 || (q && seq_offsets && out && lse), "null pointer");
+  AttentionProblem p{reinterpret_cast<const void*>(q), dtype_of(q_dtype), B, T, n_heads, head_dim,
+                     q_stride_b, q_stride_h, q_stride_t, reinterpret_cast<const KVBlock*>(blocks),
+                     reinterpret_cast<const int64_t*>(seq_offsets), n_kv_heads, dtype_of(kv_dtype),
+                     float(scale), reinterpret_cast<float*>(out), reinterpret_cast<float*>(lse)};
+  if (B == 0) return;
+  py::gil_scoped_release release;
+  attention_decode(p, threads);
+}
+
+void expert_ffn_py(uintptr_t x, int x_dtype, int64_t n_tokens, int64_t hidden, int64_t inter, int64_t x_stride,
+                   uintptr_t gate_up, uintptr_t down, int w_dtype, int64_t gate_up_stride, int64_t down_stride,
+                   uintptr_t y, int y_dtype, int64_t y_stride, int threads) {
+  require(n_tokens >= 0 && hidden > 0 && inter > 0, "n_tokens ≥ 0, hidden and inter > 0");
+  require(hidden % 16 == 0 && inter % 16 == 0, "hidden and inter must be multiples of 16");
+  require(gate_up_stride >= hidden && down_stride >= inter && x_stride >= hidden && y_stride >= hidden,
+          "row strides must cover a row");
+  ExpertProblem p{reinterpret_cast<const void*>(x), dtype_of(x_dtype), n_tokens, hidden, inter, x_stride,
+                  reinterpret_cast<const void*>(gate_up), reinterpret_cast<const void*>(down), dtype_of(w_dtype),
+                  gate_up_stride, down_stride, reinterpret_cast<void*>(y), dtype_of(y_dtype), y_stride};
+  if (n_tokens == 0) return;
+  require(x && gate_up && down && y, "null pointer");
+  py::gil_scoped_release release;
+  expert_ffn(p, threads);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "Tandem's native CPU kernels: decode attention with LSE over KV block views, SwiGLU expert FFN.";
+  m.def("isa", [] { return std::string(active_table().name); }, "The instruction set the kernels use now.");
+  m.def("supported_isas", [] {
+    const char* names[8];
+    const int n = supported_isas(names, 8);
+    return std::vector<std::string>(names, names + n);
+  }, "Instruction sets this CPU can run, best first.");
+  m.def("select_isa", [](const std::string& name) { return select_isa(name.c_str()); }, py::arg("name"),
+        "Use the kernels of one ISA ('auto': the best); False if this CPU cannot run it.");
+  m.def("default_threads", &default_threads, "OpenMP's default thread count.");
+  m.def("attention_decode", &attention_decode_py, py::arg("q"), py::arg("q_dtype"), py::arg("B"), py::arg("T"),
+        py::arg("n_heads"), py::arg("head_dim"), py::arg("q_stride_b"), py::arg("q_stride_h"),
+        py::arg("q_stride_t"), py::arg("blocks"), py::arg("seq_offsets"), py::arg("n_kv_heads"),
+        py::arg("kv_dtype"), py::arg("scale"), py::arg("out"), py::arg("lse"), py::arg("threads"),
+        "Exact attention of q (B, n_heads, T, head_dim) over each sequence's KV blocks → out fp32 "
+        "(B, n_heads, T, head_dim), lse fp32 (B, n_heads, T), both contiguous.");
+  m.def("expert_ffn", &expert_ffn_py, py::arg("x"), py::arg("x_dtype"), py::arg("n_tokens"), py::arg("hidden"),
+        py::arg("inter"), py::arg("x_stride"), py::arg("gate_up"), py::arg("down"), py::arg("w_dtype"),
+        py::arg("gate_up_stride"), py::arg("down_stride"), py::arg("y"), py::arg("y_dtype"), py::arg("y_stride"),
+        py::arg("threads"), "y = down · (silu(gate·x) ⊙ (up·x)) with gate_up (2I, H), down (H, I).");
+  m.def("stream_read", [](uintptr_t data, size_t n_bytes, int threads) {
+    py::gil_scoped_release release;
+    return stream_read(reinterpret_cast<const void*>(data), n_bytes, threads);
+  }, py::arg("data"), py::arg("n_bytes"), py::arg("threads"), "Read n_bytes with `threads` threads (a sum).");
+  m.def("stream_copy", [](uintptr_t dst, uintptr_t src, size_t n_bytes, int threads) {
+    py::gil_scoped_release release;
+    stream_copy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n_bytes, threads);
+  }, py::arg("dst"), py::arg("src"), py::arg("n_bytes"), py::arg("threads"), "memcpy split over threads.");
+}

@@ -1,0 +1,124 @@
+// Shared declarations of Tandem's native CPU kernels: problem descriptions passed from Python as
+// raw pointers, shapes and strides, and the table of per-ISA kernels chosen at run time.
+//
+// No torch here on purpose: the Python wrappers (engine/kernels/attention_cpu.py, experts_cpu.py)
+// validate dtypes, devices and shapes, then hand over data pointers as integers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+// x86 kernels (AVX2, AVX-512) are compiled with per-file target pragmas, which GCC and Clang know;
+// elsewhere only the portable path exists.
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define TANDEM_X86_KERNELS 1
+#endif
+// AVX512_BF16 intrinsics need GCC ≥ 10 or Clang ≥ 9; older compilers build the other paths.
+#if defined(TANDEM_X86_KERNELS) && ((defined(__clang__) && __clang_major__ >= 9) || \
+                                    (!defined(__clang__) && __GNUC__ >= 10))
+#define TANDEM_AVX512BF16_KERNELS 1
+#endif
+
+namespace tandem {
+
+// Element types, numbered as the Python wrappers number them.
+enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
+
+// One KV block of one sequence: K and V views of shape (n_kv_heads, n_tokens, head_dim), unit
+// stride along head_dim, any stride (in elements) along heads and tokens. Mirrors one row of the
+// int64 table that KVBlockTable builds in Python.
+struct KVBlock {
+  int64_t k_ptr, v_ptr, n_tokens;
+  int64_t k_stride_head, k_stride_token;
+  int64_t v_stride_head, v_stride_token;
+};
+static_assert(sizeof(KVBlock) == 7 * sizeof(int64_t), "KVBlock must match the Python table row");
+
+// Decode attention of B sequences, T queries each, over their blocks. Every query attends to every
+// token of its sequence's blocks (no mask: the blocks hold only the past).
+struct AttentionProblem {
+  const void* q;             // (B, n_heads, T, head_dim) with the strides below, unit stride on head_dim
+  DType q_dtype;
+  int64_t B, T, n_heads, head_dim;
+  int64_t q_stride_b, q_stride_h, q_stride_t;  // elements
+  const KVBlock* blocks;     // all sequences' blocks, sequence b's at [seq_offsets[b], seq_offsets[b+1])
+  const int64_t* seq_offsets;
+  int64_t n_kv_heads;
+  DType kv_dtype;
+  float scale;               // softmax scale on q·k (natural units)
+  float* out;                // (B, n_heads, T, head_dim) fp32, contiguous
+  float* lse;                // (B, n_heads, T) fp32, contiguous: natural-log sum of exp(scale·q·k)
+};
+
+// Query rows of one (sequence, KV head g): row r is query head g·group + r / T at query t = r % T,
+// so rows of one KV head are contiguous in `out`. A work item covers rows [row_begin, row_end)
+// (≤ kMaxRows) of KV heads [g, g_end) over a contiguous range of the sequence's blocks: its item
+// rows are (head, row) in that order, ≤ kMaxItemRows of them and ≤ kMaxItemElems query elements.
+constexpr int kMaxRows = 16;
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxItemRows = 64;
+constexpr int kMaxItemElems = 8192;
+
+struct AttentionItem {
+  int64_t b, g, g_end, row_begin, row_end, blk_begin, blk_end;
+};
+
+// An item's partial result per item row: m = running max of the scores in log2 units,
+// l = Σ 2^(s − m), o = Σ 2^(s − m) · v (unnormalised, head_dim floats). Rows are contiguous.
+using AttentionItemFn = void (*)(const AttentionProblem&, const AttentionItem&, float* o, float* m, float* l);
+
+// SwiGLU expert: y = down · (silu(gate·x) ⊙ (up·x)), gate_up (2I, H) gate rows first, down (H, I).
+struct ExpertProblem {
+  const void* x;  // (n_tokens, hidden), row stride x_stride, unit stride along hidden
+  DType x_dtype;
+  int64_t n_tokens, hidden, inter, x_stride;
+  const void* gate_up;  // (2·inter, hidden), row stride gate_up_stride
+  const void* down;     // (hidden, inter), row stride down_stride
+  DType w_dtype;
+  int64_t gate_up_stride, down_stride;
+  void* y;  // (n_tokens, hidden), row stride y_stride
+  DType y_dtype;
+  int64_t y_stride;
+};
+
+// The kernels of one instruction set. Threading lives in dispatch.cpp; these run one piece of work
+// on the calling thread. Expert activations (x converted, then h = silu(g)⊙u) are padded to a
+// multiple of `tokens_per_tile` tokens and stored as `expert_activation_dtype`.
+struct KernelTable {
+  const char* name;
+  int lanes;  // fp32 lanes of a vector register (1 for the portable path)
+  AttentionItemFn attention_item;
+  DType (*expert_activation_dtype)(const ExpertProblem&);
+  void (*expert_prepare_x)(const ExpertProblem&, void* xs, int64_t n_pad, int64_t t_begin, int64_t t_end);
+  // Rows [row_begin, row_end) of h (stage 1) or of y (stage 2); row counts are multiples of lanes.
+  void (*expert_gate_up)(const ExpertProblem&, const void* xs, void* h, int64_t n_pad, int tokens_per_tile,
+                         int64_t row_begin, int64_t row_end);
+  void (*expert_down)(const ExpertProblem&, const void* h, int64_t n_pad, int tokens_per_tile,
+                      int64_t row_begin, int64_t row_end);
+};
+
+// Weight rows per expert tile for `lanes`-wide vectors and `tokens` tokens per tile: ≤ 4, so that the
+// rows split finely over threads (Qwen3-30B-A3B's I = 768 gives 192 units of work).
+constexpr int expert_tile_rows(int lanes, int tokens) { return lanes / tokens < 4 ? lanes / tokens : 4; }
+
+// Defined by the ISA translation units (only those compiled for this target exist).
+extern const KernelTable kTableScalar;
+#if defined(TANDEM_X86_KERNELS)
+extern const KernelTable kTableAvx2;
+extern const KernelTable kTableAvx512;
+#endif
+#if defined(TANDEM_AVX512BF16_KERNELS)
+extern const KernelTable kTableAvx512Bf16;
+#endif
+
+// dispatch.cpp
+const KernelTable& active_table();
+bool select_isa(const char* name);  // "auto" or one of supported_isas(); false if unsupported here
+int supported_isas(const char** names, int capacity);
+int default_threads();
+void attention_decode(const AttentionProblem& p, int n_threads);
+void expert_ffn(const ExpertProblem& p, int n_threads);
+double stream_read(const void* data, size_t n_bytes, int n_threads);
+void stream_copy(void* dst, const void* src, size_t n_bytes, int n_threads);
+
+}  // namespace tandem

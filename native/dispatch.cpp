@@ -1,0 +1,255 @@
+// Run-time choice of the ISA kernels, and the threading of each call (OpenMP).
+//
+// Attention: the work is cut into items (sequence, KV head, ≤ kMaxRows query rows, a range of
+// blocks) so that every core streams KV even for one sequence; each item leaves a partial
+// (o, m, l) and a final pass merges the partials of one (sequence, head) by their LSE.
+// Experts: stage 1 (gate/up rows) and stage 2 (down rows) are each split into contiguous row
+// ranges per thread, with the barrier of the parallel loop between them.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "common.h"
+#include "convert.h"
+
+namespace tandem {
+namespace {
+
+bool cpu_supports(const KernelTable* t) {
+  if (t == &kTableScalar) return true;
+#if defined(TANDEM_X86_KERNELS)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (t == &kTableAvx2) return avx2;  // every AVX2 + FMA CPU also has F16C
+  if (t == &kTableAvx512) return avx512;
+#endif
+#if defined(TANDEM_AVX512BF16_KERNELS)
+  if (t == &kTableAvx512Bf16) return avx512 && __builtin_cpu_supports("avx512bf16");
+#endif
+  return false;
+}
+
+// Best first.
+const KernelTable* const kAllTables[] = {
+#if defined(TANDEM_AVX512BF16_KERNELS)
+    &kTableAvx512Bf16,
+#endif
+#if defined(TANDEM_X86_KERNELS)
+    &kTableAvx512, &kTableAvx2,
+#endif
+    &kTableScalar,
+};
+
+const KernelTable* find_table(const char* name) {
+  for (const KernelTable* t : kAllTables)
+    if (std::strcmp(t->name, name) == 0) return t;
+  return nullptr;
+}
+
+const KernelTable* best_table() {
+  // TANDEM_NATIVE_ISA pins an ISA (tests, benchmarks); an unusable value falls back to the best.
+  if (const char* forced = std::getenv("TANDEM_NATIVE_ISA")) {
+    const KernelTable* t = find_table(forced);
+    if (t && cpu_supports(t)) return t;
+  }
+  for (const KernelTable* t : kAllTables)
+    if (cpu_supports(t)) return t;
+  return &kTableScalar;
+}
+
+std::atomic<const KernelTable*> g_table{nullptr};
+
+int threads_or_default(int n) { return n > 0 ? n : default_threads(); }
+
+template <class T> T* scratch(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+}  // namespace
+
+const KernelTable& active_table() {
+  const KernelTable* t = g_table.load(std::memory_order_acquire);
+  if (!t) {
+    t = best_table();
+    g_table.store(t, std::memory_order_release);
+  }
+  return *t;
+}
+
+bool select_isa(const char* name) {
+  const KernelTable* t = std::strcmp(name, "auto") == 0 ? best_table() : find_table(name);
+  if (!t || !cpu_supports(t)) return false;
+  g_table.store(t, std::memory_order_release);
+  return true;
+}
+
+int supported_isas(const char** names, int capacity) {
+  int n = 0;
+  for (const KernelTable* t : kAllTables)
+    if (cpu_supports(t) && n < capacity) names[n++] = t->name;
+  return n;
+}
+
+int default_threads() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+void attention_decode(const AttentionProblem& P, int n_threads) {
+  const KernelTable& K = active_table();
+  const int nt = threads_or_default(n_threads);
+  const int64_t hs = P.head_dim, group = P.n_heads / P.n_kv_heads, rows_per_head = group * P.T;
+  const int64_t n_row_groups = (rows_per_head + kMaxRows - 1) / kMaxRows;
+  const int64_t rows = (rows_per_head + n_row_groups - 1) / n_row_groups;  // per row group, ≤ kMaxRows
+  // KV heads per item: as many as the item's query rows allow (see attention_kernel.h).
+  const int64_t heads =
+      std::max<int64_t>(1, std::min({P.n_kv_heads, kMaxItemRows / rows, kMaxItemElems / (rows * hs)}));
+  const int64_t n_head_groups = (P.n_kv_heads + heads - 1) / heads;
+
+  // Token ranges ("splits") per sequence, cut at block boundaries. Aim at ~4 items per thread so
+  // that dynamic scheduling evens out, but keep each item long enough to amortise its setup.
+  constexpr int64_t kMinSplitTokens = 128;
+  int64_t total = 0;
+  for (int64_t b = 0; b < P.B; ++b)
+    for (int64_t i = P.seq_offsets[b]; i < P.seq_offsets[b + 1]; ++i) total += P.blocks[i].n_tokens;
+  const int64_t units = total * n_head_groups * n_row_groups;
+  const int64_t split_tokens = std::max<int64_t>(kMinSplitTokens, units / (4 * int64_t(nt)) + 1);
+
+  struct Group { int64_t b, g, g_end, row_begin, row_end, first_item, n_items; };
+  static thread_local std::vector<AttentionItem> items;
+  static thread_local std::vector<Group> groups;
+  static thread_local std::vector<int64_t> splits;  // per sequence: block boundaries
+  static thread_local std::vector<float> partial;
+  items.clear(), groups.clear();
+  for (int64_t b = 0; b < P.B; ++b) {
+    splits.clear();
+    splits.push_back(P.seq_offsets[b]);
+    int64_t acc = 0;
+    for (int64_t i = P.seq_offsets[b]; i < P.seq_offsets[b + 1]; ++i) {
+      acc += P.blocks[i].n_tokens;
+      if (acc >= split_tokens && i + 1 < P.seq_offsets[b + 1]) splits.push_back(i + 1), acc = 0;
+    }
+    splits.push_back(P.seq_offsets[b + 1]);  // a sequence without blocks still gets one (empty) item
+    for (int64_t g = 0; g < P.n_kv_heads; g += heads)
+      for (int64_t r0 = 0; r0 < rows_per_head; r0 += rows) {
+        const int64_t g1 = std::min(P.n_kv_heads, g + heads), r1 = std::min(rows_per_head, r0 + rows);
+        groups.push_back({b, g, g1, r0, r1, int64_t(items.size()), int64_t(splits.size()) - 1});
+        for (size_t s = 0; s + 1 < splits.size(); ++s) items.push_back({b, g, g1, r0, r1, splits[s], splits[s + 1]});
+      }
+  }
+  const int64_t stride = kMaxItemRows * (hs + 2);  // per item: o (rows × hs), m (rows), l (rows)
+  float* part = scratch(partial, items.size() * size_t(stride));
+  // The merge runs per output row (there may be a single group, e.g. one sequence): row_start[k] is
+  // the first merge row of group k.
+  static thread_local std::vector<int64_t> row_start;
+  row_start.assign(1, 0);
+  for (const Group& G : groups) row_start.push_back(row_start.back() + (G.g_end - G.g) * (G.row_end - G.row_begin));
+  const int64_t n_items = int64_t(items.size()), n_merge = row_start.back();
+  const AttentionItem* item_data = items.data();
+  const Group* group_data = groups.data();
+  const int64_t* starts = row_start.data();
+  const int64_t n_groups = int64_t(groups.size());
+
+#pragma omp parallel num_threads(nt) if (nt > 1 && n_items > 1)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) {
+      float* o = part + i * stride;
+      K.attention_item(P, item_data[i], o, o + kMaxItemRows * hs, o + kMaxItemRows * hs + kMaxItemRows);
+    }
+    // Merge: out = Σ_s o_s·2^(m_s − M) / Σ_s l_s·2^(m_s − M), lse = ln 2 · (M + log2 Σ_s l_s·2^(m_s − M)).
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < n_merge; ++k) {
+      const int64_t gi = std::upper_bound(starts, starts + n_groups + 1, k) - starts - 1;
+      const Group& G = group_data[gi];
+      const int64_t i = k - starts[gi], n_rows = G.row_end - G.row_begin;
+      // Rows of one KV head are contiguous in out: (b, head g·group, t) flattened.
+      const int64_t out_row = (G.b * P.n_heads + (G.g + i / n_rows) * group) * P.T + G.row_begin + i % n_rows;
+      float* out = P.out + out_row * hs;
+      float m_max = -INFINITY;
+      for (int64_t s = 0; s < G.n_items; ++s)
+        m_max = std::max(m_max, part[(G.first_item + s) * stride + kMaxItemRows * hs + i]);
+      for (int64_t d = 0; d < hs; ++d) out[d] = 0.0f;
+      if (m_max == -INFINITY) {  // no keys: zero output, weight zero in any later merge
+        P.lse[out_row] = -INFINITY;
+        continue;
+      }
+      float l_sum = 0.0f;
+      for (int64_t s = 0; s < G.n_items; ++s) {
+        const float* o = part + (G.first_item + s) * stride;
+        const float m = o[kMaxItemRows * hs + i], l = o[kMaxItemRows * hs + kMaxItemRows + i];
+        if (m == -INFINITY) continue;
+        const float w = std::exp2(m - m_max);
+        l_sum += l * w;
+        for (int64_t d = 0; d < hs; ++d) out[d] += o[i * hs + d] * w;
+      }
+      const float inv = 1.0f / l_sum;
+      for (int64_t d = 0; d < hs; ++d) out[d] *= inv;
+      P.lse[out_row] = float(0.6931471805599453 * (double(m_max) + std::log2(double(l_sum))));
+    }
+  }
+}
+
+void expert_ffn(const ExpertProblem& P, int n_threads) {
+  const KernelTable& K = active_table();
+  const int nt = threads_or_default(n_threads);
+  // Few tokens: more weight rows per tile (no padded tokens); many: 4 tokens share each weight load.
+  int tpt = P.n_tokens == 1 ? 1 : P.n_tokens == 2 ? 2 : 4;
+  tpt = std::min(tpt, K.lanes);
+  const int64_t n_pad = (P.n_tokens + tpt - 1) / tpt * tpt;
+  const size_t es = dtype_size(K.expert_activation_dtype(P));
+  static thread_local std::vector<char> buffer;
+  // xs (n_pad, H) then h (n_pad, I), 64-byte aligned.
+  const size_t xs_bytes = (size_t(n_pad * P.hidden) * es + 63) / 64 * 64;
+  char* base = scratch(buffer, xs_bytes + size_t(n_pad * P.inter) * es + 64);
+  char* xs = base + (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+  char* h = xs + xs_bytes;
+  const int64_t unit = expert_tile_rows(K.lanes, tpt);  // rows per scheduling unit: one tile's rows
+  const int64_t n1 = P.inter / unit, n2 = P.hidden / unit;
+
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_pad; ++t) K.expert_prepare_x(P, xs, n_pad, t, t + 1);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < n1; ++u) K.expert_gate_up(P, xs, h, n_pad, tpt, u * unit, (u + 1) * unit);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < n2; ++u) K.expert_down(P, h, n_pad, tpt, u * unit, (u + 1) * unit);
+  }
+}
+
+// STREAM-style references measured with the same threads: read (sum of words) and copy.
+double stream_read(const void* data, size_t n_bytes, int n_threads) {
+  const int nt = threads_or_default(n_threads);
+  const uint64_t* p = static_cast<const uint64_t*>(data);
+  const int64_t words = int64_t(n_bytes / 8);
+  uint64_t total = 0;
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : total)
+  for (int64_t i = 0; i < words; ++i) total += p[i];
+  return double(total);
+}
+
+void stream_copy(void* dst, const void* src, size_t n_bytes, int n_threads) {
+  const int nt = threads_or_default(n_threads);
+  const size_t chunk = (n_bytes / size_t(nt) + 4095) / 4096 * 4096;
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int i = 0; i < nt; ++i) {
+    const size_t begin = std::min(n_bytes, size_t(i) * chunk), end = std::min(n_bytes, begin + chunk);
+    if (end > begin) std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, end - begin);
+  }
+}
+
+}  // namespace tandem

@@ -1,0 +1,25 @@
+"""`tandem bench cpu-kernels` on tiny sizes: every section present, figures positive, the summary built."""
+
+from engine.bench import cpu_kernels
+from engine.kernels import native
+
+
+def test_bench_record_on_tiny_sizes():
+    record = cpu_kernels.run(threads=[1], lengths=[300], batches=[1, 2], tokens=[1, 3], repeats=1,
+                             stream_bytes=4 << 20, q_heads=8, kv_heads=2, head_dim=64, hidden=64, ffn=32, pcie_ms=0)
+    assert record["benchmark"] == "cpu-kernels" and record["machine"]["cpu"]
+    assert record["stream"][0]["read_GBps"] > 0 and record["stream"][0]["copy_GBps"] > 0
+    assert [(r["batch"], r["length"], r["threads"]) for r in record["attention"]] == [(1, 300, 1), (2, 300, 1)]
+    for r in record["attention"]:
+        assert r["native_GBps"] > 0 and r["torch_sdpa_GBps"] > 0 and r["kv_bytes"] == 2 * r["batch"] * 300 * 2 * 64 * 2
+    points = record["experts"]["points"]
+    assert [p["tokens"] for p in points] == [1, 3] and all(p["torch_ms"] > 0 for p in points)
+    if native.module() is not None:
+        assert all(p["native_ms"] > 0 for p in points)
+        assert set(record["experts"]["crossover_tokens"]) == {"1"}
+    assert record["summary"]["length"] == 300 and "bs1" in record["summary"]
+
+
+def test_parse_list():
+    assert cpu_kernels.parse_list("2k, 32K,100") == [2048, 32768, 100]
+    assert cpu_kernels.parse_list(None) is None

@@ -1,0 +1,94 @@
+"""SwiGLU expert FFN on the CPU (engine/kernels/experts_cpu.py) against a float64 reference, for every
+native ISA of this CPU and the torch fallback. Inputs are fresh random tensors each run."""
+
+import math
+
+import pytest
+import torch
+
+from engine.errors import KernelInputError
+from engine.kernels import experts_cpu
+from engine.kernels.experts_cpu import expert_ffn
+
+# Relative error allowed (of the largest output): fp32 keeps fp32 throughout; with 16-bit weights
+# the activations are rounded to the weights' dtype (as torch's path does) and the output to x's.
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def reference(x, gate_up, down):
+    gate, up = (x.double() @ gate_up.double().T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ down.double().T
+
+
+def weights(H, I, dtype):
+    gate_up = (torch.randn(2 * I, H) / math.sqrt(H)).to(dtype)
+    down = (torch.randn(H, I) / math.sqrt(I)).to(dtype)
+    return gate_up, down
+
+
+def check(y, x_as_used, gate_up, down, dtype):
+    ref = reference(x_as_used, gate_up, down)
+    assert not torch.isnan(y).any()
+    err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_float64_reference_for_1_to_256_tokens(kernel_mode, dtype, monkeypatch):
+    monkeypatch.setattr(experts_cpu, "_native_max_tokens", 256)  # the native kernel for every count
+    H, I = 128, 96
+    gate_up, down = weights(H, I, dtype)
+    for n in (1, 2, 3, 4, 5, 8, 17, 64, 256):
+        x = torch.randn(n, H).to(dtype)
+        out = torch.full((n, H), math.nan).to(dtype)  # poisoned: every element must be written
+        y = expert_ffn(x, gate_up, down, out=out, threads=2)
+        assert y is out and y.dtype == dtype
+        check(y, x, gate_up, down, dtype)
+
+
+def test_fp32_activations_with_bf16_weights(kernel_mode):
+    H, I = 64, 32
+    gate_up, down = weights(H, I, torch.bfloat16)
+    x = torch.randn(6, H)
+    y = expert_ffn(x, gate_up, down)
+    assert y.dtype == torch.float32
+    check(y, x.bfloat16(), gate_up, down, torch.bfloat16)
+
+
+def test_strided_weights_and_activations(kernel_mode):
+    """Weights as row-strided views (rows padded) and as slices of a stacked (E, 2I, H) store."""
+    H, I, E = 64, 48, 3
+    store_gu = (torch.randn(E, 2 * I, H + 16) / 8).bfloat16()
+    store_dn = (torch.randn(E, H, I + 16) / 8).bfloat16()
+    x = torch.randn(5, H + 8).bfloat16()[:, 4:4 + H]  # row stride H + 8
+    for e in range(E):
+        gate_up, down = store_gu[e, :, :H], store_dn[e, :, :I]
+        assert not gate_up.is_contiguous()
+        check(expert_ffn(x, gate_up, down), x, gate_up, down, torch.bfloat16)
+
+
+def test_token_count_choice(monkeypatch):
+    """Above native_max_tokens the torch kernel runs (and implementation says so)."""
+    if experts_cpu.implementation(1) == "torch":
+        pytest.skip("the native extension is not built")
+    monkeypatch.setattr(experts_cpu, "_native_max_tokens", 4)
+    assert experts_cpu.implementation(4).startswith("native-") and experts_cpu.implementation(5) == "torch"
+    gate_up, down = weights(64, 32, torch.float32)
+    x = torch.randn(9, 64)
+    check(expert_ffn(x, gate_up, down), x, gate_up, down, torch.float32)
+
+
+def test_bad_inputs_raise_clear_errors():
+    gate_up, down = weights(64, 32, torch.bfloat16)
+    with pytest.raises(KernelInputError, match="do not fit"):
+        expert_ffn(torch.randn(2, 32), gate_up, down)
+    with pytest.raises(KernelInputError, match="gate_up is"):
+        expert_ffn(torch.randn(2, 64), gate_up, down.float())
+    with pytest.raises(KernelInputError, match="2-D"):
+        expert_ffn(torch.randn(2, 64).double(), gate_up, down)
+    with pytest.raises(KernelInputError, match="out must be"):
+        expert_ffn(torch.randn(2, 64), gate_up, down, out=torch.empty(3, 64))
+
+
+def test_implementation_names_the_kernel(kernel_mode):
+    assert experts_cpu.implementation(1) == ("torch" if kernel_mode == "torch" else f"native-{kernel_mode}")
