@@ -157,7 +157,7 @@ def _h2d_counters(kv) -> tuple[int, float] | None:
 
 def run(policies=POLICIES, batch_sizes=(1, 4, 16), lengths=(2048, 8192, 32768), *, shape=QWEN3_30B_A3B,
         device: str = "auto", dtype: str = "auto", d_window=256, block_size=64, steps=8, warmup=2,
-        progress=print) -> dict:
+        cpu_threads: int | None = None, progress=print) -> dict:
     """The whole grid → one JSON record: header (date, command, machine), settings, `points` (one
     dict per policy, bs and L). writescope at each point starts from the A and B that r=0 and r=1
     measured there."""
@@ -167,6 +167,13 @@ def run(policies=POLICIES, batch_sizes=(1, 4, 16), lengths=(2048, 8192, 32768), 
                        ("cpu" if device == "auto" else device))
     dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
           "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    from engine.kernels import native
+
+    if cpu_threads is None and dev.type == "cuda":  # as the engine does: a core of its own for the GPU thread
+        cpu_threads = max(1, native.available_cores() - 1)
+    if cpu_threads:
+        torch.set_num_threads(cpu_threads)
+        native.set_threads(cpu_threads)
     b_h2d = h2d_gbps(dev)
     points = []
     order = [p for p in ("gpu-centric", "cpu-centric") if p in policies] + \
@@ -198,6 +205,7 @@ def run(policies=POLICIES, batch_sizes=(1, 4, 16), lengths=(2048, 8192, 32768), 
                     progress(_line(rec))
     return {"bench": "kv", **header(), "shape": vars(shape), "dtype": str(dt).removeprefix("torch."),
             "device": str(dev), "d_window": d_window, "block_size": block_size, "steps": steps, "warmup": warmup,
+            "cpu_threads": torch.get_num_threads(),
             "b_h2d_gbps": b_h2d, "points": points}
 
 
@@ -222,6 +230,7 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--cpu-threads", type=int, default=None, help="default: all cores but one with CUDA")
     p.add_argument("--json", default=None, help="also write the record here")
 
 
@@ -231,7 +240,7 @@ def from_args(args) -> dict:
     return run([p for p in args.policies.split(",") if p], [int(x) for x in args.batch_sizes.split(",")],
                [int(x) for x in args.lengths.split(",")], shape=shape, device=args.device, dtype=args.dtype,
                d_window=args.d_window, block_size=args.block_size, steps=args.steps, warmup=args.warmup,
-               progress=progress)
+               cpu_threads=args.cpu_threads, progress=progress)
 
 
 if __name__ == "__main__":

@@ -116,10 +116,10 @@ def _probe(dtype: torch.dtype, nh: int, n_kv: int, hs: int) -> str:
 
 def implementation(dtype: torch.dtype, nh: int, n_kv: int, hs: int) -> str:
     """Name of the kernel that serves this shape ("native", "sdpa" or "matmul")."""
-    if "native" in _registered:
-        return "native"
     if _forced is not None:
         return _forced
+    if "native" in _registered:
+        return "native"
     key = (dtype, nh, n_kv, hs)
     with _lock:
         if key not in _chosen:
@@ -137,9 +137,10 @@ def kernel_name(dtype: torch.dtype, nh: int, n_kv: int, hs: int) -> str:
 
 
 def set_implementation(name: str | None) -> None:
-    """Force "sdpa" or "matmul" for every shape (benchmarks, tests); None returns to probing."""
+    """Force "sdpa", "matmul" (or a registered kernel such as "native") for every shape (benchmarks,
+    tests); None returns to the default: the native kernel when present, else the probe's choice."""
     global _forced
-    if name is not None and name not in _SEQ_KERNELS:
+    if name is not None and name not in _SEQ_KERNELS and name not in _registered:
         raise ValueError(f"unknown CPU attention implementation {name!r}")
     _forced = name
 

@@ -19,16 +19,6 @@ from engine.runtime.kv_setup import build_kv
 from engine.sched.roofline import RooflineParams
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The simulated "GPU" (this thread) and the CPU side (the worker thread) each get one core,
-    as on a real machine where the GPU-driving thread keeps a core of its own."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 NEAR_TIE = 1e-3  # logits: fp32 reorderings move them by ~1e-5
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
 
