@@ -24,8 +24,8 @@ import torch
 
 from engine.bench.common import header
 from engine.hw.timing import time_cpu
-from engine.kernels import attention_cpu, experts_cpu, native
-from engine.kernels.attention_cpu import KVBlockTable, attend_blocks
+from engine.kernels import attention_native, experts_cpu, native
+from engine.kernels.attention_native import KVBlockTable, attend_blocks
 from engine.kernels.experts_torch import expert_ffn as torch_expert_ffn
 
 QUICK_LENGTHS = [2048, 8192, 32768]
@@ -95,7 +95,7 @@ def attention(batches: list[int], lengths: list[int], threads: list[int], repeat
                 progress(f"attention bs={B} L={L} threads={t}")
                 row = {"batch": B, "length": L, "threads": t, "q_heads": q_heads, "kv_heads": kv_heads,
                        "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "block_size": BLOCK,
-                       "kv_bytes": kv_bytes, "kernel": attention_cpu.implementation(),
+                       "kv_bytes": kv_bytes, "kernel": attention_native.implementation(),
                        "stream_read_GBps": read_gbps.get(t)}
                 ms = time_cpu(lambda i: attend_blocks(q, table, out=out, lse=lse, threads=t), 1, repeats).median_ms
                 row.update(native_ms=round(ms, 4), native_GBps=_gbps(kv_bytes, ms))

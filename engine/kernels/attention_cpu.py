@@ -1,245 +1,193 @@
-"""Exact decode attention over KV blocks on the CPU, returning the output *and* its log-sum-exp.
+"""Exact attention on the CPU over KV views read in place, returning output and natural-log LSE.
 
-The CPU half of WriteScope's hybrid attention (seed 000, §4.3, §6.1): the unpinned compute region's
-blocks are read in place — zero copy, each view walked through its own strides — and the partial
-result travels to the GPU with its natural-log LSE, where the parts merge exactly:
-    m = max(lse₁, lse₂);  out = (o₁·e^(lse₁−m) + o₂·e^(lse₂−m)) / (e^(lse₁−m) + e^(lse₂−m))
+The one call site is `attend_blocks(q, blocks, scale)`:
 
-    attend_blocks(q, k_blocks, v_blocks, scale=None) -> (out, lse)
+    q       (B, nh, T, hs)  queries of B sequences (T = 1 in decode), the KV's dtype
+    blocks  B lists of (k, v) views, each (n_kv, t, hs): any strides, contiguous last dim
+    scale   softmax scale
+    →       out (B, nh, T, hs) fp32, lse (B, nh, T) fp32; a sequence without views gets
+            out 0 and lse −inf, so an LSE merge gives it weight 0.
 
-    q (n_heads, hs)          one sequence, one query;  k_blocks, v_blocks: lists of (n_kv, t_i, hs) views
-    q (B, n_heads, hs)       B sequences, one query each;  k_blocks, v_blocks: B such lists
-    q (B, n_heads, T, hs)    B sequences, T queries each (as KVBackend.attend passes q); every query
-                             sees every key of its sequence: the blocks hold only the past, no mask
-    k_blocks may instead be a KVBlockTable (built once per step, e.g. from a block pool; v_blocks None).
+GQA: query head h reads KV head h // (nh / n_kv), as transformers' `repeat_kv` does.
 
-    out: fp32, q's shape.  lse: fp32, q's shape without head_dim: ln Σ_keys exp(scale · q·k).
-    A sequence without keys gives out 0 and lse −inf (weight zero in the merge).
-
-Query head h reads KV head h // (n_heads / n_kv) (GQA as transformers' repeat_kv). KV dtypes fp32,
-bf16, fp16 (one dtype for all blocks), fp32 accumulation; q fp32, bf16 or fp16. Head dims that are
-multiples of 16 up to 256 run natively; others, views whose head_dim is not unit-stride, or a missing
-extension run the torch fallback below, which computes the same thing (gathering a copy).
-Sliding windows: pass views sliced to the window (k[:, a:b] is still zero copy).
+Two torch implementations sit behind it, both exact: "sdpa" (PyTorch's fused CPU flash kernel
+per view, views merged by LSE) and "matmul" (fp32 scores of all views at once, one logsumexp).
+Which is faster depends on the CPU (bf16 units or not) and the shape, so the first call for a
+(dtype, shape) times both on a small synthetic problem and keeps the winner. A native kernel with
+the same signature registers itself through `register()` and is preferred when present.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable
 
 import torch
 
-from engine.errors import KernelInputError
-from engine.kernels import native
+from engine.kernels.lse import merge_pair
 
-_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KVView = tuple[torch.Tensor, torch.Tensor]  # (k, v), each (n_kv, t, hs)
+Kernel = Callable[[torch.Tensor, list[list[KVView]], float], tuple[torch.Tensor, torch.Tensor]]
 
+MATMUL_SCORE_LIMIT = 1 << 24  # fp32 score elements (64 MiB) above which "matmul" hands over to "sdpa"
 
-def implementation() -> str:
-    """Which kernel attend_blocks runs: 'native-<isa>' or 'torch' (for StatsSnapshot's `kernels`)."""
-    isa = native.isa()
-    return f"native-{isa}" if isa else "torch"
-
-
-def native_head_dim(head_dim: int) -> bool:
-    """Head dims the native kernel takes; others run the torch path."""
-    return head_dim % 16 == 0 and 16 <= head_dim <= 256
+_lock = threading.Lock()
+_forced: str | None = None  # set_implementation(): one implementation for every shape
+_chosen: dict[tuple, str] = {}  # (dtype, nh, n_kv, hs) → "sdpa" | "matmul", from the first-call probe
+_registered: dict[str, Kernel] = {}  # e.g. "native" → the C++ kernel
 
 
-@dataclass(frozen=True)
-class KVBlockTable:
-    """B sequences' KV blocks as the native kernel reads them: one int64 row per non-empty block,
-    (k_ptr, v_ptr, n_tokens, k_stride_head, k_stride_token, v_stride_head, v_stride_token), strides
-    in elements. It holds the tensors it points into, so they outlive any call that uses it."""
-
-    rows: torch.Tensor  # (n_blocks, 7) int64
-    seq_offsets: torch.Tensor  # (B + 1,) int64: sequence b owns rows [seq_offsets[b], seq_offsets[b+1])
-    n_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    unit_stride: bool  # head_dim contiguous in every view (the native kernel's one layout demand)
-    views: Callable[[int], tuple[list[torch.Tensor], list[torch.Tensor]]]  # sequence b's (k, v) views
-    keepalive: tuple = ()
-
-    @property
-    def batch_size(self) -> int:
-        return self.seq_offsets.numel() - 1
-
-    @classmethod
-    def from_blocks(cls, k_blocks: Sequence[Sequence[torch.Tensor]], v_blocks: Sequence[Sequence[torch.Tensor]],
-                    *, n_kv_heads: int | None = None, head_dim: int | None = None,
-                    dtype: torch.dtype | None = None) -> KVBlockTable:
-        """k_blocks[b], v_blocks[b]: sequence b's K and V views, each (n_kv, t_i, hs), in token order."""
-        if len(k_blocks) != len(v_blocks):
-            raise KernelInputError(f"{len(k_blocks)} sequences of K blocks but {len(v_blocks)} of V blocks")
-        rows, offsets, unit, first = [], [0], True, None
-        for b, (ks, vs) in enumerate(zip(k_blocks, v_blocks)):
-            if len(ks) != len(vs):
-                raise KernelInputError(f"sequence {b}: {len(ks)} K blocks but {len(vs)} V blocks")
-            for k, v in zip(ks, vs):
-                first = k if first is None else first
-                _check_block(k, v, n_kv_heads or first.shape[0], head_dim or first.shape[-1], dtype or first.dtype)
-                if k.shape[1] == 0:
-                    continue
-                unit = unit and k.stride(2) == 1 and v.stride(2) == 1
-                rows.append((k.data_ptr(), v.data_ptr(), k.shape[1],
-                             k.stride(0), k.stride(1), v.stride(0), v.stride(1)))
-            offsets.append(len(rows))
-        if first is None and (n_kv_heads is None or head_dim is None or dtype is None):
-            raise KernelInputError("no KV blocks at all: pass n_kv_heads, head_dim and dtype")
-        seqs = [(list(ks), list(vs)) for ks, vs in zip(k_blocks, v_blocks)]
-        return cls(rows=torch.tensor(rows, dtype=torch.int64).reshape(-1, 7),
-                   seq_offsets=torch.tensor(offsets, dtype=torch.int64),
-                   n_kv_heads=n_kv_heads or first.shape[0], head_dim=head_dim or first.shape[-1],
-                   dtype=dtype or first.dtype, unit_stride=unit, views=lambda b: seqs[b], keepalive=(seqs,))
-
-    @classmethod
-    def from_pool(cls, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: Sequence[Sequence[int] | torch.Tensor],
-                  lengths: Sequence[int], *, block_dim: int = 0) -> KVBlockTable:
-        """Blocks of a pool tensor whose dimension `block_dim` numbers the blocks and whose other
-        dimensions are (n_kv, block_size, hs), e.g. (N, n_kv, bs, hs) or (n_kv, N, bs, hs) with
-        block_dim=1. Sequence b holds lengths[b] tokens in blocks block_ids[b] (the last one partly
-        filled). Built with a few vectorised torch ops, whatever the number of blocks."""
-        if k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype or k_pool.dim() != 4:
-            raise KernelInputError(f"K and V pools must be 4-D and alike, got {tuple(k_pool.shape)} {k_pool.dtype} "
-                                   f"and {tuple(v_pool.shape)} {v_pool.dtype}")
-        if k_pool.device.type != "cpu" or v_pool.device.type != "cpu" or k_pool.dtype not in _KV_DTYPES:
-            raise KernelInputError(f"KV pools must be fp32/bf16/fp16 CPU tensors, "
-                                   f"got {k_pool.dtype} on {k_pool.device}")
-        if len(block_ids) != len(lengths):
-            raise KernelInputError(f"{len(block_ids)} block lists but {len(lengths)} lengths")
-        n_pool = k_pool.shape[block_dim]
-        n_kv, bs, hs = (k_pool.shape[d] for d in range(4) if d != block_dim)
-        ids, n_tok, offsets = [], [], [0]
-        for b, (blocks, length) in enumerate(zip(block_ids, lengths)):
-            need = -(-int(length) // bs)
-            blocks = torch.as_tensor(blocks, dtype=torch.int64).flatten()
-            if length < 0 or blocks.numel() < need:
-                raise KernelInputError(f"sequence {b}: {length} tokens need {need} blocks of {bs}, "
-                                       f"got {blocks.numel()}")
-            ids.append(blocks[:need])
-            n_tok.append(torch.full((need,), bs, dtype=torch.int64))
-            if need:
-                n_tok[-1][-1] = length - (need - 1) * bs
-            offsets.append(offsets[-1] + need)
-        ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_pool):
-            raise KernelInputError(f"block ids must lie in [0, {n_pool})")
-        es = k_pool.element_size()
-        k_strides = [k_pool.stride(d) for d in range(4) if d != block_dim]
-        v_strides = [v_pool.stride(d) for d in range(4) if d != block_dim]
-        rows = torch.stack([
-            k_pool.data_ptr() + ids * (k_pool.stride(block_dim) * es),
-            v_pool.data_ptr() + ids * (v_pool.stride(block_dim) * es),
-            torch.cat(n_tok) if n_tok else ids,
-            torch.full_like(ids, k_strides[0]), torch.full_like(ids, k_strides[1]),
-            torch.full_like(ids, v_strides[0]), torch.full_like(ids, v_strides[1]),
-        ], dim=1)
-        bounds = offsets
-
-        def views(b: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            ks, vs = [], []
-            for i in range(bounds[b], bounds[b + 1]):
-                n = int(rows[i, 2])
-                ks.append(k_pool.select(block_dim, int(ids[i]))[:, :n])
-                vs.append(v_pool.select(block_dim, int(ids[i]))[:, :n])
-            return ks, vs
-
-        return cls(rows=rows.contiguous(), seq_offsets=torch.tensor(offsets, dtype=torch.int64), n_kv_heads=n_kv,
-                   head_dim=hs, dtype=k_pool.dtype, unit_stride=k_strides[2] == 1 and v_strides[2] == 1,
-                   views=views, keepalive=(k_pool, v_pool))
+def _sdpa_view(q1: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q1 (1, nh, T, hs); k, v (n_kv, t, hs) → o (1, nh, T, hs) fp32, lse (1, nh, T) fp32."""
+    if q1.dtype != k.dtype:
+        q1 = q1.to(k.dtype)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q1, k.unsqueeze(0), v.unsqueeze(0), 0.0, False, scale=scale)
+    return o.float(), lse.contiguous()  # the LSE comes back as a transposed view
 
 
-def _check_block(k: torch.Tensor, v: torch.Tensor, n_kv: int, hs: int, dtype: torch.dtype) -> None:
-    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-        raise KernelInputError(f"KV blocks must be tensors, got {type(k).__name__} and {type(v).__name__}")
-    if k.device.type != "cpu" or v.device.type != "cpu":
-        raise KernelInputError(f"KV blocks must be on the CPU, got {k.device} and {v.device}")
-    if k.dtype not in _KV_DTYPES or k.dtype != dtype or v.dtype != dtype:
-        raise KernelInputError(f"KV blocks must all be one of fp32/bf16/fp16, got {k.dtype} and {v.dtype} "
-                               f"(expected {dtype})")
-    if k.dim() != 3 or k.shape != v.shape or k.shape[0] != n_kv or k.shape[2] != hs:
-        raise KernelInputError(f"K and V blocks must both be (n_kv={n_kv}, tokens, head_dim={hs}), "
-                               f"got {tuple(k.shape)} and {tuple(v.shape)}")
-
-
-def attend_blocks(q: torch.Tensor, k_blocks, v_blocks=None, scale: float | None = None, *,
-                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                  threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over the KV blocks with its LSE; see the module docstring for the shapes."""
-    dim = q.dim() if isinstance(q, torch.Tensor) else 0
-    if dim not in (2, 3, 4):
-        raise KernelInputError("q must be a tensor of shape (n_heads, hs), (B, n_heads, hs) or (B, n_heads, T, hs)")
-    if q.device.type != "cpu" or q.dtype not in _KV_DTYPES:
-        raise KernelInputError(f"q must be an fp32/bf16/fp16 CPU tensor, got {q.dtype} on {q.device}")
-    q4 = q if dim == 4 else q[:, :, None] if dim == 3 else q[None, :, None]  # (B, nh, T, hs), a view
-    B, nh, T, hs = q4.shape
-    if isinstance(k_blocks, KVBlockTable):
-        table = k_blocks
-    else:
-        if dim == 2:
-            k_blocks, v_blocks = [k_blocks], [v_blocks]
-        elif v_blocks is None or len(k_blocks) != B or any(isinstance(k, torch.Tensor) for k in k_blocks):
-            raise KernelInputError(f"with q of shape {tuple(q.shape)}, k_blocks and v_blocks must be {B} lists of blocks")
-        empty = not any(len(ks) for ks in k_blocks)  # then any head layout fits: outputs are 0, lse −inf
-        table = KVBlockTable.from_blocks(k_blocks, v_blocks, n_kv_heads=nh if empty else None, head_dim=hs,
-                                         dtype=q.dtype if empty else None)
-    if table.seq_offsets.numel() != B + 1 or table.head_dim != hs or nh % table.n_kv_heads:
-        raise KernelInputError(f"q {tuple(q.shape)} does not fit KV of {table.batch_size} sequences, "
-                               f"{table.n_kv_heads} KV heads of dim {table.head_dim}")
-    scale = hs ** -0.5 if scale is None else float(scale)
-    out = _output(out, q.shape, "out")
-    lse = _output(lse, q.shape[:-1], "lse")
-    nat = native.module()
-    if nat is not None and table.unit_stride and native_head_dim(hs):
-        if q4.stride(3) != 1:
-            q4 = q4.contiguous()  # (B, nh, T, hs): queries are small; KV is never copied
-        sb, sh, st, _ = q4.stride()
-        codes = native.DTYPE_CODES
-        nat.attention_decode(q4.data_ptr(), codes[q4.dtype], B, T, nh, hs, sb, sh, st, table.rows.data_ptr(),
-                             table.seq_offsets.data_ptr(), table.n_kv_heads, codes[table.dtype], scale,
-                             out.data_ptr(), lse.data_ptr(), threads or native.threads())
-    else:
-        attend_blocks_torch(q4, table, scale, out.view(B, nh, T, hs), lse.view(B, nh, T))
+def _sdpa_seq(q1: torch.Tensor, views: list[KVView], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _sdpa_view(q1, *views[0], scale)
+    for k, v in views[1:]:
+        o2, l2 = _sdpa_view(q1, k, v, scale)
+        out, lse = merge_pair(out, lse, o2, l2)
     return out, lse
 
 
-def _output(buf: torch.Tensor | None, shape, name: str) -> torch.Tensor:
-    if buf is None:
-        return torch.empty(shape, dtype=torch.float32)
-    if buf.dtype != torch.float32 or buf.shape != shape or not buf.is_contiguous() or buf.device.type != "cpu":
-        raise KernelInputError(f"{name} must be a contiguous fp32 CPU tensor of shape {tuple(shape)}, "
-                               f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
-    return buf
+def _matmul_seq(q1: torch.Tensor, views: list[KVView], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of every view at once in fp32; exact softmax over their concatenation."""
+    _, nh, T, hs = q1.shape
+    n_kv = views[0][0].shape[0]
+    total = sum(k.shape[1] for k, _ in views)
+    if nh * T * total > MATMUL_SCORE_LIMIT:  # long prefill: do not materialise the scores
+        return _sdpa_seq(q1, views, scale)
+    qg = q1.reshape(n_kv, (nh // n_kv) * T, hs).float() * scale  # (n_kv, g·T, hs): head h = kv·g + j
+    scores = torch.cat([torch.matmul(qg, k.float().transpose(1, 2)) for k, _ in views], dim=-1)  # (n_kv, gT, S)
+    lse = torch.logsumexp(scores, dim=-1)  # (n_kv, gT)
+    p = torch.exp(scores - lse.unsqueeze(-1))
+    out, start = None, 0
+    for k, v in views:
+        t = k.shape[1]
+        part = torch.matmul(p[..., start:start + t], v.float())  # (n_kv, gT, hs)
+        out = part if out is None else out.add_(part)
+        start += t
+    return out.view(1, nh, T, hs), lse.view(1, nh, T)
 
 
-def attend_blocks_torch(q4: torch.Tensor, table: KVBlockTable, scale: float, out4: torch.Tensor,
-                        lse3: torch.Tensor) -> None:
-    """The fallback: the same result in plain torch (fp32), gathering each sequence's blocks."""
-    B, nh, T, hs = q4.shape
-    n_kv = table.n_kv_heads
-    for b in range(B):
-        ks, vs = table.views(b)
-        ks = [k for k in ks if k.shape[1]]
-        vs = [v for v in vs if v.shape[1]]
-        if not ks:
-            out4[b].zero_()
-            lse3[b].fill_(-math.inf)
-            continue
-        keys = torch.cat([k.float() for k in ks], dim=1)  # (n_kv, L, hs)
-        values = torch.cat([v.float() for v in vs], dim=1)
-        queries = q4[b].float().reshape(n_kv, (nh // n_kv) * T, hs)  # rows of KV head g: its q heads × T
-        scores = torch.bmm(queries, keys.transpose(1, 2)) * scale  # (n_kv, group·T, L)
-        lse3[b] = torch.logsumexp(scores, dim=-1).reshape(nh, T)
-        out4[b] = torch.bmm(torch.softmax(scores, dim=-1), values).reshape(nh, T, hs)
+_SEQ_KERNELS = {"sdpa": _sdpa_seq, "matmul": _matmul_seq}
 
 
-def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The AttentionKernel interface of engine/hw/attention_kernels.py, for calibration:
-    q (B, nh, 1, hs), k, v (B, n_kv, L, hs) → out (B, nh, 1, hs) in q's dtype, lse (B, nh, 1) fp32.
-    Each sequence's K and V are read in place as one block."""
-    table = KVBlockTable.from_blocks([[k[b]] for b in range(k.shape[0])], [[v[b]] for b in range(v.shape[0])])
-    out, lse = attend_blocks(q, table, scale=scale)
-    return out.to(q.dtype), lse
+def _torch_kernel(name: str) -> Kernel:
+    seq_kernel = _SEQ_KERNELS[name]
+
+    def attend(q: torch.Tensor, blocks: list[list[KVView]], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        B, nh, T, hs = q.shape
+        out = torch.zeros((B, nh, T, hs), dtype=torch.float32)
+        lse = torch.full((B, nh, T), float("-inf"), dtype=torch.float32)
+        for b, views in enumerate(blocks):
+            views = [(k, v) for k, v in views if k.shape[1] > 0]
+            if views:
+                o_b, lse_b = seq_kernel(q[b:b + 1], views, scale)  # (1, nh, T, hs), (1, nh, T)
+                out[b], lse[b] = o_b[0], lse_b[0]
+        return out, lse
+
+    return attend
+
+
+def _probe(dtype: torch.dtype, nh: int, n_kv: int, hs: int) -> str:
+    """Time both torch kernels on one 2048-token decode problem of this shape; the faster wins."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn((1, nh, 1, hs), generator=gen).to(dtype)
+    k = torch.randn((n_kv, 2048, hs), generator=gen).to(dtype)
+    v = torch.randn((n_kv, 2048, hs), generator=gen).to(dtype)
+    best, best_t = "sdpa", float("inf")
+    for name, fn in _SEQ_KERNELS.items():
+        fn(q, [(k, v)], hs ** -0.5)  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn(q, [(k, v)], hs ** -0.5)
+        t = time.perf_counter() - t0
+        if t < best_t:
+            best, best_t = name, t
+    return best
+
+
+def implementation(dtype: torch.dtype, nh: int, n_kv: int, hs: int) -> str:
+    """Name of the kernel that serves this shape ("native", "sdpa" or "matmul")."""
+    if "native" in _registered:
+        return "native"
+    if _forced is not None:
+        return _forced
+    key = (dtype, nh, n_kv, hs)
+    with _lock:
+        if key not in _chosen:
+            _chosen[key] = _probe(dtype, nh, n_kv, hs)
+        return _chosen[key]
+
+
+def kernel_name(dtype: torch.dtype, nh: int, n_kv: int, hs: int) -> str:
+    """For StatsSnapshot's `kernels.cpu_attention`: "native", "torch-sdpa" or "torch-matmul"."""
+    name = implementation(dtype, nh, n_kv, hs)
+    if name == "native":
+        from engine.kernels import attention_native
+        return attention_native.implementation()  # "native-<isa>"
+    return f"torch-{name}"
+
+
+def set_implementation(name: str | None) -> None:
+    """Force "sdpa" or "matmul" for every shape (benchmarks, tests); None returns to probing."""
+    global _forced
+    if name is not None and name not in _SEQ_KERNELS:
+        raise ValueError(f"unknown CPU attention implementation {name!r}")
+    _forced = name
+
+
+def register(name: str, kernel: Kernel) -> None:
+    """Plug in another implementation of `attend_blocks` (the native C++ kernel registers as "native")."""
+    _registered[name] = kernel
+
+
+def attend_blocks(q: torch.Tensor, blocks: list[list[KVView]], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring. q (B, nh, T, hs) → out (B, nh, T, hs) fp32, lse (B, nh, T) fp32."""
+    B, nh, T, hs = q.shape
+    first = next((views[0][0] for views in blocks if views), None)
+    if first is None:
+        return (torch.zeros((B, nh, T, hs), dtype=torch.float32),
+                torch.full((B, nh, T), float("-inf"), dtype=torch.float32))
+    name = implementation(first.dtype, nh, first.shape[0], hs)
+    kernel = _registered[name] if name in _registered else _torch_kernel(name)
+    return kernel(q, blocks, scale)
+
+
+def attend_view(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of dense attention on the CPU in fp32 accuracy (the simulate-mode "GPU" kernel too).
+
+    q (b, nh, T, hs); k, v (b, n_kv, S, hs) → o (b, nh, T, hs) fp32, lse (b, nh, T) fp32.
+    With causal, the keys are the queries' own tokens (T == S) and query i sees keys 0..i.
+    """
+    if q.dtype != k.dtype:
+        q = q.to(k.dtype)
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError("causal attention here expects the queries' own keys only (T == S)")
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return o.float(), lse.contiguous()
+
+
+def _register_native() -> None:
+    """The C++ kernel (engine/kernels/attention_native.py) serves every call when the extension loaded."""
+    from engine.kernels import attention_native
+
+    if not attention_native.implementation().startswith("native"):
+        return
+
+    def native_kernel(q: torch.Tensor, blocks: list[list[KVView]], scale: float):
+        return attention_native.attend_blocks(q, [[k for k, _ in views] for views in blocks],
+                                              [[v for _, v in views] for views in blocks], scale)
+
+    register("native", native_kernel)
+
+
+_register_native()

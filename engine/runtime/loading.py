@@ -13,13 +13,13 @@ from engine.errors import ConfigError, OutOfMemoryError, UnsupportedModelError
 from engine.experts.executor import ExpertExecutor, ResidentExperts
 from engine.kernels import native
 from engine.kv.backend import KVBackend
-from engine.kv.resident import ResidentKV
 from engine.models import builtin, families, synthetic
 from engine.models.assemble import assemble
 from engine.models.common import Decoder, ModelArgs
 from engine.models.loader import load_checkpoint
 from engine.runtime.chat import load_tokenizer
 from engine.runtime.expert_placement import build_offloaded, check_offload, open_offloaded
+from engine.runtime.kv_setup import build_kv
 
 KV_POLICIES = ("resident", "writescope", "gpu-centric", "cpu-centric", "monolithic")  # and fixed:<r>
 EXPERT_POLICIES = ("resident", "adaptive", "cpu-only", "on-demand", "static")
@@ -72,12 +72,9 @@ def check_policies(kv_policy: str, expert_policy: str) -> None:
         raise ConfigError(f"unknown kv_policy '{kv_policy}'", f"use one of {', '.join(KV_POLICIES)} or fixed:<r>")
     if expert_policy not in EXPERT_POLICIES:
         raise ConfigError(f"unknown expert_policy '{expert_policy}'", f"use one of {', '.join(EXPERT_POLICIES)}")
-    # This build places everything on the compute device; the hybrid policies plug in here.
-    if kv_policy != "resident":
-        raise ConfigError(f"kv_policy '{kv_policy}' is not available in this build", "use kv_policy resident")
 
 
-def load_parts(config, progress: Callable[[str, float], None] | None = None) -> Parts:
+def load_parts(config, progress: Callable[[str, float], None] | None = None, profile=None) -> Parts:
     t_start = time.perf_counter()
     report = progress or (lambda step, frac: None)
     check_policies(config.kv_policy, config.expert_policy)
@@ -134,9 +131,8 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None) -> 
         del tensors, ckpt  # the model holds what it uses
         report("allocating KV cache", 0.8)
         window = args.sliding_window if args.sliding_window and args.sliding_window < max_context else None
-        kv = ResidentKV(args.n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
-                        max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype,
-                        sliding_window=window)
+        kv = build_kv(config, args, model, holder.get("experts"), device, dtype, max_context,
+                      sliding_window=window, profile=profile)
         if window is not None and not getattr(kv, "supports_sliding_window", False):
             raise UnsupportedModelError(
                 f"{config.model} attends within a sliding window of {window} tokens, which kv_policy "

@@ -26,7 +26,7 @@ class TandemBackend:
         self.config = config
         self.telemetry = Telemetry()
         self.profile = hw_profile.load(config.profile_path)  # None: not calibrated (or another machine's)
-        self.parts = load_parts(config, progress)
+        self.parts = load_parts(config, progress, self.profile)
         p = self.parts
         self.generator = Generator(p.model, p.kv, p.device, p.max_context, config.max_batch, self.telemetry)
 
@@ -115,6 +115,8 @@ class TandemBackend:
             self.generator.end_session(key)
         if hasattr(self.parts.experts, "close"):  # offloaded experts: copies done, worker stopped, store unpinned
             self.parts.experts.close()
+        if hasattr(self.parts.kv, "close"):  # hybrid KV: copies done, CPU-side thread stopped, host regions unpinned
+            self.parts.kv.close()
         self.generator = self.parts = None
         gc.collect()
         if torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""Decode attention over KV blocks (engine/kernels/attention_cpu.py) against a float64 reference,
+"""Decode attention over KV blocks (engine/kernels/attention_native.py) against a float64 reference,
 for every native ISA of this CPU and the torch fallback. Inputs are fresh random tensors each run."""
 
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.errors import KernelInputError
-from engine.kernels import attention_cpu
-from engine.kernels.attention_cpu import KVBlockTable, attend_blocks
+from engine.kernels import attention_native
+from engine.kernels.attention_native import KVBlockTable, attend_blocks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -167,5 +167,5 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_implementation_names_the_kernel(kernel_mode):
-    name = attention_cpu.implementation()
+    name = attention_native.implementation()
     assert name == ("torch" if kernel_mode == "torch" else f"native-{kernel_mode}")

@@ -1,0 +1,67 @@
+"""Attention on the compute device, returning output and natural-log LSE for an exact merge.
+
+    attend_dense(q, k, v, scale, causal)     every key visible (or causal over the queries' own keys)
+    attend_padded(q, k, v, excluded, scale)  row b sees only its first lengths[b] keys (the D-window)
+
+Shapes: q (b, nh, T, hs); k, v (b, n_kv, S, hs), any strides with a contiguous last dim (views
+into the ping-pong buffers and the D-window). GQA by passing fewer KV heads: query head h reads KV
+head h // (nh / n_kv). Outputs: o (b, nh, T, hs) fp32, lse (b, nh, T) fp32.
+
+On CUDA in bf16/fp16, dense attention is PyTorch's flash kernel (its LSE is natural-log). The
+padded form and every other case use an fp32 matmul path; on the CPU (simulate mode) dense
+attention is the same fp32-accurate kernel the CPU side uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels import attention_cpu
+
+_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _flash_ok(q: torch.Tensor) -> bool:
+    hs = q.shape[-1]
+    return q.is_cuda and q.dtype in _FLASH_DTYPES and hs % 8 == 0 and hs <= 256
+
+
+def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          key_mask: torch.Tensor | None = None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scores, any device. key_mask (b, 1, 1, S): True where a key is excluded."""
+    b, nh, T, hs = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    g = nh // n_kv
+    qg = q.float().reshape(b, n_kv, g * T, hs) * scale  # head h = kv·g + j
+    s = torch.matmul(qg, k.float().transpose(-1, -2))  # (b, n_kv, g·T, S)
+    if key_mask is not None:
+        s.masked_fill_(key_mask, float("-inf"))
+    if causal:
+        future = torch.ones((T, S), dtype=torch.bool, device=q.device).triu(1 + S - T)  # (T, S)
+        s.view(b, n_kv, g, T, S).masked_fill_(future, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (b, n_kv, g·T)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    o = torch.matmul(p, v.float())  # (b, n_kv, g·T, hs)
+    return o.view(b, nh, T, hs), lse.view(b, nh, T)
+
+
+def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _flash_ok(q) and k.dtype == q.dtype:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return res[0].float(), res[1]
+    if q.device.type == "cpu":
+        return attention_cpu.attend_view(q, k, v, scale, causal)
+    return _math(q, k, v, scale, causal=causal)
+
+
+def padding_mask(lengths: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """lengths (b,) int64 → (b, 1, 1, n_keys) bool, True for the keys past each row's length."""
+    excluded = torch.arange(n_keys, device=lengths.device)[None, :] >= lengths[:, None]  # (b, S)
+    return excluded[:, None, None, :]
+
+
+def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, excluded: torch.Tensor, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """excluded: padding_mask(lengths, S), built once per step; every row must keep at least one key."""
+    return _math(q, k, v, scale, key_mask=excluded)

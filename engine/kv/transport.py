@@ -1,0 +1,110 @@
+"""Moving KV between the compute device and host memory: streams, events, page-locked buffers.
+
+On CUDA, host→device streaming runs on its own stream (`h2d`), write-backs on another (`d2h`,
+the direction decode otherwise leaves idle), and events order them against the compute stream
+without host syncs. When the "GPU side" runs on the CPU (`simulate`), the same calls are
+synchronous stand-ins, so the hybrid path above them is identical.
+
+Page-locked memory is allocated at its exact size: ordinary host memory registered with
+`cudaHostRegister` (the caching host allocator behind `pin_memory=True` rounds every request up
+to a power of two and keeps freed blocks pinned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from engine.errors import OutOfMemoryError
+
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
+class NullEvent:
+    """An event that is always complete (simulate mode)."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class Transport:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+
+    def event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing) if self.cuda else NullEvent()
+
+    def on(self, stream):
+        """Context that makes `stream` current (no-op without CUDA)."""
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def compute_stream(self):
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def wait(self, stream, event) -> None:
+        """`stream` waits for `event` on the device; the host does not block."""
+        if self.cuda:
+            stream.wait_event(event)
+
+    def keep_alive(self, tensor: torch.Tensor, stream) -> None:
+        """`tensor`'s memory must not be reused before `stream`'s queued work that reads it is done."""
+        if self.cuda and tensor.is_cuda:
+            tensor.record_stream(stream)
+
+    def host(self, shape: tuple, dtype: torch.dtype, pinned: bool) -> HostBuffer:
+        return HostBuffer(shape, dtype, pin=pinned and self.cuda)
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def _cuda_error(code) -> int:
+    return int(code.value) if hasattr(code, "value") else int(code)
+
+
+def _unregister(tensor: torch.Tensor) -> None:
+    # Copies that read the buffer may still be queued: finish them before the pages are unlocked.
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+    except Exception:  # at interpreter exit CUDA may already be gone; the process unlocks everything
+        pass
+
+
+class HostBuffer:
+    """A host tensor of exactly `shape`, page-locked when `pin` (registered, unregistered on release).
+
+    Pageable memory from `torch.empty` is committed page by page as it is first written, so large
+    pageable buffers cost only what is used."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, pin: bool):
+        self.tensor = torch.empty(shape, dtype=dtype)
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+        self.pinned = False
+        self._finalizer = None
+        if pin and self.nbytes:
+            # Portable: page-locked for every CUDA context, whichever thread registers it.
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, HOST_REGISTER_PORTABLE)
+            if _cuda_error(err) != 0:
+                raise OutOfMemoryError(f"cannot page-lock {self.nbytes / 2**20:.0f} MiB of host memory (CUDA error {err})",
+                                       "lower max_context or max_batch, or raise the locked-memory limit (ulimit -l)")
+            self.pinned = True
+            self._finalizer = weakref.finalize(self, _unregister, self.tensor)
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+            self.pinned = False

@@ -1,0 +1,104 @@
+"""Which KV backend a configuration gets, and its partition spec.
+
+`resident` keeps every block on the compute device when it fits; when the KV does not fit the VRAM
+budget (`vram_budget_gb`, else the device's free memory) the default becomes `writescope`, the
+hybrid that serves spilled KV from both engines. The comparison policies (`gpu-centric`,
+`cpu-centric`, `fixed:<r>`, `monolithic`) run in the same runtime with the same kernels.
+
+Hybrid policies need a GPU; `simulate_hybrid` runs them on a CPU-only machine with the "GPU side"
+on CPU tensors and synchronous copies (tests, CI). Calibrated A, B, Δ come from the machine
+profile (`tandem calibrate`) when it has the KV costs; otherwise the documented defaults of
+`PartitionSpec.for_shape` start the online estimators.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from engine.errors import ConfigError, OutOfMemoryError, TandemError
+from engine.hw.shapes import KVShape, dtype_name
+from engine.kv.backend import KVBackend
+from engine.kv.inplace import PartitionSpec
+from engine.kv.monolithic import MonolithicKV
+from engine.kv.resident import ResidentKV
+from engine.kv.writescope import WriteScopeKV
+from engine.sched.roofline import RooflineParams
+
+FREE_MEMORY_USE = 0.85  # without a budget: the share of free device memory resident KV may take
+
+
+def resident_kv_bytes(n_layers: int, n_kv: int, head_dim: int, max_context: int, max_batch: int,
+                      block_size: int, dtype: torch.dtype) -> int:
+    slots = -(-max_context // block_size) * block_size * max_batch
+    return 2 * n_layers * slots * n_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def device_weights_bytes(model, experts, device: torch.device) -> int:
+    """Weights on the compute device (in simulate mode the CPU stands in for it)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == device.type)
+    if experts is not None:  # resident experts sit on the device; an offloading executor reports its cache
+        tel = experts.telemetry()
+        total += tel.get("cache_bytes") or (tel.get("bytes", 0) if experts.policy == "resident" else 0)
+    return total
+
+
+def choose_policy(config, device: torch.device, resident_bytes: int, weights_bytes: int) -> str:
+    policy = config.kv_policy
+    if policy != "resident" or not (device.type == "cuda" or config.simulate_hybrid):
+        return policy
+    if config.vram_budget_gb:
+        room = config.vram_budget_gb * 2**30 - weights_bytes
+    elif device.type == "cuda":
+        room = torch.cuda.mem_get_info(device)[0] * FREE_MEMORY_USE
+    else:
+        return policy
+    if resident_bytes > room:
+        print(f"the KV cache ({resident_bytes / 2**30:.2f} GiB) does not fit the VRAM budget: "
+              "kv_policy writescope", file=sys.stderr)
+        return "writescope"
+    return policy
+
+
+def roofline_from_profile(profile, args, dtype: torch.dtype, batch: int) -> RooflineParams | None:
+    """A, B, Δ (and C_CPU) calibrated on this machine for this attention shape (scaled by bytes per
+    token from the nearest calibrated one); None without a profile or KV measurements, or when the
+    profile has no GPU side (a CPU-only machine): then the defaults start the online estimators."""
+    if profile is None:
+        return None
+    try:
+        costs = profile.kv_costs(KVShape(args.n_heads, args.n_kv_heads, args.head_dim, dtype_name(dtype)), batch)
+    except TandemError:
+        return None
+    if costs.B_ns_per_token is None or costs.delta_ms is None:
+        return None
+    return RooflineParams(costs.A_ns_per_token, costs.B_ns_per_token, costs.delta_ms, costs.C_cpu_ms)
+
+
+def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dtype, max_context: int, *,
+             sliding_window: int | None = None, profile=None) -> KVBackend:
+    """The KV backend of `config.kv_policy` (resident turns into writescope when it does not fit).
+    profile: the machine's calibration (engine.hw.profile.MachineProfile) or None."""
+    shape = dict(n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
+    resident_bytes = resident_kv_bytes(args.n_layers, args.n_kv_heads, args.head_dim, max_context,
+                                       config.max_batch, config.block_size, dtype)
+    policy = choose_policy(config, device, resident_bytes, device_weights_bytes(model, experts, device))
+    if policy == "resident":
+        return ResidentKV(args.n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
+                          max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype,
+                          sliding_window=sliding_window)
+    if device.type != "cuda" and not config.simulate_hybrid:
+        raise ConfigError(f"kv_policy '{policy}' splits attention between a GPU and the CPU, but the compute "
+                          f"device is {device}", "use kv_policy resident (or simulate_hybrid to test the hybrid path)")
+    if policy == "monolithic":
+        return MonolithicKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device, dtype=dtype)
+    room = None
+    if config.vram_budget_gb:
+        room = int(config.vram_budget_gb * 2**30) - device_weights_bytes(model, experts, device)
+    spec = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=device.type == "cuda",
+                                   block_size=config.block_size, d_window=config.d_window,
+                                   roofline=roofline_from_profile(profile, args, dtype, config.max_batch),
+                                   max_context=max_context, vram_budget_bytes=room)
+    return WriteScopeKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device,
+                        dtype=dtype, spec=spec, policy=policy)
