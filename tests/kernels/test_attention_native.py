@@ -188,3 +188,13 @@ def test_bad_inputs_raise_clear_errors():
 def test_implementation_names_the_kernel(kernel_mode):
     name = attention_native.implementation()
     assert name == ("torch" if kernel_mode == "torch" else f"native-{kernel_mode}")
+
+
+def test_front_door_names_the_native_kernel():
+    """attention_cpu serves every call with the native kernel when the extension loaded, and says so."""
+    from engine.kernels import attention_cpu
+
+    if attention_native.implementation() == "torch":
+        pytest.skip("the native extension is not built")
+    assert attention_cpu.implementation(torch.bfloat16, 32, 4, 128) == "native"
+    assert attention_cpu.kernel_name(torch.bfloat16, 32, 4, 128) == attention_native.implementation()
