@@ -195,9 +195,48 @@ def cmd_bench(args) -> int:
                         repeats=args.repeats, torch_sdpa=not args.no_torch_sdpa,
                         progress=lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True))
     else:
-        raise TandemError(f"unknown benchmark '{args.kind}'", "available: builtin, cpu-kernels")
+        raise TandemError(f"unknown benchmark '{args.kind}'", "available: builtin, cpu-kernels, kv, experts")
     write_json(record, args.json)
     return 0
+
+
+def cmd_bench_own_flags(kind: str, argv: list[str]) -> int:
+    """`tandem bench kv|experts …`: these benchmarks parse their own flags."""
+    from engine.bench.common import write_json
+
+    if kind == "kv":
+        from engine.bench import kv
+        p = argparse.ArgumentParser(prog="tandem bench kv")
+        kv.add_arguments(p)
+        ns = p.parse_args(argv)
+        write_json(kv.from_args(ns), ns.json)
+    else:
+        record, path = _bench_experts(argv)
+        write_json(record, path)
+    return 0
+
+
+def _bench_experts(argv: list[str]) -> tuple[dict, str | None]:
+    from engine.bench import experts
+
+    p = argparse.ArgumentParser(prog="tandem bench experts")
+    p.add_argument("--model", default="synthetic:qwen3-30b-a3b")
+    p.add_argument("--policies", default=",".join(experts.POLICIES))
+    p.add_argument("--batch-sizes", default="1,4")
+    p.add_argument("--contexts", default="2048")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--vram-budget-gb", type=float, default=24.0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--cpu-threads", type=int, default=None)
+    p.add_argument("--expert-cache-slots", type=int, default=None)
+    p.add_argument("--simulate-hybrid", action="store_true")
+    p.add_argument("--json", default=None, help="also write the record here")
+    ns = p.parse_args(argv)
+    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    return experts.run(model=ns.model, policies=tuple(ns.policies.split(",")), batch_sizes=ints(ns.batch_sizes),
+                       contexts=ints(ns.contexts), new_tokens=ns.new_tokens, vram_budget_gb=ns.vram_budget_gb,
+                       device=ns.device, cpu_threads=ns.cpu_threads, expert_cache_slots=ns.expert_cache_slots,
+                       simulate_hybrid=ns.simulate_hybrid), ns.json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("gui", help="open the desktop app", add_help=False).set_defaults(func=cmd_gui)
 
     b = sub.add_parser("bench", help="run a benchmark, print (and save) its JSON record")
-    b.add_argument("kind", help="builtin | cpu-kernels")
+    b.add_argument("kind", help="builtin | cpu-kernels | kv | experts (kv, experts: `tandem bench kv --help`)")
     b.add_argument("--json", default=None, help="also write the record here")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--new-tokens", type=int, default=128)
@@ -262,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"] and argv[1:2] in (["kv"], ["experts"]):
+        return _guarded(lambda: cmd_bench_own_flags(argv[1], argv[2:]))
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "gui":
@@ -270,8 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         args.func = cmd_gui
+    return _guarded(lambda: args.func(args))
+
+
+def _guarded(run) -> int:
+    """Errors meant for the user: what happened and what to do, no traceback."""
     try:
-        return args.func(args)
+        return run()
     except TandemError as e:
         print(f"error: {e.what}", file=sys.stderr)
         if e.remedy:
