@@ -119,7 +119,7 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
       std::max<int64_t>(1, std::min({P.n_kv_heads, kMaxItemRows / rows, kMaxItemElems / (rows * hs)}));
   const int64_t n_head_groups = (P.n_kv_heads + heads - 1) / heads;
 
-  // Token ranges ("splits") per sequence, cut at block boundaries. Aim at ~4 items per thread so
+  // Token ranges ("splits") per sequence, cut at block (piece) boundaries. Aim at ~4 items per thread so
   // that dynamic scheduling evens out, but keep each item long enough to amortise its setup.
   constexpr int64_t kMinSplitTokens = 128;
   int64_t total = 0;
@@ -127,6 +127,30 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
     for (int64_t i = P.seq_offsets[b]; i < P.seq_offsets[b + 1]; ++i) total += P.blocks[i].n_tokens;
   const int64_t units = total * n_head_groups * n_row_groups;
   const int64_t split_tokens = std::max<int64_t>(kMinSplitTokens, units / (4 * int64_t(nt)) + 1);
+
+  // Views longer than a split are cut into pieces (a piece is the same view with its pointers moved
+  // along the token stride), so that one long view per sequence still spreads over every thread.
+  static thread_local std::vector<KVBlock> pieces;
+  static thread_local std::vector<int64_t> piece_offsets;
+  pieces.clear(), piece_offsets.assign(1, 0);
+  const int64_t es = int64_t(dtype_size(P.kv_dtype));
+  const int64_t piece_tokens = (split_tokens + 63) / 64 * 64;
+  for (int64_t b = 0; b < P.B; ++b) {
+    for (int64_t i = P.seq_offsets[b]; i < P.seq_offsets[b + 1]; ++i) {
+      const KVBlock& B = P.blocks[i];
+      for (int64_t t0 = 0; t0 < B.n_tokens; t0 += piece_tokens) {
+        KVBlock piece = B;
+        piece.k_ptr += t0 * B.k_stride_token * es;
+        piece.v_ptr += t0 * B.v_stride_token * es;
+        piece.n_tokens = std::min(piece_tokens, B.n_tokens - t0);
+        pieces.push_back(piece);
+      }
+    }
+    piece_offsets.push_back(int64_t(pieces.size()));
+  }
+  AttentionProblem Q = P;
+  Q.blocks = pieces.data();
+  Q.seq_offsets = piece_offsets.data();
 
   struct Group { int64_t b, g, g_end, row_begin, row_end, first_item, n_items; };
   static thread_local std::vector<AttentionItem> items;
@@ -136,13 +160,13 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
   items.clear(), groups.clear();
   for (int64_t b = 0; b < P.B; ++b) {
     splits.clear();
-    splits.push_back(P.seq_offsets[b]);
+    splits.push_back(Q.seq_offsets[b]);
     int64_t acc = 0;
-    for (int64_t i = P.seq_offsets[b]; i < P.seq_offsets[b + 1]; ++i) {
-      acc += P.blocks[i].n_tokens;
-      if (acc >= split_tokens && i + 1 < P.seq_offsets[b + 1]) splits.push_back(i + 1), acc = 0;
+    for (int64_t i = Q.seq_offsets[b]; i < Q.seq_offsets[b + 1]; ++i) {
+      acc += Q.blocks[i].n_tokens;
+      if (acc >= split_tokens && i + 1 < Q.seq_offsets[b + 1]) splits.push_back(i + 1), acc = 0;
     }
-    splits.push_back(P.seq_offsets[b + 1]);  // a sequence without blocks still gets one (empty) item
+    splits.push_back(Q.seq_offsets[b + 1]);  // a sequence without blocks still gets one (empty) item
     for (int64_t g = 0; g < P.n_kv_heads; g += heads)
       for (int64_t r0 = 0; r0 < rows_per_head; r0 += rows) {
         const int64_t g1 = std::min(P.n_kv_heads, g + heads), r1 = std::min(rows_per_head, r0 + rows);
@@ -168,7 +192,7 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
       float* o = part + i * stride;
-      K.attention_item(P, item_data[i], o, o + kMaxItemRows * hs, o + kMaxItemRows * hs + kMaxItemRows);
+      K.attention_item(Q, item_data[i], o, o + kMaxItemRows * hs, o + kMaxItemRows * hs + kMaxItemRows);
     }
     // Merge: out = Σ_s o_s·2^(m_s − M) / Σ_s l_s·2^(m_s − M), lse = ln 2 · (M + log2 Σ_s l_s·2^(m_s − M)).
 #pragma omp for schedule(static)

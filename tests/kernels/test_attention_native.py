@@ -118,6 +118,25 @@ def test_many_query_rows_and_splits(kernel_mode, n_kv, group, T, hs):
         check(out, lse, ref_out, ref_lse)
 
 
+def test_long_views_of_a_head_major_arena(kernel_mode):
+    """The unpinned region's layout: per layer (2, n_kv, arena, hs), a sequence's tokens one or two long
+    views of it. Views are cut into pieces for the threads and merged by LSE; through the front door too."""
+    from engine.kernels import attention_cpu
+
+    n_kv, group, hs = 4, 8, 128
+    arena = torch.randn(2, n_kv, 3000, hs).to(torch.bfloat16)
+    ranges = [[(0, 1500)], [(1600, 2100), (2200, 2990)]]  # one long view; two views with gaps between
+    ks = [[arena[0, :, a:b] for a, b in seq] for seq in ranges]
+    vs = [[arena[1, :, a:b] for a, b in seq] for seq in ranges]
+    q = torch.randn(2, n_kv * group, 1, hs).to(torch.bfloat16)
+    ref_out, ref_lse = reference(q, ks, vs, hs ** -0.5)
+    for threads in (1, 2, 7):
+        out, lse = attend_blocks(q, ks, vs, threads=threads)
+        check(out, lse, ref_out, ref_lse)
+    out, lse = attention_cpu.attend_blocks(q, [list(zip(k, v)) for k, v in zip(ks, vs)], hs ** -0.5)
+    check(out, lse, ref_out, ref_lse)
+
+
 def test_single_sequence_form(kernel_mode):
     ks, vs = make_blocks([50], 1, 64, 64, torch.float16, "head-major")
     q = torch.randn(8, 64).to(torch.float16)
@@ -169,3 +188,13 @@ def test_bad_inputs_raise_clear_errors():
 def test_implementation_names_the_kernel(kernel_mode):
     name = attention_native.implementation()
     assert name == ("torch" if kernel_mode == "torch" else f"native-{kernel_mode}")
+
+
+def test_front_door_names_the_native_kernel():
+    """attention_cpu serves every call with the native kernel when the extension loaded, and says so."""
+    from engine.kernels import attention_cpu
+
+    if attention_native.implementation() == "torch":
+        pytest.skip("the native extension is not built")
+    assert attention_cpu.implementation(torch.bfloat16, 32, 4, 128) == "native"
+    assert attention_cpu.kernel_name(torch.bfloat16, 32, 4, 128) == attention_native.implementation()
