@@ -42,12 +42,15 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     lse = torch.logsumexp(s, dim=-1)  # (b, n_kv, g·T)
     p = torch.exp(s - lse.unsqueeze(-1))
     o = torch.matmul(p, v.float())  # (b, n_kv, g·T, hs)
+    o = torch.where(torch.isfinite(lse).unsqueeze(-1), o, 0.0)  # a row without keys: 0 with lse −inf, not NaN
     return o.view(b, nh, T, hs), lse.view(b, nh, T)
 
 
 def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _flash_ok(q) and k.dtype == q.dtype:
+    # Flash's causal mask is aligned top-left (query i sees keys 0..i), ours bottom-right: only
+    # T == S agrees; and an empty key set is the math path's job (lse −inf, output 0).
+    if _flash_ok(q) and k.dtype == q.dtype and k.shape[2] > 0 and (not causal or q.shape[2] == k.shape[2]):
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return res[0].float(), res[1]
     if q.device.type == "cpu":

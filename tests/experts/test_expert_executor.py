@@ -179,3 +179,25 @@ def test_cuda_bf16_grouped_path_matches_resident(model, policy):
             torch.testing.assert_close(ex.run(layer, x, ids, w), ref, atol=3e-2, rtol=3e-2)
     assert ex.telemetry()["fills"] > 0
     ex.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_gemm_over_more_slots_than_one_call_takes():
+    """A 24 GB slot pool has ~2,000 slots; torch._grouped_mm takes ≤1024 groups per call."""
+    from engine.kernels.experts_gpu import MAX_GROUPS, _loop_linear, grouped_expert_ffn, groups_of
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    G, H, I = MAX_GROUPS + 300, 64, 32
+    gate_up = torch.randn(G, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1
+    down = torch.randn(G, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1
+    used = torch.tensor([3, 500, MAX_GROUPS - 1, MAX_GROUPS, G - 1], device="cuda")  # both windows
+    counts = torch.zeros(G, dtype=torch.int64, device="cuda")
+    counts[used] = torch.tensor([2, 1, 3, 1, 2], device="cuda")
+    offs = counts.cumsum(0).to(torch.int32)
+    xs = torch.randn(int(counts.sum()), H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    got = grouped_expert_ffn(xs, gate_up, down, offs).float()
+    groups = groups_of(offs)
+    gate, up = _loop_linear(xs, gate_up, groups).chunk(2, dim=-1)
+    ref = _loop_linear(torch.nn.functional.silu(gate) * up, down, groups).float()
+    assert ((got - ref).norm() / ref.norm()).item() < 2e-2
