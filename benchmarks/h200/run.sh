@@ -3,10 +3,11 @@
 # with the wheels the machine lacks in .whl/ (gguf, platformdirs). Two phases, each under 10 minutes:
 #   bash benchmarks/h200/run.sh A    # build, CUDA tests, calibration, CPU kernels
 #   bash benchmarks/h200/run.sh B    # hybrid KV, expert offloading, resident end-to-end
+#   bash benchmarks/h200/run.sh C    # after fixes: CUDA tests again, expert offloading
 # Results land in $OUT (or ./h200-out). The built-in SmolLM2 file does not travel to that machine,
 # so tests that need it are deselected there.
 set -uo pipefail
-phase=${1:?A or B}
+phase=${1:?A, B or C}
 out=${OUT:-h200-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -34,6 +35,13 @@ if [ "$phase" = A ]; then
   step bench cpu-kernels
   timeout 200 python3 -m engine.cli bench cpu-kernels --thread-counts 1,4,8,15,16 --lengths 2k,8k,32k,64k \
     --batches 1,4 --json "$out/cpu-kernels.json" > /dev/null 2>>"$log"
+elif [ "$phase" = C ]; then
+  step CUDA tests
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/models tests/kv tests/experts tests/hw tests/kernels \
+    2>&1 | tail -40 | tee "$out/pytest-cuda.log"
+  step bench experts
+  timeout 330 python3 -m engine.cli bench experts --batch-sizes 1,4 --contexts 2048 --new-tokens 32 \
+    --vram-budget-gb 24 --cpu-threads 15 --json "$out/experts.json" > /dev/null 2>>"$log"
 else
   step bench kv
   timeout 230 python3 -m engine.cli bench kv --layers 8 --lengths 2048,8192,32768 --batch-sizes 1,4,16 \
