@@ -37,7 +37,7 @@ if [ "$phase" = A ]; then
     --batches 1,4 --json "$out/cpu-kernels.json" > /dev/null 2>>"$log"
 elif [ "$phase" = C ]; then
   step CUDA tests
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/models tests/kv tests/experts tests/hw tests/kernels \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts \
     2>&1 | tail -40 | tee "$out/pytest-cuda.log"
   step bench experts
   timeout 330 python3 -m engine.cli bench experts --batch-sizes 1,4 --contexts 2048 --new-tokens 32 \
