@@ -53,15 +53,6 @@ DEFAULT_GPU = NamedKernel("torch-flash-cuda", torch_cuda_flash)
 REFERENCE = NamedKernel("torch-matmul-reference", reference_attention)
 
 
-def merge_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor):
-    """Exact merge of two partial attentions over disjoint keys: o (B, nh, 1, hs), l (B, nh, 1)."""
-    m = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)  # (B, nh, 1)
-    total = w1 + w2
-    out = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / total[..., None]
-    return out, m + torch.log(total)
-
-
 def pick(candidate: NamedKernel, n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
          device: torch.device) -> tuple[NamedKernel, str | None]:
     """`candidate` if it runs and matches the reference on this device and shape; else the reference

@@ -17,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from engine.hw.attention_kernels import NamedKernel, merge_lse
+from engine.hw.attention_kernels import NamedKernel
+from engine.kernels.lse import merge_pair
 from engine.hw.hostmem import registered, touched
 from engine.hw.shapes import DTYPE_BYTES, KVShape
 from engine.hw.timing import GPU, fit_line, time_cpu, time_cuda
@@ -119,7 +120,7 @@ class PingPongStream:
             compute.wait_event(self.ready[b])
             o, l = self.kernel.fn(self.q, dst[0], dst[1], scale)
             self.free[b].record(compute)
-            out, lse = (o.float(), l) if out is None else merge_lse(out, lse, o, l)
+            out, lse = (o.float(), l) if out is None else merge_pair(out, lse, o.float(), l)
         return out, lse
 
 

@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from engine.hw.attention_kernels import NamedKernel, merge_lse
+from engine.hw.attention_kernels import NamedKernel
+from engine.kernels.lse import merge_pair
 from engine.hw.hostmem import registered
 from engine.hw.kv_costs import PingPongStream, _rand
 from engine.hw.shapes import KVShape
@@ -60,7 +61,7 @@ class SplitStep:
         if future is not None:
             c_out, c_lse = future.result()
             c_out, c_lse = c_out.to(GPU, non_blocking=True), c_lse.to(GPU, non_blocking=True)
-            out, lse = (c_out, c_lse) if out is None else merge_lse(out, lse, c_out, c_lse)
+            out, lse = (c_out, c_lse) if out is None else merge_pair(out, lse, c_out.float(), c_lse)
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1e3
 
