@@ -4,10 +4,11 @@
 #   bash benchmarks/h200/run.sh A    # build, CUDA tests, calibration, CPU kernels
 #   bash benchmarks/h200/run.sh B    # hybrid KV, expert offloading, resident end-to-end
 #   bash benchmarks/h200/run.sh C    # after fixes: CUDA tests again, expert offloading
+#   bash benchmarks/h200/run.sh D    # resident experts as grouped GEMMs: CUDA tests, resident end-to-end
 # Results land in $OUT (or ./h200-out). The built-in SmolLM2 file does not travel to that machine,
 # so tests that need it are deselected there.
 set -uo pipefail
-phase=${1:?A, B or C}
+phase=${1:?A, B, C or D}
 out=${OUT:-h200-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -35,6 +36,16 @@ if [ "$phase" = A ]; then
   step bench cpu-kernels
   timeout 200 python3 -m engine.cli bench cpu-kernels --thread-counts 1,4,8,15,16 --lengths 2k,8k,32k,64k \
     --batches 1,4 --json "$out/cpu-kernels.json" > /dev/null 2>>"$log"
+elif [ "$phase" = D ]; then
+  step CUDA tests
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts tests/models \
+    2>&1 | tail -30 | tee "$out/pytest-cuda.log"
+  for bs in 1 4; do
+    step resident synthetic:qwen3-30b-a3b bs=$bs 8K
+    timeout 100 python3 -m engine.cli generate --model synthetic:qwen3-30b-a3b --device cuda --random-prompt 8064 \
+      --max-new-tokens 64 --greedy --batch $bs --max-batch $bs --max-context 8192 --quiet \
+      --stats-json "$out/resident-grouped-bs$bs.json" > /dev/null 2>>"$log"
+  done
 elif [ "$phase" = C ]; then
   step CUDA tests
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts \

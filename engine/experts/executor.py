@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from engine.kernels.experts_gpu import MAX_GROUPS, moe_experts_grouped, uses_grouped_mm
 from engine.kernels.experts_torch import moe_experts
 
 
@@ -38,7 +39,10 @@ class ResidentExperts(ExpertExecutor):
 
     def run(self, layer, x, ids, weights):
         self.tokens_routed += ids.numel()
-        return moe_experts(x, ids, weights, gate_up=self.gate_up[layer], down=self.down[layer])
+        gate_up, down = self.gate_up[layer], self.down[layer]
+        if gate_up.shape[0] <= MAX_GROUPS and uses_grouped_mm(x.device, x.dtype):
+            return moe_experts_grouped(x, ids, weights, gate_up, down)  # one grouped GEMM pair, no sync
+        return moe_experts(x, ids, weights, gate_up=gate_up, down=down)
 
     def nbytes(self) -> int:
         # Views that share storage (identical upcycled experts on the host) count once.

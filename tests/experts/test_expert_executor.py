@@ -201,3 +201,21 @@ def test_grouped_gemm_over_more_slots_than_one_call_takes():
     gate, up = _loop_linear(xs, gate_up, groups).chunk(2, dim=-1)
     ref = _loop_linear(torch.nn.functional.silu(gate) * up, down, groups).float()
     assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_resident_grouped_experts_match_the_reference_loop():
+    from engine.experts.executor import ResidentExperts
+    from engine.kernels.experts_torch import moe_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    E, H, I, N, k = 128, 256, 96, 37, 8
+    gate_up = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05
+    down = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05
+    x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(N)])  # (N, k)
+    weights = torch.softmax(torch.randn(N, k, device="cuda", generator=gen), -1).to(torch.bfloat16)
+    got = ResidentExperts([gate_up], [down]).run(0, x, ids, weights).float()
+    ref = moe_experts(x.float(), ids, weights.float(), gate_up.float(), down.float())
+    assert ((got - ref).norm() / ref.norm()).item() < 2e-2
