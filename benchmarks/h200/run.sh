@@ -44,7 +44,7 @@ elif [ "$phase" = D ]; then
     step resident synthetic:qwen3-30b-a3b bs=$bs 8K
     timeout 100 python3 -m engine.cli generate --model synthetic:qwen3-30b-a3b --device cuda --random-prompt 8064 \
       --max-new-tokens 64 --greedy --batch $bs --max-batch $bs --max-context 8192 --quiet \
-      --stats-json "$out/resident-grouped-bs$bs.json" > /dev/null 2>>"$log"
+      --stats-json "$out/resident-grouped-decode-bs$bs.json" > /dev/null 2>>"$log"
   done
 elif [ "$phase" = C ]; then
   step CUDA tests
