@@ -155,6 +155,7 @@ class CalibrationPage(QWizardPage):
         lay.addWidget(self.skip)
         lay.addStretch(1)
         self.task = None
+        self.running = False
         self.result: dict | None = None
 
     def initializePage(self) -> None:
@@ -179,6 +180,7 @@ class CalibrationPage(QWizardPage):
         self.cancel_btn.setEnabled(True)
         self.bar.setValue(0)
         self.step.setText("starting…")
+        self.running = True  # until the task's done/failed signal has been handled here
         self.task.start()
 
     def cancel(self) -> None:
@@ -204,12 +206,14 @@ class CalibrationPage(QWizardPage):
         self._idle()
 
     def _idle(self) -> None:
+        self.running = False
         self.run_btn.setEnabled(True)
         self.cancel_btn.setEnabled(False)
         self.completeChanged.emit()
 
     def busy(self) -> bool:
-        return self.task is not None and self.task.isRunning()
+        # Not the thread's own state: it ends before its last queued signal reaches this page.
+        return self.running
 
     def isComplete(self) -> bool:
         return not self.busy() and (self.result is not None or self.skip.isChecked())
