@@ -22,6 +22,7 @@ import re
 import torch
 
 from engine.errors import ModelFileError
+from engine.models.hf_config import expert_count
 
 _PER_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
@@ -87,3 +88,9 @@ def _same_shapes(layer: int, gate: dict, up: dict, down: dict) -> None:
 def fuse_gguf_experts(gate_exps: torch.Tensor, up_exps: torch.Tensor) -> torch.Tensor:
     """GGUF ffn_gate_exps, ffn_up_exps (E, I, H) each → gate_up (E, 2I, H), gate first."""
     return torch.cat([gate_exps, up_exps], dim=1)
+
+
+def sanitize_moe_hf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """A MoE folder's tensors under the engine's names: cached RoPE buffers dropped, experts fused."""
+    raw = {k: v for k, v in raw.items() if "rotary_emb.inv_freq" not in k}
+    return fuse_experts(raw, expert_count(config))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.common import ModelArgs, softmax_topk
-from engine.models.expert_names import fuse_experts
+from engine.models.expert_names import sanitize_moe_hf
 from engine.models.gguf_names import moe_config_from_gguf, sanitize_moe_gguf
 from engine.models.hf_config import eos_list, expert_count, rope_settings, sliding_window
 from engine.models.llama import _unpermute  # the inverse of llama.cpp's q/k permutation
@@ -67,9 +67,7 @@ def route(logits: torch.Tensor, k: int, renormalise: bool = True):
     return softmax_topk(logits, k, renormalise=True)
 
 
-def sanitize_hf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    raw = {k: v for k, v in raw.items() if "rotary_emb.inv_freq" not in k}
-    return fuse_experts(raw, expert_count(config))
+sanitize_hf = sanitize_moe_hf
 
 
 def config_from_gguf(meta: dict) -> dict:

@@ -17,7 +17,7 @@ import torch
 
 from engine.errors import UnsupportedModelError
 from engine.models.common import ModelArgs, softmax_topk
-from engine.models.expert_names import fuse_experts
+from engine.models.expert_names import sanitize_moe_hf
 from engine.models.gguf_names import moe_config_from_gguf, sanitize_moe_gguf
 from engine.models.hf_config import eos_list, expert_count, rope_settings, sliding_window, sparse_layer_ids
 
@@ -74,9 +74,7 @@ def route(logits: torch.Tensor, k: int, renormalise: bool = False):
     return softmax_topk(logits, k, renormalise)
 
 
-def sanitize_hf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    raw = {k: v for k, v in raw.items() if "rotary_emb.inv_freq" not in k}
-    return fuse_experts(raw, expert_count(config))
+sanitize_hf = sanitize_moe_hf
 
 
 def config_from_gguf(meta: dict) -> dict:
