@@ -30,6 +30,7 @@ def make_application(argv: list[str]):
     app = QApplication.instance() or QApplication(["tandem", *argv])
     app.setApplicationName("Tandem")
     app.setOrganizationName("Tandem")
+    app.setDesktopFileName("tandem")  # Wayland's app id: docks match the window to tandem.desktop and its icon
     icon = ASSETS / "tandem.svg"
     if icon.is_file():
         app.setWindowIcon(QIcon(str(icon)))
