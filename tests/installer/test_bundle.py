@@ -125,6 +125,33 @@ def test_first_launch_opens_the_wizard_and_keeps_data_in_the_user_folder(bundle,
     assert bundle_files(bundle) == before  # nothing was written inside the bundle
 
 
+X_PROBE = r"""
+"$1" &
+app=$!
+for _ in $(seq 180); do
+    sleep 0.5
+    kill -0 $app 2>/dev/null || { echo "EXITED"; exit 1; }
+    win=$(xwininfo -root -tree | grep '"Tandem setup"' | grep -o '^ *0x[0-9a-f]*' | head -1)
+    if [ -n "$win" ]; then xprop -id $win WM_CLASS; kill $app; wait $app; exit 0; fi
+done
+echo "NO WIZARD WINDOW"; kill $app; exit 1
+"""
+
+
+@pytest.mark.skipif(not (shutil.which("xvfb-run") and shutil.which("xwininfo") and shutil.which("xprop")),
+                    reason="needs xvfb-run, xwininfo and xprop")
+def test_first_launch_on_an_x_server_shows_the_setup_wizard(bundle, tmp_path):
+    """Under a real X server (the xcb platform plugin a desktop uses, not offscreen) the first launch
+    opens the wizard's window, whose WM_CLASS is what tandem.desktop's StartupWMClass names."""
+    p = subprocess.run(["xvfb-run", "-a", "-s", "-screen 0 1280x900x24", "bash", "-c", X_PROBE, "probe",
+                        str(bundle / "tandem")], cwd=tmp_path, env=clean_env(tmp_path), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+    desktop = (ROOT / "assets" / "tandem.desktop").read_text()
+    wm_class = p.stdout.split("=", 1)[1].strip()  # WM_CLASS(STRING) = "tandem", "Tandem"
+    assert f'"{desktop.split("StartupWMClass=")[1].split()[0]}"' in wm_class
+
+
 def test_install_run_uninstall_reinstall_keeps_user_data(bundle, tmp_path):
     env = clean_env(tmp_path)
     p = subprocess.run(["bash", bundle / "install-linux.sh"], env=env, capture_output=True, text=True, timeout=600)
