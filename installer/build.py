@@ -77,11 +77,11 @@ def ensure_model() -> Path:
 
 
 def archive(bundle: Path, variant: str) -> Path:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
     try:
         ver = version(NAME)
-    except Exception:
+    except PackageNotFoundError:  # a checkout used through PYTHONPATH, never pip-installed
         ver = "dev"
     system = platform.system().lower()
     out = DIST / f"{NAME}-{ver}-{system}-{platform.machine().lower()}-{variant}.tar.gz"

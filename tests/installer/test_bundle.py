@@ -83,6 +83,17 @@ def test_bundle_runs_the_native_kernels_and_the_cli(bundle, tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr and "what to do:" in p.stderr
 
 
+def test_bundle_leaves_out_what_nothing_runs(bundle):
+    internal = bundle / "_internal"
+    for absent in ("scipy", "triton", "accelerate", "llama_cpp", "PySide6/Qt/translations", "torch/include",
+                   "torch/test", "transformers/models/whisper"):
+        assert not (internal / absent).exists(), absent
+    assert [p.name for p in (internal / "torch" / "bin").iterdir()] == ["torch_shm_manager"]
+    assert not list(internal.glob("accelerate-*.dist-info"))  # transformers would think accelerate is there
+    size_mib = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file() and not p.is_symlink()) / 2**20
+    assert size_mib < 1000, f"the CPU bundle grew to {size_mib:.0f} MiB (860 MiB measured; README)"
+
+
 def wait_for(check, timeout_s: float, proc: subprocess.Popen) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
