@@ -98,6 +98,33 @@ class TandemBackend:
         switch_expert_policy(self.parts, replace(self.config, expert_policy=policy), policy)
         self.config.expert_policy = policy  # the engine's config describes what runs
 
+    def set_kv_policy(self, policy: str) -> None:
+        """Replace the KV backend by one of another policy (benchmarks compare policies this way).
+        Every session's KV goes with the old backend; an offloaded expert cache is re-sized for the
+        VRAM the new KV leaves, as at load."""
+        from dataclasses import replace
+
+        from engine.runtime.kv_setup import build_kv
+        from engine.runtime.loading import check_policies
+
+        check_policies(policy, self.config.expert_policy)
+        p = self.parts
+        for key in list(self.generator.sessions):
+            self.generator.end_session(key)
+        if hasattr(p.kv, "close"):
+            p.kv.close()
+        p.kv = self.generator.kv = None
+        gc.collect()
+        if p.device.type == "cuda":
+            torch.cuda.empty_cache()
+        config = replace(self.config, kv_policy=policy)
+        window = p.args.sliding_window if p.args.sliding_window and p.args.sliding_window < p.max_context else None
+        p.kv = self.generator.kv = build_kv(config, p.args, p.model, p.experts, p.device, p.dtype, p.max_context,
+                                           sliding_window=window, profile=self.profile)
+        self.config.kv_policy = policy
+        if p.experts is not None and p.experts.policy != "resident":
+            self.set_expert_policy(p.experts.policy)  # re-size the slot pool after the new KV
+
     def stats(self) -> StatsSnapshot:
         p = self.parts
         budget = int(self.config.vram_budget_gb * 2**30) if self.config.vram_budget_gb else None
