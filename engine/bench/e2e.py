@@ -19,11 +19,12 @@ is what the native attention kernel approaches; its own rate is in `tandem bench
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 
-from engine.bench.common import header
+from engine.bench.common import header, write_json
 from engine.bench.kv import h2d_gbps
 from engine.hw.bandwidth import dram_bandwidth
 
@@ -95,7 +96,9 @@ def measure_point(engine, bs: int, context: int, new_tokens: int, gen: torch.Gen
 def run(model: str = "synthetic:qwen3-30b-a3b", kv_policies=KV_POLICIES, expert_policy: str = "adaptive",
         batch_sizes=(1, 4), contexts=(2048, 8192, 32768), new_tokens: int = 16, vram_budget_gb: float | None = 24.0,
         device: str = "auto", cpu_threads: int | None = None, simulate_hybrid: bool = False, seed: int = 0,
-        progress=print) -> dict:
+        progress=print, partial_path: str | None = None) -> dict:
+    """partial_path: after every point the record so far is written there with "complete": false,
+    so a run cut short by a time limit still leaves what it measured."""
     from engine.api import Engine, EngineConfig
 
     kv_policies = list(kv_policies)
@@ -112,6 +115,15 @@ def run(model: str = "synthetic:qwen3-30b-a3b", kv_policies=KV_POLICIES, expert_
     b_h2d = h2d_gbps(parts.device)
     b_cpu = dram_bandwidth(1 << 30, 1, 5)["read_GBps"] if parts.device.type == "cuda" else None
     rows = []
+    info = engine.info()
+
+    def meta() -> dict:
+        return {**header(), "bench": "e2e", "model": model, "load_s": round(load_s, 1),
+                "vram_budget_gb": vram_budget_gb, "device": info["device"], "dtype": info["dtype"],
+                "new_tokens": new_tokens, "simulate_hybrid": simulate_hybrid, "b_h2d_gbps": b_h2d, "b_cpu_gbps": b_cpu,
+                "fill_note": "context written as random KV through each policy's real prefill/routing path (KV fill)"}
+
+    progress(f"[e2e] loaded {model} in {load_s:.1f} s")
     try:
         for policy in kv_policies:
             if engine.info()["kv_policy"] != policy:
@@ -127,15 +139,14 @@ def run(model: str = "synthetic:qwen3-30b-a3b", kv_policies=KV_POLICIES, expert_
                     row["kv_bound_ms_per_step"] = (round(kv_bytes / ((b_h2d + b_cpu) * 1e9) * 1e3, 3)
                                                    if b_h2d and b_cpu else None)
                     rows.append(row)
-                    progress(f"[e2e] {policy} bs={bs} L={context}: {row['decode_tok_s']} tok/s")
-        info = engine.info()
+                    progress(f"[e2e] {policy} bs={bs} L={context}: {row['decode_tok_s']} tok/s "
+                             f"(fill {row['fill_s']} s, decode wall {row['wall_s']} s)")
+                    if partial_path:
+                        write_json({**meta(), "complete": False, "results": rows}, partial_path, echo=False)
+        record = {**meta(), "complete": True, "results": rows}
     finally:
         engine.close()
-    return {**header(), "bench": "e2e", "model": model, "load_s": round(load_s, 1), "vram_budget_gb": vram_budget_gb,
-            "device": info["device"], "dtype": info["dtype"], "new_tokens": new_tokens,
-            "simulate_hybrid": simulate_hybrid, "b_h2d_gbps": b_h2d, "b_cpu_gbps": b_cpu,
-            "fill_note": "context written as random KV through each policy's real prefill/routing path (KV fill)",
-            "results": rows}
+    return record
 
 
 def add_arguments(p) -> None:
@@ -157,4 +168,5 @@ def from_args(ns) -> dict:
     return run(model=ns.model, kv_policies=tuple(ns.kv_policies.split(",")), expert_policy=ns.expert_policy,
                batch_sizes=ints(ns.batch_sizes), contexts=ints(ns.contexts), new_tokens=ns.new_tokens,
                vram_budget_gb=ns.vram_budget_gb or None, device=ns.device, cpu_threads=ns.cpu_threads,
-               simulate_hybrid=ns.simulate_hybrid)
+               simulate_hybrid=ns.simulate_hybrid, partial_path=ns.json,
+               progress=lambda m: print(m, file=sys.stderr, flush=True))

@@ -38,6 +38,10 @@ def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
+def supports_head_dim(hs: int) -> bool:
+    return hs >= 16 and hs & (hs - 1) == 0  # tl.dot's smallest tile; tl.arange needs powers of two
+
+
 if triton is not None:
 
     @triton.jit
@@ -122,7 +126,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     n_kv = k_pool.shape[1]
     G = nh // n_kv
     assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
-    assert hs >= 16 and hs & (hs - 1) == 0, "head dim must be a power of two ≥ 16"
+    assert supports_head_dim(hs), "head dim must be a power of two ≥ 16"
     splits = n_splits or split_count(max_keys, B, n_kv, q.device)
     keys_per_split = -(-max(max_keys, 1) // splits)
     keys_per_split = -(-keys_per_split // BLOCK_N) * BLOCK_N  # whole tiles per split

@@ -28,8 +28,8 @@ class ResidentKV(KVBackend):
                  sliding_window: int | None = None, paged_decode: bool | None = None):
         """paged_decode: None picks the paged kernel wherever it runs (CUDA with Triton)."""
         self.max_context, self.block_size, self.device = max_context, block_size, device
-        if paged_decode is None:  # the kernel tiles head dims that are powers of two
-            paged_decode = paged_attention_gpu.available(device) and head_dim & (head_dim - 1) == 0
+        if paged_decode is None:  # the kernel tiles head dims that are powers of two, ≥ 16
+            paged_decode = paged_attention_gpu.available(device) and paged_attention_gpu.supports_head_dim(head_dim)
         self.paged = paged_decode
         self.window = sliding_window  # None: every past key is visible
         blocks_per_seq = -(-max_context // block_size)

@@ -17,7 +17,7 @@ def test_e2e_records_every_policy_and_point(tmp_path, capsys):
                "--device", "cpu", "--simulate-hybrid", "--expert-policy", "resident", "--json", str(out)])
     assert rc == 0
     record = json.loads(out.read_text())
-    assert record["bench"] == "e2e" and record["command"] and record["machine"]["cpu"]
+    assert record["bench"] == "e2e" and record["complete"] and record["command"] and record["machine"]["cpu"]
     assert [(r["kv_policy"], r["bs"], r["context"]) for r in record["results"]] == [
         ("writescope", 1, 40), ("writescope", 2, 40), ("resident", 1, 40), ("resident", 2, 40)]
     for r in record["results"]:

@@ -18,6 +18,9 @@ def test_paged_decode_is_chosen_only_where_it_runs():
     odd = ResidentKV(2, 2, 48, max_context=64, max_batch=1, block_size=16,
                      device=torch.device("cuda" if torch.cuda.is_available() else "cpu"), dtype=torch.float32)
     assert odd.paged is False  # head dims that are not powers of two never take the kernel
+    tiny = ResidentKV(2, 2, 8, max_context=64, max_batch=1, block_size=16,
+                      device=torch.device("cuda" if torch.cuda.is_available() else "cpu"), dtype=torch.float32)
+    assert tiny.paged is False  # nor do heads narrower than the kernel's smallest tile
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only where there is no GPU; "
