@@ -2,11 +2,11 @@
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both streaming as
 server-sent events when `stream` is true), GET /v1/tandem/stats (the engine's StatsSnapshot plus
-the queue's counters under "server"), POST /v1/tandem/tokenize (token ids of a text or of a chat
-under the model's template: what a remote client counts its context with), and GET /health
+the queue's counters under "server"), POST /tokenize (vLLM's shape: token ids of a prompt, or of a
+chat under the model's template — what a remote client counts its context with), and GET /health
 (no key: for waiting until the server is up).
 
-Every /v1 route needs `Authorization: Bearer <key>`. Errors are OpenAI-style JSON bodies. A client
+Every route but /health needs `Authorization: Bearer <key>`. Errors are OpenAI-style JSON bodies. A client
 that disconnects mid-stream cancels its job, and the engine stops at its next step.
 """
 
@@ -98,14 +98,17 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                                      code="method_not_allowed").body(), status_code=405)
 
     async def guard(request: Request) -> None:
-        """Rate limit first (so guessing keys is slow too), then the key."""
-        wait = limiter.check(request.client.host if request.client else "?")
+        """The key, and the rate limit: requests with a wrong key fill a bucket of their own (per
+        address), so guessing keys is slow while the real key's requests are not held up by it."""
+        auth = request.headers.get("authorization", "")
+        scheme, _, given = auth.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key)
+        host = request.client.host if request.client else "?"
+        wait = limiter.check(f"{host} {'key' if ok else 'no-key'}")
         if wait is not None:
             raise APIError(429, f"rate limit of {settings.rate_limit_per_min} requests a minute reached; "
                                 f"retry in {wait:.1f} s", "rate_limit_error", "rate_limit_exceeded")
-        auth = request.headers.get("authorization", "")
-        scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key):
+        if not ok:
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            "invalid_request_error", "invalid_api_key")
 
@@ -146,16 +149,16 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         snap["server"] = queue.stats()
         return snap
 
-    @app.post("/v1/tandem/tokenize", dependencies=[Depends(guard)])
+    @app.post("/tokenize", dependencies=[Depends(guard)])
     async def tokenize(request: Request):
         data = await parse(request, TokenizeRequest)
-        job_input = data.messages if data.messages is not None else data.text
+        what = [m.model_dump() for m in data.messages] if data.messages is not None else data.prompt
         try:
             ids = await asyncio.wrap_future(queue.call(
-                lambda eng: eng.render(job_input) if isinstance(job_input, list) else eng.tokenize(job_input)))
+                lambda eng: eng.render(what) if isinstance(what, list) else eng.tokenize(what)))
         except TandemError as e:
             raise error_from(e) from None
-        return {"tokens": ids, "count": len(ids), "max_context": engine.max_context}
+        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(guard)])
     async def chat_completions(request: Request):
@@ -196,14 +199,22 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     return app
 
 
+class TokenizeMessage(BaseModel):
+    role: str
+    content: str
+
+
 class TokenizeRequest(BaseModel):
-    text: str | None = None
-    messages: list[dict] | None = None
+    """vLLM's /tokenize shape: a raw `prompt`, or `messages` rendered under the chat template
+    (ending with the assistant's turn, as a generation would see them)."""
+
+    prompt: str | None = None
+    messages: list[TokenizeMessage] | None = None
     model: str | None = None
 
     def unsupported(self):
-        if (self.text is None) == (self.messages is None):
-            return "text", "give exactly one of text or messages"
+        if (self.prompt is None) == (self.messages is None):
+            return "prompt", "give exactly one of prompt or messages"
         return None
 
 
