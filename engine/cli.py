@@ -350,8 +350,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cmd_bench_serve(argv: list[str]) -> int:
+    """`tandem bench serve …`: a bounded load test of `tandem serve` on loopback (engine/bench/serve_load.py)."""
+    from engine.bench import serve_load
+    from engine.bench.common import write_json
+
+    p = argparse.ArgumentParser(prog="tandem bench serve")
+    serve_load.add_arguments(p)
+    ns = p.parse_args(argv)
+    record = serve_load.run(ns.model, ns.url, ns.api_key, ns.clients, ns.duration, ns.max_tokens, ns.server_args,
+                            log=lambda s: print(s, file=sys.stderr, flush=True))
+    write_json(record, ns.json)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:
+        return _guarded(lambda: cmd_bench_serve(argv[2:]))
     if argv[:1] == ["bench"] and argv[1:2] in (["kv"], ["experts"]):
         return _guarded(lambda: cmd_bench_own_flags(argv[1], argv[2:]))
     parser = build_parser()
