@@ -1,5 +1,6 @@
 """Real servers on loopback ports, started once per test session: `tandem serve` on the built-in
-dense model, and llama-cpp-python's own OpenAI-compatible server on the same GGUF file."""
+dense model, and llama-cpp-python's own OpenAI-compatible server on the same GGUF file. Shared by
+tests/server and tests/app through tests/conftest.py."""
 
 from __future__ import annotations
 
