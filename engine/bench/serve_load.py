@@ -116,7 +116,9 @@ def run(model: str, url: str | None, api_key: str | None, clients: int, duration
                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         before = httpx.get(url + "/tandem/stats", headers=headers, timeout=30).json().get("server", {})
         log(f"[bench] {clients} streaming clients for {duration:.0f} s, {max_tokens} tokens per reply")
+        load_before = os.getloadavg()  # a shared machine: how busy it was is part of the result
         recs, wall = asyncio.run(_load(url, key, clients, duration, max_tokens))
+        load_after = os.getloadavg()
         stats = httpx.get(url + "/tandem/stats", headers=headers, timeout=30).json()
     finally:
         if server is not None:
@@ -132,7 +134,8 @@ def run(model: str, url: str | None, api_key: str | None, clients: int, duration
     batches = (after.get("batches", 0) - before.get("batches", 0)) or None
     return {**header(), "benchmark": "serve", "model": model if server else stats.get("model", {}).get("model"),
             "server_args": server_args if server else None, "clients": clients, "duration_s": duration,
-            "max_tokens": max_tokens, "wall_s": round(wall, 3), "requests": len(recs), "completed": len(ok),
+            "max_tokens": max_tokens, "wall_s": round(wall, 3),
+            "loadavg_1min": {"before": round(load_before[0], 2), "after": round(load_after[0], 2)}, "requests": len(recs), "completed": len(ok),
             "errors": errors, "error_count": len(recs) - len(ok),
             "requests_per_s": round(len(ok) / wall, 4), "completion_tokens": tokens,
             "tokens_per_s": round(tokens / wall, 3), "ttft_s": summary([r["ttft_s"] for r in ok if r["ttft_s"]]),
