@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from engine.api import Engine, GenerationResult
 from engine.errors import ConfigError, ContextOverflowError, TandemError
-from engine.server.limits import MiB, APIError, BodySizeLimit, RateLimiter
+from engine.server.limits import APIError, BodySizeLimit, MiB, RateLimiter
 from engine.server.queue import EngineQueue, Job, QueueFullError
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -145,7 +145,14 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/tandem/stats", dependencies=[Depends(guard)])
     async def stats():
-        snap = engine.stats().to_dict()  # the engine counts; reading never waits for a generation
+        for attempt in range(3):  # the engine counts; reading never waits for a generation…
+            try:
+                snap = engine.stats().to_dict()
+                break
+            except RuntimeError:  # …but a sequence added or freed mid-read changes what it iterates
+                if attempt == 2:
+                    raise
+                await asyncio.sleep(0.01)
         snap["server"] = queue.stats()
         return snap
 
