@@ -16,4 +16,4 @@ def moe_engine():
     yield engine
     engine.close()
 
-from tests.server_fixtures import llamacpp_server, tandem_server  # noqa: E402,F401 — real servers (tests/server, tests/app)
+from server_fixtures import llamacpp_server, tandem_server  # noqa: E402,F401 — real servers (tests/server, tests/app)

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_fixtures import RATE_LIMIT_PER_MIN
+from server_fixtures import RATE_LIMIT_PER_MIN
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
