@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QDialog, QMessageBox
 
     from app.db import ChatStore
-    from app.main_window import MainWindow, engine_config
+    from app.main_window import MainWindow, engine_config, save_engine_settings
     from app.paths import DB_NAME, InstanceLock, data_dir
     from app.wizard import SetupWizard
     from app.worker import EngineHost
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         if not store.setting("wizard_done") and not args.skip_wizard:
             wiz = SetupWizard(engine_config(store, overrides))
             if wiz.exec() == QDialog.DialogCode.Accepted:
-                store.set_setting("engine", wiz.values())
+                save_engine_settings(store, wiz.values())
                 store.set_setting("wizard_done", True)
                 overrides["model"] = None  # the wizard's choice wins over --model from here on
         host = EngineHost()

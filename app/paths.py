@@ -57,3 +57,40 @@ class InstanceLock:
     def release(self) -> None:
         if self._lock.isLocked():
             self._lock.unlock()
+
+
+# -- secrets: API keys kept beside the data, readable by the owner only ----------------------------
+SERVER_KEY_NAME = "server_api_key"  # the key `tandem serve` started from the app requires
+REMOTE_KEY_NAME = "remote_api_key"  # the key the app sends to a remote server
+
+
+def read_secret(directory: Path, name: str) -> str | None:
+    try:
+        return (Path(directory) / name).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def write_secret(directory: Path, name: str, value: str) -> Path:
+    """Write atomically with mode 0600 from the first byte (never briefly world-readable)."""
+    path = Path(directory) / name
+    tmp = path.with_name(f".{name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+    os.chmod(tmp, 0o600)  # O_CREAT's mode is filtered by the umask; also fixes a pre-existing file
+    os.replace(tmp, path)
+    return path
+
+
+def server_key(directory: Path, renew: bool = False) -> str:
+    """The local server's API key: generated on first use (or when renewed) and kept."""
+    import secrets
+
+    key = None if renew else read_secret(directory, SERVER_KEY_NAME)
+    if key is None:
+        key = "tdm-" + secrets.token_urlsafe(32)
+        write_secret(directory, SERVER_KEY_NAME, key)
+    return key

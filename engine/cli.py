@@ -240,6 +240,55 @@ def _bench_experts(argv: list[str]) -> tuple[dict, str | None]:
                        simulate_hybrid=ns.simulate_hybrid), ns.json
 
 
+def cmd_serve(args) -> int:
+    """`tandem serve`: the OpenAI-compatible server over one engine (engine/server/app.py)."""
+    import os
+
+    from engine.api import Engine
+    from engine.server.app import ServerSettings, serve, served_model_id
+
+    key = args.api_key or os.environ.get("TANDEM_API_KEY")
+    if not key:
+        raise TandemError("tandem serve needs an API key",
+                          "pass --api-key KEY or set TANDEM_API_KEY (e.g. from: python3 -c "
+                          "'import secrets; print(secrets.token_urlsafe(32))')")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {args.host}: other machines can reach this server (the key still applies)",
+              file=sys.stderr)
+    engine = Engine(_config(args), progress=None if args.quiet else _progress)
+    settings = ServerSettings(api_key=key, model_id=served_model_id(args.model),
+                              max_request_bytes=args.max_request_bytes, rate_limit_per_min=args.rate_limit,
+                              max_queue=args.max_queue, default_max_tokens=args.default_max_tokens)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+
+    def ready(server) -> None:
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+        print(f"Tandem serving {settings.model_id} at http://{shown}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
+              flush=True)
+
+    try:
+        serve(engine, settings, host=args.host, port=args.port, log_level=args.log_level, ready=ready)
+    finally:
+        engine.close()
+    return 0
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="0: any free port")
+    s.add_argument("--api-key", default=None, help="the key clients send as 'Authorization: Bearer KEY' "
+                   "(default: $TANDEM_API_KEY)")
+    s.add_argument("--max-request-bytes", type=int, default=2**20, help="larger request bodies get 413")
+    s.add_argument("--rate-limit", type=int, default=600, help="requests a minute per client address (0: off)")
+    s.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429")
+    s.add_argument("--default-max-tokens", type=int, default=512, help="reply length when a request names none")
+    s.add_argument("--log-level", default="warning", help="uvicorn's: warning | info | debug")
+    s.add_argument("--quiet", action="store_true", help="no loading progress on stderr")
+    _add_engine_flags(s)
+    s.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Private MoE chat on one GPU plus the CPU.")
     sub = parser.add_subparsers(dest="command")
@@ -298,11 +347,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="cpu-kernels: fewer lengths, smaller buffers")
     b.add_argument("--no-torch-sdpa", action="store_true", help="cpu-kernels: skip torch's CPU attention")
     b.set_defaults(func=cmd_bench)
+    _add_serve_parser(sub)
     return parser
+
+
+def cmd_bench_serve(argv: list[str]) -> int:
+    """`tandem bench serve …`: a bounded load test of `tandem serve` on loopback (engine/bench/serve_load.py)."""
+    from engine.bench import serve_load
+    from engine.bench.common import write_json
+
+    p = argparse.ArgumentParser(prog="tandem bench serve")
+    serve_load.add_arguments(p)
+    ns = p.parse_args(argv)
+    record = serve_load.run(ns.model, ns.url, ns.api_key, ns.clients, ns.duration, ns.max_tokens, ns.server_args,
+                            log=lambda s: print(s, file=sys.stderr, flush=True))
+    write_json(record, ns.json)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:
+        return _guarded(lambda: cmd_bench_serve(argv[2:]))
     if argv[:1] == ["bench"] and argv[1:2] in (["kv"], ["experts"], ["e2e"]):
         return _guarded(lambda: cmd_bench_own_flags(argv[1], argv[2:]))
     parser = build_parser()

@@ -23,3 +23,5 @@ def moe_engine():
     engine = Engine(EngineConfig(model="builtin:smollm2-135m-moe", backend="tandem", device="cpu"))
     yield engine
     engine.close()
+
+from server_fixtures import llamacpp_server, tandem_server  # noqa: E402,F401 — real servers (tests/server, tests/app)
