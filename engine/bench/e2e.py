@@ -29,7 +29,6 @@ from engine.bench.kv import h2d_gbps
 from engine.hw.bandwidth import dram_bandwidth
 
 KV_POLICIES = ("writescope", "gpu-centric", "cpu-centric", "resident")
-FILL_CHUNK = 4096  # tokens per fill step: bounds the random q/k/v and the attention scratch
 
 
 @torch.inference_mode()
@@ -41,14 +40,15 @@ def fill_session(engine, key: str, context: int, gen: torch.Generator) -> list[i
     a = parts.args
     session = generator.session(key)
     kv = parts.kv
-    for start in range(0, context, FILL_CHUNK):
-        T = min(FILL_CHUNK, context - start)
-        kv.begin_step([session.seq_id], T)
-        for layer in range(a.n_layers):
-            q = torch.randn((1, a.n_heads, T, a.head_dim), device=parts.device, dtype=parts.dtype)
-            k = torch.randn((1, a.n_kv_heads, T, a.head_dim), device=parts.device, dtype=parts.dtype)
-            kv.attend(layer, q, k, torch.randn_like(k))
-        kv.end_step()
+    # One step for the whole context: a sequence's first step attends to its own k, v, so no layer
+    # reads back KV already routed to host memory (a chunked fill would make the CPU attend every
+    # later chunk over the host share — minutes at 32K, and not what is being measured).
+    kv.begin_step([session.seq_id], context)
+    for layer in range(a.n_layers):
+        q = torch.randn((1, a.n_heads, context, a.head_dim), device=parts.device, dtype=parts.dtype)
+        k = torch.randn((1, a.n_kv_heads, context, a.head_dim), device=parts.device, dtype=parts.dtype)
+        kv.attend(layer, q, k, torch.randn_like(k))
+    kv.end_step()
     session.cached = torch.randint(0, a.vocab_size, (context,), generator=gen).tolist()
     return session.cached
 
