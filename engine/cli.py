@@ -204,9 +204,9 @@ def cmd_bench_own_flags(kind: str, argv: list[str]) -> int:
     """`tandem bench kv|e2e|experts …`: these benchmarks parse their own flags."""
     from engine.bench.common import write_json
 
-    if kind in ("kv", "e2e"):
-        from engine.bench import e2e, kv
-        mod = {"kv": kv, "e2e": e2e}[kind]
+    if kind in ("kv", "e2e", "transformers"):
+        from engine.bench import e2e, kv, transformers_peer
+        mod = {"kv": kv, "e2e": e2e, "transformers": transformers_peer}[kind]
         p = argparse.ArgumentParser(prog=f"tandem bench {kind}")
         mod.add_arguments(p)
         ns = p.parse_args(argv)
@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("gui", help="open the desktop app", add_help=False).set_defaults(func=cmd_gui)
 
     b = sub.add_parser("bench", help="run a benchmark, print (and save) its JSON record")
-    b.add_argument("kind", help="builtin | cpu-kernels | kv | e2e | experts (kv, e2e, experts: `tandem bench kv --help`)")
+    b.add_argument("kind", help="builtin | cpu-kernels | kv | e2e | experts | transformers | serve (these five: `tandem bench kv --help`)")
     b.add_argument("--json", default=None, help="also write the record here")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--new-tokens", type=int, default=128)
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "serve"]:
         return _guarded(lambda: cmd_bench_serve(argv[2:]))
-    if argv[:1] == ["bench"] and argv[1:2] in (["kv"], ["experts"], ["e2e"]):
+    if argv[:1] == ["bench"] and argv[1:2] in (["kv"], ["experts"], ["e2e"], ["transformers"]):
         return _guarded(lambda: cmd_bench_own_flags(argv[1], argv[2:]))
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
