@@ -287,7 +287,12 @@ class MainWindow(QMainWindow):
         stem = "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in stem).strip()
         path, _ = QFileDialog.getSaveFileName(self, f"Export {what}", stem + suffix, filt)
         if path:
-            written = fn(path)
+            try:
+                written = fn(path)
+            except OSError as e:  # disk full, read-only folder: say so; nothing in the app changed
+                self.statusBar().showMessage(f"Could not export to {path}: {e.strerror or e}. Free some space or "
+                                             "choose another folder.", 15000)
+                return
             self.statusBar().showMessage("Wrote " + ", ".join(str(p) for p in written), 10000)
 
     def export_chat_markdown(self, path) -> list[Path]:

@@ -17,12 +17,40 @@ DB_NAME = "chats.sqlite3"
 LOCK_NAME = "tandem.lock"
 
 
+class DataDirError(Exception):
+    """The data folder cannot be created or written: what and remedy, shown instead of a traceback."""
+
+    def __init__(self, what: str, remedy: str):
+        self.what, self.remedy = what, remedy
+        super().__init__(f"{what} — {remedy}")
+
+
 def data_dir(override: str | os.PathLike | None = None) -> Path:
+    """The data folder, created owner-only (0700) when it does not exist yet."""
     import platformdirs
 
     path = Path(override or os.environ.get("TANDEM_DATA_DIR") or platformdirs.user_data_dir("tandem"))
-    path.mkdir(parents=True, exist_ok=True)
+    if not path.is_dir():
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise DataDirError(f"the data folder {path} cannot be created ({e.strerror or e})",
+                               "start Tandem with --data-dir (or TANDEM_DATA_DIR) pointing at a writable folder") from e
     return path
+
+
+def check_writable(path: Path) -> None:
+    """Raise DataDirError unless a file can be created in `path` (read-only disks, wrong owner)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise DataDirError(f"the data folder {path} is not writable ({e.strerror or e}); chats and settings "
+                           "cannot be saved there",
+                           "make it writable (check its owner, permissions and free space), or start Tandem with "
+                           "--data-dir (or TANDEM_DATA_DIR) pointing at a writable folder") from e
 
 
 @dataclass
@@ -47,6 +75,10 @@ class InstanceLock:
     def acquire(self) -> LockHolder | None:
         """Take the lock; None on success, else who holds it."""
         if self._lock.tryLock(0):
+            try:
+                os.chmod(self.path, 0o600)  # owner-only, like every file Tandem writes in the data folder
+            except OSError:
+                pass
             return None
         info = self._lock.getLockInfo()  # (pid, host, app); some bindings prepend an ok flag
         if len(info) == 4:

@@ -200,6 +200,29 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_soak(argv: list[str]) -> int:
+    """`tandem bench soak`: a long hybrid decode checked against resident, resources sampled."""
+    from engine.bench import soak
+    from engine.bench.common import write_json
+
+    p = argparse.ArgumentParser(prog="tandem bench soak")
+    p.add_argument("--steps", type=int, default=10_000, help="decode steps in all")
+    p.add_argument("--window", type=int, default=500, help="steps per checked window (one sequence each)")
+    p.add_argument("--d-window", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--expert-cache-slots", type=int, default=48)
+    p.add_argument("--model", default="builtin:smollm2-135m-moe")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", default=None, help="write the record here")
+    a = p.parse_args(argv)
+    record = soak.run(steps=a.steps, window=a.window, d_window=a.d_window, block_size=a.block_size,
+                      expert_cache_slots=a.expert_cache_slots, model=a.model, device=a.device,
+                      progress=lambda s: print(f"[soak] {s}", file=sys.stderr, flush=True))
+    write_json(record, a.json)
+    ok = all(w["ok"] for w in record["windows"]) and record["growth"].get("ok", True)
+    return 0 if ok else 1
+
+
 def cmd_bench_own_flags(kind: str, argv: list[str]) -> int:
     """`tandem bench kv|e2e|experts …`: these benchmarks parse their own flags."""
     from engine.bench.common import write_json
@@ -369,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "serve"]:
         return _guarded(lambda: cmd_bench_serve(argv[2:]))
+    if argv[:2] == ["bench", "soak"]:
+        return _guarded(lambda: cmd_bench_soak(argv[2:]))
     if argv[:1] == ["bench"] and argv[1:2] in (["kv"], ["experts"], ["e2e"], ["transformers"]):
         return _guarded(lambda: cmd_bench_own_flags(argv[1], argv[2:]))
     parser = build_parser()

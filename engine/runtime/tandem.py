@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from typing import Callable
 
 import torch
 
-from engine.errors import ConfigError
+from engine.errors import ComputeError, ConfigError, OutOfMemoryError, TandemError
 from engine.hw import profile as hw_profile
 from engine.runtime.chat import eos_ids, render_chat
 from engine.runtime.generator import Generator, SeqRun
@@ -17,6 +18,8 @@ from engine.runtime.requests import GenerationRequest, GenerationResult, prompt_
 from engine.runtime.sampling import Sampler
 from engine.runtime.telemetry import StatsSnapshot, Telemetry
 from engine.runtime.textstream import TextStream
+
+log = logging.getLogger("tandem")
 
 
 class TandemBackend:
@@ -74,7 +77,12 @@ class TandemBackend:
                              (lambda t, i=i: on_text(i, t)) if on_text else None)
                 run.session = self.generator.session(req.session_id)
                 runs.append(run)
-            timer = self.generator.run(runs, stop_event)
+            try:
+                timer = self.generator.run(runs, stop_event)
+            except TandemError:
+                raise
+            except Exception as e:  # a kernel or the device failed mid-step: say so, keep the engine usable
+                raise compute_failure(e, self.parts.device) from e
         finally:  # throwaway sequences give their blocks back, whatever happened
             for req, run in zip(requests, runs):
                 if req.session_id is None and run.session is not None:
@@ -148,3 +156,21 @@ class TandemBackend:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def compute_failure(e: Exception, device: torch.device) -> TandemError:
+    """The user's view of an exception from a generation step. The generator has already dropped the
+    failed step's KV, so the engine stays usable; the chat's text so far is the app's to keep."""
+    log.debug("generation step failed", exc_info=e)  # the traceback is for the log (debug), never the user
+    detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}"
+    if isinstance(e, torch.OutOfMemoryError):
+        return OutOfMemoryError(f"memory ran out while generating ({detail})",
+                                "the reply was stopped; lower max_context, max_batch or the expert cache "
+                                "(vram_budget_gb), or close other programs, then try again")
+    if "CUDA" in str(e) or type(e).__name__ == "AcceleratorError":  # the device side, whatever runs the host
+        return ComputeError(f"the GPU reported an error while generating ({detail})",
+                            "the reply was stopped and your chat is kept; try again. If it happens again, "
+                            "restart Tandem (a GPU fault can leave the device unusable) and check the driver")
+    return ComputeError(f"a compute kernel failed while generating ({detail})",
+                        "the reply was stopped and your chat is kept; try again. If it happens again, restart "
+                        "Tandem with TANDEM_NATIVE=0 (the torch kernels) and report the log")
