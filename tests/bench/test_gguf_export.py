@@ -122,22 +122,28 @@ def test_llamacpp_runs_the_same_weights_bf16(tiny):
     assert cos.min() > 0.999
 
 
-def test_streaming_synthetic_export_matches_the_synthetic_model(tmp_path):
+def test_streaming_synthetic_export_matches_the_synthetic_model(tmp_path, monkeypatch):
     """A synthetic preset's export holds exactly the weights Tandem draws for it (bf16, same seed,
-    the tokenizer's vocabulary), read back by Tandem's loader."""
+    the tokenizer's vocabulary), read back by Tandem's loader; the -L<n> suffix cuts layers."""
     from engine.models import synthetic
     from engine.models.loader import load_checkpoint
 
-    name = "synthetic:olmoe-1b-7b-L1"
+    tiny_preset = dict(synthetic.PRESETS["olmoe-1b-7b"], hidden_size=64, intermediate_size=32,
+                       num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2)
+    monkeypatch.setitem(synthetic.PRESETS, "tiny-olmoe", tiny_preset)
+    name = "synthetic:tiny-olmoe-L2"
     out = tmp_path / "o.gguf"
     seen = []
     stats = gguf_export.export(name, out, progress=lambda step, frac: seen.append(frac))
-    assert stats["arch"] == "olmoe" and stats["vocab_size"] == VOCAB and seen[-1] == pytest.approx(1.0)
+    assert stats["arch"] == "olmoe" and stats["vocab_size"] == VOCAB and stats["layers"] == 2
+    assert seen[-1] == pytest.approx(1.0) and seen == sorted(seen)
     want = synthetic.load(name, device=torch.device("cpu"), vocab_size=VOCAB).tensors
     got = load_checkpoint(out, torch.bfloat16).tensors
     assert set(got) == set(want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    assert want["model.embed_tokens.weight"].shape == (VOCAB, 64)  # the preset's own is 50304 tokens
+    assert synthetic.config_for(name)["vocab_size"] == 50304
 
 
 def test_mixtral_rows_are_permuted_for_llamas_rope(tmp_path):
