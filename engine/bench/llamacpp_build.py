@@ -8,7 +8,9 @@ foreign GPU backends): small enough to carry to a machine without network. `--so
 such a pruned tarball, or an unpacked llama.cpp folder. The build is CMake + ninja, Release, static,
 only the requested targets (default `llama-bench`), with CUDA (`-DGGML_CUDA=ON`, architectures
 `--cuda-arch`, default 90 = H100/H200) when `nvcc` is found and `--cpu` is not given, CPU only
-otherwise. GGML_NATIVE stays on: the binary is built on the machine that runs it.
+otherwise. GGML_NATIVE stays on: the binary is built on the machine that runs it. A CUDA toolkit
+without cuBLAS (nvcc and cudart only) is completed by the pip cuBLAS of the same CUDA major that
+torch's CUDA wheels install (found on sys.path, or `--cublas-dir SITE_PACKAGES`).
 
 Only the standard library is used: this runs before (and apart from) Tandem's dependencies.
 """
@@ -91,25 +93,91 @@ def prune(source: Path, out: Path) -> dict:
     return {"tarball": str(out), "bytes": out.stat().st_size, "unpacked_bytes_by_entry": sizes}
 
 
-def cmake_args(src: Path, build: Path, *, cuda: bool, cuda_arch: str) -> list[str]:
+def nvcc_major() -> int | None:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    for word in text.replace(",", " ").split():
+        if word.startswith("V") and word[1:2].isdigit():  # "V13.0.88"
+            return int(word[1:].split(".")[0])
+    return None
+
+
+def toolkit_has_cublas() -> bool:
+    nvcc = shutil.which("nvcc")
+    root = Path(nvcc).resolve().parent.parent if nvcc else None
+    return bool(root) and any(root.glob("**/libcublas.so*")) and any(root.glob("**/cublas_v2.h"))
+
+
+def pip_cublas(major: int, extra: list[Path] = ()) -> tuple[Path, Path] | None:
+    """(include dir, lib dir) of a pip-installed cuBLAS of CUDA `major` (torch's CUDA wheels bring one:
+    nvidia/cu13/… for CUDA 13, nvidia/cublas/… for CUDA 12), or None."""
+    import site
+
+    roots = [*extra, *(Path(p) for p in sys.path if p), *(Path(p) for p in site.getsitepackages())]
+    for root in roots:
+        for sub in (f"nvidia/cu{major}", "nvidia/cublas"):
+            lib, inc = root / sub / "lib", root / sub / "include"
+            if (lib / f"libcublas.so.{major}").is_file() and (inc / "cublas_v2.h").is_file():
+                return inc, lib
+    return None
+
+
+def cublas_args(major: int | None, cublas_dir: Path | None) -> list[str]:
+    """CMake hints to a cuBLAS outside the CUDA toolkit (a toolkit of nvcc and cudart only): the
+    libraries by path, the headers on the include path, and an rpath so the binary finds them."""
+    if major is None or (cublas_dir is None and toolkit_has_cublas()):
+        return []
+    found = pip_cublas(major, [cublas_dir] if cublas_dir else [])
+    if found is None:
+        raise SystemExit(f"the CUDA {major} toolkit has no cuBLAS and no pip cuBLAS {major} was found: "
+                         f"install nvidia-cublas (CUDA {major}) or pass --cublas-dir SITE_PACKAGES, or build with --cpu")
+    inc, lib = found
+    return [f"-DCUDA_cublas_LIBRARY={lib}/libcublas.so.{major}", f"-DCUDA_cublasLt_LIBRARY={lib}/libcublasLt.so.{major}",
+            f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}", f"-DCMAKE_C_FLAGS=-I{inc}",
+            f"-DCMAKE_BUILD_RPATH={lib}", f"-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath,{lib}"]
+
+
+def driver_args() -> list[str]:
+    """ggml-cuda links the driver library (libcuda) for its virtual-memory pool. A toolkit without the
+    stub libcuda.so is pointed at the installed driver's libcuda.so.1; without either, the pool falls
+    back to plain cudaMalloc (GGML_CUDA_NO_VMM)."""
+    nvcc = shutil.which("nvcc")
+    root = Path(nvcc).resolve().parent.parent if nvcc else None
+    if root and any(root.glob("**/stubs/libcuda.so")):
+        return []
+    listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout if shutil.which("ldconfig") else ""
+    candidates = [line.split("=>")[-1].strip() for line in listing.splitlines() if "libcuda.so.1 " in line]
+    candidates += ["/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so.1"]
+    for c in candidates:
+        if Path(c).is_file():
+            return [f"-DCUDA_cuda_driver_LIBRARY={c}"]
+    return ["-DGGML_CUDA_NO_VMM=ON"]
+
+
+def cmake_args(src: Path, build: Path, *, cuda: bool, cuda_arch: str, cublas_dir: Path | None = None) -> list[str]:
     args = ["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
             "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
             "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TOOLS=ON",
             "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
     if cuda:
-        args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}"]
+        args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}", *cublas_args(nvcc_major(), cublas_dir),
+                 *driver_args()]
     return args
 
 
 def build(source: Path, build_dir: Path, *, targets=("llama-bench",), cpu: bool = False, cuda_arch: str = "90",
-          jobs: int | None = None) -> dict:
+          jobs: int | None = None, cublas_dir: Path | None = None, configure_only: bool = False) -> dict:
     build_dir.mkdir(parents=True, exist_ok=True)
     src = unpack(source, build_dir)
     cuda = not cpu and shutil.which("nvcc") is not None
     out = build_dir / ("build-cuda" if cuda else "build-cpu")
     t0 = time.perf_counter()
-    configure = cmake_args(src, out, cuda=cuda, cuda_arch=cuda_arch)
+    configure = cmake_args(src, out, cuda=cuda, cuda_arch=cuda_arch, cublas_dir=cublas_dir)
     subprocess.run(configure, check=True)
+    if configure_only:
+        return {"build_dir": str(out), "cuda": cuda, "configure": configure}
     compile_cmd = ["cmake", "--build", str(out), "--config", "Release", "-j", str(jobs or os.cpu_count() or 1),
                    "--target", *targets]
     subprocess.run(compile_cmd, check=True)
@@ -131,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="CPU only, even where nvcc exists")
     p.add_argument("--cuda-arch", default="90", help="CMAKE_CUDA_ARCHITECTURES (90: Hopper)")
     p.add_argument("-j", "--jobs", type=int, default=None)
+    p.add_argument("--cublas-dir", type=Path, default=None,
+                   help="a site-packages holding pip's nvidia cuBLAS, for a CUDA toolkit without cuBLAS "
+                   "(default: searched on sys.path)")
+    p.add_argument("--configure-only", action="store_true", help="run CMake's configure step only")
     ns = p.parse_args(argv)
     import json
 
@@ -138,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(prune(ns.source, ns.prune), indent=2))
         return 0
     result = build(ns.source, ns.build_dir, targets=tuple(ns.targets.split(",")), cpu=ns.cpu,
-                   cuda_arch=ns.cuda_arch, jobs=ns.jobs)
+                   cuda_arch=ns.cuda_arch, jobs=ns.jobs, cublas_dir=ns.cublas_dir, configure_only=ns.configure_only)
     print(json.dumps(result, indent=2))
-    for path in result["binaries"].values():
+    for path in result.get("binaries", {}).values():
         print(path)
     return 0
 
