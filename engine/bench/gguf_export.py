@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ class Piece:
     """One GGUF tensor: where its data comes from in the engine's tensors and how it is laid out."""
     gguf_name: str
     shape: tuple  # torch order
-    ggml_type: "gguf.GGMLQuantizationType"  # noqa: F821
+    ggml_type: gguf.GGMLQuantizationType  # noqa: F821 (imported lazily; annotations stay strings)
     hf_name: str
     rows: tuple[int, int] | None = None  # a slice of dim 1 (gate or up of a fused gate_up)
     permute_heads: int | None = None  # llama arch: q/k rows into llama.cpp's interleaved RoPE order

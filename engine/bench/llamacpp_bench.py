@@ -96,7 +96,7 @@ def run(binary: str | Path, model: str | Path, *, timeout: float | None = None, 
         **flags) -> dict:
     cmd = command(binary, model, **flags)
     print("running:", shlex.join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return record(cmd, proc.stdout, note)

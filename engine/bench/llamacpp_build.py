@@ -97,7 +97,7 @@ def nvcc_major() -> int | None:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         return None
-    text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
     for word in text.replace(",", " ").split():
         if word.startswith("V") and word[1:2].isdigit():  # "V13.0.88"
             return int(word[1:].split(".")[0])
@@ -147,7 +147,7 @@ def driver_args() -> list[str]:
     root = Path(nvcc).resolve().parent.parent if nvcc else None
     if root and any(root.glob("**/stubs/libcuda.so")):
         return []
-    listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout if shutil.which("ldconfig") else ""
+    listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout if shutil.which("ldconfig") else ""
     candidates = [line.split("=>")[-1].strip() for line in listing.splitlines() if "libcuda.so.1 " in line]
     candidates += ["/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so.1"]
     for c in candidates:
@@ -182,7 +182,7 @@ def build(source: Path, build_dir: Path, *, targets=("llama-bench",), cpu: bool 
                    "--target", *targets]
     subprocess.run(compile_cmd, check=True)
     binaries = {t: str(out / "bin" / t) for t in targets}
-    for t, path in binaries.items():
+    for path in binaries.values():
         if not Path(path).is_file():
             raise SystemExit(f"the build finished but {path} is missing")
     return {"binaries": binaries, "cuda": cuda, "seconds": round(time.perf_counter() - t0, 1),

@@ -3,7 +3,8 @@
 `synthetic:<preset>` builds the model of a real checkpoint's config.json (values copied from the
 published file, cited per preset) with random weights, so that every benchmark runs on machines
 that hold no checkpoint. `synthetic:<preset>-L<n>` keeps only the first n layers' shape (e.g.
-`synthetic:qwen3-30b-a3b-L12`).
+`synthetic:qwen3-30b-a3b-L12`). `config_for(name, vocab_size=…)` / `load(…, vocab_size=…)` resize the
+vocabulary (only the embedding and head change shape): the GGUF export sizes it to its borrowed tokenizer.
 
 Weights are generated straight into their final placement: each tensor is allocated on the target
 device and filled there by torch's RNG (one kernel per tensor, no host copy, no per-element Python),

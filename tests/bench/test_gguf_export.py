@@ -159,6 +159,7 @@ def test_mixtral_rows_are_permuted_for_llamas_rope(tmp_path):
     """Mixtral goes out as arch `llama` with q/k rows in llama.cpp's interleaved order; Tandem's
     reader undoes it, so the round trip is exact."""
     import gguf
+
     from engine.models import synthetic
     from engine.models.loader import load_checkpoint
 

@@ -68,8 +68,9 @@ def test_cmake_arguments():
 @pytest.mark.skipif(not os.environ.get("TANDEM_LLAMA_BENCH"), reason="set TANDEM_LLAMA_BENCH to a llama-bench binary")
 def test_live_run(tmp_path):
     """llama-bench on a tiny export: two depths, one row per test and depth."""
-    from engine.bench import gguf_export
     from test_gguf_export import _tiny_folder
+
+    from engine.bench import gguf_export
 
     gguf = tmp_path / "t.gguf"
     gguf_export.export(str(_tiny_folder(tmp_path / "m")), gguf)
