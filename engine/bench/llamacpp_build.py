@@ -12,6 +12,9 @@ otherwise. GGML_NATIVE stays on: the binary is built on the machine that runs it
 without cuBLAS (nvcc and cudart only) is completed by the pip cuBLAS of the same CUDA major that
 torch's CUDA wheels install (found on sys.path, or `--cublas-dir SITE_PACKAGES`).
 
+A build stopped part-way resumes where it stopped when run again with the same --build-dir (ninja
+rebuilds only what is missing; the sources are unpacked again but keep their content).
+
 Only the standard library is used: this runs before (and apart from) Tandem's dependencies.
 """
 
@@ -124,17 +127,37 @@ def pip_cublas(major: int, extra: list[Path] = ()) -> tuple[Path, Path] | None:
     return None
 
 
+def any_pip_cublas(extra: list[Path] = ()) -> tuple[Path, Path, str] | None:
+    """A pip cuBLAS of any CUDA major: (include, lib, the library's file name)."""
+    import site
+
+    for root in [*extra, *(Path(p) for p in sys.path if p), *(Path(p) for p in site.getsitepackages())]:
+        for lib in sorted(root.glob("nvidia/*/lib")):
+            inc = lib.parent / "include"
+            libs = sorted(lib.glob("libcublas.so.*"))
+            if libs and (inc / "cublas_v2.h").is_file():
+                return inc, lib, libs[0].name
+    return None
+
+
 def cublas_args(major: int | None, cublas_dir: Path | None) -> list[str]:
     """CMake hints to a cuBLAS outside the CUDA toolkit (a toolkit of nvcc and cudart only): the
     libraries by path, the headers on the include path, and an rpath so the binary finds them."""
     if major is None or (cublas_dir is None and toolkit_has_cublas()):
         return []
-    found = pip_cublas(major, [cublas_dir] if cublas_dir else [])
-    if found is None:
-        raise SystemExit(f"the CUDA {major} toolkit has no cuBLAS and no pip cuBLAS {major} was found: "
+    extra = [cublas_dir] if cublas_dir else []
+    found = pip_cublas(major, extra)
+    if found is not None:
+        inc, lib = found
+        name = f"libcublas.so.{major}"
+    elif (other := any_pip_cublas(extra)) is not None:
+        inc, lib, name = other  # cuBLAS talks to the driver itself; a neighbouring major usually links and runs
+        print(f"warning: no cuBLAS of CUDA {major}; using {lib / name} (another CUDA major)", file=sys.stderr)
+    else:
+        raise SystemExit(f"the CUDA {major} toolkit has no cuBLAS and no pip cuBLAS was found: "
                          f"install nvidia-cublas (CUDA {major}) or pass --cublas-dir SITE_PACKAGES, or build with --cpu")
-    inc, lib = found
-    return [f"-DCUDA_cublas_LIBRARY={lib}/libcublas.so.{major}", f"-DCUDA_cublasLt_LIBRARY={lib}/libcublasLt.so.{major}",
+    lt = name.replace("libcublas", "libcublasLt")
+    return [f"-DCUDA_cublas_LIBRARY={lib}/{name}", f"-DCUDA_cublasLt_LIBRARY={lib}/{lt}",
             f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}", f"-DCMAKE_C_FLAGS=-I{inc}",
             f"-DCMAKE_BUILD_RPATH={lib}", f"-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath,{lib}"]
 
