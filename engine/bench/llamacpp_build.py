@@ -13,7 +13,7 @@ without cuBLAS (nvcc and cudart only) is completed by the pip cuBLAS of the same
 torch's CUDA wheels install (found on sys.path, or `--cublas-dir SITE_PACKAGES`).
 
 A build stopped part-way resumes where it stopped when run again with the same --build-dir (ninja
-rebuilds only what is missing; the sources are unpacked again but keep their content).
+rebuilds only what is missing; the unpacked sources are kept while the tarball is the same one).
 
 Only the standard library is used: this runs before (and apart from) Tandem's dependencies.
 """
@@ -61,6 +61,10 @@ def unpack(source: Path, dest: Path) -> Path:
     if source.is_dir():
         return source
     root = dest / "llama.cpp"
+    stamp = dest / "llama.cpp.source"  # which tarball the tree came from: same one, tree kept (mtimes too)
+    identity = f"{source.resolve()} {source.stat().st_size} {source.stat().st_mtime_ns}"
+    if root.is_dir() and stamp.is_file() and stamp.read_text() == identity:
+        return root
     if root.exists():
         shutil.rmtree(root)
     with tarfile.open(source) as tar:
@@ -78,6 +82,7 @@ def unpack(source: Path, dest: Path) -> Path:
             os.chmod(target, m.mode & 0o755 | 0o644)
     if not (root / "CMakeLists.txt").is_file():
         raise SystemExit(f"{source} holds no llama.cpp sources (expected …/llama.cpp/CMakeLists.txt)")
+    stamp.write_text(identity)
     return root
 
 
