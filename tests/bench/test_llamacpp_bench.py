@@ -79,3 +79,21 @@ def test_live_run(tmp_path):
     assert sorted((r["test"], r["n_depth"]) for r in rec["results"]) == [("pp16", 0), ("pp16", 16),
                                                                          ("tg8", 0), ("tg8", 16)]
     assert all(r["tok_s"] > 0 for r in rec["results"])
+
+
+def test_unpack_prunes_and_keeps_the_tree_for_the_same_tarball(tmp_path):
+    import tarfile
+
+    src = tmp_path / "src" / "pkg" / "vendor" / "llama.cpp"
+    for rel in ("CMakeLists.txt", "src/llama.cpp", "models/big.gguf", "ggml/src/ggml-metal/x.m", "ggml/src/ggml.c"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(rel)
+    tarball = tmp_path / "pkg.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(tmp_path / "src" / "pkg", arcname="pkg")
+    root = llamacpp_build.unpack(tarball, tmp_path / "b")
+    kept = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert kept == ["CMakeLists.txt", "ggml/src/ggml.c", "src/llama.cpp"]
+    before = (root / "src/llama.cpp").stat().st_mtime_ns
+    assert llamacpp_build.unpack(tarball, tmp_path / "b") == root
+    assert (root / "src/llama.cpp").stat().st_mtime_ns == before  # ninja sees nothing new: a rerun resumes
