@@ -312,6 +312,18 @@ def _add_serve_parser(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def cmd_export_gguf(args) -> int:
+    from engine.bench import gguf_export
+    from engine.bench.common import write_json
+
+    progress = None if args.quiet else (lambda step, frac: print(f"[{frac:4.0%}] {step}", file=sys.stderr, flush=True))
+    stats = gguf_export.export(args.model, args.out, dtype=args.dtype, device=args.device, seed=args.seed,
+                               tokenizer_from=args.tokenizer_from, progress=progress)
+    stats["gb_per_s"] = round(stats["bytes"] / 1e9 / stats["seconds"], 3)
+    write_json(stats, None)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Private MoE chat on one GPU plus the CPU.")
     sub = parser.add_subparsers(dest="command")
@@ -371,6 +383,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-torch-sdpa", action="store_true", help="cpu-kernels: skip torch's CPU attention")
     b.set_defaults(func=cmd_bench)
     _add_serve_parser(sub)
+
+    x = sub.add_parser("export-gguf", help="write a model as a GGUF file for llama.cpp (same weights, BF16)")
+    x.add_argument("--model", required=True, help="synthetic:…, a model folder or a .gguf")
+    x.add_argument("--out", required=True, help="the .gguf file to write")
+    x.add_argument("--dtype", default="bf16", help="bf16 | f32 (matrices; norms and routers are always F32)")
+    x.add_argument("--device", default="cpu", help="where synthetic weights are drawn (cuda: the numbers "
+                   "Tandem draws on a GPU)")
+    x.add_argument("--seed", type=int, default=None, help="synthetic models' seed (default: Tandem's)")
+    x.add_argument("--tokenizer-from", default=None, help="a GGUF whose tokenizer.* keys to copy "
+                   "(default: the model's own, else the built-in SmolLM2's)")
+    x.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    x.set_defaults(func=cmd_export_gguf)
     return parser
 
 
