@@ -17,7 +17,7 @@ from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.chat_settings import request_fields
 from app.context import AttachmentError, build_messages, compose_message, read_text_file
-from app.db import ChatStore, Message
+from app.db import ChatStore, Message, StoreError
 
 DB_FLUSH_S = 0.5
 REPLAN_DELAY_MS = 250
@@ -192,14 +192,20 @@ class Conversation(QObject):
                 self.composer.set_plan(plan)
                 self.notice.emit("Not sent: " + plan.describe())
             return
-        if p.delete_from is not None:
-            self.store.delete_from(p.chat_id, p.delete_from)
-        if p.kind != "regenerate":  # a regenerated reply answers the user message already stored
-            self.store.add_message(p.chat_id, "user", p.draft)
+        try:
+            if p.delete_from is not None:
+                self.store.delete_from(p.chat_id, p.delete_from)
+            if p.kind != "regenerate":  # a regenerated reply answers the user message already stored
+                self.store.add_message(p.chat_id, "user", p.draft)
+            self._maybe_title(p.chat_id, p.draft)
+            reply_id = self.store.add_message(p.chat_id, "assistant", "", status="streaming")
+        except StoreError as e:  # nothing is generated that could not be kept; the draft stays in the box
+            self._set_busy(False)
+            self.set_chat(p.chat_id)
+            self.notice.emit(f"Not sent: {e.what}. {e.remedy}")
+            return
         if p.kind == "send":
             self.composer.clear()
-        self._maybe_title(p.chat_id, p.draft)
-        reply_id = self.store.add_message(p.chat_id, "assistant", "", status="streaming")
         self.job = Job(uuid.uuid4().hex, p.chat_id, reply_id, flushed_at=time.monotonic())
         self.set_chat(p.chat_id)
         self.view.mark_dropped(plan.dropped, plan.max_context)
@@ -230,8 +236,11 @@ class Conversation(QObject):
         job.text += text
         now = time.monotonic()
         if now - job.flushed_at >= DB_FLUSH_S:
-            self.store.update_streaming(job.message_id, job.text)
             job.flushed_at = now
+            try:
+                self.store.update_streaming(job.message_id, job.text)
+            except StoreError as e:  # the reply goes on in memory; the next flush tries again
+                self.notice.emit(f"The reply could not be saved yet: {e.what}. {e.remedy}")
         if job.chat_id == self.chat_id:
             w = self.view.widget_for(job.message_id)
             if w is not None:
@@ -251,7 +260,10 @@ class Conversation(QObject):
 
     def _close_job(self, text: str, stats: dict, status: str) -> None:
         job, self.job = self.job, None
-        self.store.finish_message(job.message_id, text, stats, status)
+        try:
+            self.store.finish_message(job.message_id, text, stats, status)
+        except StoreError as e:  # the app goes on; the row keeps the text of its last successful save
+            self.notice.emit(f"The reply could not be saved: {e.what}. {e.remedy}")
         self._set_busy(False)
         if job.chat_id == self.chat_id:
             self.set_chat(self.chat_id)
@@ -261,7 +273,10 @@ class Conversation(QObject):
     def abandon(self) -> None:
         """On quit with a reply still open: keep its text, marked as interrupted."""
         if self.job is not None:
-            self.store.finish_message(self.job.message_id, self.job.text, None, "interrupted")
+            try:
+                self.store.finish_message(self.job.message_id, self.job.text, None, "interrupted")
+            except StoreError:  # quitting anyway: the next start marks the row interrupted
+                pass
             self.job = None
 
     def _set_busy(self, busy: bool) -> None:

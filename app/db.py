@@ -13,7 +13,9 @@ when the file is opened was cut off by a crash: it becomes 'interrupted' and kee
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sqlite3
 import time
 import uuid
@@ -58,6 +60,51 @@ DEFAULT_CHAT_SETTINGS = {
 }
 
 
+class StoreError(Exception):
+    """The chat file could not be opened or written (disk full, read-only, locked): what and remedy,
+    for the window to show without a traceback. What was committed before stays intact."""
+
+    def __init__(self, what: str, remedy: str = ""):
+        self.what, self.remedy = what, remedy
+        super().__init__(f"{what} — {remedy}" if remedy else what)
+
+
+def store_error(path: Path, e: sqlite3.Error, doing: str) -> StoreError:
+    text = str(e)
+    code = getattr(e, "sqlite_errorname", "")
+    if code == "SQLITE_FULL" or "disk is full" in text:
+        return StoreError(f"{doing} failed: the disk holding {path} is full ({text})",
+                          "free some disk space, then try again; the chats saved so far are intact")
+    if code.startswith("SQLITE_READONLY") or "readonly" in text or code.startswith("SQLITE_CANTOPEN"):
+        return StoreError(f"{doing} failed: {path} cannot be written ({text})",
+                          "make the data folder writable, or start Tandem with --data-dir pointing at a "
+                          "writable folder; the chats saved so far are intact")
+    if code.startswith("SQLITE_BUSY") or "locked" in text:
+        return StoreError(f"{doing} failed: {path} is locked by another program ({text})",
+                          "close the other program using it (or another Tandem), then try again")
+    return StoreError(f"{doing} failed on {path} ({code or type(e).__name__}: {text})",
+                      "check the disk and its free space, then try again; the chats saved so far are intact")
+
+
+def _guarded(doing: str):
+    """SQLite errors of a ChatStore method become StoreErrors naming the file and the remedy."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(self, *args, **kwargs):
+            try:
+                return fn(self, *args, **kwargs)
+            except sqlite3.Error as e:
+                raise store_error(self.path, e, doing) from e
+        return run
+    return wrap
+
+
+def create_private(path: Path) -> None:
+    """Create an empty file readable by its owner only (SQLite's -wal and -shm files copy its mode)."""
+    if not path.exists():
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+
+
 @dataclass
 class Chat:
     id: str
@@ -81,6 +128,17 @@ class Message:
 class ChatStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.conn = None
+        try:
+            create_private(self.path)
+        except OSError as e:
+            raise StoreError(f"opening the chats failed: {self.path} cannot be created ({e.strerror or e})",
+                             "make the data folder writable, or start Tandem with --data-dir pointing at a "
+                             "writable folder") from e
+        self._open()
+
+    @_guarded("opening the chats")
+    def _open(self) -> None:
         # isolation_level=None: autocommit; multi-statement changes open their own transaction.
         self.conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=5.0)
         self.conn.row_factory = sqlite3.Row
@@ -98,6 +156,7 @@ class ChatStore:
             self.conn = None
 
     # -- chats ----------------------------------------------------------------------------------
+    @_guarded("saving a new chat")
     def create_chat(self, title: str = "New chat", settings: dict | None = None) -> Chat:
         now = time.time()
         chat = Chat(uuid.uuid4().hex, title, now, now, {**DEFAULT_CHAT_SETTINGS, **(settings or {})})
@@ -124,12 +183,15 @@ class ChatStore:
                 "(SELECT chat_id FROM messages WHERE content LIKE ?1 ESCAPE '\\') ORDER BY updated DESC", (like,))
         return [self._chat(r) for r in rows]
 
+    @_guarded("renaming the chat")
     def rename_chat(self, chat_id: str, title: str) -> None:
         self.conn.execute("UPDATE chats SET title=? WHERE id=?", (title.strip() or "Untitled", chat_id))
 
+    @_guarded("saving the chat's settings")
     def set_chat_settings(self, chat_id: str, settings: dict) -> None:
         self.conn.execute("UPDATE chats SET settings=? WHERE id=?", (json.dumps(settings), chat_id))
 
+    @_guarded("deleting the chat")
     def delete_chat(self, chat_id: str) -> None:
         self.conn.execute("DELETE FROM chats WHERE id=?", (chat_id,))  # messages go by ON DELETE CASCADE
 
@@ -142,6 +204,7 @@ class ChatStore:
         return [Message(r["id"], r["chat_id"], r["role"], r["content"], r["status"],
                         json.loads(r["stats"]) if r["stats"] else None, r["created"]) for r in rows]
 
+    @_guarded("saving the message")
     def add_message(self, chat_id: str, role: str, content: str, status: str = "done",
                     stats: dict | None = None) -> int:
         with self.conn:  # one transaction: the message and the chat's new timestamp together
@@ -152,17 +215,21 @@ class ChatStore:
             self._touch(chat_id)
         return cur.lastrowid
 
+    @_guarded("saving the reply")
     def update_streaming(self, message_id: int, content: str) -> None:
         """The reply so far: one small autocommitted UPDATE (a crash keeps the last one written)."""
         self.conn.execute("UPDATE messages SET content=? WHERE id=? AND status='streaming'", (content, message_id))
 
+    @_guarded("saving the reply")
     def finish_message(self, message_id: int, content: str, stats: dict | None, status: str = "done") -> None:
         self.conn.execute("UPDATE messages SET content=?, stats=?, status=? WHERE id=?",
                           (content, json.dumps(stats) if stats else None, status, message_id))
 
+    @_guarded("saving the edit")
     def edit_message(self, message_id: int, content: str) -> None:
         self.conn.execute("UPDATE messages SET content=? WHERE id=?", (content, message_id))
 
+    @_guarded("deleting messages")
     def delete_from(self, chat_id: str, message_id: int) -> None:
         """Delete this message and every later one of the chat (regenerate, edit-and-resend)."""
         self.conn.execute("DELETE FROM messages WHERE chat_id=? AND id>=?", (chat_id, message_id))
@@ -172,6 +239,7 @@ class ChatStore:
         row = self.conn.execute("SELECT value FROM settings WHERE key=?", (key,)).fetchone()
         return json.loads(row["value"]) if row else default
 
+    @_guarded("saving a setting")
     def set_setting(self, key: str, value) -> None:
         self.conn.execute("INSERT INTO settings VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                           (key, json.dumps(value)))

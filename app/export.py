@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -41,7 +42,7 @@ class StatsTimeline:
     def write_json(self, path: str | Path) -> Path:
         path = Path(path)
         doc = {"format": "tandem-stats-timeline/1", "session_started": self.started, "records": list(self.records)}
-        path.write_text(json.dumps(doc, indent=1))
+        _write_private(path, json.dumps(doc, indent=1))
         return path
 
     def write_csv(self, path: str | Path) -> Path:
@@ -54,12 +55,22 @@ class StatsTimeline:
         if "t" in columns:
             columns.remove("t")
             columns.insert(0, "t")
-        with path.open("w", newline="") as f:
+        with open(path, "w", newline="", opener=_owner_only) as f:
             w = csv.DictWriter(f, fieldnames=columns, restval="")
             w.writeheader()
             for r in rows:
                 w.writerow({k: ("" if v is None else v) for k, v in r.items()})
         return path
+
+
+def _owner_only(path, flags: int) -> int:
+    """open()'s opener: a new file is created readable by its owner only (chats are private)."""
+    return os.open(path, flags, 0o600)
+
+
+def _write_private(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8", opener=_owner_only) as f:
+        f.write(text)
 
 
 def chat_markdown(chat, messages) -> str:
@@ -77,7 +88,7 @@ def chat_markdown(chat, messages) -> str:
 
 def write_chat_markdown(path: str | Path, chat, messages) -> Path:
     path = Path(path)
-    path.write_text(chat_markdown(chat, messages))
+    _write_private(path, chat_markdown(chat, messages))
     return path
 
 
@@ -87,7 +98,7 @@ def write_chat_json(path: str | Path, chat, messages, model: str | None = None) 
            "updated": chat.updated, "settings": chat.settings, "model": model,
            "messages": [{"role": m.role, "content": m.content, "status": m.status, "stats": m.stats,
                          "created": m.created} for m in messages]}
-    path.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
+    _write_private(path, json.dumps(doc, indent=1, ensure_ascii=False))
     return path
 
 
@@ -95,4 +106,5 @@ def write_panels_png(path: str | Path, widget) -> Path:
     path = Path(path)
     if not widget.grab().save(str(path), "PNG"):
         raise OSError(f"could not write {path}")
+    os.chmod(path, 0o600)
     return path

@@ -40,19 +40,50 @@ def make_application(argv: list[str]):
     return app
 
 
+def refuse_start(title: str, what: str, remedy: str) -> int:
+    """A start that cannot go on: the cause and the remedy on stderr and in a dialog, exit status 4."""
+    print(f"error: {what}\nwhat to do: {remedy}", file=sys.stderr)
+    if os.environ.get("QT_QPA_PLATFORM") != "offscreen":
+        from PySide6.QtWidgets import QMessageBox
+
+        QMessageBox.critical(None, title, f"{what}\n\nWhat to do: {remedy}")
+    return 4
+
+
+def install_error_hook(window) -> None:
+    """A save that fails inside a Qt slot (disk full, read-only) is told in the status bar, one line on
+    stderr, no traceback; the app goes on. Every other exception keeps Python's report."""
+    from app.db import StoreError
+
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if isinstance(value, StoreError):
+            print(f"error: {value.what} — {value.remedy}", file=sys.stderr)
+            window.statusBar().showMessage(f"{value.what}. {value.remedy}", 15000)
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(argv if argv is not None else sys.argv[1:]))
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QDialog, QMessageBox
 
-    from app.db import ChatStore
-    from app.main_window import MainWindow, engine_config
-    from app.paths import DB_NAME, InstanceLock, data_dir
+    from app.db import ChatStore, StoreError
+    from app.main_window import MainWindow, engine_config, save_engine_settings
+    from app.paths import DB_NAME, DataDirError, InstanceLock, check_writable, data_dir
     from app.wizard import SetupWizard
     from app.worker import EngineHost
 
     app = make_application([])
-    folder = data_dir(args.data_dir)
+    try:
+        folder = data_dir(args.data_dir)
+        check_writable(folder)
+    except DataDirError as e:
+        return refuse_start("Tandem cannot use its data folder", e.what, e.remedy)
     lock = InstanceLock(folder)
     holder = lock.acquire()
     if holder is not None:
@@ -63,18 +94,24 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("QT_QPA_PLATFORM") != "offscreen":
             QMessageBox.critical(None, "Tandem is already running", text)
         return 3
-    store = ChatStore(folder / DB_NAME)
+    try:
+        store = ChatStore(folder / DB_NAME)
+    except StoreError as e:
+        lock.release()
+        return refuse_start("Tandem cannot open its chats", e.what, e.remedy)
     overrides = {"model": args.model, "device": args.device, "max_context": args.max_context,
                  "vram_budget_gb": args.vram_budget_gb}
+    previous_hook = sys.excepthook
     try:
         if not store.setting("wizard_done") and not args.skip_wizard:
             wiz = SetupWizard(engine_config(store, overrides))
             if wiz.exec() == QDialog.DialogCode.Accepted:
-                store.set_setting("engine", wiz.values())
+                save_engine_settings(store, wiz.values())
                 store.set_setting("wizard_done", True)
                 overrides["model"] = None  # the wizard's choice wins over --model from here on
         host = EngineHost()
         window = MainWindow(store, host, overrides)
+        install_error_hook(window)
         window.show()
         window.load_model()
         # Ctrl+C in the terminal closes the window as the Quit menu does (stop, join, free the engine).
@@ -87,5 +124,6 @@ def main(argv: list[str] | None = None) -> int:
         host.shutdown()  # no-op when the window's close already did it
         return rc
     finally:
+        sys.excepthook = previous_hook
         store.close()
         lock.release()

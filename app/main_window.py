@@ -18,19 +18,32 @@ from app.composer import Composer
 from app.conversation import Conversation
 from app.db import ChatStore
 from app.panels import PanelsDock
+from app.paths import REMOTE_KEY_NAME, read_secret, write_secret
+from app.server_control import ServerControl
+from app.server_dialog import ServerDialog
 from app.wizard import CALIBRATION, HARDWARE, MODEL, SetupWizard
 
 DEFAULT_MODEL = "builtin:smollm2-135m-moe"
 CONFIG_KEYS = ("model", "vram_budget_gb", "max_context", "cpu_threads")
+REMOTE_CONFIG_KEYS = ("backend", "remote_url")  # a remote server picked in the model page (its key: a secret file)
 
 
 def engine_config(store: ChatStore, overrides: dict | None = None) -> dict:
     """EngineConfig fields from the saved settings, with command-line overrides on top."""
     saved = store.setting("engine", {}) or {}
-    cfg = {k: saved.get(k) for k in CONFIG_KEYS if saved.get(k) is not None}
+    cfg = {k: saved.get(k) for k in CONFIG_KEYS + REMOTE_CONFIG_KEYS if saved.get(k) is not None}
     cfg.update({k: v for k, v in (overrides or {}).items() if v is not None})
     cfg.setdefault("model", DEFAULT_MODEL)
+    if cfg.get("backend") == "remote":
+        cfg["remote_api_key"] = read_secret(store.path.parent, REMOTE_KEY_NAME)
     return cfg
+
+
+def save_engine_settings(store: ChatStore, values: dict) -> None:
+    """The model page's choice: settings in the database, a remote server's key in an owner-only file."""
+    if values.get("remote_api_key") is not None:
+        write_secret(store.path.parent, REMOTE_KEY_NAME, values["remote_api_key"])
+    store.set_setting("engine", {k: values.get(k) for k in CONFIG_KEYS + REMOTE_CONFIG_KEYS})
 
 
 class MainWindow(QMainWindow):
@@ -90,6 +103,11 @@ class MainWindow(QMainWindow):
         self.load_bar.hide()
         self.statusBar().addPermanentWidget(self.load_bar)
 
+        self.server = ServerControl(self)  # the local API server (Settings → Local API server…)
+        self.server_label = QLabel()
+        self.statusBar().addPermanentWidget(self.server_label)
+        self.server.state_changed.connect(self._server_state)
+
         self.conv = Conversation(store, host, self.view, self.composer, self)
         self.conv.notice.connect(lambda text: self.statusBar().showMessage(text, 10000))
         self.conv.chats_changed.connect(self._chats_changed)
@@ -143,6 +161,7 @@ class MainWindow(QMainWindow):
         act(s, "Setup wizard…", lambda: self.open_wizard(HARDWARE))
         act(s, "Calibration…", lambda: self.open_wizard(CALIBRATION))
         act(s, "Model and memory…", lambda: self.open_wizard(MODEL))
+        act(s, "Local API server…", self.open_server_dialog)
         s.addAction(self.dock.toggleViewAction())
         h = self.menuBar().addMenu("&Help")
         act(h, "About Tandem", self.about)
@@ -195,6 +214,12 @@ class MainWindow(QMainWindow):
         elif state == "ready":
             self.load_bar.hide()
             i = self.host.info
+            if i.get("backend") == "remote":
+                self.model_label.setText(f"<b>{i['model']}</b> — <b>remote</b> server {i.get('remote_url')} · "
+                                         f"{i['max_context']:,}-token context ({i.get('context_source')})")
+                self.statusBar().showMessage("Connected to the remote server.", 5000)
+                self.conv.schedule_replan()
+                return
             desc = f" — {i['description']}" if i.get("description") else ""
             experts = f" · {i['experts']} experts, top-{i['top_k']}" if i.get("experts") else ""
             self.model_label.setText(f"<b>{i['model']}</b>{desc}<br>{i['family']}, {i['layers']} layers{experts} · "
@@ -231,11 +256,29 @@ class MainWindow(QMainWindow):
 
     def apply_setup(self, values: dict, reload: bool = False) -> None:
         before = engine_config(self.store, self.overrides)
-        self.store.set_setting("engine", {k: values.get(k) for k in CONFIG_KEYS})
+        save_engine_settings(self.store, values)
         self.store.set_setting("wizard_done", True)
         self.overrides = {k: v for k, v in self.overrides.items() if k not in CONFIG_KEYS}
         if reload or engine_config(self.store, self.overrides) != before or self.host.state != "ready":
             self.load_model()
+
+    # -- local API server -----------------------------------------------------------------------
+    def open_server_dialog(self) -> ServerDialog:
+        cfg = engine_config(self.store, self.overrides)
+        model = cfg["model"] if cfg.get("backend") != "remote" else DEFAULT_MODEL
+        dlg = ServerDialog(self.server, model, self.store.path.parent, self.store.setting("server", {}) or {}, self)
+        dlg.finished.connect(lambda *_: self.store.set_setting("server", dlg.settings))
+        dlg.open()
+        return dlg
+
+    def _server_state(self, state: str) -> None:
+        if state == "running":
+            self.server_label.setText(f"API server: {self.server.url}")
+        elif state == "failed":
+            self.server_label.setText("API server: failed")
+            self.statusBar().showMessage(f"The API server stopped: {self.server.error}", 15000)
+        else:
+            self.server_label.setText("API server: starting…" if state == "starting" else "")
 
     # -- exports --------------------------------------------------------------------------------
     def _export(self, what: str, filt: str, suffix: str, fn) -> None:
@@ -244,7 +287,12 @@ class MainWindow(QMainWindow):
         stem = "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in stem).strip()
         path, _ = QFileDialog.getSaveFileName(self, f"Export {what}", stem + suffix, filt)
         if path:
-            written = fn(path)
+            try:
+                written = fn(path)
+            except OSError as e:  # disk full, read-only folder: say so; nothing in the app changed
+                self.statusBar().showMessage(f"Could not export to {path}: {e.strerror or e}. Free some space or "
+                                             "choose another folder.", 15000)
+                return
             self.statusBar().showMessage("Wrote " + ", ".join(str(p) for p in written), 10000)
 
     def export_chat_markdown(self, path) -> list[Path]:
@@ -273,6 +321,7 @@ class MainWindow(QMainWindow):
 
     # -- quit -----------------------------------------------------------------------------------
     def closeEvent(self, event) -> None:
+        self.server.stop()
         self.conv.stop()
         self.host.shutdown()
         QCoreApplication.processEvents()  # the worker's last queued reports (the stopped reply's result)

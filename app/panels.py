@@ -30,7 +30,14 @@ def fmt(v, spec: str = ".2f", unit: str = "") -> str:
 
 
 def _device(snap: dict) -> str:
+    if is_remote(snap):
+        return "a remote server"
     return (snap.get("model") or {}).get("device") or "?"
+
+
+def is_remote(snap: dict) -> bool:
+    """The model runs on another machine: only what this client measures is known here."""
+    return (snap.get("model") or {}).get("backend") == "remote"
 
 
 def why_no_vram(snap: dict) -> str | None:
@@ -120,11 +127,15 @@ class LivePanels(QWidget):
         for panel in (self.speed, self.vram, self.r, self.experts, self.pcie):
             lay.addWidget(panel)
         lay.addStretch(1)
+        self.titles = {p: p.title() for p in (self.speed, self.vram, self.r, self.experts, self.pcie)}
         self.last: dict | None = None
         self.samples = 0
 
     def update_snapshot(self, snap: dict) -> None:
         prev, self.last = self.last, snap
+        remote = is_remote(snap)
+        for panel, title in self.titles.items():  # every panel says when it describes a remote model
+            panel.setTitle(f"{title} — remote" if remote else title)
         self.samples += 1
         self._vram(snap)
         self._r(snap)
@@ -192,12 +203,17 @@ class LivePanels(QWidget):
         busy = s.get("phase") not in (None, "idle")
         self.speed_plot.add({"decode_tok_s": sp.get("decode_tok_s") if busy else None})
         which = "now" if busy else "last reply"
-        self.speed_text.setText(f"phase <b>{s.get('phase')}</b> · {which}: decode "
+        where = "<b>remote</b>, measured here (network included) · " if is_remote(s) else ""
+        self.speed_text.setText(f"{where}phase <b>{s.get('phase')}</b> · {which}: decode "
                                 f"{fmt(sp.get('decode_tok_s'), '.1f', ' tok/s')} · prefill "
                                 f"{fmt(sp.get('prefill_tok_s'), '.1f', ' tok/s')} · TTFT "
                                 f"{fmt(sp.get('ttft_s'), '.2f', ' s')}")
         k = s.get("kernels") or {}
         m = s.get("model") or {}
+        if is_remote(s):
+            self.kernel_text.setText(f"remote server {m.get('remote_url')} · model {m.get('model')} · memory, KV and "
+                                     "experts are the server's and not visible here")
+            return
         self.kernel_text.setText(f"{m.get('device', '?')} · {m.get('dtype', '?')} · CPU attention "
                                  f"{k.get('cpu_attention') or 'n/a'} · CPU experts {k.get('cpu_experts') or 'n/a'}"
                                  f" · profile {s.get('profile') or 'none'}")

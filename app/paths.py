@@ -17,12 +17,40 @@ DB_NAME = "chats.sqlite3"
 LOCK_NAME = "tandem.lock"
 
 
+class DataDirError(Exception):
+    """The data folder cannot be created or written: what and remedy, shown instead of a traceback."""
+
+    def __init__(self, what: str, remedy: str):
+        self.what, self.remedy = what, remedy
+        super().__init__(f"{what} — {remedy}")
+
+
 def data_dir(override: str | os.PathLike | None = None) -> Path:
+    """The data folder, created owner-only (0700) when it does not exist yet."""
     import platformdirs
 
     path = Path(override or os.environ.get("TANDEM_DATA_DIR") or platformdirs.user_data_dir("tandem"))
-    path.mkdir(parents=True, exist_ok=True)
+    if not path.is_dir():
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise DataDirError(f"the data folder {path} cannot be created ({e.strerror or e})",
+                               "start Tandem with --data-dir (or TANDEM_DATA_DIR) pointing at a writable folder") from e
     return path
+
+
+def check_writable(path: Path) -> None:
+    """Raise DataDirError unless a file can be created in `path` (read-only disks, wrong owner)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise DataDirError(f"the data folder {path} is not writable ({e.strerror or e}); chats and settings "
+                           "cannot be saved there",
+                           "make it writable (check its owner, permissions and free space), or start Tandem with "
+                           "--data-dir (or TANDEM_DATA_DIR) pointing at a writable folder") from e
 
 
 @dataclass
@@ -47,6 +75,10 @@ class InstanceLock:
     def acquire(self) -> LockHolder | None:
         """Take the lock; None on success, else who holds it."""
         if self._lock.tryLock(0):
+            try:
+                os.chmod(self.path, 0o600)  # owner-only, like every file Tandem writes in the data folder
+            except OSError:
+                pass
             return None
         info = self._lock.getLockInfo()  # (pid, host, app); some bindings prepend an ok flag
         if len(info) == 4:
@@ -57,3 +89,40 @@ class InstanceLock:
     def release(self) -> None:
         if self._lock.isLocked():
             self._lock.unlock()
+
+
+# -- secrets: API keys kept beside the data, readable by the owner only ----------------------------
+SERVER_KEY_NAME = "server_api_key"  # the key `tandem serve` started from the app requires
+REMOTE_KEY_NAME = "remote_api_key"  # the key the app sends to a remote server
+
+
+def read_secret(directory: Path, name: str) -> str | None:
+    try:
+        return (Path(directory) / name).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def write_secret(directory: Path, name: str, value: str) -> Path:
+    """Write atomically with mode 0600 from the first byte (never briefly world-readable)."""
+    path = Path(directory) / name
+    tmp = path.with_name(f".{name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+    os.chmod(tmp, 0o600)  # O_CREAT's mode is filtered by the umask; also fixes a pre-existing file
+    os.replace(tmp, path)
+    return path
+
+
+def server_key(directory: Path, renew: bool = False) -> str:
+    """The local server's API key: generated on first use (or when renewed) and kept."""
+    import secrets
+
+    key = None if renew else read_secret(directory, SERVER_KEY_NAME)
+    if key is None:
+        key = "tdm-" + secrets.token_urlsafe(32)
+        write_secret(directory, SERVER_KEY_NAME, key)
+    return key

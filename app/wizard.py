@@ -245,6 +245,7 @@ class ModelPage(QWizardPage):
         row.addWidget(file_btn)
         row.addWidget(dir_btn)
         self.lay.addLayout(row)
+        self._remote_fields(current)
         form = QFormLayout()
         self.vram = QDoubleSpinBox()
         self.vram.setRange(0.0, 4096.0)
@@ -272,6 +273,29 @@ class ModelPage(QWizardPage):
         self.radios: dict[str, QRadioButton] = {}
         self.group.buttonToggled.connect(lambda *_: self.completeChanged.emit())
 
+    def _remote_fields(self, current: dict) -> None:
+        """A model on another machine: any OpenAI-compatible server (another Tandem, llama.cpp, vLLM…)."""
+        self.remote_radio = QRadioButton("A remote server (OpenAI-compatible: another Tandem, llama.cpp, vLLM, …)")
+        self.group.addButton(self.remote_radio)
+        self.lay.addWidget(self.remote_radio)
+        remote = QFormLayout()
+        self.remote_url = QLineEdit(current.get("remote_url") or "")
+        self.remote_url.setPlaceholderText("http://192.168.1.20:8000/v1")
+        self.remote_key = QLineEdit(current.get("remote_api_key") or "")
+        self.remote_key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.remote_key.setPlaceholderText("its API key (kept in a file only you can read)")
+        self.remote_model = QLineEdit(current.get("model") if current.get("backend") == "remote" else "")
+        self.remote_model.setPlaceholderText("model id (empty: the server's first model)")
+        remote.addRow("Address", self.remote_url)
+        remote.addRow("API key", self.remote_key)
+        remote.addRow("Model", self.remote_model)
+        self.lay.addLayout(remote)
+        for w in (self.remote_url, self.remote_key, self.remote_model):
+            w.textEdited.connect(lambda _t: (self.remote_radio.setChecked(True), self.completeChanged.emit()))
+
+    def remote(self) -> bool:
+        return self.remote_radio.isChecked()
+
     def _path_changed(self, text: str) -> None:
         if text:
             self.local_radio.setChecked(True)
@@ -286,7 +310,9 @@ class ModelPage(QWizardPage):
                 self.builtin_box.addWidget(rb)
                 self.radios[m["name"]] = rb
         model = self.current.get("model")
-        if model in self.radios:
+        if self.current.get("backend") == "remote":
+            self.remote_radio.setChecked(True)
+        elif model in self.radios:
             self.radios[model].setChecked(True)
         elif model:
             self.path.setText(model)
@@ -302,17 +328,25 @@ class ModelPage(QWizardPage):
             self.path.setText(path)
 
     def model(self) -> str:
+        if self.remote():
+            return self.remote_model.text().strip() or "auto"
         for name, rb in self.radios.items():
             if rb.isChecked():
                 return name
         return self.path.text().strip()
 
     def isComplete(self) -> bool:
+        if self.remote():
+            return self.remote_url.text().strip().startswith(("http://", "https://"))
         return bool(self.model())
 
     def values(self) -> dict:
-        return {"model": self.model(), "vram_budget_gb": self.vram.value() or None,
-                "max_context": self.ctx.value() or None, "cpu_threads": self.threads.value() or None}
+        v = {"model": self.model(), "vram_budget_gb": self.vram.value() or None,
+             "max_context": self.ctx.value() or None, "cpu_threads": self.threads.value() or None}
+        if self.remote():  # the key goes to an owner-only file, not the settings database (main_window)
+            v.update(backend="remote", remote_url=self.remote_url.text().strip(),
+                     remote_api_key=self.remote_key.text().strip())
+        return v
 
 
 class DonePage(QWizardPage):
@@ -326,7 +360,7 @@ class DonePage(QWizardPage):
         lay.addStretch(1)
 
     def initializePage(self) -> None:
-        v = self.wizard().values()
+        v = {k: val for k, val in self.wizard().values().items() if k != "remote_api_key"}  # never on screen
         self.summary.setText("The app loads this model and opens a chat:<br>" + facts_html(v) +
                              "<br>Everything here can be changed later under Settings.")
 

@@ -86,6 +86,13 @@ class EngineWorker(QObject):
         except Exception as e:  # noqa: BLE001 — a failed load must leave the app usable
             self.load_failed.emit(*_unexpected(e))
             return
+        if engine.tokenizer is None:  # weights only: fine for token-id tools, but a chat needs text
+            model = config.get("model")
+            engine.close()
+            self.load_failed.emit(f"{model} has no tokenizer, so chat text cannot be turned into tokens",
+                                  "add the model's tokenizer.json (and tokenizer_config.json) next to its "
+                                  "weights, or choose a model that includes one")
+            return
         self.engine, self.owns_engine = engine, True
         self.loaded.emit(self._info(builtin_models()))
 

@@ -27,7 +27,7 @@ __all__ = ["Engine", "EngineConfig", "GenerationRequest", "GenerationResult", "S
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL  # builtin:…, synthetic:…, a model folder, or a .gguf path
-    backend: str = "auto"  # auto | tandem | llamacpp (auto: see choose_backend)
+    backend: str = "auto"  # auto | tandem | llamacpp | remote (auto: see choose_backend)
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
     vram_budget_gb: float | None = None
@@ -41,6 +41,8 @@ class EngineConfig:
     profile_path: str | None = None  # calibration profile; None: the default location
     simulate_hybrid: bool = False  # run hybrid paths with the "GPU side" on the CPU (tests)
     expert_cache_slots: int | None = None  # GPU expert slots; None: what vram_budget_gb leaves (offload policies)
+    remote_url: str | None = None  # backend remote: an OpenAI-compatible server, e.g. http://host:8000/v1
+    remote_api_key: str | None = None  # backend remote: its key (sent as a Bearer token)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -56,6 +58,8 @@ def choose_backend(config: EngineConfig) -> str:
     capital of France it lists Parisian landmarks instead of answering "Paris")."""
     if config.backend != "auto":
         return config.backend
+    if config.remote_url:
+        return "remote"
     import importlib.util
 
     import torch
@@ -83,8 +87,11 @@ class Engine:
         elif kind == "llamacpp":
             from engine.backends.llamacpp import LlamaCppBackend
             self.backend = LlamaCppBackend(self.config, progress)
+        elif kind == "remote":
+            from engine.backends.remote import RemoteBackend
+            self.backend = RemoteBackend(self.config, progress)
         else:
-            raise ConfigError(f"unknown backend '{self.config.backend}'", "use auto, tandem or llamacpp")
+            raise ConfigError(f"unknown backend '{self.config.backend}'", "use auto, tandem, llamacpp or remote")
 
     @property
     def tokenizer(self):

@@ -200,16 +200,40 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_bench_own_flags(kind: str, argv: list[str]) -> int:
-    """`tandem bench kv|experts …`: these benchmarks parse their own flags."""
+def cmd_bench_soak(argv: list[str]) -> int:
+    """`tandem bench soak`: a long hybrid decode checked against resident, resources sampled."""
+    from engine.bench import soak
     from engine.bench.common import write_json
 
-    if kind == "kv":
-        from engine.bench import kv
-        p = argparse.ArgumentParser(prog="tandem bench kv")
-        kv.add_arguments(p)
+    p = argparse.ArgumentParser(prog="tandem bench soak")
+    p.add_argument("--steps", type=int, default=10_000, help="decode steps in all")
+    p.add_argument("--window", type=int, default=500, help="steps per checked window (one sequence each)")
+    p.add_argument("--d-window", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--expert-cache-slots", type=int, default=48)
+    p.add_argument("--model", default="builtin:smollm2-135m-moe")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", default=None, help="write the record here")
+    a = p.parse_args(argv)
+    record = soak.run(steps=a.steps, window=a.window, d_window=a.d_window, block_size=a.block_size,
+                      expert_cache_slots=a.expert_cache_slots, model=a.model, device=a.device,
+                      progress=lambda s: print(f"[soak] {s}", file=sys.stderr, flush=True))
+    write_json(record, a.json)
+    ok = all(w["ok"] for w in record["windows"]) and record["growth"].get("ok", True)
+    return 0 if ok else 1
+
+
+def cmd_bench_own_flags(kind: str, argv: list[str]) -> int:
+    """`tandem bench kv|e2e|experts …`: these benchmarks parse their own flags."""
+    from engine.bench.common import write_json
+
+    if kind in ("kv", "e2e", "transformers"):
+        from engine.bench import e2e, kv, transformers_peer
+        mod = {"kv": kv, "e2e": e2e, "transformers": transformers_peer}[kind]
+        p = argparse.ArgumentParser(prog=f"tandem bench {kind}")
+        mod.add_arguments(p)
         ns = p.parse_args(argv)
-        write_json(kv.from_args(ns), ns.json)
+        write_json(mod.from_args(ns), ns.json)
     else:
         record, path = _bench_experts(argv)
         write_json(record, path)
@@ -237,6 +261,67 @@ def _bench_experts(argv: list[str]) -> tuple[dict, str | None]:
                        contexts=ints(ns.contexts), new_tokens=ns.new_tokens, vram_budget_gb=ns.vram_budget_gb,
                        device=ns.device, cpu_threads=ns.cpu_threads, expert_cache_slots=ns.expert_cache_slots,
                        simulate_hybrid=ns.simulate_hybrid), ns.json
+
+
+def cmd_serve(args) -> int:
+    """`tandem serve`: the OpenAI-compatible server over one engine (engine/server/app.py)."""
+    import os
+
+    from engine.api import Engine
+    from engine.server.app import ServerSettings, serve, served_model_id
+
+    key = args.api_key or os.environ.get("TANDEM_API_KEY")
+    if not key:
+        raise TandemError("tandem serve needs an API key",
+                          "pass --api-key KEY or set TANDEM_API_KEY (e.g. from: python3 -c "
+                          "'import secrets; print(secrets.token_urlsafe(32))')")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {args.host}: other machines can reach this server (the key still applies)",
+              file=sys.stderr)
+    engine = Engine(_config(args), progress=None if args.quiet else _progress)
+    settings = ServerSettings(api_key=key, model_id=served_model_id(args.model),
+                              max_request_bytes=args.max_request_bytes, rate_limit_per_min=args.rate_limit,
+                              max_queue=args.max_queue, default_max_tokens=args.default_max_tokens)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+
+    def ready(server) -> None:
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+        print(f"Tandem serving {settings.model_id} at http://{shown}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
+              flush=True)
+
+    try:
+        serve(engine, settings, host=args.host, port=args.port, log_level=args.log_level, ready=ready)
+    finally:
+        engine.close()
+    return 0
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="0: any free port")
+    s.add_argument("--api-key", default=None, help="the key clients send as 'Authorization: Bearer KEY' "
+                   "(default: $TANDEM_API_KEY)")
+    s.add_argument("--max-request-bytes", type=int, default=2**20, help="larger request bodies get 413")
+    s.add_argument("--rate-limit", type=int, default=600, help="requests a minute per client address (0: off)")
+    s.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond this get 429")
+    s.add_argument("--default-max-tokens", type=int, default=512, help="reply length when a request names none")
+    s.add_argument("--log-level", default="warning", help="uvicorn's: warning | info | debug")
+    s.add_argument("--quiet", action="store_true", help="no loading progress on stderr")
+    _add_engine_flags(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_export_gguf(args) -> int:
+    from engine.bench import gguf_export
+    from engine.bench.common import write_json
+
+    progress = None if args.quiet else (lambda step, frac: print(f"[{frac:4.0%}] {step}", file=sys.stderr, flush=True))
+    stats = gguf_export.export(args.model, args.out, dtype=args.dtype, device=args.device, seed=args.seed,
+                               tokenizer_from=args.tokenizer_from, progress=progress)
+    stats["gb_per_s"] = round(stats["bytes"] / 1e9 / stats["seconds"], 3)
+    write_json(stats, None)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("gui", help="open the desktop app", add_help=False).set_defaults(func=cmd_gui)
 
     b = sub.add_parser("bench", help="run a benchmark, print (and save) its JSON record")
-    b.add_argument("kind", help="builtin | cpu-kernels | kv | experts (kv, experts: `tandem bench kv --help`)")
+    b.add_argument("kind", help="builtin | cpu-kernels | kv | e2e | experts | transformers | serve (these five: `tandem bench kv --help`)")
     b.add_argument("--json", default=None, help="also write the record here")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--new-tokens", type=int, default=128)
@@ -297,12 +382,43 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="cpu-kernels: fewer lengths, smaller buffers")
     b.add_argument("--no-torch-sdpa", action="store_true", help="cpu-kernels: skip torch's CPU attention")
     b.set_defaults(func=cmd_bench)
+    _add_serve_parser(sub)
+
+    x = sub.add_parser("export-gguf", help="write a model as a GGUF file for llama.cpp (same weights, BF16)")
+    x.add_argument("--model", required=True, help="synthetic:…, a model folder or a .gguf")
+    x.add_argument("--out", required=True, help="the .gguf file to write")
+    x.add_argument("--dtype", default="bf16", help="bf16 | f32 (matrices; norms and routers are always F32)")
+    x.add_argument("--device", default="cpu", help="where synthetic weights are drawn (cuda: the numbers "
+                   "Tandem draws on a GPU)")
+    x.add_argument("--seed", type=int, default=None, help="synthetic models' seed (default: Tandem's)")
+    x.add_argument("--tokenizer-from", default=None, help="a GGUF whose tokenizer.* keys to copy "
+                   "(default: the model's own, else the built-in SmolLM2's)")
+    x.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    x.set_defaults(func=cmd_export_gguf)
     return parser
+
+
+def cmd_bench_serve(argv: list[str]) -> int:
+    """`tandem bench serve …`: a bounded load test of `tandem serve` on loopback (engine/bench/serve_load.py)."""
+    from engine.bench import serve_load
+    from engine.bench.common import write_json
+
+    p = argparse.ArgumentParser(prog="tandem bench serve")
+    serve_load.add_arguments(p)
+    ns = p.parse_args(argv)
+    record = serve_load.run(ns.model, ns.url, ns.api_key, ns.clients, ns.duration, ns.max_tokens, ns.server_args,
+                            log=lambda s: print(s, file=sys.stderr, flush=True))
+    write_json(record, ns.json)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"] and argv[1:2] in (["kv"], ["experts"]):
+    if argv[:2] == ["bench", "serve"]:
+        return _guarded(lambda: cmd_bench_serve(argv[2:]))
+    if argv[:2] == ["bench", "soak"]:
+        return _guarded(lambda: cmd_bench_soak(argv[2:]))
+    if argv[:1] == ["bench"] and argv[1:2] in (["kv"], ["experts"], ["e2e"], ["transformers"]):
         return _guarded(lambda: cmd_bench_own_flags(argv[1], argv[2:]))
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

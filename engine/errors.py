@@ -38,3 +38,7 @@ class OutOfMemoryError(TandemError):
 
 class KernelInputError(TandemError, ValueError):
     """A compute kernel got tensors of the wrong shape, dtype, device or layout (a caller's bug)."""
+
+
+class ComputeError(TandemError):
+    """A compute step failed mid-generation (a CPU kernel, or the GPU side reporting an error)."""

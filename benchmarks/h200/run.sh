@@ -5,10 +5,18 @@
 #   bash benchmarks/h200/run.sh B    # hybrid KV, expert offloading, resident end-to-end
 #   bash benchmarks/h200/run.sh C    # after fixes: CUDA tests again, expert offloading
 #   bash benchmarks/h200/run.sh D    # resident experts as grouped GEMMs: CUDA tests, resident end-to-end
+#   bash benchmarks/h200/run.sh E    # paged resident decode: kernel tests, resident KV and end-to-end, bench e2e
+#   bash benchmarks/h200/run.sh F1   # llama.cpp CUDA build + the L16 GGUF export (needs .llamacpp/ carried:
+#                                    #   the pruned source tarball and a vocab-only GGUF, see below)
+#   bash benchmarks/h200/run.sh F2   # same weights, one run: llama-bench, Tandem, transformers (machine still warm:
+#                                    #   the build and the GGUF live in /tmp, which a warm machine keeps between calls)
+#   bash benchmarks/h200/run.sh F    # F1 then F2, skipping a build or export already there
+# .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
+# .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
 # Results land in $OUT (or ./h200-out). The built-in SmolLM2 file does not travel to that machine,
 # so tests that need it are deselected there.
 set -uo pipefail
-phase=${1:?A, B, C or D}
+phase=${1:?A, B, C, D, E, F, F1 or F2}
 out=${OUT:-h200-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -36,6 +44,66 @@ if [ "$phase" = A ]; then
   step bench cpu-kernels
   timeout 200 python3 -m engine.cli bench cpu-kernels --thread-counts 1,4,8,15,16 --lengths 2k,8k,32k,64k \
     --batches 1,4 --json "$out/cpu-kernels.json" > /dev/null 2>>"$log"
+fi
+if [ "$phase" = F1 ] || [ "$phase" = F ]; then
+  if [ -z "$(find /tmp/tandem-llb -name llama-bench -type f 2>/dev/null)" ]; then
+    step llama.cpp CUDA build
+    timeout 560 python3 -m engine.bench.llamacpp_build --source .llamacpp/llamacpp-src.tar.xz \
+      --build-dir /tmp/tandem-llb > "$out/llamacpp-build.log" 2>&1 &
+    build=$!
+  fi
+  if [ ! -f /tmp/tandem-gguf/q16.gguf ]; then
+    step export synthetic:qwen3-30b-a3b-L16 to GGUF
+    mkdir -p /tmp/tandem-gguf
+    timeout 300 python3 -m engine.cli export-gguf --model synthetic:qwen3-30b-a3b-L16 --out /tmp/tandem-gguf/q16.gguf \
+      --device cuda --tokenizer-from .llamacpp/smollm2-vocab.gguf --quiet > "$out/export.json" 2>>"$log"
+  fi
+  ls -la /tmp/tandem-gguf | tee -a "$log"
+  if [ -n "${build:-}" ]; then wait $build; echo "build rc=$?" | tee -a "$log"; fi
+fi
+if [ "$phase" = F2 ] || [ "$phase" = F ]; then
+  lb=$(find /tmp/tandem-llb -name llama-bench -type f | head -1)
+  g=/tmp/tandem-gguf/q16.gguf
+  step llama-bench resident "$lb"
+  timeout 150 python3 -m engine.bench.llamacpp_bench --llama-bench "$lb" -m $g -ngl 99 -fa 1 -d 2048,8192,32768 \
+    -p 0 -n 32 -r 2 --note "all layers on the GPU (resident)" --json "$out/llamacpp-resident.json" > /dev/null 2>>"$log"
+  step tandem resident on the same GGUF
+  timeout 180 python3 -m engine.cli bench e2e --model $g --kv-policies resident --expert-policy resident \
+    --batch-sizes 1,4 --contexts 2048,8192,32768 --new-tokens 32 --vram-budget-gb 0 \
+    --json "$out/tandem-resident-q16.json" > /dev/null 2>>"$log"
+  step llama-bench 8 GB: experts of 10 of 16 layers on the CPU
+  timeout 200 python3 -m engine.bench.llamacpp_bench --llama-bench "$lb" -m $g -ngl 99 -ncmoe 10 -fa 1 \
+    -d 2048,8192,32768 -p 0 -n 32 -r 2 --note "8 GB VRAM budget (24 GB scaled to 16 of 48 layers)" \
+    --json "$out/llamacpp-ncmoe10.json" > /dev/null 2>>"$log"
+  step tandem 8 GB budget on the same GGUF
+  timeout 200 python3 -m engine.cli bench e2e --model $g --kv-policies writescope --expert-policy adaptive \
+    --batch-sizes 1,4 --contexts 2048,8192,32768 --new-tokens 16 --vram-budget-gb 8 --cpu-threads 15 \
+    --json "$out/tandem-8gb-q16.json" > /dev/null 2>>"$log"
+  if [ "$phase" = F2 ]; then
+    step transformers generate on the same shapes
+    timeout 120 python3 -m engine.cli bench transformers --model synthetic:qwen3-30b-a3b-L16 --contexts 8192 \
+      --batch-sizes 1 --new-tokens 32 --json "$out/transformers-q16.json" > /dev/null 2>>"$log"
+  fi
+fi
+if [ "$phase" = E ]; then
+  step paged kernel and CUDA tests
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
+    2>&1 | tail -15 | tee "$out/pytest-paged.log"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/models tests/kv \
+    2>&1 | tail -15 | tee "$out/pytest-cuda.log"
+  step bench kv resident
+  timeout 100 python3 -m engine.cli bench kv --policies resident --layers 8 --lengths 2048,8192,32768 \
+    --batch-sizes 1,4,16 --json "$out/kv-resident-paged.json" > /dev/null 2>>"$log"
+  for bs in 1 4; do
+    step resident synthetic:qwen3-30b-a3b bs=$bs 8K
+    timeout 100 python3 -m engine.cli generate --model synthetic:qwen3-30b-a3b --device cuda --random-prompt 8064 \
+      --max-new-tokens 64 --greedy --batch $bs --max-batch $bs --max-context 8192 --quiet \
+      --stats-json "$out/resident-paged-bs$bs.json" > /dev/null 2>>"$log"
+  done
+  step bench e2e
+  timeout 330 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric,resident \
+    --batch-sizes 1,4 --contexts 2048,8192,32768 --new-tokens 8 --vram-budget-gb 24 --cpu-threads 15 \
+    --json "$out/e2e.json" > /dev/null 2>>"$log"
 elif [ "$phase" = D ]; then
   step CUDA tests
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts tests/models \
@@ -53,7 +121,7 @@ elif [ "$phase" = C ]; then
   step bench experts
   timeout 330 python3 -m engine.cli bench experts --batch-sizes 1,4 --contexts 2048 --new-tokens 32 \
     --vram-budget-gb 24 --cpu-threads 15 --json "$out/experts.json" > /dev/null 2>>"$log"
-else
+elif [ "$phase" = B ]; then
   step bench kv
   timeout 230 python3 -m engine.cli bench kv --layers 8 --lengths 2048,8192,32768 --batch-sizes 1,4,16 \
     --json "$out/kv.json" > /dev/null 2>>"$log"

@@ -42,9 +42,10 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def write_json(records, path: str | None) -> None:
+def write_json(records, path: str | None, echo: bool = True) -> None:
     text = json.dumps(records, indent=2)
     if path:
         with open(path, "w") as f:
             f.write(text + "\n")
-    print(text)
+    if echo:
+        print(text)

@@ -18,6 +18,7 @@ layer ahead, and is scored when layer l+1 routes for real:
 from __future__ import annotations
 
 import json
+import os
 from collections import deque
 from pathlib import Path
 
@@ -112,8 +113,9 @@ class HotTable:
         return cls(d["n_layers"], d["n_experts"], np.array(d["counts"]))
 
     def save(self, path: str | Path, model: str | None = None) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(self.to_json(model))
+        Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(path, "w", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+            f.write(self.to_json(model))  # owner-only, like every file Tandem writes for the user
 
     @classmethod
     def load(cls, path: str | Path) -> "HotTable":

@@ -64,7 +64,7 @@ def resolve_path(path: str | os.PathLike | None) -> Path:
 
 def write_atomic(path: Path, text: str) -> None:
     """Replace path's contents with text so that a reader sees either the old or the new file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # owner-only, like the file (mkstemp: 0600)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -102,7 +102,12 @@ def save(data: dict, path: str | os.PathLike | None = None) -> Path:
         shapes = dict(old.get("shapes", {}))
         shapes.update(data.get("shapes", {}))
         merged["shapes"] = shapes
-    write_atomic(target, json.dumps(merged, indent=1, sort_keys=False) + "\n")
+    try:
+        write_atomic(target, json.dumps(merged, indent=1, sort_keys=False) + "\n")
+    except OSError as e:  # disk full, read-only folder: the old file is untouched (the rename never happened)
+        raise ProfileError(f"the calibration profile could not be saved to {target} ({e.strerror or e})",
+                           "free some disk space or make the folder writable, then calibrate again; until "
+                           "then the previous profile (if any) stays in use") from e
     return target
 
 

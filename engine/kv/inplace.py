@@ -324,7 +324,11 @@ class InplaceKVCache:
             if self._stage is not None:
                 self._stage.release()
             size = max(n_tokens, self.max_batch * self.spec.d_window, self.spec.d_window + 512)
-            self._stage = self.transport.host((self.n_layers, size, 2, self.n_kv, self.head_dim), self.dtype, pinned=True)
+            shape = (self.n_layers, size, 2, self.n_kv, self.head_dim)
+            try:
+                self._stage = self.transport.host(shape, self.dtype, pinned=True)
+            except OutOfMemoryError:  # the host refuses page-locked memory: pageable staging, synchronous copies
+                self._stage = self.transport.host(shape, self.dtype, pinned=False)
         return self._stage.tensor
 
     @torch.inference_mode()

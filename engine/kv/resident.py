@@ -1,9 +1,11 @@
 """Resident KV: every block on the compute device, allocated once up front.
 
 The pools hold max_batch × max_context tokens per layer; sequences take blocks from a free list,
-so a step never reallocates. Attention gathers each sequence's blocks and runs SDPA with a mask
-(padding for batches of unequal lengths, causal for prefill, and a sliding window when the model
-has one: a query at position p sees keys p−window+1 … p, as transformers' sliding-window mask).
+so a step never reallocates. A decode step (one new token per sequence) on CUDA reads the keys in
+place through the block table (engine/kernels/paged_attention_gpu.py). Otherwise — prefill chunks,
+the CPU — attention gathers each sequence's blocks and runs SDPA with a mask (padding for batches of
+unequal lengths, causal for prefill, and a sliding window when the model has one: a query at
+position p sees keys p−window+1 … p, as transformers' sliding-window mask).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ContextOverflowError, OutOfMemoryError
+from engine.kernels import paged_attention_gpu
 from engine.kv.backend import KVBackend
 from engine.kv.regions import BlockAllocator, SequenceBlocks
 
@@ -22,8 +25,12 @@ class ResidentKV(KVBackend):
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int,
                  max_batch: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, paged_decode: bool | None = None):
+        """paged_decode: None picks the paged kernel wherever it runs (CUDA with Triton)."""
         self.max_context, self.block_size, self.device = max_context, block_size, device
+        if paged_decode is None:  # the kernel tiles head dims that are powers of two, ≥ 16
+            paged_decode = paged_attention_gpu.available(device) and paged_attention_gpu.supports_head_dim(head_dim)
+        self.paged = paged_decode
         self.window = sliding_window  # None: every past key is visible
         blocks_per_seq = -(-max_context // block_size)
         n_blocks = blocks_per_seq * max_batch
@@ -39,7 +46,7 @@ class ResidentKV(KVBackend):
         self.allocator = BlockAllocator(n_blocks)
         self.seqs: dict[int, SequenceBlocks] = {}
         self._next_id = 0
-        self._step = None
+        self._step = self._paged_step = None
 
     @staticmethod
     def k_bytes_for(n_layers, n_slots, n_kv_heads, head_dim, dtype) -> int:
@@ -75,7 +82,17 @@ class ResidentKV(KVBackend):
         lengths = [s.length for s in seqs]
         total = max(lengths) + n_new  # S: keys per sequence after the step, padded to the longest
         write = torch.cat([s.slots(s.length, s.length + n_new) for s in seqs])  # (B·T,)
+        positions = (torch.tensor(lengths)[:, None] + torch.arange(n_new)).to(self.device)  # (B, T)
         fresh = len(seqs) == 1 and lengths[0] == 0  # prefill from empty: attend to k, v directly
+        if self.paged and n_new == 1 and not fresh:
+            width = max(len(s.blocks) for s in seqs)
+            table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs],
+                                 dtype=torch.int32)  # (B, width) block ids
+            keys = torch.tensor(lengths, dtype=torch.int32) + 1  # (B,) keys incl. the new token
+            self._step = (seqs, n_new, write.to(self.device), None, None)
+            self._paged_step = (table.to(self.device), keys.to(self.device), max(lengths) + 1)
+            return positions
+        self._paged_step = None
         read = mask = None
         if fresh and self.window is not None and n_new > self.window:  # prefill longer than the window
             pos = torch.arange(n_new)
@@ -92,14 +109,19 @@ class ResidentKV(KVBackend):
             mask = mask.unsqueeze(1)  # (B, 1, T, S)
             read, mask = read.to(self.device), mask.to(self.device)
         self._step = (seqs, n_new, write.to(self.device), read, mask)
-        positions = torch.tensor(lengths)[:, None] + torch.arange(n_new)  # (B, T)
-        return positions.to(self.device)
+        return positions
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         seqs, n_new, write, read, mask = self._step
         B, n_kv, T, hs = k.shape
         self.k[layer][write] = k.transpose(1, 2).reshape(B * T, n_kv, hs)
         self.v[layer][write] = v.transpose(1, 2).reshape(B * T, n_kv, hs)
+        if self._paged_step is not None:
+            table, keys, max_keys = self._paged_step
+            o, _ = paged_attention_gpu.paged_decode(
+                q[:, :, 0], self.k[layer], self.v[layer], table, keys, self.block_size,
+                hs ** -0.5, max_keys, window=self.window)  # (B, nh, hs) fp32
+            return o.to(q.dtype).unsqueeze(2)  # (B, nh, 1, hs)
         if read is None:
             if mask is not None:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -112,7 +134,7 @@ class ResidentKV(KVBackend):
         seqs, n_new = self._step[0], self._step[1]
         for s in seqs:
             s.length += n_new
-        self._step = None
+        self._step = self._paged_step = None
 
     def telemetry(self) -> dict:
         nbytes = self.k.numel() * self.k.element_size() * 2

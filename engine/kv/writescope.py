@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -146,19 +146,24 @@ class WriteScopeKV(KVBackend):
             q_host, ready = self.exchange.to_host(q, self.dtype)
             cpu = self.worker.submit(self._cpu_part, layer, plan, q_host, ready, scale)
             self._cpu_ran = True
-        timing = self._start_timing() if plan.stream_tokens else None
-        parts = []  # (o (B, nh, T, hs) fp32, lse (B, nh, T)) with every row
-        if plan.window_max:
-            wk, wv = self.cache.window_views(layer, plan)
-            if plan.window_excluded is None:
-                parts.append(attend_dense(q, wk, wv, scale))
-            else:
-                parts.append(attend_padded(q, wk, wv, plan.window_excluded, scale))
-        if not plan.decode:  # the new tokens over themselves
-            parts.append(attend_dense(q, k, v, scale, causal=True))
-        chunks = self._stream(layer, q, plan, scale) if plan.chunks else None
-        self._end_timing(timing, plan)
-        self.cache.flush(layer, plan, k, v)  # write-time routing of this layer, while the CPU works
+        try:
+            timing = self._start_timing() if plan.stream_tokens else None
+            parts = []  # (o (B, nh, T, hs) fp32, lse (B, nh, T)) with every row
+            if plan.window_max:
+                wk, wv = self.cache.window_views(layer, plan)
+                if plan.window_excluded is None:
+                    parts.append(attend_dense(q, wk, wv, scale))
+                else:
+                    parts.append(attend_padded(q, wk, wv, plan.window_excluded, scale))
+            if not plan.decode:  # the new tokens over themselves
+                parts.append(attend_dense(q, k, v, scale, causal=True))
+            chunks = self._stream(layer, q, plan, scale) if plan.chunks else None
+            self._end_timing(timing, plan)
+            self.cache.flush(layer, plan, k, v)  # write-time routing of this layer, while the CPU works
+        except BaseException:
+            if cpu is not None:  # the CPU side still reads this step's views: let it finish before the step is undone
+                wait([cpu])
+            raise
         if cpu is not None:
             staged, seconds = cpu.result()
             parts.append(self.exchange.to_device(staged))

@@ -27,6 +27,34 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Stacked routed experts: GGUF kind → role in the engine's fused layout (gate/up rows of gate_up_proj, down_proj).
+_EXPERT_KINDS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+
+
+def gguf_name(hf_name: str) -> str:
+    """The inverse of the mapping below for one non-expert tensor: HF name → llama.cpp name
+    (`model.layers.3.self_attn.q_proj.weight` → `blk.3.attn_q.weight`). What a GGUF writer uses."""
+    for g, hf in _GLOBAL_NAMES.items():
+        if hf == hf_name:
+            return g
+    parts = hf_name.split(".")
+    if parts[:2] == ["model", "layers"] and len(parts) >= 5:
+        module, suffix = ".".join(parts[3:-1]), parts[-1]
+        for kind, hf_module in _LAYER_NAMES.items():
+            if hf_module == module:
+                return f"blk.{parts[2]}.{kind}.{suffix}"
+    raise ModelFileError(f"tensor {hf_name} has no llama.cpp name",
+                         "only the tensors of Tandem's MoE families can be written as GGUF")
+
+
+def gguf_expert_names(layer: int) -> dict[str, str]:
+    """Role (gate, up, down) → llama.cpp name of one layer's stacked expert tensor."""
+    return {role: f"blk.{layer}.{kind}.weight" for kind, role in _EXPERT_KINDS.items()}
 
 
 def moe_config_from_gguf(meta: dict, model_type: str) -> dict:
@@ -74,17 +102,13 @@ def sanitize_moe_gguf(raw: dict[str, torch.Tensor], config: dict, unpermute_qk=N
     stacked: dict[int, dict[str, torch.Tensor]] = {}  # layer → gate/up/down → (E, …)
     single: dict[int, dict[str, dict[int, torch.Tensor]]] = {}  # early Mixtral: layer → role → expert
     for name, t in raw.items():
-        if name == "token_embd.weight":
-            out["model.embed_tokens.weight"] = t
-        elif name == "output_norm.weight":
-            out["model.norm.weight"] = t
-        elif name == "output.weight":
-            out["lm_head.weight"] = t
+        if name in _GLOBAL_NAMES:
+            out[_GLOBAL_NAMES[name]] = t
         elif name.startswith("blk."):
             parts = name.split(".")
             layer, kind = int(parts[1]), parts[2]
-            if kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
-                stacked.setdefault(layer, {})[kind[4:-5]] = t
+            if kind in _EXPERT_KINDS:
+                stacked.setdefault(layer, {})[_EXPERT_KINDS[kind]] = t
             elif kind in ("ffn_gate", "ffn_up", "ffn_down") and len(parts) == 5 and parts[3].isdigit():
                 single.setdefault(layer, {}).setdefault(kind[4:], {})[int(parts[3])] = t
             elif kind in _LAYER_NAMES:

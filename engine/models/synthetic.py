@@ -3,7 +3,8 @@
 `synthetic:<preset>` builds the model of a real checkpoint's config.json (values copied from the
 published file, cited per preset) with random weights, so that every benchmark runs on machines
 that hold no checkpoint. `synthetic:<preset>-L<n>` keeps only the first n layers' shape (e.g.
-`synthetic:qwen3-30b-a3b-L12`).
+`synthetic:qwen3-30b-a3b-L12`). `config_for(name, vocab_size=…)` / `load(…, vocab_size=…)` resize the
+vocabulary (only the embedding and head change shape): the GGUF export sizes it to its borrowed tokenizer.
 
 Weights are generated straight into their final placement: each tensor is allocated on the target
 device and filled there by torch's RNG (one kernel per tensor, no host copy, no per-element Python),
@@ -131,10 +132,18 @@ def parse(name: str) -> tuple[str, int | None]:
     return m["preset"], layers
 
 
-def config_for(name: str) -> dict:
-    """The preset's config.json, cut to its first n layers, without an EOS token."""
+def config_for(name: str, vocab_size: int | None = None) -> dict:
+    """The preset's config.json, cut to its first n layers, without an EOS token.
+
+    `vocab_size` replaces the published vocabulary size (embedding and head rows): what an export
+    for llama.cpp needs, whose files must carry a tokenizer of exactly that many tokens.
+    """
     preset, layers = parse(name)
     config = dict(PRESETS[preset])
+    if vocab_size is not None:
+        if vocab_size < 1:
+            raise ConfigError(f"vocabulary size {vocab_size} for '{name}' is not positive", "pass a size ≥ 1")
+        config["vocab_size"] = int(vocab_size)
     if layers is not None:
         config["num_hidden_layers"] = layers
         if config.get("mlp_only_layers"):
@@ -153,17 +162,25 @@ def init_std(name: str, shape: tuple) -> float | None:
 
 
 def load(name: str, *, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = DEFAULT_SEED,
-         expert_device: torch.device | None = None) -> Checkpoint:
+         expert_device: torch.device | None = None, vocab_size: int | None = None) -> Checkpoint:
     """A Checkpoint whose tensors already lie where the model will use them.
 
     `expert_device` places the routed experts elsewhere (the host store of an offloading executor);
-    default: with the rest on `device`.
+    default: with the rest on `device`. `vocab_size`: see config_for.
     """
-    config = config_for(name)
+    config = config_for(name, vocab_size)
+    family = families.for_model_type(config["model_type"], Path(name))
+    tensors = dict(generate(name, config, device=device, dtype=dtype, seed=seed, expert_device=expert_device))
+    return Checkpoint(Path(name), family.NAME, config, tensors)
+
+
+def generate(name: str, config: dict, *, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+             seed: int = DEFAULT_SEED, expert_device: torch.device | None = None):
+    """Yield (HF name, tensor) of `config`'s model one tensor at a time, in `tensor_shapes` order:
+    the same numbers `load` gives, for writers that stream them to disk without holding them all."""
     family = families.for_model_type(config["model_type"], Path(name))
     args = family.args_from_config(config)
     generators: dict[str, torch.Generator] = {}
-    tensors = {}
     for tensor_name, shape in tensor_shapes(args).items():  # a fixed order: same seed, same weights
         where = expert_device if expert_device is not None and ".mlp.experts." in tensor_name else device
         key = str(where)
@@ -177,5 +194,4 @@ def load(name: str, *, device: torch.device, dtype: torch.dtype = torch.bfloat16
             t.zero_()
         else:
             t.fill_(1.0)
-        tensors[tensor_name] = t
-    return Checkpoint(Path(name), family.NAME, config, tensors)
+        yield tensor_name, t

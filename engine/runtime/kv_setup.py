@@ -44,6 +44,28 @@ def device_weights_bytes(model, experts, device: torch.device) -> int:
     return total
 
 
+def check_weights_fit(config, device: torch.device, weights_bytes: int) -> None:
+    """The weights that live on the device must fit the VRAM budget before any KV is placed there
+    (a budget only binds where a device side exists: CUDA, or the simulated hybrid)."""
+    if not config.vram_budget_gb or not (device.type == "cuda" or config.simulate_hybrid):
+        return
+    budget = int(config.vram_budget_gb * 2**30)
+    if weights_bytes > budget:
+        offload = "" if config.expert_policy != "resident" else ", or offload the experts of an MoE model " \
+                                                                 "(expert_policy adaptive)"
+        raise OutOfMemoryError(
+            f"the weights kept on the GPU need {_size(weights_bytes)}, more than the VRAM budget of "
+            f"{_size(budget)} (vram_budget_gb={config.vram_budget_gb:g})",
+            f"raise vram_budget_gb to at least {weights_bytes * 1.1 / 2**30:.3g}, choose a smaller model{offload}")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"
+
+
 def choose_policy(config, device: torch.device, resident_bytes: int, weights_bytes: int) -> str:
     policy = config.kv_policy
     if policy != "resident" or not (device.type == "cuda" or config.simulate_hybrid):
@@ -83,6 +105,7 @@ def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dt
     shape = dict(n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
     resident_bytes = resident_kv_bytes(args.n_layers, args.n_kv_heads, args.head_dim, max_context,
                                        config.max_batch, config.block_size, dtype)
+    check_weights_fit(config, device, device_weights_bytes(model, experts, device))
     policy = choose_policy(config, device, resident_bytes, device_weights_bytes(model, experts, device))
     if policy == "resident":
         return ResidentKV(args.n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from typing import Callable
 
 import torch
 
-from engine.errors import ConfigError
+from engine.errors import ComputeError, ConfigError, OutOfMemoryError, TandemError
 from engine.hw import profile as hw_profile
 from engine.runtime.chat import eos_ids, render_chat
 from engine.runtime.generator import Generator, SeqRun
@@ -17,6 +18,8 @@ from engine.runtime.requests import GenerationRequest, GenerationResult, prompt_
 from engine.runtime.sampling import Sampler
 from engine.runtime.telemetry import StatsSnapshot, Telemetry
 from engine.runtime.textstream import TextStream
+
+log = logging.getLogger("tandem")
 
 
 class TandemBackend:
@@ -74,7 +77,12 @@ class TandemBackend:
                              (lambda t, i=i: on_text(i, t)) if on_text else None)
                 run.session = self.generator.session(req.session_id)
                 runs.append(run)
-            timer = self.generator.run(runs, stop_event)
+            try:
+                timer = self.generator.run(runs, stop_event)
+            except TandemError:
+                raise
+            except Exception as e:  # a kernel or the device failed mid-step: say so, keep the engine usable
+                raise compute_failure(e, self.parts.device) from e
         finally:  # throwaway sequences give their blocks back, whatever happened
             for req, run in zip(requests, runs):
                 if req.session_id is None and run.session is not None:
@@ -97,6 +105,33 @@ class TandemBackend:
 
         switch_expert_policy(self.parts, replace(self.config, expert_policy=policy), policy)
         self.config.expert_policy = policy  # the engine's config describes what runs
+
+    def set_kv_policy(self, policy: str) -> None:
+        """Replace the KV backend by one of another policy (benchmarks compare policies this way).
+        Every session's KV goes with the old backend; an offloaded expert cache is re-sized for the
+        VRAM the new KV leaves, as at load."""
+        from dataclasses import replace
+
+        from engine.runtime.kv_setup import build_kv
+        from engine.runtime.loading import check_policies
+
+        check_policies(policy, self.config.expert_policy)
+        p = self.parts
+        for key in list(self.generator.sessions):
+            self.generator.end_session(key)
+        if hasattr(p.kv, "close"):
+            p.kv.close()
+        p.kv = self.generator.kv = None
+        gc.collect()
+        if p.device.type == "cuda":
+            torch.cuda.empty_cache()
+        config = replace(self.config, kv_policy=policy)
+        window = p.args.sliding_window if p.args.sliding_window and p.args.sliding_window < p.max_context else None
+        p.kv = self.generator.kv = build_kv(config, p.args, p.model, p.experts, p.device, p.dtype, p.max_context,
+                                           sliding_window=window, profile=self.profile)
+        self.config.kv_policy = policy
+        if p.experts is not None and p.experts.policy != "resident":
+            self.set_expert_policy(p.experts.policy)  # re-size the slot pool after the new KV
 
     def stats(self) -> StatsSnapshot:
         p = self.parts
@@ -121,3 +156,21 @@ class TandemBackend:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def compute_failure(e: Exception, device: torch.device) -> TandemError:
+    """The user's view of an exception from a generation step. The generator has already dropped the
+    failed step's KV, so the engine stays usable; the chat's text so far is the app's to keep."""
+    log.debug("generation step failed", exc_info=e)  # the traceback is for the log (debug), never the user
+    detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}"
+    if isinstance(e, torch.OutOfMemoryError):
+        return OutOfMemoryError(f"memory ran out while generating ({detail})",
+                                "the reply was stopped; lower max_context, max_batch or the expert cache "
+                                "(vram_budget_gb), or close other programs, then try again")
+    if "CUDA" in str(e) or type(e).__name__ == "AcceleratorError":  # the device side, whatever runs the host
+        return ComputeError(f"the GPU reported an error while generating ({detail})",
+                            "the reply was stopped and your chat is kept; try again. If it happens again, "
+                            "restart Tandem (a GPU fault can leave the device unusable) and check the driver")
+    return ComputeError(f"a compute kernel failed while generating ({detail})",
+                        "the reply was stopped and your chat is kept; try again. If it happens again, restart "
+                        "Tandem with TANDEM_NATIVE=0 (the torch kernels) and report the log")

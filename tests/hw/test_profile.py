@@ -32,7 +32,7 @@ def test_failed_replace_keeps_the_previous_profile(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", fail)
-    with pytest.raises(OSError):
+    with pytest.raises(profile.ProfileError, match="disk full"):  # told as cause + remedy, not a raw OSError
         profile.save(make_profile(A=2.0), path)
     monkeypatch.undo()
     assert profile.load(path).kv_costs(KV).A_ns_per_token == 1.0

@@ -1,0 +1,146 @@
+"""Paged decode attention on the GPU: each sequence's one new query reads its keys in place.
+
+The resident KV pool is (slots, n_kv, hs) per layer and a sequence owns a list of blocks scattered
+through it. Gathering those blocks into a contiguous tensor every step reads and writes the whole
+KV twice more than attention needs; this kernel instead follows the block table (key j of sequence
+b lives at slot table[b, j // block] · block + j % block) and reads each key once.
+
+Flash-decoding split: grid (B, n_kv, n_splits). A program holds its GQA group's G = nh / n_kv query
+heads, walks BLOCK_N keys at a time of its share of the sequence with an online softmax in fp32, and
+writes a partial (o, lse); a second kernel merges the splits by log-sum-exp. Splitting the sequence
+keeps all multiprocessors busy at bs=1, where B · n_kv programs alone would leave most idle.
+
+    paged_decode(q, k_pool, v_pool, table, lengths, block_size, scale, max_keys, window=None) -> (o, lse)
+        q (B, nh, hs); k_pool, v_pool (slots, n_kv, hs) with a contiguous last dim;
+        table (B, max_blocks) int32 block ids; lengths (B,) int32 keys per sequence (incl. the new one)
+        o (B, nh, hs) fp32, lse (B, nh) fp32 natural-log; a sequence with no keys gives o 0, lse −inf.
+
+Triton ships with PyTorch's CUDA builds; `available()` says whether this process can use it.
+With TRITON_INTERPRET=1 the same kernels run on CPU tensors (how the tests check them without a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the resident KV keeps its gather path
+    triton = None
+
+_LOG2E = 1.4426950408889634
+BLOCK_N = 64  # keys per inner iteration: a 64 × hs tile of K and of V
+
+
+def available(device: torch.device) -> bool:
+    """Compiled kernels need CUDA; the interpreter (tests) is only ever asked for explicitly."""
+    return triton is not None and device.type == "cuda"
+
+
+def supports_head_dim(hs: int) -> bool:
+    return hs >= 16 and hs & (hs - 1) == 0  # tl.dot's smallest tile; tl.arange needs powers of two
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_part_ptr, lse_part_ptr,
+                      stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
+                      scale_log2, block_size, keys_per_split, window, n_splits, nh,
+                      G: tl.constexpr, G_PAD: tl.constexpr, HS: tl.constexpr, BLOCK: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        length = tl.load(len_ptr + b)
+        lo = tl.maximum(length - window, 0)  # window = length for full attention
+        start = tl.maximum(split * keys_per_split, lo)
+        end = tl.minimum(split * keys_per_split + keys_per_split, length)
+
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, HS)
+        head = kvh * G + g  # query heads of this KV head's group
+        g_ok = g < G
+        q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None], other=0.0)  # (G_PAD, HS), model dtype
+        m = tl.full((G_PAD,), float("-inf"), tl.float32)  # running max, log2 units
+        l = tl.zeros((G_PAD,), tl.float32)  # running sum of exp2(score − m)
+        acc = tl.zeros((G_PAD, HS), tl.float32)
+        for n0 in range(start, end, BLOCK):
+            j = n0 + tl.arange(0, BLOCK)  # key positions
+            valid = j < end
+            blk = tl.load(table_ptr + b * stride_tb + j // block_size, mask=valid, other=0)
+            slot = blk.to(tl.int64) * block_size + j % block_size  # (BLOCK,)
+            kt = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + d[:, None],
+                         mask=valid[None, :], other=0.0)  # (HS, BLOCK)
+            s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2  # (G_PAD, BLOCK) fp32
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            vt = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                         mask=valid[:, None], other=0.0)  # (BLOCK, HS)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+            m = m_new
+        has_keys = l > 0
+        o = acc / tl.where(has_keys, l, 1.0)[:, None]
+        lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) / 1.4426950408889634,
+                       float("-inf"))
+        row = (b * nh + head) * n_splits + split  # partials laid out (B, nh, n_splits, ·)
+        tl.store(o_part_ptr + row[:, None] * HS + d[None, :], o, mask=g_ok[:, None])
+        tl.store(lse_part_ptr + row, lse, mask=g_ok)
+
+    @triton.jit
+    def _merge_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, n_splits,
+                      HS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        bh = tl.program_id(0)  # b · nh + h
+        s = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, HS)
+        s_ok = s < n_splits
+        lse = tl.load(lse_part_ptr + bh * n_splits + s, mask=s_ok, other=float("-inf"))  # (S,)
+        top = tl.max(lse, 0)
+        safe_top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(lse - safe_top)  # 0 for empty splits
+        total = tl.sum(w, 0)
+        o = tl.load(o_part_ptr + (bh * n_splits + s)[:, None] * HS + d[None, :],
+                    mask=s_ok[:, None], other=0.0)  # (S, HS)
+        merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        tl.store(o_ptr + bh * HS + d, merged)
+        tl.store(lse_ptr + bh, tl.where(total > 0, safe_top + tl.log(total), float("-inf")))
+
+
+def split_count(max_keys: int, batch: int, n_kv: int, device: torch.device) -> int:
+    """Splits per sequence so that B · n_kv · splits fills the GPU about twice over."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = max(1, -(-2 * sms // (batch * n_kv)))
+    return max(1, min(want, -(-max_keys // BLOCK_N)))
+
+
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                 lengths: torch.Tensor, block_size: int, scale: float, max_keys: int,
+                 window: int | None = None, n_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """max_keys: an upper bound on lengths (fixes the split size without reading lengths back)."""
+    B, nh, hs = q.shape
+    n_kv = k_pool.shape[1]
+    G = nh // n_kv
+    assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
+    assert supports_head_dim(hs), "head dim must be a power of two ≥ 16"
+    splits = n_splits or split_count(max_keys, B, n_kv, q.device)
+    keys_per_split = -(-max(max_keys, 1) // splits)
+    keys_per_split = -(-keys_per_split // BLOCK_N) * BLOCK_N  # whole tiles per split
+    o_part = torch.empty((B, nh, splits, hs), device=q.device, dtype=torch.float32)
+    lse_part = torch.empty((B, nh, splits), device=q.device, dtype=torch.float32)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _split_kernel[(B, n_kv, splits)](
+        q, k_pool, v_pool, table, lengths, o_part, lse_part,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        table.stride(0), scale * _LOG2E, block_size, keys_per_split,
+        window if window is not None else 2**30, splits, nh,
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), HS=hs, BLOCK=BLOCK_N, PRECISION=precision)
+    o = torch.empty((B, nh, hs), device=q.device, dtype=torch.float32)
+    lse = torch.empty((B, nh), device=q.device, dtype=torch.float32)
+    _merge_kernel[(B * nh,)](o_part, lse_part, o, lse, splits,
+                             HS=hs, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
+    return o, lse

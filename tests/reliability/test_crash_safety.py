@@ -1,0 +1,114 @@
+"""Crash safety: the real app killed with SIGKILL at random moments of a reply, 20 times on the same
+data; a calibration killed midway. After every kill the chat file passes PRAGMA integrity_check,
+every message saved before the reply is intact, and the next start opens the same chat. A killed
+calibration leaves the previous profile in use."""
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+from reliability_helpers import PYTHON, ROOT, subprocess_env
+
+from app.db import ChatStore
+from app.paths import DB_NAME
+
+KILLS = 20
+DRIVER = Path(__file__).with_name("crash_driver.py")
+
+
+def start_app(data: Path, model: Path, text: str) -> subprocess.Popen:
+    return subprocess.Popen([PYTHON, str(DRIVER), text], env=subprocess_env(data, TANDEM_TEST_MODEL=model),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+
+
+def read_until(proc: subprocess.Popen, prefix: str, timeout_s: float = 90) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.strip())
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError(f"no {prefix} from the app: {lines}")
+
+
+def saved_rows(db: Path) -> list[tuple]:
+    """Every message as the next start sees it (a reply cut off by the kill becomes 'interrupted')."""
+    store = ChatStore(db)
+    rows = store.conn.execute("SELECT id, chat_id, role, content, status FROM messages ORDER BY id").fetchall()
+    store.close()
+    return [tuple(r) for r in rows]
+
+
+def test_kill_9_at_random_moments_of_a_reply(tmp_path, chat_model):
+    data, rng = tmp_path / "data", random.Random(1234)
+    db = data / DB_NAME
+    before: list[tuple] = []
+    chat_id = None
+    for i in range(KILLS):
+        proc = start_app(data, chat_model, f"Question number {i}: tell me a long story.")
+        try:
+            opened = read_until(proc, "OPENED")[-1].split()
+            if chat_id is not None:  # the restart opens the chat it was killed in, with every message
+                assert opened[1] == chat_id and int(opened[2]) == len(before), (i, opened)
+            chat_id = opened[1]
+            read_until(proc, "SENT")
+            time.sleep(rng.uniform(0.0, 1.5))  # anywhere from the first writes to well into the stream
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        conn = sqlite3.connect(db)  # as the next start opens it, WAL and all
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok", i
+        conn.close()
+        after = saved_rows(db)
+        assert after[:len(before)] == before, f"kill {i} changed messages saved before the reply"
+        new = after[len(before):]
+        assert len(new) <= 2 and all(r[1] == chat_id for r in new), new
+        if new:
+            assert new[0][2:4] == ("user", f"Question number {i}: tell me a long story.")
+        if len(new) == 2:
+            assert new[1][2] == "assistant" and new[1][4] in ("interrupted", "done"), new[1]
+        before = after
+    assert len(before) >= KILLS  # the user messages went in
+
+
+def write_profile_with_cli(path: Path, model: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "engine.cli", "calibrate", "--quick", "--profile-path", str(path),
+                           "--model", str(model), "--quiet"], env=subprocess_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_kill_9_during_calibration_keeps_the_previous_profile(tmp_path, chat_model):
+    from engine.api import load_profile
+
+    profile = tmp_path / "profile" / "machine.json"
+    done = write_profile_with_cli(profile, chat_model)
+    assert done.returncode == 0, done.stderr
+    assert profile.stat().st_mode & 0o077 == 0  # owner-only
+    original = profile.read_bytes()
+    rng = random.Random(7)
+    for _ in range(3):
+        proc = subprocess.Popen([PYTHON, "-m", "engine.cli", "calibrate", "--quick", "--profile-path", str(profile),
+                                 "--model", str(chat_model)], env=subprocess_env(), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            proc.stderr.readline()  # the first progress line: measuring has started
+            time.sleep(rng.uniform(0.0, 2.0))
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert profile.read_bytes() == original
+        loaded = load_profile(str(profile), strict=True)
+        assert loaded is not None and loaded["created_utc"] == json.loads(original)["created_utc"]
