@@ -36,8 +36,9 @@ class ServerControl(QObject):
         self.state_changed.emit(state)
 
     def command(self, model: str, port: int, host: str = "127.0.0.1", extra: list[str] | None = None) -> list[str]:
-        return [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--host", host, "--port", str(port),
-                *(extra or [])]
+        # In the desktop bundle (installer/) sys.executable is the `tandem` executable itself, not a Python.
+        launcher = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "engine.cli"]
+        return [*launcher, "serve", "--model", model, "--host", host, "--port", str(port), *(extra or [])]
 
     def start(self, model: str, port: int, api_key: str, extra: list[str] | None = None) -> None:
         if self.process is not None:

@@ -94,6 +94,37 @@ def test_bundle_leaves_out_what_nothing_runs(bundle):
     assert size_mib < 1000, f"the CPU bundle grew to {size_mib:.0f} MiB (860 MiB measured; README)"
 
 
+def test_bundle_serves_the_openai_api(bundle, tmp_path):
+    """`tandem serve` from the bundle (FastAPI and uvicorn inside it) answers an authorised request."""
+    import urllib.request
+
+    from engine.server.launch import free_port, new_api_key
+
+    key, port = new_api_key(), free_port()
+    server = subprocess.Popen([bundle / "tandem", "serve", "--port", str(port), "--device", "cpu", "--quiet"],
+                              cwd=tmp_path, env=clean_env(tmp_path, TANDEM_API_KEY=key), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
+                                         headers={"Authorization": f"Bearer {key}"})
+        body, end = None, time.monotonic() + 300
+        while body is None and time.monotonic() < end and server.poll() is None:
+            try:
+                with urllib.request.urlopen(request, timeout=5) as reply:
+                    body = json.loads(reply.read())
+            except OSError:
+                time.sleep(0.5)
+        assert body is not None, server.communicate(timeout=30)[1][-4000:] if server.poll() is not None else "no reply"
+        assert [m["id"] for m in body["data"]] == ["builtin:smollm2-135m-moe"]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 def wait_for(check, timeout_s: float, proc: subprocess.Popen) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
