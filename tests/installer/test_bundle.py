@@ -91,7 +91,7 @@ def test_bundle_leaves_out_what_nothing_runs(bundle):
     assert [p.name for p in (internal / "torch" / "bin").iterdir()] == ["torch_shm_manager"]
     assert not list(internal.glob("accelerate-*.dist-info"))  # transformers would think accelerate is there
     size_mib = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file() and not p.is_symlink()) / 2**20
-    assert size_mib < 1000, f"the CPU bundle grew to {size_mib:.0f} MiB (860 MiB measured; README)"
+    assert size_mib < 1000, f"the CPU bundle grew to {size_mib:.0f} MiB (866 MiB measured; README)"
 
 
 def test_bundle_serves_the_openai_api(bundle, tmp_path):
