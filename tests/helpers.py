@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -69,3 +71,16 @@ def write_tiny_llama_folder(path: Path, seed: int = 0) -> Path:
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(path)
     return path
+
+
+def kill_hard(proc, after=lambda: None) -> None:
+    """`after()` (the wait for the moment to strike), then kill -9 of a child process; the child is
+    reaped whatever happens, so a failed wait never leaves it running."""
+    try:
+        after()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

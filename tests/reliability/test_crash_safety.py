@@ -4,14 +4,13 @@ every message saved before the reply is intact, and the next start opens the sam
 calibration leaves the previous profile in use."""
 
 import json
-import os
 import random
-import signal
 import sqlite3
 import subprocess
 import time
 from pathlib import Path
 
+from helpers import kill_hard
 from reliability_helpers import PYTHON, ROOT, subprocess_env
 
 from app.db import ChatStore
@@ -53,19 +52,17 @@ def test_kill_9_at_random_moments_of_a_reply(tmp_path, chat_model):
     chat_id = None
     for i in range(KILLS):
         proc = start_app(data, chat_model, f"Question number {i}: tell me a long story.")
-        try:
-            opened = read_until(proc, "OPENED")[-1].split()
+        opened = []
+
+        def until_streaming():
+            opened.extend(read_until(proc, "OPENED")[-1].split())
             if chat_id is not None:  # the restart opens the chat it was killed in, with every message
                 assert opened[1] == chat_id and int(opened[2]) == len(before), (i, opened)
-            chat_id = opened[1]
             read_until(proc, "SENT")
             time.sleep(rng.uniform(0.0, 1.5))  # anywhere from the first writes to well into the stream
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+
+        kill_hard(proc, until_streaming)
+        chat_id = opened[1]
         conn = sqlite3.connect(db)  # as the next start opens it, WAL and all
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok", i
         conn.close()
@@ -100,15 +97,8 @@ def test_kill_9_during_calibration_keeps_the_previous_profile(tmp_path, chat_mod
         proc = subprocess.Popen([PYTHON, "-m", "engine.cli", "calibrate", "--quick", "--profile-path", str(profile),
                                  "--model", str(chat_model)], env=subprocess_env(), cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        try:
-            proc.stderr.readline()  # the first progress line: measuring has started
-            time.sleep(rng.uniform(0.0, 2.0))
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        # after the first progress line (measuring has started), at a random moment
+        kill_hard(proc, lambda: (proc.stderr.readline(), time.sleep(rng.uniform(0.0, 2.0))))
         assert profile.read_bytes() == original
         loaded = load_profile(str(profile), strict=True)
         assert loaded is not None and loaded["created_utc"] == json.loads(original)["created_utc"]
