@@ -1,4 +1,4 @@
-"""Reading the config.json fields that several families spell alike: EOS ids, RoPE, sparse layers.
+"""Reading the config.json fields that several families spell alike: sizes, EOS ids, RoPE, sparse layers.
 
 Configs come in two generations: transformers ≤ 4.x writes `rope_theta` and `rope_scaling`, 5.x
 writes `rope_parameters` ({"rope_type", "rope_theta", …}). Both are read. Scaled RoPE variants whose
@@ -64,3 +64,27 @@ def sliding_window(config: dict, enabled_key: str | None = None) -> int | None:
         return None
     window = config.get("sliding_window")
     return int(window) if window else None
+
+
+def decoder_args(config: dict, *, arch: str, default_theta: float, default_eps: float = 1e-5,
+                 default_max_position: int = 4096) -> dict:
+    """The ModelArgs fields every decoder family reads the same way (sizes, RoPE, norms, token ids);
+    a family adds its own (head dim, FFN, attention extras, experts) and builds ModelArgs from both."""
+    n_heads = config["num_attention_heads"]
+    theta, inv_freq, attention_factor = rope_settings(config, default_theta=default_theta)
+    return dict(
+        arch=arch,
+        vocab_size=config["vocab_size"],
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        rope_theta=float(theta),
+        rope_inv_freq=inv_freq,
+        rope_attention_factor=attention_factor,
+        norm_eps=config.get("rms_norm_eps", default_eps),
+        max_position=config.get("max_position_embeddings", default_max_position),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_list(config),
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.common import ModelArgs, softmax_topk
-from engine.models.hf_config import rope_settings
+from engine.models.hf_config import decoder_args
 
 NAME = "llama"
 GGUF_ARCHS = {"llama"}
@@ -40,26 +40,11 @@ def config_from_gguf(meta: dict) -> dict:
 
 
 def args_from_config(config: dict) -> ModelArgs:
-    n_heads = config["num_attention_heads"]
-    eos = config.get("eos_token_id")
-    rope_theta, rope_inv_freq, rope_attention_factor = rope_settings(config, default_theta=10000.0)  # llama3, linear, …
+    base = decoder_args(config, arch=NAME, default_theta=10000.0)  # RoPE: plain, llama3, linear, …
     return ModelArgs(
-        arch=NAME,
-        vocab_size=config["vocab_size"],
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+        **base,
+        head_dim=config.get("head_dim") or base["dim"] // base["n_heads"],
         ffn_dim=config["intermediate_size"],
-        rope_theta=float(rope_theta),
-        rope_inv_freq=rope_inv_freq,
-        rope_attention_factor=rope_attention_factor,
-        norm_eps=config.get("rms_norm_eps", 1e-5),
-        max_position=config.get("max_position_embeddings", 4096),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
     )
 
 

@@ -18,7 +18,7 @@ import torch
 from engine.models.common import ModelArgs, softmax_topk
 from engine.models.expert_names import sanitize_moe_hf
 from engine.models.gguf_names import moe_config_from_gguf, sanitize_moe_gguf
-from engine.models.hf_config import eos_list, expert_count, rope_settings, sliding_window
+from engine.models.hf_config import decoder_args, expert_count, sliding_window
 from engine.models.llama import _unpermute  # the inverse of llama.cpp's q/k permutation
 from engine.models.qwen3_moe import check_activation
 
@@ -34,31 +34,17 @@ def claims_gguf(meta: dict) -> bool:
 
 def args_from_config(config: dict) -> ModelArgs:
     check_activation(config)
-    n_heads, dim = config["num_attention_heads"], config["hidden_size"]
-    theta, inv_freq, attention_factor = rope_settings(config, default_theta=1e6)
+    base = decoder_args(config, arch=NAME, default_theta=1e6, default_max_position=32768)
     expert_ffn = int(config.get("moe_intermediate_size") or config["intermediate_size"])
     return ModelArgs(
-        arch=NAME,
-        vocab_size=config["vocab_size"],
-        dim=dim,
-        n_layers=config["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        head_dim=config.get("head_dim") or dim // n_heads,
+        **base,
+        head_dim=config.get("head_dim") or base["dim"] // base["n_heads"],
         ffn_dim=expert_ffn,
-        rope_theta=theta,
-        rope_inv_freq=inv_freq,
-        rope_attention_factor=attention_factor,
-        norm_eps=config.get("rms_norm_eps", 1e-5),
-        max_position=config.get("max_position_embeddings", 32768),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         sliding_window=sliding_window(config),
         n_experts=expert_count(config),
         top_k=int(config["num_experts_per_tok"]),
         expert_ffn_dim=expert_ffn,
         norm_topk_prob=True,
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=eos_list(config),
     )
 
 

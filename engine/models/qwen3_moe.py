@@ -19,7 +19,7 @@ from engine.errors import UnsupportedModelError
 from engine.models.common import ModelArgs, softmax_topk
 from engine.models.expert_names import sanitize_moe_hf
 from engine.models.gguf_names import moe_config_from_gguf, sanitize_moe_gguf
-from engine.models.hf_config import eos_list, expert_count, rope_settings, sliding_window, sparse_layer_ids
+from engine.models.hf_config import decoder_args, expert_count, sliding_window, sparse_layer_ids
 
 NAME = "qwen3_moe"
 GGUF_ARCHS = {"qwen3moe"}
@@ -35,37 +35,22 @@ def check_activation(config: dict) -> None:
 
 def args_from_config(config: dict) -> ModelArgs:
     check_activation(config)
-    n_heads, dim, n_layers = config["num_attention_heads"], config["hidden_size"], config["num_hidden_layers"]
-    n_experts = expert_count(config)
-    theta, inv_freq, attention_factor = rope_settings(config, default_theta=10000.0)
+    base = decoder_args(config, arch=NAME, default_theta=10000.0, default_eps=1e-6, default_max_position=32768)
     bias = bool(config.get("attention_bias", False))
     return ModelArgs(
-        arch=NAME,
-        vocab_size=config["vocab_size"],
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        head_dim=config.get("head_dim") or dim // n_heads,
+        **base,
+        head_dim=config.get("head_dim") or base["dim"] // base["n_heads"],
         ffn_dim=config.get("intermediate_size") or 0,
-        rope_theta=theta,
-        rope_inv_freq=inv_freq,
-        rope_attention_factor=attention_factor,
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-        max_position=config.get("max_position_embeddings", 32768),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qk_norm=True,
         qk_norm_scope="head",
         qkv_bias=bias,
         o_bias=bias,
         sliding_window=sliding_window(config, enabled_key="use_sliding_window"),
-        n_experts=n_experts,
+        n_experts=expert_count(config),
         top_k=int(config.get("num_experts_per_tok") or 0),
         expert_ffn_dim=int(config.get("moe_intermediate_size") or 0),
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-        moe_layers=sparse_layer_ids(n_layers, config.get("mlp_only_layers"), config.get("decoder_sparse_step")),
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=eos_list(config),
+        moe_layers=sparse_layer_ids(base["n_layers"], config.get("mlp_only_layers"), config.get("decoder_sparse_step")),
     )
 
 
