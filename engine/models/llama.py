@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.common import ModelArgs, softmax_topk
+from engine.models.gguf_names import sanitize_moe_gguf
 from engine.models.hf_config import decoder_args
 
 NAME = "llama"
@@ -53,19 +54,6 @@ def route(logits: torch.Tensor, k: int, renormalise: bool = True):
     return softmax_topk(logits, k, renormalise=True)
 
 
-_GGUF_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's convert-time q/k row permutation (interleaved → rotate-half pairs)."""
     out_dim, in_dim = w.shape
@@ -73,28 +61,9 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def sanitize_gguf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, t in raw.items():
-        if name == "token_embd.weight":
-            out["model.embed_tokens.weight"] = t
-        elif name == "output_norm.weight":
-            out["model.norm.weight"] = t
-        elif name == "output.weight":
-            out["lm_head.weight"] = t
-        elif name.startswith("blk."):
-            _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_NAMES:
-                continue  # e.g. rope_freqs: recomputed from the config
-            if kind == "attn_q":
-                t = _unpermute(t, config["num_attention_heads"])
-            elif kind == "attn_k":
-                t = _unpermute(t, config["num_key_value_heads"])
-            out[f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"] = t
-    if "lm_head.weight" not in out:
-        config["tie_word_embeddings"] = True
-    if not config.get("vocab_size"):
-        config["vocab_size"] = out["model.embed_tokens.weight"].shape[0]
-    return out
+    """llama.cpp names → HF names through the map the MoE families share (a dense file has no expert
+    tensors); q/k rows come back from llama.cpp's interleaved order."""
+    return sanitize_moe_gguf(raw, config, unpermute_qk=_unpermute)
 
 
 def sanitize_hf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
