@@ -21,6 +21,8 @@ With TRITON_INTERPRET=1 the same kernels run on CPU tensors (how the tests check
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -111,17 +113,31 @@ if triton is not None:
         tl.store(lse_ptr + bh, tl.where(total > 0, safe_top + tl.log(total), float("-inf")))
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def split_count(max_keys: int, batch: int, n_kv: int, device: torch.device) -> int:
     """Splits per sequence so that B · n_kv · splits fills the GPU about twice over."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = max(1, -(-2 * sms // (batch * n_kv)))
+    want = max(1, -(-2 * _multiprocessors(device) // (batch * n_kv)))
     return max(1, min(want, -(-max_keys // BLOCK_N)))
+
+
+def scratch_for(batch: int, n_heads: int, head_dim: int, splits: int, device: torch.device) -> tuple:
+    """The partials and outputs of one call, (o_part, lse_part, o, lse): allocate once per decode
+    step and pass to every layer's call (each layer's output is consumed before the next runs)."""
+    f32 = dict(device=device, dtype=torch.float32)
+    return (torch.empty((batch, n_heads, splits, head_dim), **f32), torch.empty((batch, n_heads, splits), **f32),
+            torch.empty((batch, n_heads, head_dim), **f32), torch.empty((batch, n_heads), **f32))
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                  lengths: torch.Tensor, block_size: int, scale: float, max_keys: int,
-                 window: int | None = None, n_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """max_keys: an upper bound on lengths (fixes the split size without reading lengths back)."""
+                 window: int | None = None, n_splits: int | None = None, scratch: tuple | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """max_keys: an upper bound on lengths (fixes the split size without reading lengths back).
+    scratch: `scratch_for(B, nh, hs, n_splits, device)`, reused across calls (needs n_splits)."""
     B, nh, hs = q.shape
     n_kv = k_pool.shape[1]
     G = nh // n_kv
@@ -130,8 +146,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     splits = n_splits or split_count(max_keys, B, n_kv, q.device)
     keys_per_split = -(-max(max_keys, 1) // splits)
     keys_per_split = -(-keys_per_split // BLOCK_N) * BLOCK_N  # whole tiles per split
-    o_part = torch.empty((B, nh, splits, hs), device=q.device, dtype=torch.float32)
-    lse_part = torch.empty((B, nh, splits), device=q.device, dtype=torch.float32)
+    o_part, lse_part, o, lse = scratch if scratch is not None else scratch_for(B, nh, hs, splits, q.device)
+    assert o_part.shape == (B, nh, splits, hs), "scratch sized for another batch or split count"
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _split_kernel[(B, n_kv, splits)](
         q, k_pool, v_pool, table, lengths, o_part, lse_part,
@@ -139,8 +155,6 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         table.stride(0), scale * _LOG2E, block_size, keys_per_split,
         window if window is not None else 2**30, splits, nh,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), HS=hs, BLOCK=BLOCK_N, PRECISION=precision)
-    o = torch.empty((B, nh, hs), device=q.device, dtype=torch.float32)
-    lse = torch.empty((B, nh), device=q.device, dtype=torch.float32)
     _merge_kernel[(B * nh,)](o_part, lse_part, o, lse, splits,
                              HS=hs, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
     return o, lse

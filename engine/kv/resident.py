@@ -28,6 +28,7 @@ class ResidentKV(KVBackend):
                  sliding_window: int | None = None, paged_decode: bool | None = None):
         """paged_decode: None picks the paged kernel wherever it runs (CUDA with Triton)."""
         self.max_context, self.block_size, self.device = max_context, block_size, device
+        self.n_kv_heads = n_kv_heads
         if paged_decode is None:  # the kernel tiles head dims that are powers of two, ≥ 16
             paged_decode = paged_attention_gpu.available(device) and paged_attention_gpu.supports_head_dim(head_dim)
         self.paged = paged_decode
@@ -89,8 +90,9 @@ class ResidentKV(KVBackend):
             table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs],
                                  dtype=torch.int32)  # (B, width) block ids
             keys = torch.tensor(lengths, dtype=torch.int32) + 1  # (B,) keys incl. the new token
+            splits = paged_attention_gpu.split_count(max(lengths) + 1, len(seqs), self.n_kv_heads, self.device)
             self._step = (seqs, n_new, write.to(self.device), None, None)
-            self._paged_step = (table.to(self.device), keys.to(self.device), max(lengths) + 1)
+            self._paged_step = (table.to(self.device), keys.to(self.device), max(lengths) + 1, splits, None)
             return positions
         self._paged_step = None
         read = mask = None
@@ -117,10 +119,13 @@ class ResidentKV(KVBackend):
         self.k[layer][write] = k.transpose(1, 2).reshape(B * T, n_kv, hs)
         self.v[layer][write] = v.transpose(1, 2).reshape(B * T, n_kv, hs)
         if self._paged_step is not None:
-            table, keys, max_keys = self._paged_step
+            table, keys, max_keys, splits, scratch = self._paged_step
+            if scratch is None:  # the step's first layer: one set of partials for every layer
+                scratch = paged_attention_gpu.scratch_for(B, q.shape[1], hs, splits, self.device)
+                self._paged_step = (table, keys, max_keys, splits, scratch)
             o, _ = paged_attention_gpu.paged_decode(
                 q[:, :, 0], self.k[layer], self.v[layer], table, keys, self.block_size,
-                hs ** -0.5, max_keys, window=self.window)  # (B, nh, hs) fp32
+                hs ** -0.5, max_keys, window=self.window, n_splits=splits, scratch=scratch)  # (B, nh, hs) fp32
             return o.to(q.dtype).unsqueeze(2)  # (B, nh, 1, hs)
         if read is None:
             if mask is not None:

@@ -88,3 +88,21 @@ def test_paged_decode_bf16(paged):
     ref_o, ref_lse = _reference(q, k, v, table, lens, 64, 0.125)
     assert torch.allclose(o.cpu().double(), ref_o, rtol=2e-2, atol=2e-2)
     assert torch.allclose(lse.cpu().double(), ref_lse, rtol=1e-2, atol=1e-2)
+
+
+def test_paged_decode_writes_every_output_of_a_reused_scratch(paged):
+    """One scratch serves every layer of a step: poisoned with NaN, it must come back fully written
+    and give what fresh buffers give, call after call."""
+    mod, device = paged
+    q, k, v, table, lens = _pool_case([150, 9, 0], 2, 4, 32, 16, torch.float32, device, seed=11)
+    splits = 3
+    scratch = mod.scratch_for(3, 8, 32, splits, device)
+    for t in scratch:
+        t.fill_(float("nan"))
+    for layer_scale in (0.2, 0.3):  # two "layers" through the same buffers
+        o, lse = mod.paged_decode(q, k, v, table, lens, 16, layer_scale, max_keys=150, n_splits=splits,
+                                  scratch=scratch)
+        ref_o, ref_lse = _reference(q, k, v, table, lens, 16, layer_scale)
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+        assert torch.allclose(o.cpu().double(), ref_o, rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
