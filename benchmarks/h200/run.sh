@@ -11,12 +11,13 @@
 #   bash benchmarks/h200/run.sh F2   # same weights, one run: llama-bench, Tandem, transformers (machine still warm:
 #                                    #   the build and the GGUF live in /tmp, which a warm machine keeps between calls)
 #   bash benchmarks/h200/run.sh F    # F1 then F2, skipping a build or export already there
+#   bash benchmarks/h200/run.sh G    # whole-model decode per KV policy at 32K under 24 GB (bench e2e)
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
 # Results land in $OUT (or ./h200-out). The built-in SmolLM2 file does not travel to that machine,
 # so tests that need it are deselected there.
 set -uo pipefail
-phase=${1:?A, B, C, D, E, F, F1 or F2}
+phase=${1:?A, B, C, D, E, F, F1, F2 or G}
 out=${OUT:-h200-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -84,6 +85,12 @@ if [ "$phase" = F2 ] || [ "$phase" = F ]; then
     timeout 120 python3 -m engine.cli bench transformers --model synthetic:qwen3-30b-a3b-L16 --contexts 8192 \
       --batch-sizes 1 --new-tokens 32 --json "$out/transformers-q16.json" > /dev/null 2>>"$log"
   fi
+fi
+if [ "$phase" = G ]; then
+  step bench e2e at 32K
+  timeout 260 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric --batch-sizes 1,4 \
+    --contexts 32768 --new-tokens 8 --vram-budget-gb 24 --cpu-threads 15 --json "$out/e2e-32k.json" \
+    > /dev/null 2> "$out/e2e-32k.log"
 fi
 if [ "$phase" = E ]; then
   step paged kernel and CUDA tests
