@@ -3,7 +3,6 @@
 import csv
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 
 from gui_helpers import send_and_wait, set_chat
+from helpers import kill_hard
 from PySide6.QtGui import QImage
 
 from app.db import ChatStore
@@ -93,9 +93,10 @@ def test_kill_9_mid_reply_keeps_the_database_consistent(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("drive_app.py"))], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    lines = []
+
+    def until_streaming():
         deadline = time.monotonic() + 240
-        lines = []
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
@@ -104,12 +105,8 @@ def test_kill_9_mid_reply_keeps_the_database_consistent(tmp_path):
             if line.startswith("STREAMING"):
                 break
         assert lines and lines[-1].startswith("STREAMING"), (lines, proc.stderr.read() if proc.poll() else "")
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    kill_hard(proc, until_streaming)
     first_reply = json.loads(lines[-2].removeprefix("FIRST "))
 
     conn = sqlite3.connect(data / DB_NAME)  # as the next start opens it, WAL and all
