@@ -43,6 +43,7 @@ class EngineConfig:
     expert_cache_slots: int | None = None  # GPU expert slots; None: what vram_budget_gb leaves (offload policies)
     remote_url: str | None = None  # backend remote: an OpenAI-compatible server, e.g. http://host:8000/v1
     remote_api_key: str | None = None  # backend remote: its key (sent as a Bearer token)
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs where KV and experts allow (resident, CUDA)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -17,7 +17,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool) and f.default:  # on by default: the flag turns it off
+            p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", default=True)
+        elif f.type in ("bool", bool):
             p.add_argument(flag, action="store_true", default=f.default)
         else:
             kind = {"int | None": int, "int": int, "float | None": float}.get(str(f.type), str)

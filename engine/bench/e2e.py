@@ -96,7 +96,7 @@ def measure_point(engine, bs: int, context: int, new_tokens: int, gen: torch.Gen
 def run(model: str = "synthetic:qwen3-30b-a3b", kv_policies=KV_POLICIES, expert_policy: str = "adaptive",
         batch_sizes=(1, 4), contexts=(2048, 8192, 32768), new_tokens: int = 16, vram_budget_gb: float | None = 24.0,
         device: str = "auto", cpu_threads: int | None = None, simulate_hybrid: bool = False, seed: int = 0,
-        progress=print, partial_path: str | None = None) -> dict:
+        progress=print, partial_path: str | None = None, cuda_graphs: bool = True) -> dict:
     """partial_path: after every point the record so far is written there with "complete": false,
     so a run cut short by a time limit still leaves what it measured."""
     from engine.api import Engine, EngineConfig
@@ -106,7 +106,8 @@ def run(model: str = "synthetic:qwen3-30b-a3b", kv_policies=KV_POLICIES, expert_
     engine = Engine(EngineConfig(model=model, backend="tandem", device=device, kv_policy=kv_policies[0],
                                  expert_policy=expert_policy, vram_budget_gb=vram_budget_gb,
                                  max_batch=max(batch_sizes), max_context=max(contexts) + new_tokens + 2,
-                                 simulate_hybrid=simulate_hybrid, cpu_threads=cpu_threads))
+                                 simulate_hybrid=simulate_hybrid, cpu_threads=cpu_threads,
+                                 cuda_graphs=cuda_graphs))
     load_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(seed)
     parts = engine.backend.parts
@@ -120,7 +121,7 @@ def run(model: str = "synthetic:qwen3-30b-a3b", kv_policies=KV_POLICIES, expert_
     def meta() -> dict:
         return {**header(), "bench": "e2e", "model": model, "load_s": round(load_s, 1),
                 "vram_budget_gb": vram_budget_gb, "device": info["device"], "dtype": info["dtype"],
-                "new_tokens": new_tokens, "simulate_hybrid": simulate_hybrid, "b_h2d_gbps": b_h2d, "b_cpu_gbps": b_cpu,
+                "new_tokens": new_tokens, "simulate_hybrid": simulate_hybrid, "cuda_graphs": cuda_graphs, "b_h2d_gbps": b_h2d, "b_cpu_gbps": b_cpu,
                 "fill_note": "context written as random KV through each policy's real prefill/routing path (KV fill)"}
 
     progress(f"[e2e] loaded {model} in {load_s:.1f} s")
@@ -128,7 +129,8 @@ def run(model: str = "synthetic:qwen3-30b-a3b", kv_policies=KV_POLICIES, expert_
         for policy in kv_policies:
             if engine.info()["kv_policy"] != policy:
                 engine.backend.set_kv_policy(policy)
-            measure_point(engine, 1, min(64, min(contexts)), 2, gen)  # warm-up: kernel selection, allocator growth
+            for bs in batch_sizes:  # warm-up: kernel selection, allocator growth, a decode graph per batch size
+                measure_point(engine, bs, min(64, min(contexts)), 3, gen)
             slots = (parts.experts.telemetry().get("slots") if parts.experts is not None else None)
             for context in contexts:
                 for bs in batch_sizes:
@@ -160,6 +162,8 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--simulate-hybrid", action="store_true")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run every decode step eagerly (the comparison for the graphs' gain)")
     p.add_argument("--json", default=None, help="also write the record here")
 
 
@@ -168,5 +172,5 @@ def from_args(ns) -> dict:
     return run(model=ns.model, kv_policies=tuple(ns.kv_policies.split(",")), expert_policy=ns.expert_policy,
                batch_sizes=ints(ns.batch_sizes), contexts=ints(ns.contexts), new_tokens=ns.new_tokens,
                vram_budget_gb=ns.vram_budget_gb or None, device=ns.device, cpu_threads=ns.cpu_threads,
-               simulate_hybrid=ns.simulate_hybrid, partial_path=ns.json,
+               simulate_hybrid=ns.simulate_hybrid, partial_path=ns.json, cuda_graphs=ns.cuda_graphs,
                progress=lambda m: print(m, file=sys.stderr, flush=True))

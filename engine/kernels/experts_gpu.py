@@ -105,15 +105,17 @@ def grouped_expert_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
 def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                         down: torch.Tensor) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) as two grouped GEMMs over all experts of the layer:
-    no per-expert launch and no host sync (the reference `experts_torch.moe_experts` has both).
+    no per-expert launch and no host sync (so a CUDA graph can capture it) (the reference `experts_torch.moe_experts` has both).
 
     x: (N, H); ids, weights: (N, k); gate_up: (E, 2I, H); down: (E, H, I) on one CUDA device.
     """
     N, k = ids.shape
-    flat = ids.flatten()  # (N·k,)
-    order = torch.argsort(flat, stable=True)  # (N·k,) sorted by expert
+    sorted_ids, order = torch.sort(ids.flatten(), stable=True)  # (N·k,) pairs sorted by expert
     tokens = order // k
-    offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)  # (E,) group ends
+    experts = torch.arange(gate_up.shape[0], device=ids.device, dtype=sorted_ids.dtype)  # (E,)
+    # group ends by binary search, not bincount: bincount reads its input's max back to the host,
+    # which a CUDA graph cannot capture
+    offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)  # (E,) int32
     y = grouped_expert_ffn(x[tokens], gate_up, down, offs)  # (N·k, H); E ≤ MAX_GROUPS: no host sync
     y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, y)

@@ -10,9 +10,10 @@ heads, walks BLOCK_N keys at a time of its share of the sequence with an online 
 writes a partial (o, lse); a second kernel merges the splits by log-sum-exp. Splitting the sequence
 keeps all multiprocessors busy at bs=1, where B · n_kv programs alone would leave most idle.
 
-    paged_decode(q, k_pool, v_pool, table, lengths, block_size, scale, max_keys, window=None) -> (o, lse)
+    paged_decode(q, k_pool, v_pool, table, lengths, block_size, scale, n_splits, window=None) -> (o, lse)
         q (B, nh, hs); k_pool, v_pool (slots, n_kv, hs) with a contiguous last dim;
-        table (B, max_blocks) int32 block ids; lengths (B,) int32 keys per sequence (incl. the new one)
+        table (B, max_blocks) int32/int64 block ids; lengths (B,) int32/int64 keys per sequence (incl. the
+        new one); n_splits from split_count (a sequence's keys are cut into that many equal runs)
         o (B, nh, hs) fp32, lse (B, nh) fp32 natural-log; a sequence with no keys gives o 0, lse −inf.
 
 Triton ships with PyTorch's CUDA builds; `available()` says whether this process can use it.
@@ -49,7 +50,7 @@ if triton is not None:
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_part_ptr, lse_part_ptr,
                       stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
-                      scale_log2, block_size, keys_per_split, window, n_splits, nh,
+                      scale_log2, block_size, window, n_splits, nh,
                       G: tl.constexpr, G_PAD: tl.constexpr, HS: tl.constexpr, BLOCK: tl.constexpr,
                       PRECISION: tl.constexpr):
         b = tl.program_id(0)
@@ -57,8 +58,11 @@ if triton is not None:
         split = tl.program_id(2)
         length = tl.load(len_ptr + b)
         lo = tl.maximum(length - window, 0)  # window = length for full attention
-        start = tl.maximum(split * keys_per_split, lo)
-        end = tl.minimum(split * keys_per_split + keys_per_split, length)
+        # Each sequence splits its own span in whole tiles: no host-side bound on the lengths, so the
+        # launch is the same every step (a CUDA graph replays it) and short sequences split finer.
+        keys_per_split = tl.cdiv(tl.cdiv(length - lo, n_splits), BLOCK) * BLOCK
+        start = lo + split * keys_per_split
+        end = tl.minimum(start + keys_per_split, length)
 
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, HS)
@@ -133,26 +137,23 @@ def scratch_for(batch: int, n_heads: int, head_dim: int, splits: int, device: to
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                 lengths: torch.Tensor, block_size: int, scale: float, max_keys: int,
-                 window: int | None = None, n_splits: int | None = None, scratch: tuple | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """max_keys: an upper bound on lengths (fixes the split size without reading lengths back).
-    scratch: `scratch_for(B, nh, hs, n_splits, device)`, reused across calls (needs n_splits)."""
+                 lengths: torch.Tensor, block_size: int, scale: float, n_splits: int,
+                 window: int | None = None, scratch: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """scratch: `scratch_for(B, nh, hs, n_splits, device)`, reused across calls. Nothing here reads a
+    device value back, so the call can be captured in a CUDA graph."""
     B, nh, hs = q.shape
     n_kv = k_pool.shape[1]
     G = nh // n_kv
-    assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
+    assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 and lengths.stride(0) == 1
     assert supports_head_dim(hs), "head dim must be a power of two ≥ 16"
-    splits = n_splits or split_count(max_keys, B, n_kv, q.device)
-    keys_per_split = -(-max(max_keys, 1) // splits)
-    keys_per_split = -(-keys_per_split // BLOCK_N) * BLOCK_N  # whole tiles per split
+    splits = n_splits
     o_part, lse_part, o, lse = scratch if scratch is not None else scratch_for(B, nh, hs, splits, q.device)
     assert o_part.shape == (B, nh, splits, hs), "scratch sized for another batch or split count"
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _split_kernel[(B, n_kv, splits)](
         q, k_pool, v_pool, table, lengths, o_part, lse_part,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        table.stride(0), scale * _LOG2E, block_size, keys_per_split,
+        table.stride(0), scale * _LOG2E, block_size,
         window if window is not None else 2**30, splits, nh,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), HS=hs, BLOCK=BLOCK_N, PRECISION=precision)
     _merge_kernel[(B * nh,)](o_part, lse_part, o, lse, splits,

@@ -2,7 +2,9 @@
 
 The pools hold max_batch × max_context tokens per layer; sequences take blocks from a free list,
 so a step never reallocates. A decode step (one new token per sequence) on CUDA reads the keys in
-place through the block table (engine/kernels/paged_attention_gpu.py). Otherwise — prefill chunks,
+place through the block table (engine/kernels/paged_attention_gpu.py); its inputs (write slots,
+positions, key counts, block table) live in one device buffer at fixed addresses, filled by one copy
+per step, so a CUDA graph of the decode step (engine/runtime/decode_graph.py) can replay it. Otherwise — prefill chunks,
 the CPU — attention gathers each sequence's blocks and runs SDPA with a mask (padding for batches of
 unequal lengths, causal for prefill, and a sliding window when the model has one: a query at
 position p sees keys p−window+1 … p, as transformers' sliding-window mask).
@@ -48,6 +50,14 @@ class ResidentKV(KVBackend):
         self.seqs: dict[int, SequenceBlocks] = {}
         self._next_id = 0
         self._step = self._paged_step = None
+        self.max_batch, self.blocks_per_seq = max_batch, blocks_per_seq
+        if self.paged:  # [write slot | position | keys | block table row] per sequence, int64
+            n = max_batch * (3 + blocks_per_seq)
+            self._decode_host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
+            self._decode_np = self._decode_host.numpy()  # the same memory, written element by element
+            self._decode_dev = torch.zeros(n, dtype=torch.int64, device=device)
+            self._decode_copied = None  # CUDA event: the last copy out of _decode_host is done
+            self._scratch: dict[int, tuple] = {}  # batch size → the paged kernel's partials (fixed addresses)
 
     @staticmethod
     def k_bytes_for(n_layers, n_slots, n_kv_heads, head_dim, dtype) -> int:
@@ -81,20 +91,13 @@ class ResidentKV(KVBackend):
                 )
             s.ensure(s.length + n_new, self.allocator)
         lengths = [s.length for s in seqs]
+        fresh = len(seqs) == 1 and lengths[0] == 0  # prefill from empty: attend to k, v directly
+        if self.paged and n_new == 1 and not fresh:
+            return self._begin_paged_decode(seqs)
+        self._paged_step = None
         total = max(lengths) + n_new  # S: keys per sequence after the step, padded to the longest
         write = torch.cat([s.slots(s.length, s.length + n_new) for s in seqs])  # (B·T,)
         positions = (torch.tensor(lengths)[:, None] + torch.arange(n_new)).to(self.device)  # (B, T)
-        fresh = len(seqs) == 1 and lengths[0] == 0  # prefill from empty: attend to k, v directly
-        if self.paged and n_new == 1 and not fresh:
-            width = max(len(s.blocks) for s in seqs)
-            table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs],
-                                 dtype=torch.int32)  # (B, width) block ids
-            keys = torch.tensor(lengths, dtype=torch.int32) + 1  # (B,) keys incl. the new token
-            splits = paged_attention_gpu.split_count(max(lengths) + 1, len(seqs), self.n_kv_heads, self.device)
-            self._step = (seqs, n_new, write.to(self.device), None, None)
-            self._paged_step = (table.to(self.device), keys.to(self.device), max(lengths) + 1, splits, None)
-            return positions
-        self._paged_step = None
         read = mask = None
         if fresh and self.window is not None and n_new > self.window:  # prefill longer than the window
             pos = torch.arange(n_new)
@@ -113,19 +116,43 @@ class ResidentKV(KVBackend):
         self._step = (seqs, n_new, write.to(self.device), read, mask)
         return positions
 
+    def _begin_paged_decode(self, seqs: list[SequenceBlocks]) -> torch.Tensor:
+        """Fill the step buffer and hand out views of it: the same addresses every step of a batch size."""
+        B, mb, W, bs = len(seqs), self.max_batch, self.blocks_per_seq, self.block_size
+        if self._decode_copied is not None:  # the last step's copy must have read the host buffer
+            self._decode_copied.synchronize()
+        host = self._decode_np
+        for b, s in enumerate(seqs):
+            n = s.length
+            host[b] = s.blocks[n // bs] * bs + n % bs  # slot of the new token's K, V
+            host[mb + b] = n  # its position
+            host[2 * mb + b] = n + 1  # keys it attends to, itself included
+            host[3 * mb + b * W:3 * mb + b * W + len(s.blocks)] = s.blocks
+        dev = self._decode_dev
+        dev.copy_(self._decode_host, non_blocking=True)  # one H2D copy per step
+        if self.device.type == "cuda":
+            self._decode_copied = torch.cuda.Event()
+            self._decode_copied.record()
+        if B not in self._scratch:
+            self._scratch[B] = (paged_attention_gpu.split_count(self.max_context, B, self.n_kv_heads, self.device), None)
+        self._step = (seqs, 1, dev[:B], None, None)
+        self._paged_step = (dev[3 * mb:].view(mb, W)[:B], dev[2 * mb:2 * mb + B])  # (B, W) table, (B,) keys
+        return dev[mb:mb + B].view(B, 1)  # (B, 1) positions
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         seqs, n_new, write, read, mask = self._step
         B, n_kv, T, hs = k.shape
         self.k[layer][write] = k.transpose(1, 2).reshape(B * T, n_kv, hs)
         self.v[layer][write] = v.transpose(1, 2).reshape(B * T, n_kv, hs)
         if self._paged_step is not None:
-            table, keys, max_keys, splits, scratch = self._paged_step
-            if scratch is None:  # the step's first layer: one set of partials for every layer
+            table, keys = self._paged_step
+            splits, scratch = self._scratch[B]
+            if scratch is None:  # first step of this batch size: one set of partials for every layer and step
                 scratch = paged_attention_gpu.scratch_for(B, q.shape[1], hs, splits, self.device)
-                self._paged_step = (table, keys, max_keys, splits, scratch)
+                self._scratch[B] = (splits, scratch)
             o, _ = paged_attention_gpu.paged_decode(
                 q[:, :, 0], self.k[layer], self.v[layer], table, keys, self.block_size,
-                hs ** -0.5, max_keys, window=self.window, n_splits=splits, scratch=scratch)  # (B, nh, hs) fp32
+                hs ** -0.5, splits, window=self.window, scratch=scratch)  # (B, nh, hs) fp32
             return o.to(q.dtype).unsqueeze(2)  # (B, nh, 1, hs)
         if read is None:
             if mask is not None:
@@ -134,6 +161,10 @@ class ResidentKV(KVBackend):
         keys = self.k[layer][read].transpose(1, 2)  # (B, n_kv, S, hs)
         values = self.v[layer][read].transpose(1, 2)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+    def replayable_step(self) -> bool:
+        """Whether the step begun is a paged decode: inputs at fixed addresses, a CUDA graph can replay it."""
+        return self._paged_step is not None
 
     def end_step(self) -> None:
         seqs, n_new = self._step[0], self._step[1]

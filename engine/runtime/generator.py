@@ -55,6 +55,7 @@ class Generator:
         self.max_sessions = max_sessions
         self.telemetry = telemetry
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # LRU: oldest first
+        self.graphs = None  # DecodeGraphs where decode steps can be replayed (engine/runtime/decode_graph.py)
 
     # -- sessions -------------------------------------------------------------------------------
     def session(self, key: str | None) -> Session:
@@ -155,7 +156,11 @@ class Generator:
     def _forward(self, sessions: list[Session], tokens: torch.Tensor) -> torch.Tensor:
         positions = self.kv.begin_step([s.seq_id for s in sessions], tokens.shape[1])  # (B, T)
         try:
-            logits = self.model(tokens.to(self.device), positions, self.kv)  # (B, V)
+            logits = None
+            if self.graphs is not None and tokens.shape[1] == 1:
+                logits = self.graphs.step(tokens, positions)  # None: this step runs eagerly
+            if logits is None:
+                logits = self.model(tokens.to(self.device), positions, self.kv)  # (B, V)
         except BaseException:
             self.kv.end_step()  # keep lengths consistent with what was written…
             for s in sessions:  # …then drop this step's tokens again

@@ -32,6 +32,23 @@ class TandemBackend:
         self.parts = load_parts(config, progress, self.profile)
         p = self.parts
         self.generator = Generator(p.model, p.kv, p.device, p.max_context, config.max_batch, self.telemetry)
+        self.graphs_off: str | None = None  # why decode steps run eagerly (None: graphs are on)
+        self._setup_graphs()
+
+    def _setup_graphs(self) -> None:
+        """Decode steps as CUDA graphs when the config asks and the KV and experts allow; re-run after
+        a policy switch (a graph holds the addresses of the KV it was captured with)."""
+        from engine.runtime.decode_graph import DecodeGraphs, unsupported_reason
+
+        p, g = self.parts, self.generator
+        if g.graphs is not None:
+            g.graphs.close()
+            g.graphs = None
+        reason = "off in the config" if not self.config.cuda_graphs else \
+            unsupported_reason(p.model, p.kv, p.experts, p.device, self.config.max_batch)
+        self.graphs_off = reason
+        if reason is None:
+            g.graphs = DecodeGraphs(p.model, p.kv, p.experts, p.device, self.config.max_batch)
 
     @property
     def tokenizer(self):
@@ -48,7 +65,8 @@ class TandemBackend:
                 "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
                 "max_context": p.max_context, "kv_policy": p.kv.policy,
                 "expert_policy": p.experts.policy if p.experts else None,
-                "load_s": p.load_s, "vocab_size": p.args.vocab_size}
+                "load_s": p.load_s, "vocab_size": p.args.vocab_size,
+                "cuda_graphs": self.generator.graphs.telemetry() if self.generator.graphs else {"off": self.graphs_off}}
 
     def _need_tokenizer(self):
         if self.parts.tokenizer is None:
@@ -103,8 +121,12 @@ class TandemBackend:
 
         from engine.runtime.expert_placement import switch_expert_policy
 
+        if self.generator.graphs is not None:  # captured over the experts being replaced
+            self.generator.graphs.close()
+            self.generator.graphs = None
         switch_expert_policy(self.parts, replace(self.config, expert_policy=policy), policy)
         self.config.expert_policy = policy  # the engine's config describes what runs
+        self._setup_graphs()
 
     def set_kv_policy(self, policy: str) -> None:
         """Replace the KV backend by one of another policy (benchmarks compare policies this way).
@@ -119,6 +141,9 @@ class TandemBackend:
         p = self.parts
         for key in list(self.generator.sessions):
             self.generator.end_session(key)
+        if self.generator.graphs is not None:  # they point into the old KV's buffers
+            self.generator.graphs.close()
+            self.generator.graphs = None
         if hasattr(p.kv, "close"):
             p.kv.close()
         p.kv = self.generator.kv = None
@@ -132,6 +157,7 @@ class TandemBackend:
         self.config.kv_policy = policy
         if p.experts is not None and p.experts.policy != "resident":
             self.set_expert_policy(p.experts.policy)  # re-size the slot pool after the new KV
+        self._setup_graphs()
 
     def stats(self) -> StatsSnapshot:
         p = self.parts
@@ -148,6 +174,8 @@ class TandemBackend:
             return
         for key in list(self.generator.sessions):
             self.generator.end_session(key)
+        if self.generator.graphs is not None:  # graphs first: they hold memory of the pool and point into the KV
+            self.generator.graphs.close()
         if hasattr(self.parts.experts, "close"):  # offloaded experts: copies done, worker stopped, store unpinned
             self.parts.experts.close()
         if hasattr(self.parts.kv, "close"):  # hybrid KV: copies done, CPU-side thread stopped, host regions unpinned

@@ -53,17 +53,18 @@ def _reference(q, k_pool, v_pool, table, lengths, block, scale, window=None):
 
 
 @pytest.mark.parametrize("lengths,n_kv,g,hs,block,splits", [
-    ([1], 1, 1, 16, 16, None),             # one key
+    ([1], 1, 1, 16, 16, 1),                # one key
     ([130, 7, 64], 2, 4, 32, 16, 3),       # unequal lengths, not multiples of the block, GQA 4
     ([300], 4, 8, 64, 64, 5),              # GQA 8, several splits over one sequence
     ([0, 45], 2, 2, 16, 8, 2),             # a sequence with no keys yet
     ([200, 65], 1, 6, 32, 16, 4),          # a group that is not a power of two
+    ([3, 700], 2, 4, 32, 16, 16),          # more splits than the short sequence has tiles: empty splits
 ])
 def test_paged_decode_matches_reference_fp32(paged, lengths, n_kv, g, hs, block, splits):
     mod, device = paged
     q, k, v, table, lens = _pool_case(lengths, n_kv, g, hs, block, torch.float32, device, seed=len(lengths) * hs)
     scale = hs ** -0.5
-    o, lse = mod.paged_decode(q, k, v, table, lens, block, scale, max_keys=max(lengths), n_splits=splits)
+    o, lse = mod.paged_decode(q, k, v, table, lens, block, scale, splits)
     ref_o, ref_lse = _reference(q, k, v, table, lens, block, scale)
     assert torch.allclose(o.cpu().double(), ref_o, rtol=1e-5, atol=1e-5)
     empty = torch.isinf(ref_lse)
@@ -74,7 +75,7 @@ def test_paged_decode_matches_reference_fp32(paged, lengths, n_kv, g, hs, block,
 def test_paged_decode_sliding_window(paged):
     mod, device = paged
     q, k, v, table, lens = _pool_case([100, 33], 2, 2, 16, 16, torch.float32, device, seed=5)
-    o, lse = mod.paged_decode(q, k, v, table, lens, 16, 0.25, max_keys=100, window=40, n_splits=3)
+    o, lse = mod.paged_decode(q, k, v, table, lens, 16, 0.25, 3, window=40)
     ref_o, ref_lse = _reference(q, k, v, table, lens, 16, 0.25, window=40)
     assert torch.allclose(o.cpu().double(), ref_o, rtol=1e-5, atol=1e-5)
     assert torch.allclose(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
@@ -84,7 +85,7 @@ def test_paged_decode_sliding_window(paged):
 def test_paged_decode_bf16(paged):
     mod, device = paged
     q, k, v, table, lens = _pool_case([257, 90], 4, 8, 64, 64, torch.bfloat16, device, seed=9)
-    o, lse = mod.paged_decode(q, k, v, table, lens, 64, 0.125, max_keys=257)
+    o, lse = mod.paged_decode(q, k, v, table, lens, 64, 0.125, mod.split_count(257, 2, 4, device))
     ref_o, ref_lse = _reference(q, k, v, table, lens, 64, 0.125)
     assert torch.allclose(o.cpu().double(), ref_o, rtol=2e-2, atol=2e-2)
     assert torch.allclose(lse.cpu().double(), ref_lse, rtol=1e-2, atol=1e-2)
@@ -100,9 +101,18 @@ def test_paged_decode_writes_every_output_of_a_reused_scratch(paged):
     for t in scratch:
         t.fill_(float("nan"))
     for layer_scale in (0.2, 0.3):  # two "layers" through the same buffers
-        o, lse = mod.paged_decode(q, k, v, table, lens, 16, layer_scale, max_keys=150, n_splits=splits,
-                                  scratch=scratch)
+        o, lse = mod.paged_decode(q, k, v, table, lens, 16, layer_scale, splits, scratch=scratch)
         ref_o, ref_lse = _reference(q, k, v, table, lens, 16, layer_scale)
         assert not torch.isnan(o).any() and not torch.isnan(lse).any()
         assert torch.allclose(o.cpu().double(), ref_o, rtol=1e-5, atol=1e-5)
         assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
+
+
+def test_paged_decode_takes_int64_indices(paged):
+    """The resident KV hands the kernel int64 views of one step buffer (table, lengths)."""
+    mod, device = paged
+    q, k, v, table, lens = _pool_case([90, 17], 2, 2, 16, 16, torch.float32, device, seed=13)
+    o, lse = mod.paged_decode(q, k, v, table.long(), lens.long(), 16, 0.25, 4)
+    ref_o, ref_lse = _reference(q, k, v, table, lens, 16, 0.25)
+    assert torch.allclose(o.cpu().double(), ref_o, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
