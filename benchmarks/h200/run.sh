@@ -12,12 +12,13 @@
 #                                    #   the build and the GGUF live in /tmp, which a warm machine keeps between calls)
 #   bash benchmarks/h200/run.sh F    # F1 then F2, skipping a build or export already there
 #   bash benchmarks/h200/run.sh G    # whole-model decode per KV policy at 32K under 24 GB (bench e2e)
+#   bash benchmarks/h200/run.sh H    # decode steps as CUDA graphs: tests, kernel profile, resident L16 graphs vs eager
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
 # Results land in $OUT (or ./h200-out). The built-in SmolLM2 file does not travel to that machine,
 # so tests that need it are deselected there.
 set -uo pipefail
-phase=${1:?A, B, C, D, E, F, F1, F2 or G}
+phase=${1:?A, B, C, D, E, F, F1, F2, G or H}
 out=${OUT:-h200-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -85,6 +86,21 @@ if [ "$phase" = F2 ] || [ "$phase" = F ]; then
     timeout 120 python3 -m engine.cli bench transformers --model synthetic:qwen3-30b-a3b-L16 --contexts 8192 \
       --batch-sizes 1 --new-tokens 32 --json "$out/transformers-q16.json" > /dev/null 2>>"$log"
   fi
+fi
+if [ "$phase" = H ]; then
+  step CUDA tests: paged kernel, decode graphs, family parity
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/models/test_decode_graph.py \
+    tests/models/test_cuda_parity.py tests/kv/test_resident_paged.py 2>&1 | tail -15 | tee "$out/pytest-graphs.log"
+  step profile of eager decode steps
+  timeout 150 python3 benchmarks/h200/profile_decode.py --context 8192 --batch 1 --json "$out/profile-bs1.json" \
+    2>&1 | tail -30 | tee -a "$log"
+  for mode in graphs eager; do
+    step resident synthetic:qwen3-30b-a3b-L16 bench e2e, $mode
+    flag=""; [ $mode = eager ] && flag=--no-cuda-graphs
+    timeout 200 python3 -m engine.cli bench e2e --model synthetic:qwen3-30b-a3b-L16 --kv-policies resident \
+      --expert-policy resident --batch-sizes 1,4 --contexts 2048,8192,32768 --new-tokens 32 --vram-budget-gb 0 \
+      $flag --json "$out/e2e-resident-L16-$mode.json" > /dev/null 2>>"$log"
+  done
 fi
 if [ "$phase" = G ]; then
   step bench e2e at 32K
