@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import rmsnorm_gpu, rope_gpu, route_gpu
+
 
 @dataclass
 class ModelArgs:
@@ -66,6 +68,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if rmsnorm_gpu.available(x, self.weight):  # one kernel instead of eight, same rounding
+            return rmsnorm_gpu.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 whatever the weights' dtype, as the reference implementations do.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -126,8 +130,12 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.norm_all_heads:  # Qwen3: each head on its own
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rope_gpu.available(q, cos) and k.is_contiguous():  # one kernel each, the same rounding
+            q, k = rope_gpu.rope(q, cos, sin), rope_gpu.rope(k, cos, sin)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = kv.attend(self.layer_idx, q, k, v)  # (B, nh, T, hs): stores k, v, attends over the past
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -175,6 +183,8 @@ class MoEFeedForward(nn.Module):
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax in fp32 over experts, top-k, optional renormalisation (Qwen3-MoE, OLMoE, Mixtral)."""
+    if route_gpu.available(logits):  # one kernel on the GPU
+        return route_gpu.softmax_topk(logits, k, renormalise)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, k, dim=-1)
     if renormalise:

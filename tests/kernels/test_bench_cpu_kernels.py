@@ -12,8 +12,8 @@ def test_bench_record_on_tiny_sizes():
     assert [(r["batch"], r["length"], r["threads"]) for r in record["attention"]] == [(1, 300, 1), (2, 300, 1)]
     for r in record["attention"]:
         assert r["native_GBps"] > 0 and r["torch_sdpa_GBps"] > 0 and r["kv_bytes"] == 2 * r["batch"] * 300 * 2 * 64 * 2
-    points = record["experts"]["points"]
-    assert [p["tokens"] for p in points] == [1, 3] and all(p["torch_ms"] > 0 for p in points)
+    points = [p for p in record["experts"]["points"] if p["threads"] == 1]  # (the bench adds all cores but one)
+    assert [p["tokens"] for p in points] == [1, 3] and all(p["torch_ms"] > 0 for p in record["experts"]["points"])
     if native.module() is not None:
         assert all(p["native_ms"] > 0 for p in points)
         assert set(record["experts"]["crossover_tokens"]) == {"1"}

@@ -1,0 +1,111 @@
+"""Routed experts for a few tokens as two GPU kernels that read each chosen expert's weights in place.
+
+At decode (1–8 tokens, top-k of 8 out of 128 experts) the grouped GEMM path sorts the pairs, gathers
+the rows, runs two CUTLASS grouped GEMMs over 128 mostly empty groups and scatters back: ~12 kernels
+and ~44 µs a layer on the H200 where the 75 MB of weights need ~16 µs at HBM speed
+(benchmarks/h200/2026-11-29-H/profile-bs1.json). Here each (token, choice) pair is a matrix-vector
+product straight out of the fused expert tensors:
+
+  1. gate_up: program (pair p, row tile) computes gate and up rows of expert ids[p] for token p // k,
+     applies SiLU(gate) · up and writes act (P, I);
+  2. down: program (token t, row tile) sums w[t, j] · down[ids[t, j]] @ act[t·k + j] over the k
+     choices in fp32 and writes out (N, H) once: no sort, no scatter, no zero fill.
+
+Intermediate roundings follow the reference (experts_torch.moe_experts): gate and up and the
+activation are rounded to the model dtype as F.linear would; the weighted sum over the k choices is
+kept in fp32 (the reference adds in the model dtype, in expert order), so bf16 results can differ in
+the last bit. Nothing reads back to the host: a CUDA graph can capture it.
+
+    moe_decode(x, ids, weights, gate_up, down) -> out
+        x (N, H); ids (N, k) int; weights (N, k); gate_up (E, 2I, H) gate rows first; down (E, H, I)
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+MAX_TOKENS = 8  # beyond this, tokens sharing an expert make the grouped GEMM's one weight read win
+
+
+def available(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and x.shape[0] <= MAX_TOKENS
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, H, I, top_k, stride_we, stride_wr,
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        p = tl.program_id(0)  # (token, choice) pair
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of the gate half
+        row_ok = rows < I
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        t = p // top_k
+        base = w_ptr + e * stride_we
+        acc_gate = tl.zeros((BLOCK_R,), tl.float32)
+        acc_up = tl.zeros((BLOCK_R,), tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = h < H
+            xv = tl.load(x_ptr + t * H + h, mask=h_ok, other=0.0).to(tl.float32)  # (BLOCK_H,)
+            ok = row_ok[:, None] & h_ok[None, :]
+            wg = tl.load(base + rows[:, None] * stride_wr + h[None, :], mask=ok, other=0.0)  # (BLOCK_R, BLOCK_H)
+            wu = tl.load(base + (rows + I)[:, None] * stride_wr + h[None, :], mask=ok, other=0.0)
+            acc_gate += tl.sum(wg.to(tl.float32) * xv[None, :], 1)
+            acc_up += tl.sum(wu.to(tl.float32) * xv[None, :], 1)
+        dtype = act_ptr.dtype.element_ty
+        gate = acc_gate.to(dtype).to(tl.float32)  # F.linear's output rounding
+        up = acc_up.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(act_ptr + p * I + rows, (silu * up).to(dtype), mask=row_ok)
+
+    @triton.jit
+    def _down_kernel(act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, H, I, top_k, stride_we, stride_wr,
+                     BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+        t = tl.program_id(0)  # token
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # output features
+        row_ok = rows < H
+        dtype = out_ptr.dtype.element_ty
+        total = tl.zeros((BLOCK_R,), tl.float32)
+        for j in range(0, top_k):
+            p = t * top_k + j
+            e = tl.load(ids_ptr + p).to(tl.int64)
+            w = tl.load(wts_ptr + p).to(tl.float32)
+            base = w_ptr + e * stride_we
+            acc = tl.zeros((BLOCK_R,), tl.float32)
+            for i0 in range(0, I, BLOCK_I):
+                i = i0 + tl.arange(0, BLOCK_I)
+                i_ok = i < I
+                a = tl.load(act_ptr + p * I + i, mask=i_ok, other=0.0).to(tl.float32)  # (BLOCK_I,)
+                wd = tl.load(base + rows[:, None] * stride_wr + i[None, :],
+                             mask=row_ok[:, None] & i_ok[None, :], other=0.0)  # (BLOCK_R, BLOCK_I)
+                acc += tl.sum(wd.to(tl.float32) * a[None, :], 1)
+            y = acc.to(dtype).to(tl.float32)  # the expert's output, rounded as F.linear's
+            total += (y * w).to(dtype).to(tl.float32)  # weighted in the model dtype, as the reference
+        tl.store(out_ptr + t * H + rows, total.to(dtype), mask=row_ok)
+
+
+def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    N, H = x.shape
+    k = ids.shape[1]
+    I = down.shape[2]
+    assert gate_up.shape[1:] == (2 * I, H) and down.shape[1] == H
+    assert gate_up.stride(2) == 1 and down.stride(2) == 1, "expert rows must be contiguous"
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    act = torch.empty((N * k, I), device=x.device, dtype=x.dtype)  # (P, I)
+    out = torch.empty_like(x)  # (N, H)
+    if N == 0:
+        return out
+    # Row tiles small enough that even one token's pairs fill the GPU: 8 pairs × 24 tiles at I=768.
+    _gate_up_kernel[(N * k, triton.cdiv(I, 32))](x, gate_up, ids, act, H, I, k, gate_up.stride(0),
+                                                 gate_up.stride(1), BLOCK_R=32, BLOCK_H=128)
+    _down_kernel[(N, triton.cdiv(H, 16))](act, down, ids, weights, out, H, I, k, down.stride(0), down.stride(1),
+                                          BLOCK_R=16, BLOCK_I=128)
+    return out
