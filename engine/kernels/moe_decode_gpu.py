@@ -1,4 +1,4 @@
-"""Routed experts for a few tokens as two GPU kernels that read each chosen expert's weights in place.
+"""Routed experts for a few tokens as three GPU kernels that read each chosen expert's weights in place.
 
 At decode (1–8 tokens, top-k of 8 out of 128 experts) the grouped GEMM path sorts the pairs, gathers
 the rows, runs two CUTLASS grouped GEMMs over 128 mostly empty groups and scatters back: ~12 kernels
@@ -8,8 +8,8 @@ product straight out of the fused expert tensors:
 
   1. gate_up: program (pair p, row tile) computes gate and up rows of expert ids[p] for token p // k,
      applies SiLU(gate) · up and writes act (P, I);
-  2. down: program (token t, row tile) sums w[t, j] · down[ids[t, j]] @ act[t·k + j] over the k
-     choices in fp32 and writes out (N, H) once: no sort, no scatter, no zero fill.
+  2. down: program (pair p, row tile) writes y[p] = w[p] · down[ids[p]] @ act[p];
+  3. a sum over each token's k choices in fp32 writes out (N, H): no sort, no scatter, no zero fill.
 
 Intermediate roundings follow the reference (experts_torch.moe_experts): gate and up and the
 activation are rounded to the model dtype as F.linear would; the weighted sum over the k choices is
@@ -66,29 +66,35 @@ if triton is not None:
         tl.store(act_ptr + p * I + rows, (silu * up).to(dtype), mask=row_ok)
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, H, I, top_k, stride_we, stride_wr,
+    def _down_kernel(act_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, H, I, stride_we, stride_wr,
                      BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
-        t = tl.program_id(0)  # token
+        p = tl.program_id(0)  # (token, choice) pair
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # output features
         row_ok = rows < H
-        dtype = out_ptr.dtype.element_ty
-        total = tl.zeros((BLOCK_R,), tl.float32)
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        base = w_ptr + e * stride_we
+        acc = tl.zeros((BLOCK_R,), tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            i = i0 + tl.arange(0, BLOCK_I)
+            i_ok = i < I
+            a = tl.load(act_ptr + p * I + i, mask=i_ok, other=0.0).to(tl.float32)  # (BLOCK_I,)
+            wd = tl.load(base + rows[:, None] * stride_wr + i[None, :],
+                         mask=row_ok[:, None] & i_ok[None, :], other=0.0)  # (BLOCK_R, BLOCK_I)
+            acc += tl.sum(wd.to(tl.float32) * a[None, :], 1)
+        dtype = y_ptr.dtype.element_ty
+        w = tl.load(wts_ptr + p).to(tl.float32)
+        y = acc.to(dtype).to(tl.float32)  # the expert's output, rounded as F.linear's
+        tl.store(y_ptr + p * H + rows, (y * w).to(dtype), mask=row_ok)  # weighted in the model dtype
+
+    @triton.jit
+    def _sum_choices_kernel(y_ptr, out_ptr, H, top_k, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < H
+        total = tl.zeros((BLOCK,), tl.float32)
         for j in range(0, top_k):
-            p = t * top_k + j
-            e = tl.load(ids_ptr + p).to(tl.int64)
-            w = tl.load(wts_ptr + p).to(tl.float32)
-            base = w_ptr + e * stride_we
-            acc = tl.zeros((BLOCK_R,), tl.float32)
-            for i0 in range(0, I, BLOCK_I):
-                i = i0 + tl.arange(0, BLOCK_I)
-                i_ok = i < I
-                a = tl.load(act_ptr + p * I + i, mask=i_ok, other=0.0).to(tl.float32)  # (BLOCK_I,)
-                wd = tl.load(base + rows[:, None] * stride_wr + i[None, :],
-                             mask=row_ok[:, None] & i_ok[None, :], other=0.0)  # (BLOCK_R, BLOCK_I)
-                acc += tl.sum(wd.to(tl.float32) * a[None, :], 1)
-            y = acc.to(dtype).to(tl.float32)  # the expert's output, rounded as F.linear's
-            total += (y * w).to(dtype).to(tl.float32)  # weighted in the model dtype, as the reference
-        tl.store(out_ptr + t * H + rows, total.to(dtype), mask=row_ok)
+            total += tl.load(y_ptr + (t * top_k + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * H + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -99,13 +105,17 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     assert gate_up.shape[1:] == (2 * I, H) and down.shape[1] == H
     assert gate_up.stride(2) == 1 and down.stride(2) == 1, "expert rows must be contiguous"
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    act = torch.empty((N * k, I), device=x.device, dtype=x.dtype)  # (P, I)
+    P = N * k
+    act = torch.empty((P, I), device=x.device, dtype=x.dtype)
+    y = torch.empty((P, H), device=x.device, dtype=x.dtype)  # each pair's weighted expert output
     out = torch.empty_like(x)  # (N, H)
     if N == 0:
         return out
-    # Row tiles small enough that even one token's pairs fill the GPU: 8 pairs × 24 tiles at I=768.
-    _gate_up_kernel[(N * k, triton.cdiv(I, 32))](x, gate_up, ids, act, H, I, k, gate_up.stride(0),
-                                                 gate_up.stride(1), BLOCK_R=32, BLOCK_H=128)
-    _down_kernel[(N, triton.cdiv(H, 16))](act, down, ids, weights, out, H, I, k, down.stride(0), down.stride(1),
-                                          BLOCK_R=16, BLOCK_I=128)
+    # Few rows per program and whole 1024-wide stretches of them: thousands of programs even for one
+    # token, so that every multiprocessor has many loads in flight (the GEMV is bandwidth-bound).
+    _gate_up_kernel[(P, triton.cdiv(I, 4))](x, gate_up, ids, act, H, I, k, gate_up.stride(0), gate_up.stride(1),
+                                            BLOCK_R=4, BLOCK_H=min(1024, triton.next_power_of_2(H)))
+    _down_kernel[(P, triton.cdiv(H, 8))](act, down, ids, weights, y, H, I, down.stride(0), down.stride(1),
+                                         BLOCK_R=8, BLOCK_I=min(1024, triton.next_power_of_2(I)))
+    _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, out, H, k, BLOCK=1024)
     return out
