@@ -13,12 +13,13 @@
 #   bash benchmarks/h200/run.sh F    # F1 then F2, skipping a build or export already there
 #   bash benchmarks/h200/run.sh G    # whole-model decode per KV policy at 32K under 24 GB (bench e2e)
 #   bash benchmarks/h200/run.sh H    # decode steps as CUDA graphs: tests, kernel profile, resident L16 graphs vs eager
+#   bash benchmarks/h200/run.sh I    # F1, then the resident rows of F2 and transformers (same weights, one run)
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
 # Results land in $OUT (or ./h200-out). The built-in SmolLM2 file does not travel to that machine,
 # so tests that need it are deselected there.
 set -uo pipefail
-phase=${1:?A, B, C, D, E, F, F1, F2, G or H}
+phase=${1:?A, B, C, D, E, F, F1, F2, G, H or I}
 out=${OUT:-h200-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -47,7 +48,7 @@ if [ "$phase" = A ]; then
   timeout 200 python3 -m engine.cli bench cpu-kernels --thread-counts 1,4,8,15,16 --lengths 2k,8k,32k,64k \
     --batches 1,4 --json "$out/cpu-kernels.json" > /dev/null 2>>"$log"
 fi
-if [ "$phase" = F1 ] || [ "$phase" = F ]; then
+if [ "$phase" = F1 ] || [ "$phase" = F ] || [ "$phase" = I ]; then
   if [ -z "$(find /tmp/tandem-llb -name llama-bench -type f 2>/dev/null)" ]; then
     step llama.cpp CUDA build
     timeout 560 python3 -m engine.bench.llamacpp_build --source .llamacpp/llamacpp-src.tar.xz \
@@ -61,9 +62,16 @@ if [ "$phase" = F1 ] || [ "$phase" = F ]; then
       --device cuda --tokenizer-from .llamacpp/smollm2-vocab.gguf --quiet > "$out/export.json" 2>>"$log"
   fi
   ls -la /tmp/tandem-gguf | tee -a "$log"
+  if [ "$phase" = I ]; then  # while llama.cpp compiles on the CPU
+    step CUDA tests
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/kv/test_resident_paged.py \
+      2>&1 | tail -15 | tee "$out/pytest-cuda.log"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/models tests/experts tests/kv \
+      2>&1 | tail -15 | tee -a "$out/pytest-cuda.log"
+  fi
   if [ -n "${build:-}" ]; then wait $build; echo "build rc=$?" | tee -a "$log"; fi
 fi
-if [ "$phase" = F2 ] || [ "$phase" = F ]; then
+if [ "$phase" = F2 ] || [ "$phase" = F ] || [ "$phase" = I ]; then
   lb=$(find /tmp/tandem-llb -name llama-bench -type f | head -1)
   g=/tmp/tandem-gguf/q16.gguf
   step llama-bench resident "$lb"
@@ -73,6 +81,7 @@ if [ "$phase" = F2 ] || [ "$phase" = F ]; then
   timeout 180 python3 -m engine.cli bench e2e --model $g --kv-policies resident --expert-policy resident \
     --batch-sizes 1,4 --contexts 2048,8192,32768 --new-tokens 32 --vram-budget-gb 0 \
     --json "$out/tandem-resident-q16.json" > /dev/null 2>>"$log"
+  if [ "$phase" != I ]; then
   step llama-bench 8 GB: experts of 10 of 16 layers on the CPU
   timeout 200 python3 -m engine.bench.llamacpp_bench --llama-bench "$lb" -m $g -ngl 99 -ncmoe 10 -fa 1 \
     -d 2048,8192,32768 -p 0 -n 32 -r 2 --note "8 GB VRAM budget (24 GB scaled to 16 of 48 layers)" \
@@ -81,7 +90,8 @@ if [ "$phase" = F2 ] || [ "$phase" = F ]; then
   timeout 200 python3 -m engine.cli bench e2e --model $g --kv-policies writescope --expert-policy adaptive \
     --batch-sizes 1,4 --contexts 2048,8192,32768 --new-tokens 16 --vram-budget-gb 8 --cpu-threads 15 \
     --json "$out/tandem-8gb-q16.json" > /dev/null 2>>"$log"
-  if [ "$phase" = F2 ]; then
+  fi
+  if [ "$phase" = F2 ] || [ "$phase" = I ]; then
     step transformers generate on the same shapes
     timeout 120 python3 -m engine.cli bench transformers --model synthetic:qwen3-30b-a3b-L16 --contexts 8192 \
       --batch-sizes 1 --new-tokens 32 --json "$out/transformers-q16.json" > /dev/null 2>>"$log"
