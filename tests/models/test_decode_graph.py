@@ -75,3 +75,29 @@ def test_graphs_follow_a_kv_policy_switch(tmp_path):
     assert engine.info()["cuda_graphs"]["captured_batches"] == [1]
     assert first == again and len(hybrid) == 10  # the hybrid path rounds differently in bf16
     engine.close()
+
+
+@cuda
+@pytest.mark.cuda
+def test_a_failed_capture_falls_back_to_eager_steps(tmp_path, monkeypatch):
+    """An op that reads back to the host cannot be captured: the engine says so once and keeps
+    decoding eagerly, with the tokens of an engine that never tried."""
+    folder = _tiny_folder(tmp_path)
+    eager = tiny_engine(folder, device="cuda", dtype="bfloat16", cuda_graphs=False)
+    expected = eager.generate_ids(PROMPT, 8)
+    eager.close()
+    engine = tiny_engine(folder, device="cuda", dtype="bfloat16")
+    norm = engine.backend.parts.model.model.norm
+    real_forward = norm.forward
+
+    def syncing_forward(x):
+        if torch.cuda.is_current_stream_capturing():
+            x.sum().item()  # a host read-back: illegal while capturing
+        return real_forward(x)
+
+    monkeypatch.setattr(norm, "forward", syncing_forward)
+    assert engine.generate_ids(PROMPT, 8) == expected
+    tel = engine.info()["cuda_graphs"]
+    assert tel["failed"] and tel["captured_batches"] == [] and tel["replays"] == 0
+    assert engine.generate_ids(PROMPT, 8) == expected  # and the engine stays usable
+    engine.close()
