@@ -23,8 +23,9 @@ struct Simd {
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float lane0(V v) { return _mm512_cvtss_f32(v); }
   // One cache line into L2 (prefetcht0, into L1, measured slower: it competes with the compute's
-  // loads). An asm statement because GCC 12's dead-code elimination drops some __builtin_prefetch.
-  static void prefetch(const void* p) { __asm__ volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
+  // loads). An asm statement because GCC 12 drops some __builtin_prefetch as dead code; the address
+  // goes in a register (an "m" operand would make GCC flush register-held arrays to memory first).
+  static void prefetch(const void* p) { __asm__ volatile("prefetcht1 (%0)" : : "r"(p)); }
   // Some lane > x (NaN lanes are not).
   static bool any_greater(V a, float x) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(x), _CMP_GT_OQ) != 0; }
   static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
