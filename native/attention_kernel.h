@@ -74,7 +74,8 @@ inline void pv_block(float* o, const float* p, const float* alpha, const KvElem<
   for (int t = 0; t < n; ++t)
     for (int u = 0; u < CU; ++u) {
       const V v = Simd::load_f32<KV>(vrow[t] + c + u * W);  // one conversion serves G rows
-      for (int g = 0; g < G; ++g) acc[g][u] = Simd::fma(Simd::set1(p[g * W + t]), v, acc[g][u]);
+      const float* pt = p + t;  // row g's weight at pt[g·W]: constant offsets, no index arithmetic
+      for (int g = 0; g < G; ++g) acc[g][u] = Simd::fma(Simd::set1(pt[g * W]), v, acc[g][u]);
     }
   for (int g = 0; g < G; ++g)
     for (int u = 0; u < CU; ++u) Simd::store(o + g * hs + c + u * W, acc[g][u]);
@@ -104,8 +105,9 @@ inline void pv_block_split(float* o, const float* p, const float* alpha, const u
     for (int u = 0; u < CU; ++u) {
       const Simd::VI x = Simd::load_raw(vrow[t] + c + 2 * u * W);
       const V even = Simd::bf16_even(x), odd = Simd::bf16_odd(x);
+      const float* pt = p + t;  // row g's weight at pt[g·W]: constant offsets, no index arithmetic
       for (int g = 0; g < G; ++g) {
-        const V pg = Simd::set1(p[g * W + t]);
+        const V pg = Simd::set1(pt[g * W]);
         acc[g][2 * u] = Simd::fma(pg, even, acc[g][2 * u]);
         acc[g][2 * u + 1] = Simd::fma(pg, odd, acc[g][2 * u + 1]);
       }
