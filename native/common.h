@@ -19,6 +19,15 @@
 #define TANDEM_AVX512BF16_KERNELS 1
 #endif
 
+// Hot helpers that must inline into their (target-pragma) callers; GCC otherwise leaves some out of line.
+#if defined(__GNUC__) || defined(__clang__)
+#define TANDEM_ALWAYS_INLINE inline __attribute__((always_inline))
+#elif defined(_MSC_VER)
+#define TANDEM_ALWAYS_INLINE __forceinline
+#else
+#define TANDEM_ALWAYS_INLINE inline
+#endif
+
 namespace tandem {
 
 // Element types, numbered as the Python wrappers number them.

@@ -50,14 +50,27 @@ void expert_prepare_x(const ExpertProblem& P, void* xs, int64_t n_pad, int64_t t
   }
 }
 
+// Weights are prefetched this far ahead of their use: a thread's rows are one contiguous run, but
+// the hardware prefetchers stop at every 4 KiB page (a 2048-wide bf16 row), and a single core must
+// keep many lines in flight to read at DRAM speed.
+constexpr int64_t kWeightPrefetchBytes = 2048;
+
+// Prefetch the line kWeightPrefetchBytes past element k of `row` (K elements), continuing into
+// `after` (the row read next) past the end.
+template <class WT> TANDEM_ALWAYS_INLINE void prefetch_ahead(const WT* row, int64_t k, int64_t K, const WT* after) {
+  const int64_t ahead = k + kWeightPrefetchBytes / int64_t(sizeof(WT));
+  Simd::prefetch(ahead < K ? row + ahead : after + (ahead - K));
+}
+
 // Lane r·TB + t = w[r] · a[t] over K elements (lanes past RB·TB: 0); a holds TB rows of K contiguous
 // activations.
 // Few tokens (TB < 4, memory-bound): each weight row is read start to end (ascending addresses, the
 // prefetchers' favourite), with U interleaved partial sums per (row, token) so that ≥ 4 independent
 // chains hide the latency. Four tokens (compute-bound): 4 rows × 4 tokens at once, so each loaded
 // weight vector serves 4 tokens and each activation vector 4 rows.
+// `next`: elements from w[r] to row r of the tile after this one (for prefetching across tiles).
 template <DType WD, bool DP, int RB, int TB>
-inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act, int64_t K) {
+inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act, int64_t K, int64_t next) {
   static_assert(RB * TB <= Simd::W, "a tile fits one vector of results (unused lanes stay zero)");
   constexpr int64_t step = DP ? 2 * Simd::W : Simd::W;  // elements per vector of weights
   const uint16_t* a16 = static_cast<const uint16_t*>(act);
@@ -66,6 +79,7 @@ inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act
   for (auto& v : acc) v = Simd::zero();
   if constexpr (TB >= 4) {
     for (int64_t k = 0; k < K; k += step) {
+      for (int r = 0; r < RB; ++r) prefetch_ahead(w[r], k, K, w[r] + next);
       if constexpr (DP) {
         Simd::VI wv[RB];
         for (int r = 0; r < RB; ++r) wv[r] = Simd::load_raw(w[r] + k);
@@ -88,10 +102,12 @@ inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act
   for (int r = 0; r < RB; ++r) {
     Simd::V part[U * TB];
     for (auto& v : part) v = Simd::zero();
+    const auto* after = r + 1 < RB ? w[r + 1] : w[0] + next;  // the row read after this one
     int64_t k = 0;
     for (; k + U * step <= K; k += U * step)
       for (int u = 0; u < U; ++u) {
         const int64_t ku = k + u * step;
+        prefetch_ahead(w[r], ku, K, after);
         if constexpr (DP) {
           const Simd::VI wv = Simd::load_raw(w[r] + ku);
           for (int t = 0; t < TB; ++t)
@@ -102,6 +118,7 @@ inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act
         }
       }
     for (; k < K; k += step) {  // K not a multiple of U·step
+      prefetch_ahead(w[r], k, K, after);
       if constexpr (DP) {
         const Simd::VI wv = Simd::load_raw(w[r] + k);
         for (int t = 0; t < TB; ++t) part[t] = Simd::dp(part[t], wv, Simd::load_raw(a16 + t * K + k));
@@ -144,7 +161,8 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
     }
     for (int64_t t0 = 0; t0 < n_pad; t0 += TB) {
       const AT* a = static_cast<const AT*>(xs) + t0 * H;
-      const Simd::V hv = swiglu(dot_tile<WD, DP, RB, TB>(gate, a, H), dot_tile<WD, DP, RB, TB>(up, a, H));
+      const Simd::V hv = swiglu(dot_tile<WD, DP, RB, TB>(gate, a, H, RB * P.gate_up_stride),
+                                     dot_tile<WD, DP, RB, TB>(up, a, H, RB * P.gate_up_stride));
       Simd::store(hs, hv);
       for (int r = 0; r < RB; ++r)
         for (int t = 0; t < TB; ++t)
@@ -166,7 +184,7 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
     const WT* rows[RB];
     for (int i = 0; i < RB; ++i) rows[i] = dn + (r + i) * P.down_stride;
     for (int64_t t0 = 0; t0 < n_pad; t0 += TB) {
-      Simd::store(y, dot_tile<WD, DP, RB, TB>(rows, static_cast<const AT*>(h) + t0 * I, I));
+      Simd::store(y, dot_tile<WD, DP, RB, TB>(rows, static_cast<const AT*>(h) + t0 * I, I, RB * P.down_stride));
       for (int i = 0; i < RB; ++i)
         for (int t = 0; t < TB && t0 + t < P.n_tokens; ++t)
           store_from_f32(P.y, P.y_dtype, (t0 + t) * P.y_stride + r + i, y[i * TB + t]);

@@ -18,6 +18,12 @@ struct Simd {
   static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float lane0(V v) { return _mm256_cvtss_f32(v); }
+  // One cache line into L2 (prefetcht0, into L1, measured slower: it competes with the compute's
+  // loads). An asm statement because GCC 12 drops some __builtin_prefetch as dead code; the address
+  // goes in a register (an "m" operand would make GCC flush register-held arrays to memory first).
+  static void prefetch(const void* p) { __asm__ volatile("prefetcht1 (%0)" : : "r"(p)); }
+  // Some lane > x (NaN lanes are not).
+  static bool any_greater(V a, float x) { return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(x), _CMP_GT_OQ)) != 0; }
   static float reduce_add(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -65,7 +71,7 @@ struct Simd {
   }
 
   // Lane i = sum of a[i], for 8 vectors.
-  static V transpose_reduce(const V* a) {
+  TANDEM_ALWAYS_INLINE static V transpose_reduce(const V* a) {
     V b[4];
     for (int i = 0; i < 4; ++i)
       b[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));

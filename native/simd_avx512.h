@@ -22,6 +22,12 @@ struct Simd {
   static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float lane0(V v) { return _mm512_cvtss_f32(v); }
+  // One cache line into L2 (prefetcht0, into L1, measured slower: it competes with the compute's
+  // loads). An asm statement because GCC 12 drops some __builtin_prefetch as dead code; the address
+  // goes in a register (an "m" operand would make GCC flush register-held arrays to memory first).
+  static void prefetch(const void* p) { __asm__ volatile("prefetcht1 (%0)" : : "r"(p)); }
+  // Some lane > x (NaN lanes are not).
+  static bool any_greater(V a, float x) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(x), _CMP_GT_OQ) != 0; }
   static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
   static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
 
@@ -60,7 +66,7 @@ struct Simd {
   }
 
   // Lane i of the result = sum of the lanes of a[i], for 16 vectors: a transpose folded into adds.
-  static V transpose_reduce(const V* a) {
+  TANDEM_ALWAYS_INLINE static V transpose_reduce(const V* a) {
     V b[8], c[4];
     for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, a'0+a'2, a1+a3, a'1+a'3] of the pair
       b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));

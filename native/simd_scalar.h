@@ -18,6 +18,15 @@ struct Simd {
   static V div(V a, V b) { return a / b; }
   static V fma(V a, V b, V c) { return a * b + c; }  // std::fma is a slow libm call without FMA hardware
   static float lane0(V v) { return v; }
+  static void prefetch(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p);
+#else
+    (void)p;
+#endif
+  }
+  // Some lane > x (NaN lanes are not).
+  static bool any_greater(V a, float x) { return a > x; }
   static float reduce_add(V v) { return v; }
   static float reduce_max(V v) { return v; }
   template <DType D> static V load_f32(const typename Elem<D>::type* p) { return to_f32<D>(*p); }

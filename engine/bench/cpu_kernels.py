@@ -113,7 +113,7 @@ def attention(batches: list[int], lengths: list[int], threads: list[int], repeat
 
 
 def experts(tokens: list[int], threads: list[int], repeats: int, *, hidden: int, ffn: int, dtype: str,
-            pcie_ms: float, progress: Callable[[str], None]) -> dict:
+            pcie_ms: float, progress: Callable[[str], None], read_gbps: dict[int, float] | None = None) -> dict:
     from engine.hw.expert_costs import ExpertStore, concurrent_bandwidths, fill_ms, rotation
     from engine.hw.probe import probe_cpu
     from engine.hw.shapes import ExpertShape
@@ -133,6 +133,9 @@ def experts(tokens: list[int], threads: list[int], repeats: int, *, hidden: int,
                 with _native_for_all_tokens():
                     ms = time_cpu(lambda i: native_fn(x, *store.views(i)), 2, repeats).median_ms
                 row.update(native_ms=round(ms, 4), native_GBps=_gbps(nbytes, ms))
+                if (read_gbps or {}).get(t):  # per-core efficiency: weights read vs a plain read, same threads
+                    row.update(stream_read_GBps=read_gbps[t],
+                               native_fraction_of_read=round(row["native_GBps"] / read_gbps[t], 3))
             ms = time_cpu(lambda i: torch_expert_ffn(x, *store.views(i)), 2, repeats).median_ms
             row.update(torch_ms=round(ms, 4), torch_GBps=_gbps(nbytes, ms))
             rows.append(row)
@@ -195,6 +198,7 @@ def run(*, threads: list[int] | None = None, lengths: list[int] | None = None, b
         stream_bytes: int | None = None, q_heads: int = 32, kv_heads: int = 4, head_dim: int = 128,
         hidden: int = 2048, ffn: int = 768, pcie_ms: float = 200.0,
         progress: Callable[[str], None] = lambda s: None) -> dict:
+    explicit_threads = threads is not None
     threads = threads or default_threads()
     lengths = lengths or (QUICK_LENGTHS if quick else FULL_LENGTHS)
     batches = batches or [1, 4]
@@ -213,9 +217,11 @@ def run(*, threads: list[int] | None = None, lengths: list[int] | None = None, b
         record["attention"] = attention(batches, lengths, threads, repeats, q_heads=q_heads, kv_heads=kv_heads,
                                         head_dim=head_dim, dtype=torch.bfloat16, torch_sdpa=torch_sdpa,
                                         read_gbps=read, progress=progress)
-        expert_threads = sorted({max(1, cores - 1), threads[-1]}) if not quick else [threads[-1]]
+        # Thread counts given explicitly (e.g. 1,2 for per-core efficiency) apply to the experts too.
+        expert_threads = (threads if explicit_threads else
+                          sorted({max(1, cores - 1), threads[-1]}) if not quick else [threads[-1]])
         record["experts"] = experts(tokens, expert_threads, repeats, hidden=hidden, ffn=ffn, dtype="bfloat16",
-                                    pcie_ms=pcie_ms, progress=progress)
+                                    pcie_ms=pcie_ms, progress=progress, read_gbps=read)
     finally:
         torch.set_num_threads(torch_threads)
     record["seconds"] = round(time.perf_counter() - t0, 1)

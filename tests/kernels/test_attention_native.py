@@ -198,3 +198,57 @@ def test_front_door_names_the_native_kernel():
         pytest.skip("the native extension is not built")
     assert attention_cpu.implementation(torch.bfloat16, 32, 4, 128) == "native"
     assert attention_cpu.kernel_name(torch.bfloat16, 32, 4, 128) == attention_native.implementation()
+
+
+def rising_blocks(lengths, n_kv, hs, block_size, dtype, step):
+    """Block-major pool blocks whose keys grow along the sequence (key t scaled by 1 + step·t), so
+    the scores' maximum keeps rising tile after tile: the softmax reference moves many times."""
+    ks, vs = [], []
+    for L in lengths:
+        grow = (1 + step * torch.arange(L, dtype=torch.float32))[None, :, None]
+        K, V = (torch.randn(n_kv, L, hs) * grow).to(dtype), torch.randn(n_kv, L, hs).to(dtype)
+        ks.append([K[:, a:a + block_size] for a in range(0, L, block_size)])
+        vs.append([V[:, a:a + block_size] for a in range(0, L, block_size)])
+    return ks, vs
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("hs", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rising_and_falling_scores_stay_exact(kernel_mode, group, hs, dtype):
+    """Scores spanning hundreds of log2 units, rising then falling: the lazily moved softmax reference
+    (and the rescale of o and l it triggers) must give the exact result; lengths are not multiples of
+    the block or tile size, and sequences with no block and with a single block are in the batch."""
+    n_kv = 2
+    lengths = [0, 23, 333, 64 * 9 + 5]
+    ks, vs = rising_blocks(lengths, n_kv, hs, 64, dtype, step=0.05)
+    ks[2], vs[2] = [k.flip(1) for k in reversed(ks[2])], [v.flip(1) for v in reversed(vs[2])]  # falling
+    q = torch.randn(len(lengths), n_kv * group, 1, hs).to(dtype)
+    ref_out, ref_lse = reference(q, ks, vs, 0.5)
+    for threads in (1, 3):
+        out, lse = attend_blocks(q, ks, vs, scale=0.5, threads=threads)
+        check(out, lse, ref_out, ref_lse, tol=2e-4)
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == -math.inf)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("hs", [64, 128])
+def test_shuffled_pool_with_many_blocks(kernel_mode, group, hs):
+    """Prefetching follows the walk across blocks lying anywhere in a pool, in both pool layouts, and
+    across the pieces threads get: long sequences of shuffled blocks, partly filled last blocks."""
+    n_kv, bs, n_pool = 2, 16, 160
+    k_pool = torch.randn(n_pool, n_kv, bs, hs).to(torch.bfloat16)
+    v_pool = torch.randn(n_pool, n_kv, bs, hs).to(torch.bfloat16)
+    order = torch.randperm(n_pool)
+    lengths = [16 * 70 + 3, 1, 16 * 50, 0]
+    ids = [order[:71], order[71:72], order[72:122], order[122:122]]
+    ks = [[k_pool[int(i), :, :min(bs, L - j * bs)] for j, i in enumerate(blocks)] for blocks, L in zip(ids, lengths)]
+    vs = [[v_pool[int(i), :, :min(bs, L - j * bs)] for j, i in enumerate(blocks)] for blocks, L in zip(ids, lengths)]
+    q = torch.randn(len(lengths), n_kv * group, 1, hs).to(torch.bfloat16)
+    ref_out, ref_lse = reference(q, ks, vs, hs ** -0.5)
+    for block_dim, (kp, vp) in ((0, (k_pool, v_pool)),
+                                (1, (k_pool.transpose(0, 1).contiguous(), v_pool.transpose(0, 1).contiguous()))):
+        table = KVBlockTable.from_pool(kp, vp, ids, lengths, block_dim=block_dim)
+        for threads in (1, 2, 5):
+            out, lse = attend_blocks(q, table, threads=threads)
+            check(out, lse, ref_out, ref_lse)

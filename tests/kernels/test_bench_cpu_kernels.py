@@ -16,7 +16,9 @@ def test_bench_record_on_tiny_sizes():
     assert [p["tokens"] for p in points] == [1, 3] and all(p["torch_ms"] > 0 for p in record["experts"]["points"])
     if native.module() is not None:
         assert all(p["native_ms"] > 0 for p in points)
-        assert "1" in record["experts"]["crossover_tokens"]  # keyed by thread count
+        # explicit thread counts apply to the experts too, with the same threads' plain read beside them
+        assert all(p["threads"] == 1 and p["native_fraction_of_read"] > 0 for p in points)
+        assert set(record["experts"]["crossover_tokens"]) == {"1"}
     assert record["summary"]["length"] == 300 and "bs1" in record["summary"]
 
 
