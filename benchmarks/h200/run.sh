@@ -14,12 +14,13 @@
 #   bash benchmarks/h200/run.sh G    # whole-model decode per KV policy at 32K under 24 GB (bench e2e)
 #   bash benchmarks/h200/run.sh H    # decode steps as CUDA graphs: tests, kernel profile, resident L16 graphs vs eager
 #   bash benchmarks/h200/run.sh I    # F1, then the resident rows of F2 and transformers (same weights, one run)
+#   bash benchmarks/h200/run.sh J    # native CPU kernels after the prefetch work; paged-kernel tile sweep
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
 # Results land in $OUT (or ./h200-out). The built-in SmolLM2 file does not travel to that machine,
 # so tests that need it are deselected there.
 set -uo pipefail
-phase=${1:?A, B, C, D, E, F, F1, F2, G, H or I}
+phase=${1:?A, B, C, D, E, F, F1, F2, G, H, I or J}
 out=${OUT:-h200-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -96,6 +97,16 @@ if [ "$phase" = F2 ] || [ "$phase" = F ] || [ "$phase" = I ]; then
     timeout 120 python3 -m engine.cli bench transformers --model synthetic:qwen3-30b-a3b-L16 --contexts 8192 \
       --batch-sizes 1 --new-tokens 32 --json "$out/transformers-q16.json" > /dev/null 2>>"$log"
   fi
+fi
+if [ "$phase" = J ]; then
+  step tests: native kernels, decode graphs
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention_native.py tests/kernels/test_experts_cpu.py \
+    tests/models/test_decode_graph.py 2>&1 | tail -15 | tee "$out/pytest.log"
+  step bench cpu-kernels
+  timeout 300 python3 -m engine.cli bench cpu-kernels --thread-counts 1,2,8,15,16 --lengths 8k,32k --batches 1,4 \
+    --tokens 1,2,4,8 --quick --repeats 7 --json "$out/cpu-kernels.json" > /dev/null 2>>"$log"
+  step paged kernel sweep
+  timeout 150 python3 benchmarks/h200/tune_paged.py --json "$out/tune-paged.json" 2>&1 | grep -v Warn | tee -a "$log"
 fi
 if [ "$phase" = H ]; then
   step CUDA tests: paged kernel, decode graphs, family parity
