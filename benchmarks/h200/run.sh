@@ -15,12 +15,13 @@
 #   bash benchmarks/h200/run.sh H    # decode steps as CUDA graphs: tests, kernel profile, resident L16 graphs vs eager
 #   bash benchmarks/h200/run.sh I    # F1, then the resident rows of F2 and transformers (same weights, one run)
 #   bash benchmarks/h200/run.sh J    # native CPU kernels after the prefetch work; paged-kernel tile sweep
+#   bash benchmarks/h200/run.sh K    # after the sweep's choice: resident L16 decode; hybrid KV attention at 32K
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
 # Results land in $OUT (or ./h200-out). The built-in SmolLM2 file does not travel to that machine,
 # so tests that need it are deselected there.
 set -uo pipefail
-phase=${1:?A, B, C, D, E, F, F1, F2, G, H, I or J}
+phase=${1:?A, B, C, D, E, F, F1, F2, G, H, I, J or K}
 out=${OUT:-h200-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -107,6 +108,18 @@ if [ "$phase" = J ]; then
     --tokens 1,2,4,8 --quick --repeats 7 --json "$out/cpu-kernels.json" > /dev/null 2>>"$log"
   step paged kernel sweep
   timeout 150 python3 benchmarks/h200/tune_paged.py --json "$out/tune-paged.json" 2>&1 | grep -v Warn | tee -a "$log"
+fi
+if [ "$phase" = K ]; then
+  step tests: paged kernel, decode graphs
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py tests/models/test_decode_graph.py \
+    tests/kv/test_resident_paged.py 2>&1 | tail -15 | tee "$out/pytest.log"
+  step resident synthetic:qwen3-30b-a3b-L16 bench e2e
+  timeout 150 python3 -m engine.cli bench e2e --model synthetic:qwen3-30b-a3b-L16 --kv-policies resident \
+    --expert-policy resident --batch-sizes 1,4 --contexts 2048,8192,32768 --new-tokens 32 --vram-budget-gb 0 \
+    --json "$out/e2e-resident-L16-graphs.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
+  step bench kv at 32K: writescope against both fixed splits, native CPU kernel
+  timeout 240 python3 -m engine.cli bench kv --policies writescope,gpu-centric,cpu-centric --layers 8 --lengths 32768 \
+    --batch-sizes 1,4,16 --json "$out/kv-32k.json" > /dev/null 2>>"$log"
 fi
 if [ "$phase" = H ]; then
   step CUDA tests: paged kernel, decode graphs, family parity
