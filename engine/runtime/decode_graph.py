@@ -85,7 +85,8 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: another thread's CUDA calls (the app polling memory) cannot spoil the capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self.model(tokens, positions, self.kv)  # (B, V) fp32, a buffer of the pool
         except Exception as e:  # an op that syncs with the host or is not capturable: stay eager
             self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
