@@ -29,19 +29,19 @@ log = logging.getLogger("tandem")
 
 def unsupported_reason(model, kv, experts, device: torch.device, max_batch: int) -> str | None:
     """Why decode steps cannot be replayed as graphs here, or None when they can."""
+    if not isinstance(kv, ResidentKV):
+        return f"the {kv.policy} KV decides placement on the host every step"
+    if experts is not None and not isinstance(experts, ResidentExperts):
+        return f"the {experts.policy} expert policy decides placement on the host every step"
     if device.type != "cuda":
         return "graphs need CUDA"
     if max_batch > GROUPED_MAX_TOKENS:
         return f"max_batch above {GROUPED_MAX_TOKENS} takes the per-expert path, which syncs with the host"
-    if not isinstance(kv, ResidentKV):
-        return f"the {kv.policy} KV decides placement on the host every step"
     if not kv.paged:
         return "the paged decode kernel does not take this model's head dim (powers of two ≥ 16 only)"
-    if experts is not None:
-        if not isinstance(experts, ResidentExperts):
-            return f"the {experts.policy} expert policy decides placement on the host every step"
-        dtype = experts.gate_up[0].dtype if experts.gate_up else torch.float32
-        if experts.gate_up and (experts.gate_up[0].shape[0] > MAX_GROUPS or not uses_grouped_mm(device, dtype)):
+    if experts is not None and experts.gate_up:
+        dtype = experts.gate_up[0].dtype
+        if experts.gate_up[0].shape[0] > MAX_GROUPS or not uses_grouped_mm(device, dtype):
             return "the grouped expert GEMM does not run here"
     return None
 

@@ -35,6 +35,12 @@ def test_graphs_are_off_where_they_cannot_run(tmp_path):
     off = tiny_engine(folder, cuda_graphs=False)
     assert off.info()["cuda_graphs"] == {"off": "off in the config"}
     off.close()
+    hybrid = tiny_engine(folder, kv_policy="gpu-centric", simulate_hybrid=True)
+    assert hybrid.info()["cuda_graphs"]["off"] == "the gpu-centric KV decides placement on the host every step"
+    hybrid.close()
+    offloaded = tiny_engine(folder, expert_policy="on-demand", simulate_hybrid=True, expert_cache_slots=4)
+    assert "on-demand expert policy" in offloaded.info()["cuda_graphs"]["off"]
+    offloaded.close()
 
 
 def _batch(engine, n_new=12):
