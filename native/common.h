@@ -106,6 +106,11 @@ struct KernelTable {
                       int64_t row_begin, int64_t row_end);
 };
 
+// Row stride (elements) of the expert activation scratch (x converted, h) for rows of n elements of
+// es bytes: one cache line more than the row, so that the tokens of a tile (H = 2048 in bf16 is 4 KiB)
+// do not all fall into one L1 set with the weight rows (8 tokens + 2 rows overflowed Zen 4's 8 ways).
+constexpr int64_t expert_act_stride(int64_t n, int64_t es) { return n + 64 / es; }
+
 // Weight rows per expert tile for `lanes`-wide vectors and `tokens` tokens per tile: ≤ 4, so that the
 // rows split finely over threads (Qwen3-30B-A3B's I = 768 gives 192 units of work).
 constexpr int expert_tile_rows(int lanes, int tokens) { return lanes / tokens < 4 ? lanes / tokens : 4; }

@@ -2,6 +2,7 @@
 // Included before any target pragma, so these compile for the baseline ISA and inline anywhere.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

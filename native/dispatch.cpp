@@ -230,15 +230,20 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
 void expert_ffn(const ExpertProblem& P, int n_threads) {
   const KernelTable& K = active_table();
   const int nt = threads_or_default(n_threads);
-  // Few tokens: more weight rows per tile (no padded tokens); many: 4 tokens share each weight load.
-  int tpt = P.n_tokens == 1 ? 1 : P.n_tokens == 2 ? 2 : 4;
+  // Tokens per tile: all of the call's tokens up to kMaxTileTokens, so that each weight row is read
+  // once (3 tokens are padded to 4, 5…7 to 8); more tokens go through in groups of kMaxTileTokens.
+  const char* env_tpt = std::getenv("TANDEM_EXPERT_MAX_TILE_TOKENS");
+  const int kMaxTileTokens = env_tpt ? std::atoi(env_tpt) : 8;
+  int tpt = P.n_tokens <= 1 ? 1 : P.n_tokens == 2 ? 2 : 4;
+  while (tpt < P.n_tokens && tpt < kMaxTileTokens) tpt *= 2;
   tpt = std::min(tpt, K.lanes);
   const int64_t n_pad = (P.n_tokens + tpt - 1) / tpt * tpt;
   const size_t es = dtype_size(K.expert_activation_dtype(P));
   static thread_local std::vector<char> buffer;
-  // xs (n_pad, H) then h (n_pad, I), 64-byte aligned.
-  const size_t xs_bytes = (size_t(n_pad * P.hidden) * es + 63) / 64 * 64;
-  char* base = scratch(buffer, xs_bytes + size_t(n_pad * P.inter) * es + 64);
+  // xs (n_pad, H) then h (n_pad, I), rows expert_act_stride apart, 64-byte aligned.
+  const int64_t xs_row = expert_act_stride(P.hidden, int64_t(es)), h_row = expert_act_stride(P.inter, int64_t(es));
+  const size_t xs_bytes = (size_t(n_pad * xs_row) * es + 63) / 64 * 64;
+  char* base = scratch(buffer, xs_bytes + size_t(n_pad * h_row) * es + 64);
   char* xs = base + (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
   char* h = xs + xs_bytes;
   const int64_t unit = expert_tile_rows(K.lanes, tpt);  // rows per scheduling unit: one tile's rows
@@ -248,10 +253,18 @@ void expert_ffn(const ExpertProblem& P, int n_threads) {
   {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n_pad; ++t) K.expert_prepare_x(P, xs, n_pad, t, t + 1);
+    // One contiguous run of units per thread, in one call: the kernels read a run in blocks of tiles,
+    // a K chunk at a time (see experts_kernel.h).
 #pragma omp for schedule(static)
-    for (int64_t u = 0; u < n1; ++u) K.expert_gate_up(P, xs, h, n_pad, tpt, u * unit, (u + 1) * unit);
+    for (int i = 0; i < nt; ++i) {
+      const int64_t b = n1 * i / nt, e = n1 * (i + 1) / nt;
+      if (e > b) K.expert_gate_up(P, xs, h, n_pad, tpt, b * unit, e * unit);
+    }
 #pragma omp for schedule(static)
-    for (int64_t u = 0; u < n2; ++u) K.expert_down(P, h, n_pad, tpt, u * unit, (u + 1) * unit);
+    for (int i = 0; i < nt; ++i) {
+      const int64_t b = n2 * i / nt, e = n2 * (i + 1) / nt;
+      if (e > b) K.expert_down(P, h, n_pad, tpt, b * unit, e * unit);
+    }
   }
 }
 

@@ -39,11 +39,11 @@ void expert_prepare_x(const ExpertProblem& P, void* xs, int64_t n_pad, int64_t t
   for (int64_t t = t_begin; t < t_end; ++t) {
     const void* src = static_cast<const char*>(P.x) + t * P.x_stride * int64_t(dtype_size(P.x_dtype));
     if (bf16) {
-      uint16_t* dst = static_cast<uint16_t*>(xs) + t * H;
+      uint16_t* dst = static_cast<uint16_t*>(xs) + t * expert_act_stride(H, 2);
       if (t < P.n_tokens) convert_row_from<DType::bf16>(src, P.x_dtype, dst, H);
       else for (int64_t d = 0; d < H; ++d) dst[d] = 0;
     } else {
-      float* dst = static_cast<float*>(xs) + t * H;
+      float* dst = static_cast<float*>(xs) + t * expert_act_stride(H, 4);
       if (t < P.n_tokens) convert_row_from<DType::f32>(src, P.x_dtype, dst, H);
       else for (int64_t d = 0; d < H; ++d) dst[d] = 0.0f;
     }
@@ -55,43 +55,59 @@ void expert_prepare_x(const ExpertProblem& P, void* xs, int64_t n_pad, int64_t t
 // keep many lines in flight to read at DRAM speed.
 constexpr int64_t kWeightPrefetchBytes = 2048;
 
-// Prefetch the line kWeightPrefetchBytes past element k of `row` (K elements), continuing into
-// `after` (the row read next) past the end.
-template <class WT> TANDEM_ALWAYS_INLINE void prefetch_ahead(const WT* row, int64_t k, int64_t K, const WT* after) {
-  const int64_t ahead = k + kWeightPrefetchBytes / int64_t(sizeof(WT));
-  Simd::prefetch(ahead < K ? row + ahead : after + (ahead - K));
+// Activation bytes of one tile's K range that should stay in L1 (32 KiB on Zen 4, 48 KiB on Sapphire
+// Rapids) next to the streaming weights. 8 tokens × H = 2048 in bf16 are 32 KiB: swept once per tile,
+// they were evicted by the weights and came from L2 at half the dot-product rate.
+constexpr int64_t kActivationL1Bytes = 16384;
+
+// Elements of K per chunk for TB tokens of AT activations, a multiple of `step` (≥ one step).
+template <class AT, int TB, int64_t step> constexpr int64_t k_chunk() {
+  constexpr int64_t fit = kActivationL1Bytes / (TB * int64_t(sizeof(AT))) / step * step;
+  return fit > step ? fit : step;
 }
 
-// Lane r·TB + t = w[r] · a[t] over K elements (lanes past RB·TB: 0); a holds TB rows of K contiguous
-// activations.
+// Prefetch the line kWeightPrefetchBytes past element k of `row`, whose segment being read ends at
+// k_end; past that end, continue at `after` (where this row slot reads next).
+template <class WT> TANDEM_ALWAYS_INLINE void prefetch_ahead(const WT* row, int64_t k, int64_t k_end, const WT* after) {
+  const int64_t ahead = k + kWeightPrefetchBytes / int64_t(sizeof(WT));
+  Simd::prefetch(ahead < k_end ? row + ahead : after + (ahead - k_end));
+}
+
+// Lane r·TB + t = w[r][k0:k1] · a[t][k0:k1] (lanes past RB·TB: 0); a holds TB rows of activations,
+// a_stride elements apart.
 // Few tokens (TB < 4, memory-bound): each weight row is read start to end (ascending addresses, the
 // prefetchers' favourite), with U interleaved partial sums per (row, token) so that ≥ 4 independent
-// chains hide the latency. Four tokens (compute-bound): 4 rows × 4 tokens at once, so each loaded
-// weight vector serves 4 tokens and each activation vector 4 rows.
-// `next`: elements from w[r] to row r of the tile after this one (for prefetching across tiles).
+// chains hide the latency. Four or more tokens: RB rows × TB tokens at once (4 × 4, 2 × 8: the 16
+// accumulators of one result vector), so each loaded weight vector serves every token of the tile and
+// each activation vector RB rows; with TB ≥ the call's tokens, every weight row is read once.
+// `next`: elements from w[r] to the segment row slot r reads after this one (for prefetching).
 template <DType WD, bool DP, int RB, int TB>
-inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act, int64_t K, int64_t next) {
+inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act, int64_t a_stride, int64_t k0, int64_t k1,
+                        int64_t next) {
   static_assert(RB * TB <= Simd::W, "a tile fits one vector of results (unused lanes stay zero)");
   constexpr int64_t step = DP ? 2 * Simd::W : Simd::W;  // elements per vector of weights
   const uint16_t* a16 = static_cast<const uint16_t*>(act);
   const float* a32 = static_cast<const float*>(act);
+  // Zeroed by an unrolled loop: a plain loop became a memset (rep stos) of the array's stack copy
+  // on every tile, a tenth of a down-stage tile's time.
   Simd::V acc[Simd::W];
-  for (auto& v : acc) v = Simd::zero();
+#pragma GCC unroll 16
+  for (int i = 0; i < Simd::W; ++i) acc[i] = Simd::zero();
   if constexpr (TB >= 4) {
-    for (int64_t k = 0; k < K; k += step) {
-      for (int r = 0; r < RB; ++r) prefetch_ahead(w[r], k, K, w[r] + next);
+    for (int64_t k = k0; k < k1; k += step) {
+      for (int r = 0; r < RB; ++r) prefetch_ahead(w[r], k, k1, w[r] + next);
       if constexpr (DP) {
         Simd::VI wv[RB];
         for (int r = 0; r < RB; ++r) wv[r] = Simd::load_raw(w[r] + k);
         for (int t = 0; t < TB; ++t) {
-          const Simd::VI xv = Simd::load_raw(a16 + t * K + k);
+          const Simd::VI xv = Simd::load_raw(a16 + t * a_stride + k);
           for (int r = 0; r < RB; ++r) acc[r * TB + t] = Simd::dp(acc[r * TB + t], wv[r], xv);
         }
       } else {
         Simd::V wv[RB];
         for (int r = 0; r < RB; ++r) wv[r] = Simd::load_f32<WD>(w[r] + k);
         for (int t = 0; t < TB; ++t) {
-          const Simd::V xv = Simd::load(a32 + t * K + k);
+          const Simd::V xv = Simd::load(a32 + t * a_stride + k);
           for (int r = 0; r < RB; ++r) acc[r * TB + t] = Simd::fma(wv[r], xv, acc[r * TB + t]);
         }
       }
@@ -102,29 +118,29 @@ inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act
   for (int r = 0; r < RB; ++r) {
     Simd::V part[U * TB];
     for (auto& v : part) v = Simd::zero();
-    const auto* after = r + 1 < RB ? w[r + 1] : w[0] + next;  // the row read after this one
-    int64_t k = 0;
-    for (; k + U * step <= K; k += U * step)
+    const auto* after = r + 1 < RB ? w[r + 1] + k0 : w[0] + next;  // the segment read after this one
+    int64_t k = k0;
+    for (; k + U * step <= k1; k += U * step)
       for (int u = 0; u < U; ++u) {
         const int64_t ku = k + u * step;
-        prefetch_ahead(w[r], ku, K, after);
+        prefetch_ahead(w[r], ku, k1, after);
         if constexpr (DP) {
           const Simd::VI wv = Simd::load_raw(w[r] + ku);
           for (int t = 0; t < TB; ++t)
-            part[u * TB + t] = Simd::dp(part[u * TB + t], wv, Simd::load_raw(a16 + t * K + ku));
+            part[u * TB + t] = Simd::dp(part[u * TB + t], wv, Simd::load_raw(a16 + t * a_stride + ku));
         } else {
           const Simd::V wv = Simd::load_f32<WD>(w[r] + ku);
-          for (int t = 0; t < TB; ++t) part[u * TB + t] = Simd::fma(wv, Simd::load(a32 + t * K + ku), part[u * TB + t]);
+          for (int t = 0; t < TB; ++t) part[u * TB + t] = Simd::fma(wv, Simd::load(a32 + t * a_stride + ku), part[u * TB + t]);
         }
       }
-    for (; k < K; k += step) {  // K not a multiple of U·step
-      prefetch_ahead(w[r], k, K, after);
+    for (; k < k1; k += step) {  // the segment not a multiple of U·step
+      prefetch_ahead(w[r], k, k1, after);
       if constexpr (DP) {
         const Simd::VI wv = Simd::load_raw(w[r] + k);
-        for (int t = 0; t < TB; ++t) part[t] = Simd::dp(part[t], wv, Simd::load_raw(a16 + t * K + k));
+        for (int t = 0; t < TB; ++t) part[t] = Simd::dp(part[t], wv, Simd::load_raw(a16 + t * a_stride + k));
       } else {
         const Simd::V wv = Simd::load_f32<WD>(w[r] + k);
-        for (int t = 0; t < TB; ++t) part[t] = Simd::fma(wv, Simd::load(a32 + t * K + k), part[t]);
+        for (int t = 0; t < TB; ++t) part[t] = Simd::fma(wv, Simd::load(a32 + t * a_stride + k), part[t]);
       }
     }
     for (int t = 0; t < TB; ++t) {
@@ -136,6 +152,10 @@ inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act
   return Simd::transpose_reduce(acc);
 }
 
+// Tiles per block: a block's rows are read one K chunk at a time (chunk c of every tile, then chunk
+// c + 1), with each tile's partial results kept in a vector between chunks.
+constexpr int kBlockTiles = 8;
+
 // silu(g)·u = g·u / (1 + e^−g), with e^−g = 2^(−g·log2 e): exp2's clamp at 2^−126 leaves silu(g) = g
 // for large g, and its overflow to inf gives −0 for very negative g.
 inline Simd::V swiglu(Simd::V g, Simd::V u) {
@@ -144,29 +164,47 @@ inline Simd::V swiglu(Simd::V g, Simd::V u) {
 }
 
 // Stage 1, rows [j0, j1) of the intermediate: h[t][j] = silu(gate_j · x_t) · (up_j · x_t).
+// Order of reading within a block: for each K chunk, for each tile: its gate rows, then its up rows.
 template <DType WD, bool DP, int TB>
 void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad, int64_t j0, int64_t j1) {
   constexpr int W = Simd::W, RB = expert_tile_rows(W, TB);
   using WT = typename Elem<WD>::type;
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
+  constexpr int64_t KC = k_chunk<AT, TB, DP ? 2 * W : W>();
   const WT* gu = static_cast<const WT*>(P.gate_up);
-  const int64_t H = P.hidden, I = P.inter;
+  const int64_t H = P.hidden, I = P.inter, S = P.gate_up_stride;
+  const int64_t XS = expert_act_stride(H, sizeof(AT)), HS = expert_act_stride(I, sizeof(AT));
   alignas(64) float hs[W];  // one tile of h, lane r·TB + t
-  for (int64_t j = j0; j < j1; j += RB) {
-    const WT* gate[RB];
-    const WT* up[RB];
-    for (int r = 0; r < RB; ++r) {
-      gate[r] = gu + (j + r) * P.gate_up_stride;
-      up[r] = gu + (I + j + r) * P.gate_up_stride;
-    }
+  for (int64_t jb = j0; jb < j1; jb += kBlockTiles * RB) {
+    const int nb = int(std::min<int64_t>(kBlockTiles, (j1 - jb) / RB));
     for (int64_t t0 = 0; t0 < n_pad; t0 += TB) {
-      const AT* a = static_cast<const AT*>(xs) + t0 * H;
-      const Simd::V hv = swiglu(dot_tile<WD, DP, RB, TB>(gate, a, H, RB * P.gate_up_stride),
-                                     dot_tile<WD, DP, RB, TB>(up, a, H, RB * P.gate_up_stride));
-      Simd::store(hs, hv);
-      for (int r = 0; r < RB; ++r)
-        for (int t = 0; t < TB; ++t)
-          static_cast<AT*>(h)[(t0 + t) * I + j + r] = from_f32<DP ? DType::bf16 : DType::f32>(hs[r * TB + t]);
+      const AT* a = static_cast<const AT*>(xs) + t0 * XS;
+      Simd::V g[kBlockTiles], u[kBlockTiles];
+      for (int b = 0; b < nb; ++b) g[b] = u[b] = Simd::zero();
+      for (int64_t k0 = 0; k0 < H; k0 += KC) {
+        const int64_t k1 = std::min(H, k0 + KC);
+        for (int b = 0; b < nb; ++b) {
+          const WT* gate[RB];
+          const WT* up[RB];
+          for (int r = 0; r < RB; ++r) {
+            gate[r] = gu + (jb + b * RB + r) * S;
+            up[r] = gu + (I + jb + b * RB + r) * S;
+          }
+          // After the up rows: the next tile's gate rows at this chunk, or the block's first at the
+          // next chunk, or the next block's first at chunk 0.
+          const int64_t up_next = b + 1 < nb ? (RB - I) * S + k0
+                                  : k1 < H    ? (-I - b * RB) * S + k1
+                                              : (RB - I) * S;
+          g[b] = Simd::add(g[b], dot_tile<WD, DP, RB, TB>(gate, a, XS, k0, k1, I * S + k0));
+          u[b] = Simd::add(u[b], dot_tile<WD, DP, RB, TB>(up, a, XS, k0, k1, up_next));
+        }
+      }
+      for (int b = 0; b < nb; ++b) {
+        Simd::store(hs, swiglu(g[b], u[b]));
+        for (int r = 0; r < RB; ++r)
+          for (int t = 0; t < TB; ++t)
+            static_cast<AT*>(h)[(t0 + t) * HS + jb + b * RB + r] = from_f32<DP ? DType::bf16 : DType::f32>(hs[r * TB + t]);
+      }
     }
   }
 }
@@ -177,17 +215,31 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
   constexpr int W = Simd::W, RB = expert_tile_rows(W, TB);
   using WT = typename Elem<WD>::type;
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
+  constexpr int64_t KC = k_chunk<AT, TB, DP ? 2 * W : W>();
   const WT* dn = static_cast<const WT*>(P.down);
-  const int64_t I = P.inter;
+  const int64_t I = P.inter, S = P.down_stride, HS = expert_act_stride(I, sizeof(AT));
   alignas(64) float y[W];
-  for (int64_t r = r0; r < r1; r += RB) {
-    const WT* rows[RB];
-    for (int i = 0; i < RB; ++i) rows[i] = dn + (r + i) * P.down_stride;
+  for (int64_t rb = r0; rb < r1; rb += kBlockTiles * RB) {
+    const int nb = int(std::min<int64_t>(kBlockTiles, (r1 - rb) / RB));
     for (int64_t t0 = 0; t0 < n_pad; t0 += TB) {
-      Simd::store(y, dot_tile<WD, DP, RB, TB>(rows, static_cast<const AT*>(h) + t0 * I, I, RB * P.down_stride));
-      for (int i = 0; i < RB; ++i)
-        for (int t = 0; t < TB && t0 + t < P.n_tokens; ++t)
-          store_from_f32(P.y, P.y_dtype, (t0 + t) * P.y_stride + r + i, y[i * TB + t]);
+      const AT* a = static_cast<const AT*>(h) + t0 * HS;
+      Simd::V acc[kBlockTiles];
+      for (int b = 0; b < nb; ++b) acc[b] = Simd::zero();
+      for (int64_t k0 = 0; k0 < I; k0 += KC) {
+        const int64_t k1 = std::min(I, k0 + KC);
+        for (int b = 0; b < nb; ++b) {
+          const WT* rows[RB];
+          for (int i = 0; i < RB; ++i) rows[i] = dn + (rb + b * RB + i) * S;
+          const int64_t next = b + 1 < nb ? RB * S + k0 : k1 < I ? -b * RB * S + k1 : RB * S;
+          acc[b] = Simd::add(acc[b], dot_tile<WD, DP, RB, TB>(rows, a, HS, k0, k1, next));
+        }
+      }
+      for (int b = 0; b < nb; ++b) {
+        Simd::store(y, acc[b]);
+        for (int i = 0; i < RB; ++i)
+          for (int t = 0; t < TB && t0 + t < P.n_tokens; ++t)
+            store_from_f32(P.y, P.y_dtype, (t0 + t) * P.y_stride + rb + b * RB + i, y[i * TB + t]);
+      }
     }
   }
 }
@@ -222,7 +274,9 @@ void expert_gate_up(const ExpertProblem& P, const void* xs, void* h, int64_t n_p
   switch (tokens_per_tile) {
     case 1: return expert_stage<false, 1>(P, xs, h, n_pad, row_begin, row_end);
     case 2: return expert_stage<false, 2>(P, xs, h, n_pad, row_begin, row_end);
-    default: return expert_stage<false, 4>(P, xs, h, n_pad, row_begin, row_end);
+    case 4: return expert_stage<false, 4>(P, xs, h, n_pad, row_begin, row_end);
+    case 8: return expert_stage<false, 8>(P, xs, h, n_pad, row_begin, row_end);
+    default: return expert_stage<false, 16>(P, xs, h, n_pad, row_begin, row_end);
   }
 }
 
@@ -231,6 +285,8 @@ void expert_down(const ExpertProblem& P, const void* h, int64_t n_pad, int token
   switch (tokens_per_tile) {
     case 1: return expert_stage<true, 1>(P, h, nullptr, n_pad, row_begin, row_end);
     case 2: return expert_stage<true, 2>(P, h, nullptr, n_pad, row_begin, row_end);
-    default: return expert_stage<true, 4>(P, h, nullptr, n_pad, row_begin, row_end);
+    case 4: return expert_stage<true, 4>(P, h, nullptr, n_pad, row_begin, row_end);
+    case 8: return expert_stage<true, 8>(P, h, nullptr, n_pad, row_begin, row_end);
+    default: return expert_stage<true, 16>(P, h, nullptr, n_pad, row_begin, row_end);
   }
 }
