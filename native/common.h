@@ -92,24 +92,21 @@ struct ExpertProblem {
 
 // The kernels of one instruction set. Threading lives in dispatch.cpp; these run one piece of work
 // on the calling thread. Expert activations (x converted, then h = silu(g)⊙u) are padded to a
-// multiple of `tokens_per_tile` tokens and stored as `expert_activation_dtype`.
+// multiple of `tokens_per_tile` tokens, stored as `expert_activation_dtype`, tile-interleaved (see
+// experts_kernel.h): the kernels own that layout, dispatch only sizes it (n_pad × H, n_pad × I).
 struct KernelTable {
   const char* name;
   int lanes;  // fp32 lanes of a vector register (1 for the portable path)
   AttentionItemFn attention_item;
   DType (*expert_activation_dtype)(const ExpertProblem&);
-  void (*expert_prepare_x)(const ExpertProblem&, void* xs, int64_t n_pad, int64_t t_begin, int64_t t_end);
+  void (*expert_prepare_x)(const ExpertProblem&, void* xs, int64_t n_pad, int tokens_per_tile, int64_t t_begin,
+                           int64_t t_end);
   // Rows [row_begin, row_end) of h (stage 1) or of y (stage 2); row counts are multiples of lanes.
   void (*expert_gate_up)(const ExpertProblem&, const void* xs, void* h, int64_t n_pad, int tokens_per_tile,
                          int64_t row_begin, int64_t row_end);
   void (*expert_down)(const ExpertProblem&, const void* h, int64_t n_pad, int tokens_per_tile,
                       int64_t row_begin, int64_t row_end);
 };
-
-// Row stride (elements) of the expert activation scratch (x converted, h) for rows of n elements of
-// es bytes: one cache line more than the row, so that the tokens of a tile (H = 2048 in bf16 is 4 KiB)
-// do not all fall into one L1 set with the weight rows (8 tokens + 2 rows overflowed Zen 4's 8 ways).
-constexpr int64_t expert_act_stride(int64_t n, int64_t es) { return n + 64 / es; }
 
 // Weight rows per expert tile for `lanes`-wide vectors and `tokens` tokens per tile: ≤ 4, so that the
 // rows split finely over threads (Qwen3-30B-A3B's I = 768 gives 192 units of work).

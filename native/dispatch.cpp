@@ -240,10 +240,9 @@ void expert_ffn(const ExpertProblem& P, int n_threads) {
   const int64_t n_pad = (P.n_tokens + tpt - 1) / tpt * tpt;
   const size_t es = dtype_size(K.expert_activation_dtype(P));
   static thread_local std::vector<char> buffer;
-  // xs (n_pad, H) then h (n_pad, I), rows expert_act_stride apart, 64-byte aligned.
-  const int64_t xs_row = expert_act_stride(P.hidden, int64_t(es)), h_row = expert_act_stride(P.inter, int64_t(es));
-  const size_t xs_bytes = (size_t(n_pad * xs_row) * es + 63) / 64 * 64;
-  char* base = scratch(buffer, xs_bytes + size_t(n_pad * h_row) * es + 64);
+  // xs (n_pad × H elements) then h (n_pad × I), tile-interleaved, 64-byte aligned.
+  const size_t xs_bytes = (size_t(n_pad * P.hidden) * es + 63) / 64 * 64;
+  char* base = scratch(buffer, xs_bytes + size_t(n_pad * P.inter) * es + 64);
   char* xs = base + (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
   char* h = xs + xs_bytes;
   const int64_t unit = expert_tile_rows(K.lanes, tpt);  // rows per scheduling unit: one tile's rows
@@ -252,7 +251,7 @@ void expert_ffn(const ExpertProblem& P, int n_threads) {
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < n_pad; ++t) K.expert_prepare_x(P, xs, n_pad, t, t + 1);
+    for (int64_t t = 0; t < n_pad; ++t) K.expert_prepare_x(P, xs, n_pad, tpt, t, t + 1);
     // One contiguous run of units per thread, in one call: the kernels read a run in blocks of tiles,
     // a K chunk at a time (see experts_kernel.h).
 #pragma omp for schedule(static)

@@ -2,8 +2,18 @@
 // `Simd`; each ISA translation unit includes this inside an anonymous namespace.
 //
 // Both stages are "weight rows × tokens" dot products. A tile is RB weight rows × TB tokens with
-// RB·TB = W accumulators, reduced together into one vector (lane r·TB + t). Weight rows stream from
+// RB·TB ≤ W accumulators, reduced together into one vector (lane r·TB + t). Weight rows stream from
 // DRAM once per call; the activations (≤ 256 tokens) come from L1/L2 for every tile.
+//
+// Activations (xs: x converted, h) are tile-interleaved: per group of TB tokens, per block of `step`
+// elements along K (one vector of weights: 64 bytes), the TB tokens' blocks one after another, so a
+// tile step reads TB consecutive vectors from one pointer (few registers for addresses, no 4 KiB
+// aliasing between tokens, a chunk of K is one contiguous run).
+
+// Element (t, k) of tile-interleaved activations with K elements per token.
+template <int TB, int64_t step> constexpr int64_t act_index(int64_t t, int64_t k, int64_t K) {
+  return t / TB * TB * K + k / step * TB * step + t % TB * step + k % step;
+}
 
 // Activations in bf16 when both stages can use pairwise bf16 dot products, else fp32.
 DType expert_activation_dtype(const ExpertProblem& P) {
@@ -31,23 +41,41 @@ inline void convert_row_from(const void* src, DType in, typename Elem<Out>::type
   }
 }
 
-// Tokens [t_begin, t_end) of the padded activation scratch xs (n_pad, H); padding tokens are zero.
-void expert_prepare_x(const ExpertProblem& P, void* xs, int64_t n_pad, int64_t t_begin, int64_t t_end) {
-  (void)n_pad;
+// Tokens [t_begin, t_end) of the padded activation scratch xs (n_pad × H, tile-interleaved for
+// TB tokens per tile); padding tokens are zero.
+template <class AT, int TB>
+void prepare_x_tokens(const ExpertProblem& P, AT* xs, int64_t t_begin, int64_t t_end) {
+  constexpr DType Out = sizeof(AT) == 2 ? DType::bf16 : DType::f32;
+  constexpr int64_t step = Out == DType::bf16 ? 2 * Simd::W : Simd::W;  // as the kernels step
   const int64_t H = P.hidden;
-  const bool bf16 = expert_activation_dtype(P) == DType::bf16;
   for (int64_t t = t_begin; t < t_end; ++t) {
-    const void* src = static_cast<const char*>(P.x) + t * P.x_stride * int64_t(dtype_size(P.x_dtype));
-    if (bf16) {
-      uint16_t* dst = static_cast<uint16_t*>(xs) + t * expert_act_stride(H, 2);
-      if (t < P.n_tokens) convert_row_from<DType::bf16>(src, P.x_dtype, dst, H);
-      else for (int64_t d = 0; d < H; ++d) dst[d] = 0;
-    } else {
-      float* dst = static_cast<float*>(xs) + t * expert_act_stride(H, 4);
-      if (t < P.n_tokens) convert_row_from<DType::f32>(src, P.x_dtype, dst, H);
-      else for (int64_t d = 0; d < H; ++d) dst[d] = 0.0f;
+    const char* src = static_cast<const char*>(P.x) + t * P.x_stride * int64_t(dtype_size(P.x_dtype));
+    for (int64_t k = 0; k < H; k += step) {
+      AT* dst = xs + act_index<TB, step>(t, k, H);
+      if (t < P.n_tokens) convert_row_from<Out>(src + k * int64_t(dtype_size(P.x_dtype)), P.x_dtype, dst, step);
+      else for (int64_t d = 0; d < step; ++d) dst[d] = AT(0);
     }
   }
+}
+
+template <class AT>
+void prepare_x_as(const ExpertProblem& P, AT* xs, int tokens_per_tile, int64_t t_begin, int64_t t_end) {
+  switch (tokens_per_tile) {
+    case 1: return prepare_x_tokens<AT, 1>(P, xs, t_begin, t_end);
+    case 2: return prepare_x_tokens<AT, 2>(P, xs, t_begin, t_end);
+    case 4: return prepare_x_tokens<AT, 4>(P, xs, t_begin, t_end);
+    case 8: return prepare_x_tokens<AT, 8>(P, xs, t_begin, t_end);
+    default: return prepare_x_tokens<AT, 16>(P, xs, t_begin, t_end);
+  }
+}
+
+void expert_prepare_x(const ExpertProblem& P, void* xs, int64_t n_pad, int tokens_per_tile, int64_t t_begin,
+                      int64_t t_end) {
+  (void)n_pad;
+  if (expert_activation_dtype(P) == DType::bf16)
+    prepare_x_as(P, static_cast<uint16_t*>(xs), tokens_per_tile, t_begin, t_end);
+  else
+    prepare_x_as(P, static_cast<float*>(xs), tokens_per_tile, t_begin, t_end);
 }
 
 // Weights are prefetched this far ahead of their use: a thread's rows are one contiguous run, but
@@ -73,8 +101,8 @@ template <class WT> TANDEM_ALWAYS_INLINE void prefetch_ahead(const WT* row, int6
   Simd::prefetch(ahead < k_end ? row + ahead : after + (ahead - k_end));
 }
 
-// Lane r·TB + t = w[r][k0:k1] · a[t][k0:k1] (lanes past RB·TB: 0); a holds TB rows of activations,
-// a_stride elements apart.
+// Lane r·TB + t = w[r][k0:k1] · a[t][k0:k1] (lanes past RB·TB: 0); a: one tile-interleaved group of
+// TB tokens.
 // Few tokens (TB < 4, memory-bound): each weight row is read start to end (ascending addresses, the
 // prefetchers' favourite), with U interleaved partial sums per (row, token) so that ≥ 4 independent
 // chains hide the latency. Four or more tokens: RB rows × TB tokens at once (4 × 4, 2 × 8: the 16
@@ -82,8 +110,7 @@ template <class WT> TANDEM_ALWAYS_INLINE void prefetch_ahead(const WT* row, int6
 // each activation vector RB rows; with TB ≥ the call's tokens, every weight row is read once.
 // `next`: elements from w[r] to the segment row slot r reads after this one (for prefetching).
 template <DType WD, bool DP, int RB, int TB>
-inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act, int64_t a_stride, int64_t k0, int64_t k1,
-                        int64_t next) {
+inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act, int64_t k0, int64_t k1, int64_t next) {
   static_assert(RB * TB <= Simd::W, "a tile fits one vector of results (unused lanes stay zero)");
   constexpr int64_t step = DP ? 2 * Simd::W : Simd::W;  // elements per vector of weights
   const uint16_t* a16 = static_cast<const uint16_t*>(act);
@@ -100,14 +127,14 @@ inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act
         Simd::VI wv[RB];
         for (int r = 0; r < RB; ++r) wv[r] = Simd::load_raw(w[r] + k);
         for (int t = 0; t < TB; ++t) {
-          const Simd::VI xv = Simd::load_raw(a16 + t * a_stride + k);
+          const Simd::VI xv = Simd::load_raw(a16 + k * TB + t * step);
           for (int r = 0; r < RB; ++r) acc[r * TB + t] = Simd::dp(acc[r * TB + t], wv[r], xv);
         }
       } else {
         Simd::V wv[RB];
         for (int r = 0; r < RB; ++r) wv[r] = Simd::load_f32<WD>(w[r] + k);
         for (int t = 0; t < TB; ++t) {
-          const Simd::V xv = Simd::load(a32 + t * a_stride + k);
+          const Simd::V xv = Simd::load(a32 + k * TB + t * step);
           for (int r = 0; r < RB; ++r) acc[r * TB + t] = Simd::fma(wv[r], xv, acc[r * TB + t]);
         }
       }
@@ -127,20 +154,20 @@ inline Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act
         if constexpr (DP) {
           const Simd::VI wv = Simd::load_raw(w[r] + ku);
           for (int t = 0; t < TB; ++t)
-            part[u * TB + t] = Simd::dp(part[u * TB + t], wv, Simd::load_raw(a16 + t * a_stride + ku));
+            part[u * TB + t] = Simd::dp(part[u * TB + t], wv, Simd::load_raw(a16 + ku * TB + t * step));
         } else {
           const Simd::V wv = Simd::load_f32<WD>(w[r] + ku);
-          for (int t = 0; t < TB; ++t) part[u * TB + t] = Simd::fma(wv, Simd::load(a32 + t * a_stride + ku), part[u * TB + t]);
+          for (int t = 0; t < TB; ++t) part[u * TB + t] = Simd::fma(wv, Simd::load(a32 + ku * TB + t * step), part[u * TB + t]);
         }
       }
     for (; k < k1; k += step) {  // the segment not a multiple of U·step
       prefetch_ahead(w[r], k, k1, after);
       if constexpr (DP) {
         const Simd::VI wv = Simd::load_raw(w[r] + k);
-        for (int t = 0; t < TB; ++t) part[t] = Simd::dp(part[t], wv, Simd::load_raw(a16 + t * a_stride + k));
+        for (int t = 0; t < TB; ++t) part[t] = Simd::dp(part[t], wv, Simd::load_raw(a16 + k * TB + t * step));
       } else {
         const Simd::V wv = Simd::load_f32<WD>(w[r] + k);
-        for (int t = 0; t < TB; ++t) part[t] = Simd::fma(wv, Simd::load(a32 + t * a_stride + k), part[t]);
+        for (int t = 0; t < TB; ++t) part[t] = Simd::fma(wv, Simd::load(a32 + k * TB + t * step), part[t]);
       }
     }
     for (int t = 0; t < TB; ++t) {
@@ -170,15 +197,14 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
   constexpr int W = Simd::W, RB = expert_tile_rows(W, TB);
   using WT = typename Elem<WD>::type;
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
-  constexpr int64_t KC = k_chunk<AT, TB, DP ? 2 * W : W>();
+  constexpr int64_t step = DP ? 2 * W : W, KC = k_chunk<AT, TB, step>();
   const WT* gu = static_cast<const WT*>(P.gate_up);
   const int64_t H = P.hidden, I = P.inter, S = P.gate_up_stride;
-  const int64_t XS = expert_act_stride(H, sizeof(AT)), HS = expert_act_stride(I, sizeof(AT));
   alignas(64) float hs[W];  // one tile of h, lane r·TB + t
   for (int64_t jb = j0; jb < j1; jb += kBlockTiles * RB) {
     const int nb = int(std::min<int64_t>(kBlockTiles, (j1 - jb) / RB));
     for (int64_t t0 = 0; t0 < n_pad; t0 += TB) {
-      const AT* a = static_cast<const AT*>(xs) + t0 * XS;
+      const AT* a = static_cast<const AT*>(xs) + t0 * H;  // the group of tokens t0…t0 + TB − 1
       Simd::V g[kBlockTiles], u[kBlockTiles];
       for (int b = 0; b < nb; ++b) g[b] = u[b] = Simd::zero();
       for (int64_t k0 = 0; k0 < H; k0 += KC) {
@@ -195,18 +221,28 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
           const int64_t up_next = b + 1 < nb ? (RB - I) * S + k0
                                   : k1 < H    ? (-I - b * RB) * S + k1
                                               : (RB - I) * S;
-          g[b] = Simd::add(g[b], dot_tile<WD, DP, RB, TB>(gate, a, XS, k0, k1, I * S + k0));
-          u[b] = Simd::add(u[b], dot_tile<WD, DP, RB, TB>(up, a, XS, k0, k1, up_next));
+          g[b] = Simd::add(g[b], dot_tile<WD, DP, RB, TB>(gate, a, k0, k1, I * S + k0));
+          u[b] = Simd::add(u[b], dot_tile<WD, DP, RB, TB>(up, a, k0, k1, up_next));
         }
       }
       for (int b = 0; b < nb; ++b) {
         Simd::store(hs, swiglu(g[b], u[b]));
         for (int r = 0; r < RB; ++r)
           for (int t = 0; t < TB; ++t)
-            static_cast<AT*>(h)[(t0 + t) * HS + jb + b * RB + r] = from_f32<DP ? DType::bf16 : DType::f32>(hs[r * TB + t]);
+            static_cast<AT*>(h)[act_index<TB, step>(t0 + t, jb + b * RB + r, I)] = from_f32<DP ? DType::bf16 : DType::f32>(hs[r * TB + t]);
       }
     }
   }
+}
+
+// n fp32 values → elements [i, i + n) of y (dtype d), a vector at a time for fp32 and bf16.
+inline void store_run(void* y, DType d, int64_t i, const float* src, int64_t n) {
+  int64_t k = 0;
+  if (d == DType::f32)
+    for (; k + Simd::W <= n; k += Simd::W) Simd::store(static_cast<float*>(y) + i + k, Simd::load(src + k));
+  else if (d == DType::bf16)
+    for (; k + Simd::W <= n; k += Simd::W) Simd::store_bf16(static_cast<uint16_t*>(y) + i + k, Simd::load(src + k));
+  for (; k < n; ++k) store_from_f32(y, d, i + k, src[k]);
 }
 
 // Stage 2, rows [r0, r1) of the output: y[t][r] = down_r · h_t, written in y's dtype.
@@ -215,14 +251,15 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
   constexpr int W = Simd::W, RB = expert_tile_rows(W, TB);
   using WT = typename Elem<WD>::type;
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
-  constexpr int64_t KC = k_chunk<AT, TB, DP ? 2 * W : W>();
+  constexpr int64_t step = DP ? 2 * W : W, KC = k_chunk<AT, TB, step>();
   const WT* dn = static_cast<const WT*>(P.down);
-  const int64_t I = P.inter, S = P.down_stride, HS = expert_act_stride(I, sizeof(AT));
-  alignas(64) float y[W];
+  const int64_t I = P.inter, S = P.down_stride;
+  alignas(64) float y[kBlockTiles * W];   // the block's tiles, lane r·TB + t each
+  alignas(64) float run[kBlockTiles * RB];  // one token's outputs of the block
   for (int64_t rb = r0; rb < r1; rb += kBlockTiles * RB) {
     const int nb = int(std::min<int64_t>(kBlockTiles, (r1 - rb) / RB));
     for (int64_t t0 = 0; t0 < n_pad; t0 += TB) {
-      const AT* a = static_cast<const AT*>(h) + t0 * HS;
+      const AT* a = static_cast<const AT*>(h) + t0 * I;
       Simd::V acc[kBlockTiles];
       for (int b = 0; b < nb; ++b) acc[b] = Simd::zero();
       for (int64_t k0 = 0; k0 < I; k0 += KC) {
@@ -231,14 +268,15 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
           const WT* rows[RB];
           for (int i = 0; i < RB; ++i) rows[i] = dn + (rb + b * RB + i) * S;
           const int64_t next = b + 1 < nb ? RB * S + k0 : k1 < I ? -b * RB * S + k1 : RB * S;
-          acc[b] = Simd::add(acc[b], dot_tile<WD, DP, RB, TB>(rows, a, HS, k0, k1, next));
+          acc[b] = Simd::add(acc[b], dot_tile<WD, DP, RB, TB>(rows, a, k0, k1, next));
         }
       }
-      for (int b = 0; b < nb; ++b) {
-        Simd::store(y, acc[b]);
-        for (int i = 0; i < RB; ++i)
-          for (int t = 0; t < TB && t0 + t < P.n_tokens; ++t)
-            store_from_f32(P.y, P.y_dtype, (t0 + t) * P.y_stride + rb + b * RB + i, y[i * TB + t]);
+      // Per token, the block's nb·RB outputs as one run (lanes r·TB + t of each tile → row b·RB + r).
+      for (int b = 0; b < nb; ++b) Simd::store(y + b * W, acc[b]);
+      for (int t = 0; t < TB && t0 + t < P.n_tokens; ++t) {
+        for (int b = 0; b < nb; ++b)
+          for (int r = 0; r < RB; ++r) run[b * RB + r] = y[b * W + r * TB + t];
+        store_run(P.y, P.y_dtype, (t0 + t) * P.y_stride + rb, run, nb * RB);
       }
     }
   }
