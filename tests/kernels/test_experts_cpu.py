@@ -38,12 +38,24 @@ def test_matches_float64_reference_for_1_to_256_tokens(kernel_mode, dtype, monke
     monkeypatch.setattr(experts_cpu, "_native_max_tokens", 256)  # the native kernel for every count
     H, I = 128, 96
     gate_up, down = weights(H, I, dtype)
-    for n in (1, 2, 3, 4, 5, 8, 17, 64, 256):
+    for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64, 256):
         x = torch.randn(n, H).to(dtype)
         out = torch.full((n, H), math.nan).to(dtype)  # poisoned: every element must be written
         y = expert_ffn(x, gate_up, down, out=out, threads=2)
         assert y is out and y.dtype == dtype
         check(y, x, gate_up, down, dtype)
+
+
+@pytest.mark.parametrize("H, I", [(1088, 96), (96, 1088), (1088, 80)])
+def test_long_rows_read_in_chunks(kernel_mode, H, I, monkeypatch):
+    """Rows longer than one K chunk (activations kept in L1: 1024 bf16 or 512 fp32 elements for 8 tokens),
+    with a short last chunk; (1088, 80) takes the fp32-activation path (I is not a multiple of 32). Thread
+    counts that split the rows unevenly, and token counts for every tile width."""
+    monkeypatch.setattr(experts_cpu, "_native_max_tokens", 256)
+    gate_up, down = weights(H, I, torch.bfloat16)
+    for n, threads in ((1, 3), (3, 1), (6, 2), (8, 3), (16, 2), (19, 1)):
+        x = torch.randn(n, H).bfloat16()
+        check(expert_ffn(x, gate_up, down, threads=threads), x, gate_up, down, torch.bfloat16)
 
 
 def test_fp32_activations_with_bf16_weights(kernel_mode):
