@@ -45,6 +45,9 @@ inline void convert_row_from(const void* src, DType in, typename Elem<Out>::type
 // TB tokens per tile); padding tokens are zero.
 template <class AT, int TB>
 void prepare_x_tokens(const ExpertProblem& P, AT* xs, int64_t t_begin, int64_t t_end) {
+  if constexpr (Simd::W % TB != 0) {  // the layout of the kernel that expert_stage falls back to
+    return prepare_x_tokens<AT, 1>(P, xs, t_begin, t_end);
+  }
   constexpr DType Out = sizeof(AT) == 2 ? DType::bf16 : DType::f32;
   constexpr int64_t step = Out == DType::bf16 ? 2 * Simd::W : Simd::W;  // as the kernels step
   const int64_t H = P.hidden;
@@ -64,8 +67,7 @@ void prepare_x_as(const ExpertProblem& P, AT* xs, int tokens_per_tile, int64_t t
     case 1: return prepare_x_tokens<AT, 1>(P, xs, t_begin, t_end);
     case 2: return prepare_x_tokens<AT, 2>(P, xs, t_begin, t_end);
     case 4: return prepare_x_tokens<AT, 4>(P, xs, t_begin, t_end);
-    case 8: return prepare_x_tokens<AT, 8>(P, xs, t_begin, t_end);
-    default: return prepare_x_tokens<AT, 16>(P, xs, t_begin, t_end);
+    default: return prepare_x_tokens<AT, 8>(P, xs, t_begin, t_end);
   }
 }
 
@@ -313,8 +315,7 @@ void expert_gate_up(const ExpertProblem& P, const void* xs, void* h, int64_t n_p
     case 1: return expert_stage<false, 1>(P, xs, h, n_pad, row_begin, row_end);
     case 2: return expert_stage<false, 2>(P, xs, h, n_pad, row_begin, row_end);
     case 4: return expert_stage<false, 4>(P, xs, h, n_pad, row_begin, row_end);
-    case 8: return expert_stage<false, 8>(P, xs, h, n_pad, row_begin, row_end);
-    default: return expert_stage<false, 16>(P, xs, h, n_pad, row_begin, row_end);
+    default: return expert_stage<false, 8>(P, xs, h, n_pad, row_begin, row_end);
   }
 }
 
@@ -324,7 +325,6 @@ void expert_down(const ExpertProblem& P, const void* h, int64_t n_pad, int token
     case 1: return expert_stage<true, 1>(P, h, nullptr, n_pad, row_begin, row_end);
     case 2: return expert_stage<true, 2>(P, h, nullptr, n_pad, row_begin, row_end);
     case 4: return expert_stage<true, 4>(P, h, nullptr, n_pad, row_begin, row_end);
-    case 8: return expert_stage<true, 8>(P, h, nullptr, n_pad, row_begin, row_end);
-    default: return expert_stage<true, 16>(P, h, nullptr, n_pad, row_begin, row_end);
+    default: return expert_stage<true, 8>(P, h, nullptr, n_pad, row_begin, row_end);
   }
 }
