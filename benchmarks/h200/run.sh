@@ -17,12 +17,13 @@
 #   bash benchmarks/h200/run.sh J    # native CPU kernels after the prefetch work; paged-kernel tile sweep
 #   bash benchmarks/h200/run.sh K    # after the sweep's choice: resident L16 decode; hybrid KV attention at 32K
 #   bash benchmarks/h200/run.sh L    # decode graph tests; the 48-layer resident upper bound through `tandem generate`
+#   bash benchmarks/h200/run.sh M    # native expert kernel with 8-token tiles: tests, cpu-kernels at 15/16 threads
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
 # Results land in $OUT (or ./h200-out). The built-in SmolLM2 file does not travel to that machine,
 # so tests that need it are deselected there.
 set -uo pipefail
-phase=${1:?A, B, C, D, E, F, F1, F2, G, H, I, J, K or L}
+phase=${1:?A, B, C, D, E, F, F1, F2, G, H, I, J, K, L or M}
 out=${OUT:-h200-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -109,6 +110,14 @@ if [ "$phase" = J ]; then
     --tokens 1,2,4,8 --quick --repeats 7 --json "$out/cpu-kernels.json" > /dev/null 2>>"$log"
   step paged kernel sweep
   timeout 150 python3 benchmarks/h200/tune_paged.py --json "$out/tune-paged.json" 2>&1 | grep -v Warn | tee -a "$log"
+fi
+if [ "$phase" = M ]; then
+  step tests: native expert kernel
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_experts_cpu.py tests/experts/test_expert_executor.py \
+    2>&1 | tail -5 | tee "$out/pytest.log"
+  step bench cpu-kernels
+  timeout 200 python3 -m engine.cli bench cpu-kernels --thread-counts 15,16 --lengths 32k --batches 1,4 \
+    --tokens 1,2,4,8 --quick --repeats 7 --json "$out/cpu-kernels.json" > /dev/null 2>>"$log"
 fi
 if [ "$phase" = L ]; then
   step tests: decode graphs
