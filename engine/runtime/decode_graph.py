@@ -27,7 +27,7 @@ from engine.kv.resident import ResidentKV
 log = logging.getLogger("tandem")
 
 
-def unsupported_reason(model, kv, experts, device: torch.device, max_batch: int) -> str | None:
+def unsupported_reason(kv, experts, device: torch.device, max_batch: int) -> str | None:
     """Why decode steps cannot be replayed as graphs here, or None when they can."""
     if not isinstance(kv, ResidentKV):
         return f"the {kv.policy} KV decides placement on the host every step"

@@ -45,7 +45,7 @@ class TandemBackend:
             g.graphs.close()
             g.graphs = None
         reason = "off in the config" if not self.config.cuda_graphs else \
-            unsupported_reason(p.model, p.kv, p.experts, p.device, self.config.max_batch)
+            unsupported_reason(p.kv, p.experts, p.device, self.config.max_batch)
         self.graphs_off = reason
         if reason is None:
             g.graphs = DecodeGraphs(p.model, p.kv, p.experts, p.device, self.config.max_batch)
