@@ -41,14 +41,18 @@ class TandemBackend:
         from engine.runtime.decode_graph import DecodeGraphs, unsupported_reason
 
         p, g = self.parts, self.generator
-        if g.graphs is not None:
-            g.graphs.close()
-            g.graphs = None
+        self._drop_graphs()
         reason = "off in the config" if not self.config.cuda_graphs else \
             unsupported_reason(p.kv, p.experts, p.device, self.config.max_batch)
         self.graphs_off = reason
         if reason is None:
             g.graphs = DecodeGraphs(p.model, p.kv, p.experts, p.device, self.config.max_batch)
+
+    def _drop_graphs(self) -> None:
+        """Before the KV or experts they were captured over go (and to free their memory pool)."""
+        if self.generator.graphs is not None:
+            self.generator.graphs.close()
+            self.generator.graphs = None
 
     @property
     def tokenizer(self):
@@ -121,9 +125,7 @@ class TandemBackend:
 
         from engine.runtime.expert_placement import switch_expert_policy
 
-        if self.generator.graphs is not None:  # captured over the experts being replaced
-            self.generator.graphs.close()
-            self.generator.graphs = None
+        self._drop_graphs()
         switch_expert_policy(self.parts, replace(self.config, expert_policy=policy), policy)
         self.config.expert_policy = policy  # the engine's config describes what runs
         self._setup_graphs()
@@ -141,9 +143,7 @@ class TandemBackend:
         p = self.parts
         for key in list(self.generator.sessions):
             self.generator.end_session(key)
-        if self.generator.graphs is not None:  # they point into the old KV's buffers
-            self.generator.graphs.close()
-            self.generator.graphs = None
+        self._drop_graphs()
         if hasattr(p.kv, "close"):
             p.kv.close()
         p.kv = self.generator.kv = None
@@ -174,8 +174,7 @@ class TandemBackend:
             return
         for key in list(self.generator.sessions):
             self.generator.end_session(key)
-        if self.generator.graphs is not None:  # graphs first: they hold memory of the pool and point into the KV
-            self.generator.graphs.close()
+        self._drop_graphs()  # first: they point into the KV and the experts
         if hasattr(self.parts.experts, "close"):  # offloaded experts: copies done, worker stopped, store unpinned
             self.parts.experts.close()
         if hasattr(self.parts.kv, "close"):  # hybrid KV: copies done, CPU-side thread stopped, host regions unpinned
