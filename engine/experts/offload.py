@@ -28,6 +28,7 @@ from engine.experts.executor import ExpertExecutor
 from engine.experts.planner import MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
+from engine.kernels import moe_decode_gpu
 from engine.kernels.experts_gpu import grouped_expert_ffn, grouped_impl, uses_grouped_mm
 from engine.kernels.experts_torch import expert_ffn
 from engine.sched.expert_cost import ExpertCostModel
@@ -118,7 +119,12 @@ class OffloadedExperts(ExpertExecutor):
             self._prev_sweep_start, self._sweep_start = self._sweep_start, (lru.clock if lru else 0)
         predicted = self.predictor.propose(layer, x) if self.predictor is not None else None
         both = ids if predicted is None else torch.cat([ids, predicted.to(ids.dtype)])  # (N or 2N, k)
-        host = both.cpu().numpy()  # the layer's one host sync
+        # The layer's one host sync: routing, prediction, and the inputs a CPU set would need, each
+        # copied without blocking (into pinned pages on a GPU), then one wait for all of them.
+        host_t, x_h, w_h = (t.to("cpu", non_blocking=True) for t in (both, x, weights))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        host = host_t.numpy()
         ids_h = host[:N]
         if self.predictor is not None:
             self.predictor.score(layer, ids_h)
@@ -138,7 +144,7 @@ class OffloadedExperts(ExpertExecutor):
         fill_slots = [self._fill(layer, e) for e in plan.fill]
         job = None
         if plan.cpu:
-            job = self._workers.submit(self._cpu_set, layer, plan.cpu, x.cpu(), ids_h, weights.cpu())
+            job = self._workers.submit(self._cpu_set, layer, plan.cpu, x_h, ids_h, w_h)
             self.cpu_executed += len(plan.cpu)
         gpu_experts = hits + plan.fill
         out = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts]) \
@@ -168,17 +174,19 @@ class OffloadedExperts(ExpertExecutor):
         if self._map_dev is not self._map_host:  # reused after the next layer's host sync: safe
             self._map_dev.copy_(self._map_host, non_blocking=True)
         self.cache.wait_copies()
+        if moe_decode_gpu.available(x):  # a few tokens: matrix-vector products over the slots in place
+            slot_ids = self._map_dev[ids]  # (N, k) slot, or the sentinel (past the pool: skipped) for CPU pairs
+            return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down)
         slot_of_pair = self._map_dev[ids.reshape(-1)]  # (N·k,) slot, or the sentinel for CPU pairs
         sorted_slots, perm = torch.sort(slot_of_pair, stable=True)
         xs = x[perm // k]  # (N·k, H) rows grouped by slot
-        if self._grouped_mm:  # group ends on the device: no host round trip
-            offs, groups = torch.searchsorted(sorted_slots, self._group_ends, out_int32=True), None  # (S,)
-        else:  # the host knows the groups: slot order, rows per slot
-            by_slot = np.argsort(slots)
-            ends = np.cumsum(pairs_per_expert[by_slot])
-            groups = list(zip(np.asarray(slots)[by_slot].tolist(), (ends - pairs_per_expert[by_slot]).tolist(),
-                              ends.tolist()))
-            offs = None
+        # The host knows the groups (slot order, rows per slot): a pool of more slots than one grouped
+        # GEMM takes runs in windows of them without reading the group ends back.
+        by_slot = np.argsort(slots)
+        ends = np.cumsum(pairs_per_expert[by_slot])
+        groups = list(zip(np.asarray(slots)[by_slot].tolist(), (ends - pairs_per_expert[by_slot]).tolist(),
+                          ends.tolist()))
+        offs = torch.searchsorted(sorted_slots, self._group_ends, out_int32=True) if self._grouped_mm else None  # (S,)
         y = grouped_expert_ffn(xs, self.cache.gate_up, self.cache.down, offs, groups)  # (N·k, H)
         on_gpu = (sorted_slots < self._sentinel).unsqueeze(1)  # (N·k, 1)
         w = weights.reshape(-1)[perm].unsqueeze(1).float()

@@ -19,6 +19,9 @@ the last bit. Nothing reads back to the host: a CUDA graph can capture it.
 
     moe_decode(x, ids, weights, gate_up, down) -> out
         x (N, H); ids (N, k) int; weights (N, k); gate_up (E, 2I, H) gate rows first; down (E, H, I)
+
+An id outside [0, E) skips its pair (it adds zero and reads no weights): the offloaded experts pass
+slot ids of a cache pool and mark the pairs the CPU computes that way.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ def available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, H, I, top_k, stride_we, stride_wr,
+    def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, H, I, E, top_k, stride_we, stride_wr,
                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of the gate half
-        row_ok = rows < I
         e = tl.load(ids_ptr + p).to(tl.int64)
+        n_rows = tl.where((e >= 0) & (e < E), I, 0)  # a skipped pair loads nothing and stores zeros
+        row_ok = rows < n_rows
+        store_ok = rows < I
         t = p // top_k
         base = w_ptr + e * stride_we
         acc_gate = tl.zeros((BLOCK_R,), tl.float32)
@@ -64,15 +69,16 @@ if triton is not None:
         gate = acc_gate.to(dtype).to(tl.float32)  # F.linear's output rounding
         up = acc_up.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        tl.store(act_ptr + p * I + rows, (silu * up).to(dtype), mask=row_ok)
+        tl.store(act_ptr + p * I + rows, (silu * up).to(dtype), mask=store_ok)
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, H, I, stride_we, stride_wr,
+    def _down_kernel(act_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, H, I, E, stride_we, stride_wr,
                      BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # output features
-        row_ok = rows < H
         e = tl.load(ids_ptr + p).to(tl.int64)
+        row_ok = rows < tl.where((e >= 0) & (e < E), H, 0)
+        store_ok = rows < H
         base = w_ptr + e * stride_we
         acc = tl.zeros((BLOCK_R,), tl.float32)
         for i0 in range(0, I, BLOCK_I):
@@ -85,7 +91,7 @@ if triton is not None:
         dtype = y_ptr.dtype.element_ty
         w = tl.load(wts_ptr + p).to(tl.float32)
         y = acc.to(dtype).to(tl.float32)  # the expert's output, rounded as F.linear's
-        tl.store(y_ptr + p * H + rows, (y * w).to(dtype), mask=row_ok)  # weighted in the model dtype
+        tl.store(y_ptr + p * H + rows, (y * w).to(dtype), mask=store_ok)  # weighted in the model dtype
 
     @triton.jit
     def _sum_choices_kernel(y_ptr, out_ptr, H, top_k, BLOCK: tl.constexpr):
@@ -114,9 +120,10 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
         return out
     # Few rows per program and whole 1024-wide stretches of them: thousands of programs even for one
     # token, so that every multiprocessor has many loads in flight (the GEMV is bandwidth-bound).
-    _gate_up_kernel[(P, triton.cdiv(I, 4))](x, gate_up, ids, act, H, I, k, gate_up.stride(0), gate_up.stride(1),
+    E = gate_up.shape[0]
+    _gate_up_kernel[(P, triton.cdiv(I, 4))](x, gate_up, ids, act, H, I, E, k, gate_up.stride(0), gate_up.stride(1),
                                             BLOCK_R=4, BLOCK_H=min(1024, triton.next_power_of_2(H)))
-    _down_kernel[(P, triton.cdiv(H, 8))](act, down, ids, weights, y, H, I, down.stride(0), down.stride(1),
+    _down_kernel[(P, triton.cdiv(H, 8))](act, down, ids, weights, y, H, I, E, down.stride(0), down.stride(1),
                                          BLOCK_R=8, BLOCK_I=min(1024, triton.next_power_of_2(I)))
     _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, out, H, k, BLOCK=1024)
     return out

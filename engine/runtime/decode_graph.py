@@ -6,21 +6,30 @@ Captured once per batch size, the step becomes one graph launch.
 
 What makes the step capturable: the resident KV puts the step's inputs (write slots, positions, key
 counts, block table) at fixed device addresses and the paged kernel sizes its splits on the device
-(engine/kv/resident.py); the grouped experts find their groups without reading back to the host
-(engine/kernels/experts_gpu.py). Only the resident KV's paged decode with resident (or no) experts
-qualifies; hybrid KV and offloaded experts decide placement on the host every step and run eagerly.
+(engine/kv/resident.py); the resident experts find their groups without reading back to the host
+(engine/kernels/experts_gpu.py, moe_decode_gpu.py). Hybrid KV decides placement on the host every
+step and runs eagerly.
+
+Offloaded experts also decide on the host, per layer (LRU lookup, fills, a CPU share), so their step
+is captured in pieces: one graph from each MoE layer's routing to the next (attention, norms, router,
+residuals), cut where the layer hands its tokens to the experts. A replay runs the pieces in order and,
+at each cut, the executor eagerly on the captured inputs (x, ids, weights at fixed addresses), writing
+into a fixed output buffer that the next piece reads.
 
 The first step of a batch size runs eagerly on a side stream (Triton compiles, cuBLAS picks its
-algorithms), then is captured and replayed: K, V of that step are written twice with the same values.
+algorithms), then is captured and replayed: K, V of that step are written twice with the same values
+(and offloaded experts run twice for it).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from engine.experts.executor import GROUPED_MAX_TOKENS, ResidentExperts
+from engine.experts.executor import GROUPED_MAX_TOKENS, ExpertExecutor, ResidentExperts
+from engine.experts.offload import OffloadedExperts
 from engine.kernels.experts_gpu import MAX_GROUPS, uses_grouped_mm
 from engine.kv.resident import ResidentKV
 
@@ -31,14 +40,16 @@ def unsupported_reason(kv, experts, device: torch.device, max_batch: int) -> str
     """Why decode steps cannot be replayed as graphs here, or None when they can."""
     if not isinstance(kv, ResidentKV):
         return f"the {kv.policy} KV decides placement on the host every step"
-    if experts is not None and not isinstance(experts, ResidentExperts):
-        return f"the {experts.policy} expert policy decides placement on the host every step"
     if device.type != "cuda":
         return "graphs need CUDA"
-    if max_batch > GROUPED_MAX_TOKENS:
-        return f"max_batch above {GROUPED_MAX_TOKENS} takes the per-expert path, which syncs with the host"
     if not kv.paged:
         return "the paged decode kernel does not take this model's head dim (powers of two ≥ 16 only)"
+    if isinstance(experts, OffloadedExperts):
+        return None if experts.device.type == "cuda" else "the offloaded experts' GPU side is simulated on the CPU"
+    if experts is not None and not isinstance(experts, ResidentExperts):
+        return f"the {experts.policy} expert policy cannot be captured"
+    if max_batch > GROUPED_MAX_TOKENS:
+        return f"max_batch above {GROUPED_MAX_TOKENS} takes the per-expert path, which syncs with the host"
     if experts is not None and experts.gate_up:
         dtype = experts.gate_up[0].dtype
         if experts.gate_up[0].shape[0] > MAX_GROUPS or not uses_grouped_mm(device, dtype):
@@ -46,16 +57,71 @@ def unsupported_reason(kv, experts, device: torch.device, max_batch: int) -> str
     return None
 
 
+@dataclass
+class _Piece:
+    """One captured stretch of the step; `layer` set: the host runs that MoE layer's experts after it."""
+    graph: torch.cuda.CUDAGraph
+    layer: int | None = None
+    x: torch.Tensor | None = None  # (B, H) the layer's expert input, written by this piece
+    ids: torch.Tensor | None = None  # (B, k)
+    weights: torch.Tensor | None = None  # (B, k)
+    out: torch.Tensor | None = None  # (B, H) the experts' sum, written by the host, read by the next piece
+
+
+class _Cut(ExpertExecutor):
+    """Stands in for offloaded experts while a step is captured: ends the piece that routed this
+    layer, hands back a fixed buffer for the experts' sum, and starts the next piece."""
+
+    policy = "capture-cut"
+
+    def __init__(self, pool, home: torch.cuda.Stream):
+        self.pool, self.home, self.pieces, self.graph = pool, home, [], None  # home: the stream replays run on
+
+    def begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA calls (the app polling memory) cannot spoil the capture
+        self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def end(self, **cut) -> None:
+        graph, self.graph = self.graph, None
+        graph.capture_end()
+        if self.pool is None:
+            self.pool = graph.pool()  # every piece allocates from one pool: tensors cross the cuts
+        self.pieces.append(_Piece(graph, **cut))
+
+    def abort(self) -> None:
+        if self.graph is not None:
+            try:
+                self.graph.capture_end()
+            except Exception:  # the capture is broken already; ending it only tidies the stream
+                pass
+            self.graph = None
+
+    def run(self, layer, x, ids, weights):
+        self.end(layer=layer, x=x, ids=ids, weights=weights)
+        with torch.cuda.stream(self.home):  # outside any capture, owned by the replaying stream
+            out = torch.empty_like(x)  # the host writes it between replays
+        self.pieces[-1].out = out
+        self.begin()
+        return out
+
+    def telemetry(self) -> dict:
+        return {}
+
+
 class DecodeGraphs:
-    """One captured decode forward per batch size, sharing one memory pool."""
+    """Captured decode forwards per batch size: one graph, or pieces cut at offloaded experts."""
 
     def __init__(self, model, kv: ResidentKV, experts, device: torch.device, max_batch: int):
         self.model, self.kv, self.experts, self.device = model, kv, experts, device
         self.tokens = torch.zeros((max_batch, 1), dtype=torch.int64, device=device)  # (B, 1) static input
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # B → (graph, logits (B, V))
-        self.pool = None
+        self.steps: dict[int, tuple[list[_Piece], torch.Tensor]] = {}  # B → (pieces, logits (B, V))
+        self.pool = None  # resident experts: one pool for every batch size (one graph each)
         self.failed: str | None = None  # set when a capture failed: every later step runs eagerly
         self.replays = 0
+        self.cut = isinstance(experts, OffloadedExperts)
+        self._moe = [layer.mlp for layer in model.model.layers if getattr(layer.mlp, "experts", None) is experts] \
+            if self.cut else []
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """tokens (B, 1) on the host, positions (B, 1) from kv.begin_step → logits (B, V) fp32, or None
@@ -64,13 +130,16 @@ class DecodeGraphs:
             return None
         B = tokens.shape[0]
         self.tokens[:B].copy_(tokens, non_blocking=True)
-        entry = self.graphs.get(B)
+        entry = self.steps.get(B)
         if entry is None:
             entry = self._capture(B, positions)
             if entry is None:
                 return None
-        graph, logits = entry
-        graph.replay()
+        pieces, logits = entry
+        for piece in pieces:
+            piece.graph.replay()
+            if piece.layer is not None:  # the host places and runs this layer's experts, eagerly
+                piece.out.copy_(self.experts.run(piece.layer, piece.x, piece.ids, piece.weights))
         self.replays += 1
         if isinstance(self.experts, ResidentExperts):  # the counter Python would have bumped
             self.experts.tokens_routed += B * self.model.args.top_k
@@ -83,24 +152,37 @@ class DecodeGraphs:
         with torch.cuda.stream(side):  # warm-up: compiles kernels, settles cuBLAS workspaces
             self.model(tokens, positions, self.kv)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        # pieces of one batch size share a pool of their own; single graphs share one across sizes
+        cut = _Cut(None if self.cut else self.pool, torch.cuda.current_stream(self.device))
         try:
-            # thread_local: another thread's CUDA calls (the app polling memory) cannot spoil the capture
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            for mlp in self._moe:
+                mlp.experts = cut
+            with torch.cuda.stream(side):
+                cut.begin()
                 logits = self.model(tokens, positions, self.kv)  # (B, V) fp32, a buffer of the pool
+                cut.end()
         except Exception as e:  # an op that syncs with the host or is not capturable: stay eager
+            cut.abort()
             self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             log.warning("decode steps run without CUDA graphs: capture failed (%s)", self.failed)
             torch.cuda.synchronize(self.device)
             return None
-        self.pool = graph.pool()
-        self.graphs[B] = (graph, logits)
-        log.info("captured the decode step for batch %d", B)
-        return self.graphs[B]
+        finally:
+            for mlp in self._moe:
+                mlp.experts = self.experts
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if not self.cut:
+            self.pool = cut.pool
+        self.steps[B] = (cut.pieces, logits)
+        log.info("captured the decode step for batch %d (%d piece%s)", B, len(cut.pieces),
+                 "" if len(cut.pieces) == 1 else "s")
+        return self.steps[B]
 
     def telemetry(self) -> dict:
-        return {"captured_batches": sorted(self.graphs), "replays": self.replays, "failed": self.failed}
+        pieces = {B: len(p) for B, (p, _) in self.steps.items()}
+        return {"captured_batches": sorted(self.steps), "replays": self.replays, "failed": self.failed,
+                **({"pieces_per_step": pieces} if self.cut else {})}
 
     def close(self) -> None:
-        self.graphs.clear()
+        self.steps.clear()
         self.pool = None

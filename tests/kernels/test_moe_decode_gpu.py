@@ -60,3 +60,18 @@ def test_only_decode_sized_cuda_batches_take_the_kernel():
     if torch.cuda.is_available():
         assert moe_decode_gpu.available(torch.zeros(8, 8, device="cuda"))
         assert not moe_decode_gpu.available(torch.zeros(9, 8, device="cuda"))
+
+
+def test_moe_decode_skips_ids_outside_the_pool():
+    """Offloaded experts mark the pairs the CPU computes with an id past the slot pool (or −1):
+    those pairs add exactly zero, whatever their weight, and the rest match the reference."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, ids, w, gate_up, down = _case(3, 4, 8, 32, 16, torch.float32, device, seed=11)
+    skip = torch.tensor([[True, False, False, True], [False, False, False, False], [True, True, True, True]],
+                        device=device)
+    marked = torch.where(skip, torch.where(torch.rand(skip.shape, device=device) < 0.5, -1, 8), ids)
+    out = moe_decode_gpu.moe_decode(x, marked, w, gate_up, down)
+    kept = torch.where(skip, 0.0, w.cpu().double())  # skipped pairs weigh nothing in the reference
+    ref = moe_experts(x.cpu().double(), ids.cpu(), kept, gate_up.cpu().double(), down.cpu().double())
+    assert torch.allclose(out.cpu().double(), ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(out[2].cpu(), torch.zeros_like(out[2].cpu()))  # all four pairs skipped: exactly zero

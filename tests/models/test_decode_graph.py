@@ -39,8 +39,29 @@ def test_graphs_are_off_where_they_cannot_run(tmp_path):
     assert hybrid.info()["cuda_graphs"]["off"] == "the gpu-centric KV decides placement on the host every step"
     hybrid.close()
     offloaded = tiny_engine(folder, expert_policy="on-demand", simulate_hybrid=True, expert_cache_slots=4)
-    assert "on-demand expert policy" in offloaded.info()["cuda_graphs"]["off"]
+    assert offloaded.info()["cuda_graphs"]["off"] == "graphs need CUDA"
     offloaded.close()
+
+
+def test_offloaded_experts_are_captured_in_pieces_only_on_a_real_gpu():
+    """The reasons, read from the objects alone: offloaded experts cut the step into pieces on CUDA;
+    a simulated GPU side on the CPU is not captured."""
+    from engine.experts.offload import OffloadedExperts
+    from engine.runtime.decode_graph import unsupported_reason
+    from engine.kv.resident import ResidentKV
+
+    kv = ResidentKV.__new__(ResidentKV)
+    kv.paged = True
+    simulated = OffloadedExperts.__new__(OffloadedExperts)
+    simulated.device = torch.device("cpu")
+    cuda_dev = torch.device("cuda")
+    assert unsupported_reason(kv, simulated, cuda_dev, 4) == "the offloaded experts' GPU side is simulated on the CPU"
+    real = OffloadedExperts.__new__(OffloadedExperts)
+    real.device = cuda_dev
+    assert unsupported_reason(kv, real, cuda_dev, 64) is None  # the experts run outside the pieces: any batch
+    assert unsupported_reason(kv, real, torch.device("cpu"), 4) == "graphs need CUDA"
+    kv.paged = False
+    assert "paged decode kernel" in unsupported_reason(kv, real, cuda_dev, 4)
 
 
 def _batch(engine, n_new=12):
@@ -107,3 +128,29 @@ def test_a_failed_capture_falls_back_to_eager_steps(tmp_path, monkeypatch):
     assert tel["failed"] and tel["captured_batches"] == [] and tel["replays"] == 0
     assert engine.generate_ids(PROMPT, 8) == expected  # and the engine stays usable
     engine.close()
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy,slots", [("on-demand", 3), ("adaptive", 5), ("cpu-only", 0)])
+def test_offloaded_experts_replay_in_pieces(policy, slots, tmp_path):
+    """With offloaded experts the step is captured in pieces, one per MoE layer plus the head; the
+    host runs each layer's experts between them (small caches: fills, evictions and CPU sets happen
+    during replays), and the tokens are those of eager steps with the same policy. fp32: the first step
+    of each batch size runs the experts twice, so placements (CPU or GPU) differ from the eager run's,
+    and bf16 would round the two sides differently."""
+    folder = _tiny_folder(tmp_path)
+    config = dict(device="cuda", dtype="float32", expert_policy=policy, expert_cache_slots=slots)
+    eager = tiny_engine(folder, cuda_graphs=False, **config)
+    expected = [_batch(eager), eager.generate_ids(PROMPT, 12)]
+    eager.close()
+    graphed = tiny_engine(folder, **config)
+    got = [_batch(graphed), graphed.generate_ids(PROMPT, 12)]
+    tel = graphed.info()["cuda_graphs"]
+    n_layers = graphed.backend.parts.args.n_layers
+    assert tel["failed"] is None and tel["captured_batches"] == [1, 2] and tel["replays"] >= 2 * 10
+    assert tel["pieces_per_step"] == {1: n_layers + 1, 2: n_layers + 1}
+    experts = graphed.stats().experts
+    assert experts["hits"] + experts["misses"] > 0
+    assert got == expected
+    graphed.close()
