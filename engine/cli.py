@@ -256,10 +256,16 @@ def _bench_experts(argv: list[str]) -> tuple[dict, str | None]:
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--expert-cache-slots", type=int, default=None)
     p.add_argument("--simulate-hybrid", action="store_true")
+    p.add_argument("--decode", choices=("sample", "greedy"), default="sample",
+                   help="sample (temperature 1, seeded): near-uniform routing; greedy: a random model repeats one token")
+    p.add_argument("--shared-prefill", action="store_true",
+                   help="prefill each context and batch once, under the first policy, and decode every policy from it")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="decode eagerly (graphs capture decode steps in pieces cut at the offloaded experts)")
     p.add_argument("--json", default=None, help="also write the record here")
     ns = p.parse_args(argv)
     ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
-    return experts.run(model=ns.model, policies=tuple(ns.policies.split(",")), batch_sizes=ints(ns.batch_sizes),
+    return experts.run(decode=ns.decode, shared_prefill=ns.shared_prefill, cuda_graphs=ns.cuda_graphs, model=ns.model, policies=tuple(ns.policies.split(",")), batch_sizes=ints(ns.batch_sizes),
                        contexts=ints(ns.contexts), new_tokens=ns.new_tokens, vram_budget_gb=ns.vram_budget_gb,
                        device=ns.device, cpu_threads=ns.cpu_threads, expert_cache_slots=ns.expert_cache_slots,
                        simulate_hybrid=ns.simulate_hybrid), ns.json

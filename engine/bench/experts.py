@@ -1,14 +1,19 @@
 """`tandem bench experts`: expert placement policies side by side on one model and VRAM budget.
 
 For each policy, context length and batch size: prefill of `context` random prompt tokens per
-sequence, then `new_tokens` greedy decode steps (EOS ignored), each phase measured on its own
-(the decode call reuses the session's KV, so it prefills one token). Per phase: tokens/s, expert
-cache hit rate, expert PCIe GB/s, fills, CPU-executed experts, CPU expert time; per run the
-lookahead predictor's accuracy. The model loads once; policies switch over the same host store
-(`switch_expert_policy`), each with a freshly sized and warmed cache.
+sequence, then `new_tokens` decode steps (EOS ignored), each phase measured on its own (the decode
+call reuses the session's KV, so it prefills one token). Per phase: tokens/s, expert cache hit rate,
+expert PCIe GB/s, fills, CPU-executed experts, CPU expert time; per run the lookahead predictor's
+accuracy. The model loads once; policies switch over the same host store (`switch_expert_policy`),
+each with a freshly sized and warmed cache, and first decode every batch size once (graph capture
+and kernel compiles stay out of the numbers).
 
-Synthetic models have random routers: expert use is near-uniform, a worst case for any cache;
-the record says so.
+Decode samples (temperature 1, seeded) by default: a random model's greedy decode settles on one
+repeated token, so every step would route the same experts — a best case for any cache, not the
+near-uniform routing of random routers (the worst case) that the record names. `decode="greedy"`
+measures that best case. `shared_prefill` prefills each (context, batch) once, under the first
+policy, and decodes every policy from that KV (long contexts: the CPU-only prefill of 32K tokens
+alone takes minutes); the other policies then report no prefill.
 
 `trace` records a hot-expert table (tokens per layer and expert) from generations and saves it
 where the engine looks for it at load (`tandem bench trace`).
@@ -44,8 +49,8 @@ def _phase(before: dict, after: dict, seconds: float, tokens: int) -> dict:
             "cpu_expert_s": round(d["cpu_expert_s"], 4)}
 
 
-def _measure(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> dict:
-    """Prefill (first token) and decode (the rest) of a batch, each with its own expert deltas."""
+def _prefill(engine, prompts: list[list[int]], tag: str):
+    """Prefill a batch (and its first token) in sessions kept for the decode → (sessions, firsts, phase)."""
     from engine.api import GenerationRequest
 
     sessions = [f"{tag}-{i}" for i in range(len(prompts))]
@@ -53,69 +58,111 @@ def _measure(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> dic
     t0 = time.perf_counter()
     first = engine.generate_batch([GenerationRequest(prompt_ids=p, max_new_tokens=1, greedy=True, ignore_eos=True,
                                                      session_id=s) for p, s in zip(prompts, sessions)])
-    t_prefill = time.perf_counter() - t0
-    mid = _counters(engine)
-    reqs = [GenerationRequest(prompt_ids=p + r.token_ids, max_new_tokens=new_tokens, greedy=True, ignore_eos=True,
-                              session_id=s) for p, r, s in zip(prompts, first, sessions)]
+    phase = _phase(before, _counters(engine), time.perf_counter() - t0, sum(r.prefilled_tokens for r in first))
+    phase["engine_tok_s"] = first[0].prefill_tok_s  # the engine's own timer (no tokenising, no bookkeeping)
+    return sessions, [p + r.token_ids for p, r in zip(prompts, first)], phase
+
+
+def _decode(engine, sessions: list[str], histories: list[list[int]], new_tokens: int, sample: bool, seed: int):
+    """Decode new_tokens per session after its history → (phase, histories grown by the decode)."""
+    from engine.api import GenerationRequest
+
+    reqs = [GenerationRequest(prompt_ids=h, max_new_tokens=new_tokens, greedy=not sample, temperature=1.0,
+                              seed=seed + i, ignore_eos=True, session_id=s)
+            for i, (h, s) in enumerate(zip(histories, sessions))]
+    before = _counters(engine)
     t0 = time.perf_counter()
-    second = engine.generate_batch(reqs)
-    t_decode = time.perf_counter() - t0
-    after = _counters(engine)
+    out = engine.generate_batch(reqs)
+    phase = _phase(before, _counters(engine), time.perf_counter() - t0, sum(r.completion_tokens for r in out))
+    phase["engine_tok_s"] = out[0].decode_tok_s
+    return phase, [h + r.token_ids for h, r in zip(histories, out)]
+
+
+def _measure(engine, prompts: list[list[int]], new_tokens: int, tag: str, sample: bool = True, seed: int = 0) -> dict:
+    """Prefill (first token) and decode (the rest) of a batch, each with its own expert deltas."""
+    sessions, histories, prefill = _prefill(engine, prompts, tag)
+    decode, _ = _decode(engine, sessions, histories, new_tokens, sample, seed)
     for s in sessions:
         engine.end_session(s)
-    prefilled = sum(r.prefilled_tokens for r in first)
-    decoded = sum(r.completion_tokens for r in second)
-    prefill = _phase(before, mid, t_prefill, prefilled)
-    decode = _phase(mid, after, t_decode, decoded)
-    # the engine's own phase timers (exclude tokenising and session bookkeeping)
-    prefill["engine_tok_s"] = first[0].prefill_tok_s
-    decode["engine_tok_s"] = second[0].decode_tok_s
-    return {"prefill": prefill, "decode": decode, "predictor": after.get("predictor")}
+    return {"prefill": prefill, "decode": decode, "predictor": _counters(engine).get("predictor")}
+
+
+def _row(engine, policy: str, context: int, bs: int, measured: dict) -> dict:
+    tel = engine.backend.parts.experts.telemetry()
+    info = engine.info()
+    return {"policy": policy, "context": context, "batch": bs, "slots": tel["slots"],
+            "cache_gib": round(tel["cache_bytes"] / 2**30, 3), "kv_policy": info["kv_policy"],
+            "cuda_graphs": info["cuda_graphs"], **measured}
 
 
 def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(1, 4), contexts=(2048,),
         new_tokens: int = 32, vram_budget_gb: float | None = 24.0, device: str = "auto", dtype: str = "auto",
         simulate_hybrid: bool = False, expert_cache_slots: int | None = None, cpu_threads: int | None = None,
-        seed: int = 0, warmup: bool = True, engine=None) -> dict:
+        seed: int = 0, warmup: bool = True, engine=None, decode: str = "sample", shared_prefill: bool = False,
+        cuda_graphs: bool = True) -> dict:
     """engine: an already loaded engine with an offload policy to measure instead of loading one
     (the caller keeps and closes it; its config decides budget and slots)."""
     import torch
 
     from engine.api import Engine, EngineConfig
 
+    if decode not in ("sample", "greedy"):
+        raise ValueError(f"decode must be 'sample' or 'greedy', got {decode!r}")
+    sample = decode == "sample"
     policies = list(policies)
     t0 = time.perf_counter()
     owned = engine is None
     if owned:
         engine = Engine(EngineConfig(model=model, backend="tandem", device=device, dtype=dtype,
                                      expert_policy=policies[0], vram_budget_gb=vram_budget_gb,
-                                     max_batch=max(batch_sizes), max_context=max(contexts) + new_tokens + 2,
+                                     max_batch=max(batch_sizes), max_context=max(contexts) + 2 * new_tokens + 4,
                                      simulate_hybrid=simulate_hybrid, expert_cache_slots=expert_cache_slots,
-                                     cpu_threads=cpu_threads))
+                                     cpu_threads=cpu_threads, cuda_graphs=cuda_graphs))
     load_s = time.perf_counter() - t0
     config = engine.config
     parts = engine.backend.parts  # read only: model shape, store and cost model for the record
     gen = torch.Generator().manual_seed(seed)
     vocab = parts.args.vocab_size
+    prompt = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
     rows = []
+
+    def use(policy: str) -> None:
+        if engine.info()["expert_policy"] != policy:
+            engine.set_expert_policy(policy)
+        if warmup:  # first-call costs (kernel compiles, graph capture per batch size) stay out of the numbers
+            for bs in batch_sizes:
+                _measure(engine, [prompt(16) for _ in range(bs)], 2, f"warmup-{bs}", sample, seed)
+
     try:
-        for policy in policies:
-            if engine.info()["expert_policy"] != policy:
-                engine.set_expert_policy(policy)
-            tel = parts.experts.telemetry()
-            if warmup:  # first-call costs (kernel selection, allocator growth) stay out of the numbers
-                _measure(engine, [torch.randint(0, vocab, (16,), generator=gen).tolist()], 2, "warmup")
+        if shared_prefill:
             for context in contexts:
                 for bs in batch_sizes:
-                    prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(bs)]
-                    rows.append({"policy": policy, "context": context, "batch": bs, "slots": tel["slots"],
-                                 "cache_gib": round(tel["cache_bytes"] / 2**30, 3),
-                                 **_measure(engine, prompts, new_tokens, f"{policy}-{context}-{bs}")})
+                    use(policies[0])
+                    tag = f"shared-{context}-{bs}"
+                    sessions, histories, prefill = _prefill(engine, [prompt(context) for _ in range(bs)], tag)
+                    for i, policy in enumerate(policies):
+                        if i:
+                            use(policy)
+                        dec, histories = _decode(engine, sessions, histories, new_tokens, sample, seed)
+                        rows.append(_row(engine, policy, context, bs, {
+                            "prefill": prefill if i == 0 else None, "decode": dec,
+                            "predictor": _counters(engine).get("predictor")}))
+                    for s in sessions:
+                        engine.end_session(s)
+        else:
+            for policy in policies:
+                use(policy)
+                for context in contexts:
+                    for bs in batch_sizes:
+                        measured = _measure(engine, [prompt(context) for _ in range(bs)], new_tokens,
+                                            f"{policy}-{context}-{bs}", sample, seed)
+                        rows.append(_row(engine, policy, context, bs, measured))
         store = parts.experts.store
         info = engine.info()
         record = {**header(), "bench": "experts", "model": config.model, "load_s": round(load_s, 1) if owned else None,
                   "vram_budget_gb": config.vram_budget_gb, "device": info["device"], "dtype": info["dtype"],
-                  "simulate_hybrid": config.simulate_hybrid, "new_tokens": new_tokens,
+                  "simulate_hybrid": config.simulate_hybrid, "new_tokens": new_tokens, "decode": decode,
+                  "shared_prefill": shared_prefill, "cuda_graphs_config": config.cuda_graphs,
                   "store_gib": round(store.nbytes / 2**30, 3), "store_pinned": store.pinned,
                   "expert_mib_each": round(store.block_bytes / 2**20, 3), "routed_experts": store.n_routed,
                   "cpu_kernel": parts.experts.cpu_kernel, "gpu_kernel": parts.experts.telemetry()["gpu_kernel"],

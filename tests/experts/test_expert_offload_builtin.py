@@ -156,6 +156,26 @@ def test_bench_records_every_policy_and_phase(engine, reference):
         assert row["decode"]["tokens"] == 3 * row["batch"]
     assert set(rec["adaptive_vs_best_baseline_decode"]) == {"ctx8-bs1", "ctx8-bs2"}
     assert rec["results"][-1]["predictor"]["scored_layers"] > 0
+    assert rec["decode"] == "sample" and not rec["shared_prefill"]
+    switch(engine, "adaptive", 40)
+
+
+def test_bench_shared_prefill_decodes_every_policy_from_one_kv(engine, reference):
+    """One prefill per (context, batch) under the first policy; each policy then decodes on from
+    that KV, and only the first row carries the prefill."""
+    from engine.bench.experts import run
+
+    rec = run(engine=engine, policies=("on-demand", "cpu-only", "adaptive"), batch_sizes=(2,), contexts=(8,),
+              new_tokens=3, warmup=False, shared_prefill=True, decode="greedy")
+    rows = rec["results"]
+    assert [r["policy"] for r in rows] == ["on-demand", "cpu-only", "adaptive"]
+    assert rows[0]["prefill"]["tokens"] == 2 * 8 and rows[1]["prefill"] is None and rows[2]["prefill"] is None
+    assert all(r["decode"]["tokens"] == 3 * 2 for r in rows)
+    assert rows[1]["decode"]["cpu_executed"] > 0 and rows[1]["decode"]["hit_rate"] == 0.0
+    assert engine.backend.generator.sessions == {}  # the shared sessions end with their rows
+    assert set(rec["adaptive_vs_best_baseline_decode"]) == {"ctx8-bs2"}
+    with pytest.raises(ValueError, match="sample"):
+        run(engine=engine, policies=("adaptive",), decode="beam")
     switch(engine, "adaptive", 40)
 
 
