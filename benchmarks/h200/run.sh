@@ -18,12 +18,14 @@
 #   bash benchmarks/h200/run.sh K    # after the sweep's choice: resident L16 decode; hybrid KV attention at 32K
 #   bash benchmarks/h200/run.sh L    # decode graph tests; the 48-layer resident upper bound through `tandem generate`
 #   bash benchmarks/h200/run.sh M    # native expert kernel with 8-token tiles: tests, cpu-kernels at 15/16 threads
+#   bash benchmarks/h200/run.sh N    # offloaded experts in graph pieces: tests, bench experts 2K per policy (sampled)
+#   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
 # Results land in $OUT (or ./h200-out). The built-in SmolLM2 file does not travel to that machine,
 # so tests that need it are deselected there.
 set -uo pipefail
-phase=${1:?A, B, C, D, E, F, F1, F2, G, H, I, J, K, L or M}
+phase=${1:?A, B, C, D, E, F, F1, F2, G, H, I, J, K, L, M, N or N2}
 out=${OUT:-h200-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -118,6 +120,25 @@ if [ "$phase" = M ]; then
   step bench cpu-kernels
   timeout 200 python3 -m engine.cli bench cpu-kernels --thread-counts 15,16 --lengths 32k --batches 1,4 \
     --tokens 1,2,4,8 --quick --repeats 7 --json "$out/cpu-kernels.json" > /dev/null 2>>"$log"
+fi
+bench_experts() {  # name, then flags on top of the shared ones
+  local name=$1; shift
+  step bench experts "$name"
+  timeout 420 python3 -m engine.cli bench experts --vram-budget-gb 24 --cpu-threads 15 --new-tokens 32 "$@" \
+    --json "$out/experts-$name.json" > /dev/null 2>>"$log"
+  echo "rc=$?" | tee -a "$log"
+}
+if [ "$phase" = N ]; then
+  step tests: moe_decode, decode graphs, CPU expert sets, offloaded experts on CUDA
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_decode_gpu.py tests/models/test_decode_graph.py \
+    tests/kernels/test_experts_cpu.py 2>&1 | tail -8 | tee "$out/pytest.log"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts 2>&1 | tail -5 | tee -a "$out/pytest.log"
+  bench_experts 2k-sample --batch-sizes 1,4 --contexts 2048
+fi
+if [ "$phase" = N2 ]; then
+  bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive
+  bench_experts 2k-greedy-shared --batch-sizes 1,4 --contexts 2048 --shared-prefill --decode greedy --policies on-demand,cpu-only,adaptive
+  bench_experts 2k-eager-shared --batch-sizes 1,4 --contexts 2048 --shared-prefill --no-cuda-graphs --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = L ]; then
   step tests: decode graphs
