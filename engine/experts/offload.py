@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -34,6 +35,7 @@ from engine.kernels.experts_torch import expert_ffn
 from engine.sched.expert_cost import ExpertCostModel
 
 OFFLOAD_POLICIES = ("adaptive", "on-demand", "static", "cpu-only")
+CPU_CORRECTION_WINDOW = 32  # CPU sets measured per update of the cost model's CPU correction
 
 
 def default_cpu_kernel():
@@ -69,6 +71,7 @@ class OffloadedExperts(ExpertExecutor):
         self.cpu_s = 0.0  # worker time computing CPU sets
         self.cpu_wait_s = 0.0  # time the GPU-driving thread waited for them
         self._rate_mark = (time.perf_counter(), 0)
+        self._cpu_ratios: deque[float] = deque(maxlen=CPU_CORRECTION_WINDOW)
         self._opened = False
         if n_slots is not None:
             self.open_cache(n_slots)
@@ -155,10 +158,24 @@ class OffloadedExperts(ExpertExecutor):
             lru.unlock()
         if job is not None:
             t0 = time.perf_counter()
-            cpu_out = job.result().to(self.device)
+            cpu_out, seconds = job.result()
+            cpu_out = cpu_out.to(self.device, x.dtype)
             self.cpu_wait_s += time.perf_counter() - t0
+            self._observe_cpu(plan.t_cpu_ms, 1e3 * seconds)
             out = cpu_out if out is None else out + cpu_out
         return out
+
+    def _observe_cpu(self, modelled_ms: float, measured_ms: float) -> None:
+        """Track measured / modelled CPU-set time and hand the median of the last window to the cost
+        model, so the split follows what the CPU really does here (threads, contention, kernel)."""
+        base = modelled_ms / self.costs.cpu_correction  # the model's time without the correction
+        if base <= 0:
+            return
+        self._cpu_ratios.append(min(max(measured_ms / base, 0.1), 20.0))
+        if len(self._cpu_ratios) == self._cpu_ratios.maxlen:
+            self.costs = replace(self.costs, cpu_correction=float(np.median(self._cpu_ratios)))
+            self.planner.costs = self.costs
+            self._cpu_ratios.clear()
 
     def _fill(self, layer: int, expert: int) -> int:
         slot, _ = self.cache.lru.admit(layer, expert)
@@ -212,8 +229,9 @@ class OffloadedExperts(ExpertExecutor):
                 tok = pairs // k
                 gate_up, down = self.store.expert(layer, e)
                 out.index_add_(0, tok, self.cpu_ffn(x_h[tok], gate_up, down) * w_flat[pairs].unsqueeze(1))
-            self.cpu_s += time.perf_counter() - t0
-        return out
+            seconds = time.perf_counter() - t0
+            self.cpu_s += seconds
+        return out, seconds
 
     def _prefetch(self, layer: int, predicted: np.ndarray, depth: int) -> None:
         """Copy the next layer's predicted misses, most-routed first, into free slots or slots whose
@@ -259,6 +277,7 @@ class OffloadedExperts(ExpertExecutor):
             "cpu_kernel": self.cpu_kernel, "gpu_kernel": grouped_impl(self.device, self.store.dtype),
             "h2d_bytes": self.h2d_bytes, "h2d_gbps": (self.h2d_bytes - b0) / (now - t0) / 1e9 if now > t0 else None,
             "cpu_expert_s": self.cpu_s, "cpu_wait_s": self.cpu_wait_s, "hot_table": self.hot_source,
+            "cpu_correction": self.costs.cpu_correction,
             "predictor": self.predictor.accuracy() if self.predictor is not None else None,
         }
 

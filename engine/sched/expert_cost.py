@@ -37,6 +37,7 @@ class ExpertCostModel:
     gpu_tflops: float = 300.0  # bf16 tensor-core throughput actually reached by grouped GEMMs
     fill_latency_ms: float = 0.01  # α: DMA start-up of a layer's fills
     attn_ms: float = 0.1  # next layer's attention + router: link time a prefetch can hide behind
+    cpu_correction: float = 1.0  # measured / modelled CPU-set time, tracked online by the executor
 
     def __post_init__(self):
         for f in fields(self):
@@ -87,8 +88,8 @@ class ExpertCostModel:
             t_stream = stream / (self.cpu_beside_fills_gbps * BYTES_PER_MS_PER_GBPS)
         else:
             t_stream = fills_ms + (stream - beside) / (self.cpu_alone_gbps * BYTES_PER_MS_PER_GBPS)
-        return t_stream + tokens * self.flops_per_token / (self.cpu_tflops * FLOP_PER_MS_PER_TFLOPS) \
-            + self.cpu_overhead_ms
+        return self.cpu_correction * (t_stream + self.cpu_overhead_ms
+                                      + tokens * self.flops_per_token / (self.cpu_tflops * FLOP_PER_MS_PER_TFLOPS))
 
     def gpu_ms(self, n_experts: int, tokens: int) -> float:
         """One grouped computation over n cached experts routed `tokens` tokens in all."""

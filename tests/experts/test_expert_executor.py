@@ -219,3 +219,30 @@ def test_resident_grouped_experts_match_the_reference_loop():
     got = ResidentExperts([gate_up], [down]).run(0, x, ids, weights).float()
     ref = moe_experts(x.float(), ids, weights.float(), gate_up.float(), down.float())
     assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_cpu_correction_follows_measured_cpu_sets(model):
+    """The executor hands the median of measured / modelled CPU-set times to the cost model once a
+    window is full; the planner then sees CPU sets that much dearer (or cheaper)."""
+    ex = make("adaptive", model, 7)
+    modelled = ex.costs.cpu_ms(3, 3)
+    ratios = [2.0] * (offload_mod.CPU_CORRECTION_WINDOW - 3) + [50.0, 0.01, 3.0]  # outliers are clamped, median holds
+    for r in ratios:
+        ex._observe_cpu(modelled, r * modelled)
+    assert ex.costs.cpu_correction == pytest.approx(2.0)
+    assert ex.planner.costs is ex.costs and ex.costs.cpu_ms(3, 3) == pytest.approx(2.0 * modelled)
+    again = ex.costs.cpu_ms(3, 3)  # the next window measures against the corrected model
+    for _ in range(offload_mod.CPU_CORRECTION_WINDOW):
+        ex._observe_cpu(again, 0.5 * again)
+    assert ex.costs.cpu_correction == pytest.approx(1.0)
+    assert ex.telemetry()["cpu_correction"] == pytest.approx(1.0)
+    ex.close()
+
+
+def test_cheaper_cpu_moves_misses_off_the_link():
+    """The split follows the correction: a CPU measured 4× faster than modelled takes more misses."""
+    slow = ExpertCostModel.from_shape(2048, 768, 2)
+    fast = ExpertCostModel.from_shape(2048, 768, 2, cpu_correction=0.25)
+    q_slow, _, _ = slow.best_split([1] * 8, 0, 0, 8)
+    q_fast, _, _ = fast.best_split([1] * 8, 0, 0, 8)
+    assert q_fast < q_slow
