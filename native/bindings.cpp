@@ -58,10 +58,40 @@ void expert_ffn_py(uintptr_t x, int x_dtype, int64_t n_tokens, int64_t hidden, i
   expert_ffn(p, threads);
 }
 
+void moe_ffn_py(uintptr_t x, int x_dtype, int64_t n_rows, int64_t hidden, int64_t inter, int64_t x_stride, int w_dtype,
+                uintptr_t experts, int64_t n_experts, uintptr_t pair_offsets, uintptr_t tokens, uintptr_t weights,
+                uintptr_t out, int64_t out_stride, int threads) {
+  require(n_rows >= 0 && n_experts >= 0 && hidden > 0 && inter > 0, "n_rows, n_experts ≥ 0, hidden and inter > 0");
+  require(hidden % 16 == 0 && inter % 16 == 0, "hidden and inter must be multiples of 16");
+  require(x_stride >= hidden && out_stride >= hidden, "row strides must cover a row");
+  if (n_rows == 0) return;
+  require(x && out && (n_experts == 0 || (experts && pair_offsets)), "null pointer");
+  const auto* table = reinterpret_cast<const MoeExpert*>(experts);
+  const auto* offsets = reinterpret_cast<const int64_t*>(pair_offsets);
+  const auto* token_ids = reinterpret_cast<const int64_t*>(tokens);
+  // Indices are checked here, once, so that no bad row number reaches the kernels' pointer arithmetic.
+  require(n_experts == 0 || offsets[0] == 0, "pair offsets must start at 0");
+  for (int64_t j = 0; j < n_experts; ++j) {
+    const MoeExpert& e = table[j];
+    require(offsets[j + 1] >= offsets[j], "pair offsets must not decrease");
+    require(e.gate_up_stride >= hidden && e.down_stride >= inter, "row strides must cover a row");
+    require(offsets[j + 1] == offsets[j] || (e.gate_up_ptr && e.down_ptr), "null pointer");
+  }
+  const int64_t pairs = n_experts ? offsets[n_experts] : 0;
+  require(pairs == 0 || (tokens && weights), "null pointer");
+  for (int64_t i = 0; i < pairs; ++i) require(token_ids[i] >= 0 && token_ids[i] < n_rows, "token index out of range");
+  MoeProblem p{reinterpret_cast<const void*>(x), dtype_of(x_dtype), n_rows, hidden, inter, x_stride, dtype_of(w_dtype),
+               table, n_experts, offsets, token_ids, reinterpret_cast<const float*>(weights),
+               reinterpret_cast<float*>(out), out_stride};
+  py::gil_scoped_release release;
+  moe_ffn(p, threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "Tandem's native CPU kernels: decode attention with LSE over KV block views, SwiGLU expert FFN.";
+  m.doc() = "Tandem's native CPU kernels: decode attention with LSE over KV block views, SwiGLU expert FFN, "
+            "one MoE layer's experts in one call.";
   m.def("isa", [] { return std::string(active_table().name); }, "The instruction set the kernels use now.");
   m.def("supported_isas", [] {
     const char* names[8];
@@ -81,6 +111,13 @@ PYBIND11_MODULE(_native, m) {
         py::arg("inter"), py::arg("x_stride"), py::arg("gate_up"), py::arg("down"), py::arg("w_dtype"),
         py::arg("gate_up_stride"), py::arg("down_stride"), py::arg("y"), py::arg("y_dtype"), py::arg("y_stride"),
         py::arg("threads"), "y = down · (silu(gate·x) ⊙ (up·x)) with gate_up (2I, H), down (H, I).");
+  m.def("moe_ffn", &moe_ffn_py, py::arg("x"), py::arg("x_dtype"), py::arg("n_rows"), py::arg("hidden"),
+        py::arg("inter"), py::arg("x_stride"), py::arg("w_dtype"), py::arg("experts"), py::arg("n_experts"),
+        py::arg("pair_offsets"), py::arg("tokens"), py::arg("weights"), py::arg("out"), py::arg("out_stride"),
+        py::arg("threads"),
+        "One MoE layer's experts: out (n_rows, H) fp32 = Σ_pairs weight · expert(x[token]). experts: int64 rows "
+        "(gate_up ptr, down ptr, gate_up row stride, down row stride); expert j's pairs are "
+        "[pair_offsets[j], pair_offsets[j + 1]) of tokens (int64) and weights (fp32).");
   m.def("stream_read", [](uintptr_t data, size_t n_bytes, int threads) {
     py::gil_scoped_release release;
     return stream_read(reinterpret_cast<const void*>(data), n_bytes, threads);
