@@ -91,13 +91,15 @@ struct ExpertProblem {
 };
 
 // One MoE layer's routed experts on the CPU: out (N, H) fp32 = Σ over (token, expert) pairs of
-// weight · expert(x[token]). Expert j's pairs are [pair_offsets[j], pair_offsets[j + 1]) of `tokens`
-// (rows of x, in [0, N)) and `weights`. Every expert has the same shapes and weight dtype.
+// weight · expert(x[token]). The pairs are grouped by expert: expert j's n_pairs follow expert
+// j − 1's in `tokens` (rows of x, in [0, N)) and `weights`. Every expert has the same shapes and
+// weight dtype.
 struct MoeExpert {
   int64_t gate_up_ptr, down_ptr;  // (2·inter, hidden) and (hidden, inter), unit stride along a row
   int64_t gate_up_stride, down_stride;  // row strides in elements
+  int64_t n_pairs;
 };
-static_assert(sizeof(MoeExpert) == 4 * sizeof(int64_t), "MoeExpert must match the Python table row");
+static_assert(sizeof(MoeExpert) == 5 * sizeof(int64_t), "MoeExpert must match the Python table row");
 
 struct MoeProblem {
   const void* x;  // (n_rows, hidden), row stride x_stride, unit stride along hidden
@@ -106,10 +108,9 @@ struct MoeProblem {
   DType w_dtype;
   const MoeExpert* experts;
   int64_t n_experts;
-  const int64_t* pair_offsets;  // (n_experts + 1,)
-  const int64_t* tokens;        // (pairs,)
-  const float* weights;         // (pairs,)
-  float* out;                   // (n_rows, hidden), row stride out_stride: every row is written
+  const int64_t* tokens;  // (Σ n_pairs,)
+  const float* weights;   // (Σ n_pairs,)
+  float* out;             // (n_rows, hidden), row stride out_stride: every row is written
   int64_t out_stride;
 };
 

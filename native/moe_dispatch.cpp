@@ -101,10 +101,13 @@ void moe_ffn(const MoeProblem& M, int n_threads) {
     cur = Pass{int64_t(segs.size()), int64_t(segs.size()), 0, 0, 0, 0};
     cursor = 0;
   };
+  int64_t pair_end = 0;
   for (int64_t j = 0; j < M.n_experts; ++j) {
     const MoeExpert& E = M.experts[j];
-    for (int64_t p0 = M.pair_offsets[j]; p0 < M.pair_offsets[j + 1]; p0 += kMaxPassRows) {
-      const int64_t n = std::min(kMaxPassRows, M.pair_offsets[j + 1] - p0);
+    const int64_t pair_begin = pair_end;
+    pair_end += E.n_pairs;
+    for (int64_t p0 = pair_begin; p0 < pair_end; p0 += kMaxPassRows) {
+      const int64_t n = std::min(kMaxPassRows, pair_end - p0);
       const int tpt = expert_tile_tokens(n, K.lanes);
       const int64_t n_pad = ceil_div(n, tpt) * tpt;
       if (cur.act_rows + n_pad > kMaxPassRows) close_pass();

@@ -23,6 +23,7 @@ Every figure is the median of `repeats` timed calls after a warm-up. One JSON re
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -276,7 +277,11 @@ def moe_layer(tokens: list[int], threads: list[int], repeats: int, *, hidden: in
                 row["speedup_worker_busy_main"] = round(row["per_expert"]["worker_busy_main_ms"]
                                                         / row["moe_ffn"]["worker_busy_main_ms"], 3)
                 rows.append(row)
+    # How OpenMP threads wait decides what a fork costs from a second thread (see native.openmp_runtimes).
+    env = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     return {"hidden": hidden, "ffn": ffn, "dtype": "bfloat16", "kernel": experts_cpu.implementation(1),
+            "openmp_runtimes_mapped": native.openmp_runtimes(), "openmp_runtime_used": native.openmp_runtime(),
+            "openmp_env": env,
             "points": rows}
 
 

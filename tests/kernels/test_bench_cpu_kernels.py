@@ -35,6 +35,8 @@ def test_bench_sections():
                              moe_layer_experts=2, moe_cycled=2, sections=["moe"])
     assert "moe" in record and not {"stream", "attention", "experts"} & set(record)
     assert set(record["summary"]) == {"moe_2_tokens_threads_1"}
+    if native.module() is not None and record["moe"]["openmp_runtime_used"]:  # the team's runtime is mapped
+        assert record["moe"]["openmp_runtime_used"] in record["moe"]["openmp_runtimes_mapped"]
 
 
 def test_parse_list():
