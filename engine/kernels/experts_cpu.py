@@ -121,8 +121,9 @@ def moe_ffn(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = 
         raise KernelInputError(f"out must be a CPU float32 tensor of shape {(N, H)} with unit stride per row")
     if J == 0:
         return out.zero_()
-    two_i = experts[0][0].shape[0] if isinstance(experts[0][0], torch.Tensor) else 0
-    inter, w_dtype = two_i // 2, experts[0][0].dtype if isinstance(experts[0][0], torch.Tensor) else None
+    first = experts[0][0]  # experts[0]'s gate_up sets the shapes and dtype every expert must have
+    two_i, w_dtype = (first.shape[0], first.dtype) if isinstance(first, torch.Tensor) else (0, None)
+    inter = two_i // 2
     # Checked per expert on every layer of every step: cheap attribute reads only (t.device costs 0.4 µs).
     rows, unit_stride = [], True  # rows: the native table (gate_up ptr, down ptr, row strides)
     for j, pair in enumerate(experts):
@@ -153,7 +154,7 @@ def moe_ffn(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = 
 
     nat = native.module()
     use_native = nat is not None and unit_stride and H % 16 == 0 and inter % 16 == 0
-    # Experts the native call takes: all (prefill-sized ones too) unless torch is the better kernel for them.
+    # The native call takes the experts with at most native_max_tokens tokens (above it torch's kernel wins).
     on_native = [use_native and n <= _native_max_tokens for n in sizes]
     if any(on_native):
         if all(on_native):
