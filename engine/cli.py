@@ -195,6 +195,7 @@ def cmd_bench(args) -> int:
         record = ck.run(threads=ck.parse_list(args.thread_counts), lengths=ck.parse_list(args.lengths),
                         batches=ck.parse_list(args.batches), tokens=ck.parse_list(args.tokens), quick=args.quick,
                         repeats=args.repeats, torch_sdpa=not args.no_torch_sdpa,
+                        sections=args.sections.split(",") if args.sections else None,
                         progress=lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True))
     else:
         raise TandemError(f"unknown benchmark '{args.kind}'", "available: builtin, cpu-kernels, kv, experts")
@@ -389,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", default=None, help="cpu-kernels: tokens per expert (default: 1,2,4,…,256)")
     b.add_argument("--quick", action="store_true", help="cpu-kernels: fewer lengths, smaller buffers")
     b.add_argument("--no-torch-sdpa", action="store_true", help="cpu-kernels: skip torch's CPU attention")
+    b.add_argument("--sections", default=None, help="cpu-kernels: e.g. moe or experts,moe (default: "
+                   "stream,attention,experts,moe)")
     b.set_defaults(func=cmd_bench)
     _add_serve_parser(sub)
 

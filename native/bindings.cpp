@@ -1,6 +1,7 @@
 // Python module engine._native: raw pointers, shapes and strides in; the GIL released for the
 // whole of every compute call. Shapes are checked here once more (the Python wrappers in
 // engine/kernels/ check dtypes, devices and layouts before they call).
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -9,6 +10,14 @@
 #include <vector>
 
 #include "common.h"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(_OPENMP) && (defined(__linux__) || defined(__APPLE__))
+#include <dlfcn.h>
+#define TANDEM_HAS_DLADDR 1
+#endif
 
 namespace py = pybind11;
 using namespace tandem;
@@ -58,10 +67,55 @@ void expert_ffn_py(uintptr_t x, int x_dtype, int64_t n_tokens, int64_t hidden, i
   expert_ffn(p, threads);
 }
 
+void moe_ffn_py(uintptr_t x, int x_dtype, int64_t n_rows, int64_t hidden, int64_t inter, int64_t x_stride, int w_dtype,
+                const py::array_t<int64_t, py::array::c_style>& experts,
+                const py::array_t<int64_t, py::array::c_style>& tokens,
+                const py::array_t<float, py::array::c_style>& weights, uintptr_t out, int64_t out_stride,
+                int threads) {
+  require(n_rows >= 0 && hidden > 0 && inter > 0, "n_rows ≥ 0, hidden and inter > 0");
+  require(hidden % 16 == 0 && inter % 16 == 0, "hidden and inter must be multiples of 16");
+  require(x_stride >= hidden && out_stride >= hidden, "row strides must cover a row");
+  require(experts.ndim() == 2 && experts.shape(1) == 5, "experts must be an int64 table (J, 5)");
+  require(tokens.ndim() == 1 && weights.ndim() == 1 && tokens.shape(0) == weights.shape(0),
+          "tokens and weights must be 1-D and of one length");
+  if (n_rows == 0) return;
+  require(x && out, "null pointer");
+  const int64_t n_experts = experts.shape(0), pairs = tokens.shape(0);
+  const auto* table = reinterpret_cast<const MoeExpert*>(experts.data());
+  const int64_t* token_ids = tokens.data();
+  // Checked here, once, so that no bad row number or count reaches the kernels' pointer arithmetic.
+  int64_t total = 0;
+  for (int64_t j = 0; j < n_experts; ++j) {
+    const MoeExpert& e = table[j];
+    require(e.n_pairs >= 0 && e.gate_up_stride >= hidden && e.down_stride >= inter,
+            "pair counts must be ≥ 0 and row strides must cover a row");
+    require(e.n_pairs == 0 || (e.gate_up_ptr && e.down_ptr), "null pointer");
+    total += e.n_pairs;
+  }
+  require(total == pairs, "the experts' pair counts must add up to the length of tokens");
+  for (int64_t i = 0; i < pairs; ++i) require(token_ids[i] >= 0 && token_ids[i] < n_rows, "token index out of range");
+  MoeProblem p{reinterpret_cast<const void*>(x), dtype_of(x_dtype), n_rows, hidden, inter, x_stride, dtype_of(w_dtype),
+               table, n_experts, token_ids, weights.data(), reinterpret_cast<float*>(out), out_stride};
+  py::gil_scoped_release release;
+  moe_ffn(p, threads);
+}
+
+// The file of the OpenMP runtime this module's calls bind to ("" if unknown or without OpenMP). The
+// dynamic linker binds them to the first runtime in the global scope, which is torch's (it loads its
+// libgomp RTLD_GLOBAL) even when the module was linked against another copy under another name.
+std::string openmp_runtime() {
+#if defined(TANDEM_HAS_DLADDR)
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&omp_get_max_threads), &info) && info.dli_fname) return info.dli_fname;
+#endif
+  return "";
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "Tandem's native CPU kernels: decode attention with LSE over KV block views, SwiGLU expert FFN.";
+  m.doc() = "Tandem's native CPU kernels: decode attention with LSE over KV block views, SwiGLU expert FFN, "
+            "one MoE layer's experts in one call.";
   m.def("isa", [] { return std::string(active_table().name); }, "The instruction set the kernels use now.");
   m.def("supported_isas", [] {
     const char* names[8];
@@ -71,6 +125,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("select_isa", [](const std::string& name) { return select_isa(name.c_str()); }, py::arg("name"),
         "Use the kernels of one ISA ('auto': the best); False if this CPU cannot run it.");
   m.def("default_threads", &default_threads, "OpenMP's default thread count.");
+  m.def("openmp_runtime", &openmp_runtime, "The OpenMP runtime file the kernels' thread teams come from.");
   m.def("attention_decode", &attention_decode_py, py::arg("q"), py::arg("q_dtype"), py::arg("B"), py::arg("T"),
         py::arg("n_heads"), py::arg("head_dim"), py::arg("q_stride_b"), py::arg("q_stride_h"),
         py::arg("q_stride_t"), py::arg("blocks"), py::arg("seq_offsets"), py::arg("n_kv_heads"),
@@ -81,6 +136,13 @@ PYBIND11_MODULE(_native, m) {
         py::arg("inter"), py::arg("x_stride"), py::arg("gate_up"), py::arg("down"), py::arg("w_dtype"),
         py::arg("gate_up_stride"), py::arg("down_stride"), py::arg("y"), py::arg("y_dtype"), py::arg("y_stride"),
         py::arg("threads"), "y = down · (silu(gate·x) ⊙ (up·x)) with gate_up (2I, H), down (H, I).");
+  m.def("moe_ffn", &moe_ffn_py, py::arg("x"), py::arg("x_dtype"), py::arg("n_rows"), py::arg("hidden"),
+        py::arg("inter"), py::arg("x_stride"), py::arg("w_dtype"), py::arg("experts").noconvert(),
+        py::arg("tokens").noconvert(), py::arg("weights").noconvert(), py::arg("out"), py::arg("out_stride"),
+        py::arg("threads"),
+        "One MoE layer's experts: out (n_rows, H) fp32 = Σ_pairs weight · expert(x[token]). experts: int64 "
+        "(J, 5) rows (gate_up ptr, down ptr, gate_up row stride, down row stride, pairs); expert j's pairs "
+        "follow expert j − 1's in tokens (int64) and weights (fp32).");
   m.def("stream_read", [](uintptr_t data, size_t n_bytes, int threads) {
     py::gil_scoped_release release;
     return stream_read(reinterpret_cast<const void*>(data), n_bytes, threads);

@@ -90,6 +90,30 @@ struct ExpertProblem {
   int64_t y_stride;
 };
 
+// One MoE layer's routed experts on the CPU: out (N, H) fp32 = Σ over (token, expert) pairs of
+// weight · expert(x[token]). The pairs are grouped by expert: expert j's n_pairs follow expert
+// j − 1's in `tokens` (rows of x, in [0, N)) and `weights`. Every expert has the same shapes and
+// weight dtype.
+struct MoeExpert {
+  int64_t gate_up_ptr, down_ptr;  // (2·inter, hidden) and (hidden, inter), unit stride along a row
+  int64_t gate_up_stride, down_stride;  // row strides in elements
+  int64_t n_pairs;
+};
+static_assert(sizeof(MoeExpert) == 5 * sizeof(int64_t), "MoeExpert must match the Python table row");
+
+struct MoeProblem {
+  const void* x;  // (n_rows, hidden), row stride x_stride, unit stride along hidden
+  DType x_dtype;
+  int64_t n_rows, hidden, inter, x_stride;
+  DType w_dtype;
+  const MoeExpert* experts;
+  int64_t n_experts;
+  const int64_t* tokens;  // (Σ n_pairs,)
+  const float* weights;   // (Σ n_pairs,)
+  float* out;             // (n_rows, hidden), row stride out_stride: every row is written
+  int64_t out_stride;
+};
+
 // The kernels of one instruction set. Threading lives in dispatch.cpp; these run one piece of work
 // on the calling thread. Expert activations (x converted, then h = silu(g)⊙u) are padded to a
 // multiple of `tokens_per_tile` tokens, stored as `expert_activation_dtype`, tile-interleaved (see
@@ -112,6 +136,18 @@ struct KernelTable {
 // rows split finely over threads (Qwen3-30B-A3B's I = 768 gives 192 units of work).
 constexpr int expert_tile_rows(int lanes, int tokens) { return lanes / tokens < 4 ? lanes / tokens : 4; }
 
+// Tokens per tile for an expert applied to n tokens: all of them up to 8, so that each weight row is
+// read once (3 tokens are padded to 4, 5…7 to 8); more tokens go through in groups of 8 (the kernels
+// loop over the groups). 8: 2 rows × 8 tokens fill the 16 accumulators; 1 row × 16 tokens measured
+// slower (a weight vector per 16 activation loads), so 9…16 tokens take two groups of 8 (the second
+// reads the rows from L1). Never more than the vector's lanes.
+inline int expert_tile_tokens(int64_t n, int lanes) {
+  constexpr int kMaxTileTokens = 8;
+  int tpt = n <= 1 ? 1 : n == 2 ? 2 : 4;
+  while (tpt < n && tpt < kMaxTileTokens) tpt *= 2;
+  return tpt < lanes ? tpt : lanes;
+}
+
 // Defined by the ISA translation units (only those compiled for this target exist).
 extern const KernelTable kTableScalar;
 #if defined(TANDEM_X86_KERNELS)
@@ -129,6 +165,7 @@ int supported_isas(const char** names, int capacity);
 int default_threads();
 void attention_decode(const AttentionProblem& p, int n_threads);
 void expert_ffn(const ExpertProblem& p, int n_threads);
+void moe_ffn(const MoeProblem& p, int n_threads);  // moe_dispatch.cpp
 double stream_read(const void* data, size_t n_bytes, int n_threads);
 void stream_copy(void* dst, const void* src, size_t n_bytes, int n_threads);
 

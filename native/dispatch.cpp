@@ -230,14 +230,7 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
 void expert_ffn(const ExpertProblem& P, int n_threads) {
   const KernelTable& K = active_table();
   const int nt = threads_or_default(n_threads);
-  // Tokens per tile: all of the call's tokens up to kMaxTileTokens, so that each weight row is read
-  // once (3 tokens are padded to 4, 5…7 to 8); more tokens go through in groups of kMaxTileTokens.
-  // 8: 2 rows × 8 tokens fill the 16 accumulators; 1 row × 16 tokens measured slower (a weight vector
-  // per 16 activation loads), so 9…16 tokens take two groups of 8 (the second reads the rows from L1).
-  constexpr int kMaxTileTokens = 8;
-  int tpt = P.n_tokens <= 1 ? 1 : P.n_tokens == 2 ? 2 : 4;
-  while (tpt < P.n_tokens && tpt < kMaxTileTokens) tpt *= 2;
-  tpt = std::min(tpt, K.lanes);
+  const int tpt = expert_tile_tokens(P.n_tokens, K.lanes);
   const int64_t n_pad = (P.n_tokens + tpt - 1) / tpt * tpt;
   const size_t es = dtype_size(K.expert_activation_dtype(P));
   static thread_local std::vector<char> buffer;

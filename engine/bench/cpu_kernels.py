@@ -12,14 +12,23 @@ vs torch (`experts_torch.expert_ffn`, oneDNN), ms per expert and weight GB/s, cy
 experts that weights come from DRAM; the crossover (largest token count where native wins). With
 CUDA: the same while expert fills stream over PCIe (seed 004's residual bandwidth).
 
+MoE layer (issue #5): the CPU side of one MoE layer, `layer_experts` experts (default 8) each applied to
+the same n tokens, as the offload path computed it (one `expert_ffn` call per expert plus a gather,
+a weight multiply and an index_add_ per expert) vs one `experts_cpu.moe_ffn` call; run in a
+ThreadPoolExecutor worker (as the engine does) with the main thread idle in `result()` or running
+small torch ops, and from the main thread alone (the tight-loop figure). ms per layer, weight GB/s.
+
 Every figure is the median of `repeats` timed calls after a warm-up. One JSON record.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engine.bench.common import header
@@ -31,6 +40,7 @@ from engine.kernels.experts_torch import expert_ffn as torch_expert_ffn
 QUICK_LENGTHS = [2048, 8192, 32768]
 FULL_LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+SECTIONS = ["stream", "attention", "experts", "moe"]
 BLOCK = 64  # tokens per KV block (EngineConfig.block_size's default)
 
 
@@ -193,10 +203,93 @@ def _crossover(rows: list[dict]) -> dict:
     return result
 
 
+def _per_expert_layer(x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, experts: list, views, threads: int):
+    """The layer as offload's per-expert loop computes it: pairs grouped by expert, then per expert a
+    gather of its rows, expert_ffn, the weight multiply and an index_add_ into out (N, H)."""
+    with torch.inference_mode():
+        k = ids.shape[1]
+        flat = ids.ravel()
+        order = np.argsort(flat, kind="stable")
+        sorted_ids = flat[order]
+        lo, hi = np.searchsorted(sorted_ids, experts, side="left"), np.searchsorted(sorted_ids, experts, side="right")
+        w_flat = w.reshape(-1)
+        out = torch.zeros_like(x)
+        for e, a, b in zip(experts, lo.tolist(), hi.tolist()):
+            pairs = torch.from_numpy(order[a:b])
+            tok = pairs // k
+            out.index_add_(0, tok, experts_cpu.expert_ffn(x[tok], *views(e), threads=threads)
+                           * w_flat[pairs].unsqueeze(1))
+        return out
+
+
+def _moe_layer(x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, experts: list, views, threads: int):
+    """The same layer through one moe_ffn call (its pair lists built from the same routing)."""
+    k = ids.shape[1]
+    flat = ids.ravel()
+    order = np.argsort(flat, kind="stable")
+    sorted_ids = flat[order]
+    lo, hi = np.searchsorted(sorted_ids, experts, side="left"), np.searchsorted(sorted_ids, experts, side="right")
+    w_flat = w.reshape(-1).float().numpy()
+    pairs = [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+    return experts_cpu.moe_ffn(x, [views(e) for e in experts], [p // k for p in pairs], [w_flat[p] for p in pairs],
+                               threads=threads)
+
+
+def moe_layer(tokens: list[int], threads: list[int], repeats: int, *, hidden: int, ffn: int, layer_experts: int,
+              cycled: int, progress: Callable[[str], None]) -> dict:
+    from engine.hw.expert_costs import ExpertStore
+    from engine.hw.shapes import ExpertShape
+
+    shape = ExpertShape(hidden=hidden, ffn=ffn, dtype="bfloat16")
+    store = ExpertStore(shape, max(cycled, 2 * layer_experts))
+    count = len(store.flat)
+    layer_bytes = layer_experts * shape.bytes_per_expert
+    main_busy = (torch.randn(4, 256), torch.randn(256, 64))  # the main thread's small torch ops
+
+    def busy_wait(fut):
+        a, b = main_busy
+        while not fut.done():
+            (a @ b).add_(1.0).sum()
+        return fut.result()
+
+    rows = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-cpu-experts") as pool:
+        for t in threads:
+            torch.set_num_threads(t)
+            for n in tokens:
+                # Every token picks the same layer_experts experts (top-k = layer_experts): n tokens each.
+                x = torch.empty(n, hidden, dtype=torch.bfloat16).uniform_(-1, 1)  # (n, H)
+                ids = np.tile(np.arange(layer_experts), (n, 1))  # (n, k) local expert ids
+                w = torch.rand(n, layer_experts).bfloat16()  # (n, k) routing weights, in the model's dtype
+                row = {"tokens_per_expert": n, "threads": t, "layer_experts": layer_experts,
+                       "layer_bytes": layer_bytes, "experts_cycled": count}
+                for name, layer in (("per_expert", _per_expert_layer), ("moe_ffn", _moe_layer)):
+                    # Call i reads experts 8i … 8i + 7 (mod the store): weights come from DRAM.
+                    views = lambda e, i: store.views((i * layer_experts + e) % count)  # noqa: E731
+                    call = lambda i: layer(x, ids, w, list(range(layer_experts)), lambda e: views(e, i), t)  # noqa: E731
+                    progress(f"moe layer {name} tokens={n} threads={t}")
+                    main = time_cpu(call, 2, repeats).median_ms
+                    idle = time_cpu(lambda i: pool.submit(call, i).result(), 2, repeats).median_ms
+                    busy = time_cpu(lambda i: busy_wait(pool.submit(call, i)), 2, repeats).median_ms
+                    row[name] = {"main_thread_ms": round(main, 4), "worker_ms": round(idle, 4),
+                                 "worker_busy_main_ms": round(busy, 4),
+                                 "worker_busy_main_GBps": _gbps(layer_bytes, busy)}
+                row["speedup_worker_busy_main"] = round(row["per_expert"]["worker_busy_main_ms"]
+                                                        / row["moe_ffn"]["worker_busy_main_ms"], 3)
+                rows.append(row)
+    # How OpenMP threads wait decides what a fork costs from a second thread (see native.openmp_runtimes).
+    env = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    return {"hidden": hidden, "ffn": ffn, "dtype": "bfloat16", "kernel": experts_cpu.implementation(1),
+            "openmp_runtimes_mapped": native.openmp_runtimes(), "openmp_runtime_used": native.openmp_runtime(),
+            "openmp_env": env,
+            "points": rows}
+
+
 def run(*, threads: list[int] | None = None, lengths: list[int] | None = None, batches: list[int] | None = None,
         tokens: list[int] | None = None, quick: bool = False, repeats: int = 5, torch_sdpa: bool = True,
         stream_bytes: int | None = None, q_heads: int = 32, kv_heads: int = 4, head_dim: int = 128,
-        hidden: int = 2048, ffn: int = 768, pcie_ms: float = 200.0,
+        hidden: int = 2048, ffn: int = 768, pcie_ms: float = 200.0, moe_tokens: list[int] | None = None,
+        moe_layer_experts: int = 8, moe_cycled: int = 64, sections: list[str] | None = None,
         progress: Callable[[str], None] = lambda s: None) -> dict:
     explicit_threads = threads is not None
     threads = threads or default_threads()
@@ -210,18 +303,29 @@ def run(*, threads: list[int] | None = None, lengths: list[int] | None = None, b
               "usable_cores": cores}
     torch_threads = torch.get_num_threads()
     t0 = time.perf_counter()
+    wanted = set(sections or SECTIONS)
+    if wanted - set(SECTIONS):
+        raise ValueError(f"unknown cpu-kernels sections {sorted(wanted - set(SECTIONS))}; choose from {SECTIONS}")
+    read = {}
     try:
-        progress("stream read/copy")
-        record["stream"] = stream(threads, stream_bytes or (256 if quick else 1024) * 2**20, repeats)
-        read = {r["threads"]: r["read_GBps"] for r in record["stream"]}
-        record["attention"] = attention(batches, lengths, threads, repeats, q_heads=q_heads, kv_heads=kv_heads,
-                                        head_dim=head_dim, dtype=torch.bfloat16, torch_sdpa=torch_sdpa,
-                                        read_gbps=read, progress=progress)
+        if "stream" in wanted:
+            progress("stream read/copy")
+            record["stream"] = stream(threads, stream_bytes or (256 if quick else 1024) * 2**20, repeats)
+            read = {r["threads"]: r["read_GBps"] for r in record["stream"]}
+        if "attention" in wanted:
+            record["attention"] = attention(batches, lengths, threads, repeats, q_heads=q_heads, kv_heads=kv_heads,
+                                            head_dim=head_dim, dtype=torch.bfloat16, torch_sdpa=torch_sdpa,
+                                            read_gbps=read, progress=progress)
         # Thread counts given explicitly (e.g. 1,2 for per-core efficiency) apply to the experts too.
         expert_threads = (threads if explicit_threads else
                           sorted({max(1, cores - 1), threads[-1]}) if not quick else [threads[-1]])
-        record["experts"] = experts(tokens, expert_threads, repeats, hidden=hidden, ffn=ffn, dtype="bfloat16",
-                                    pcie_ms=pcie_ms, progress=progress, read_gbps=read)
+        if "experts" in wanted:
+            record["experts"] = experts(tokens, expert_threads, repeats, hidden=hidden, ffn=ffn, dtype="bfloat16",
+                                        pcie_ms=pcie_ms, progress=progress, read_gbps=read)
+        if "moe" in wanted:  # the engine's setting on a hybrid run: all cores but the GPU-driving one's
+            record["moe"] = moe_layer(moe_tokens or [1, 4], threads if explicit_threads else [max(1, cores - 1)],
+                                      repeats, hidden=hidden, ffn=ffn, layer_experts=moe_layer_experts,
+                                      cycled=moe_cycled, progress=progress)
     finally:
         torch.set_num_threads(torch_threads)
     record["seconds"] = round(time.perf_counter() - t0, 1)
@@ -231,13 +335,18 @@ def run(*, threads: list[int] | None = None, lengths: list[int] | None = None, b
 
 def summary(record: dict) -> dict:
     """The headline figures: attention at 32K (or the longest length run) with one core left free."""
+    out = {}
+    for p in (record.get("moe") or {}).get("points", []):  # per-expert loop vs one call, per layer
+        out[f"moe_{p['tokens_per_expert']}_tokens_threads_{p['threads']}"] = {
+            "per_expert_ms": p["per_expert"]["worker_busy_main_ms"], "moe_ffn_ms": p["moe_ffn"]["worker_busy_main_ms"],
+            "speedup": p["speedup_worker_busy_main"]}
     att = record.get("attention") or []
     if not att:
-        return {}
+        return out
     cores = record["usable_cores"]
     length = 32768 if any(r["length"] == 32768 for r in att) else max(r["length"] for r in att)
     t_free = max((r["threads"] for r in att if r["threads"] <= max(1, cores - 1)), default=None)
-    out = {"length": length, "threads": t_free}
+    out.update(length=length, threads=t_free)
     for r in att:
         if r["length"] == length and r["threads"] == t_free:
             out[f"bs{r['batch']}"] = {k: r.get(k) for k in ("native_GBps", "torch_sdpa_GBps", "stream_read_GBps",

@@ -11,10 +11,18 @@ Which kernel runs is a measured choice per token count: the native one streams w
 decode sizes, while torch's oneDNN (AMX on CPUs that have it) wins once enough tokens make the
 product compute-bound. `set_native_max_tokens` moves the crossover (calibration measures it with
 `tandem bench cpu-kernels`); above it, and without the extension, torch runs.
+
+    moe_ffn(x (N, H), experts [(gate_up, down)], tokens [idx], weights [w]) -> out (N, H) fp32
+
+One MoE layer's CPU-side experts in one native call: out[t] = Σ over expert j and its pairs i with
+tokens[j][i] = t of weights[j][i] · expert_j(x[t]). One fork of the thread team per layer instead of
+one per expert, no torch op per expert, the GIL released throughout (it runs in a worker thread
+next to the GPU-driving one). Experts with more tokens than native_max_tokens go through torch.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.errors import KernelInputError
@@ -75,6 +83,101 @@ def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, ou
                    code[gate_up.dtype], gate_up.stride(0), down.stride(0), y.data_ptr(), code[y.dtype], y.stride(0),
                    threads or native.threads())
     return y
+
+
+def _pair_array(name: str, j: int, value, dtype: np.dtype, kind: str) -> np.ndarray:
+    """tokens[j] / weights[j] (a 1-D CPU tensor, array or sequence) as a contiguous numpy array."""
+    if type(value) is np.ndarray and value.dtype == dtype and value.ndim == 1 and value.flags.c_contiguous:
+        return value  # the common case, without numpy's conversion calls
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise KernelInputError(f"{name}[{j}] must be on the CPU, got {value.device}")
+        value = value.detach()
+        value = value.to(torch.float32) if kind == "f" and value.is_floating_point() else value
+        value = value.numpy()
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in (("i", "u") if kind == "i" else ("f",))):
+        raise KernelInputError(f"{name}[{j}] must be a 1-D {'integer' if kind == 'i' else 'float'} array, "
+                               f"got {arr.dtype} of shape {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def moe_ffn(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: (N, H); experts: J pairs (gate_up (2I, H), down (H, I)) of one dtype; tokens[j]: int rows of x
+    routed to expert j; weights[j]: their routing weights (same length) → out (N, H) float32 with
+    out[t] = Σ_j Σ_{i: tokens[j][i] = t} weights[j][i] · expert_j(x[t]); rows no pair names are 0."""
+    if not isinstance(x, torch.Tensor) or not x.is_cpu or x.dtype not in _DTYPES or x.dim() != 2:
+        raise KernelInputError(f"x must be a 2-D fp32/bf16/fp16 CPU tensor, got "
+                               f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    N, H = x.shape
+    J = len(experts)
+    if len(tokens) != J or len(weights) != J:
+        raise KernelInputError(f"{J} experts but {len(tokens)} token lists and {len(weights)} weight lists")
+    if out is None:
+        out = torch.empty(N, H, dtype=torch.float32)
+    elif (not isinstance(out, torch.Tensor) or out.shape != (N, H) or out.dtype != torch.float32
+          or not out.is_cpu or out.stride(1) != 1):
+        raise KernelInputError(f"out must be a CPU float32 tensor of shape {(N, H)} with unit stride per row")
+    if J == 0:
+        return out.zero_()
+    first = experts[0][0]  # experts[0]'s gate_up sets the shapes and dtype every expert must have
+    two_i, w_dtype = (first.shape[0], first.dtype) if isinstance(first, torch.Tensor) else (0, None)
+    inter = two_i // 2
+    # Checked per expert on every layer of every step: cheap attribute reads only (t.device costs 0.4 µs).
+    rows, unit_stride = [], True  # rows: the native table (gate_up ptr, down ptr, row strides)
+    for j, pair in enumerate(experts):
+        gate_up, down = pair
+        for name, t in (("gate_up", gate_up), ("down", down)):
+            if not isinstance(t, torch.Tensor) or not t.is_cpu or t.dtype not in _DTYPES or t.dim() != 2:
+                raise KernelInputError(f"experts[{j}] {name} must be a 2-D fp32/bf16/fp16 CPU tensor, got "
+                                       f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if gate_up.shape != (two_i, H) or down.shape != (H, inter) or two_i == 0 or two_i % 2:
+            raise KernelInputError(f"experts[{j}] shapes do not fit: gate_up {tuple(gate_up.shape)} (want "
+                                   f"(2I, {H}) with experts[0]'s 2I = {two_i}), down {tuple(down.shape)} "
+                                   f"(want ({H}, {inter}))")
+        if gate_up.dtype != w_dtype or down.dtype != w_dtype:
+            raise KernelInputError(f"experts[{j}] is {gate_up.dtype}/{down.dtype} but experts[0] is {w_dtype}")
+        (gu_row, gu_col), (dn_row, dn_col) = gate_up.stride(), down.stride()
+        unit_stride = unit_stride and gu_col == 1 and dn_col == 1
+        rows.append((gate_up.data_ptr(), down.data_ptr(), gu_row, dn_row))
+    tok = [_pair_array("tokens", j, t, np.int64, "i") for j, t in enumerate(tokens)]
+    wts = [_pair_array("weights", j, w, np.float32, "f") for j, w in enumerate(weights)]
+    sizes = [t.size for t in tok]
+    for j, (n, w) in enumerate(zip(sizes, wts)):
+        if n != w.size:
+            raise KernelInputError(f"expert {j} has {n} tokens but {w.size} weights")
+    flat_tok = np.concatenate(tok)  # (pairs,): one range check for all (per-expert numpy calls cost µs each)
+    if flat_tok.size and (flat_tok.min() < 0 or flat_tok.max() >= N):
+        j = next(j for j, t in enumerate(tok) if t.size and (t.min() < 0 or t.max() >= N))
+        raise KernelInputError(f"tokens[{j}] has a row outside [0, {N}): {tok[j].min()}…{tok[j].max()}")
+
+    nat = native.module()
+    use_native = nat is not None and unit_stride and H % 16 == 0 and inter % 16 == 0
+    # The native call takes the experts with at most native_max_tokens tokens (above it torch's kernel wins).
+    on_native = [use_native and n <= _native_max_tokens for n in sizes]
+    if any(on_native):
+        if all(on_native):
+            sel, flat_w = range(J), np.concatenate(wts)
+        else:
+            sel = [j for j in range(J) if on_native[j]]
+            flat_tok, flat_w = np.concatenate([tok[j] for j in sel]), np.concatenate([wts[j] for j in sel])
+        table = np.array([rows[j] + (sizes[j],) for j in sel], dtype=np.int64)  # (J', 5)
+        if x.stride(1) != 1:
+            x = x.contiguous()  # (N, H): activations are small; weights are never copied
+        code = native.DTYPE_CODES
+        nat.moe_ffn(x.data_ptr(), code[x.dtype], N, H, inter, x.stride(0), code[w_dtype], table, flat_tok, flat_w,
+                    out.data_ptr(), out.stride(0), threads or native.threads())
+    else:
+        out.zero_()
+    for j in range(J):  # the rest (or all, without the extension): the reference kernel per expert
+        if on_native[j] or tok[j].size == 0:
+            continue
+        gate_up, down = experts[j]
+        idx = torch.from_numpy(tok[j])
+        y = expert_ffn_torch(x[idx].to(w_dtype), gate_up, down).float()  # (n, H)
+        out.index_add_(0, idx, y * torch.from_numpy(wts[j]).unsqueeze(1))
+    return out
 
 
 def __getattr__(name: str):

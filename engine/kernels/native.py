@@ -77,3 +77,31 @@ def threads() -> int:
         env = os.environ.get("TANDEM_CPU_THREADS")
         _threads = int(env) if env else available_cores()
     return _threads
+
+
+_OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
+
+
+def openmp_runtimes() -> list[str]:
+    """The OpenMP runtime files mapped into this process (Linux; [] elsewhere), one entry per file.
+
+    torch's CPU wheels ship libgomp as libgomp.so.1, the soname the extension links, so one file is
+    mapped; wheels that rename it (libgomp-<hash>.so.1) map the system's copy too. Mapped is not used:
+    `openmp_runtime()` names the one the extension's thread teams come from."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/" in line}
+    except OSError:
+        return []
+    found = {os.path.realpath(p) for p in paths if os.path.basename(p).startswith(_OPENMP_NAMES)}
+    return sorted(found)
+
+
+def openmp_runtime() -> str | None:
+    """The OpenMP runtime file the native kernels' calls bind to (torch's when torch was imported
+    first, as this module does); None without the extension, "" where it cannot tell."""
+    m = module()
+    if m is None or not hasattr(m, "openmp_runtime"):
+        return None
+    path = m.openmp_runtime()
+    return os.path.realpath(path) if path else ""

@@ -3,6 +3,7 @@ native ISA of this CPU and the torch fallback. Inputs are fresh random tensors e
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,3 +105,107 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_implementation_names_the_kernel(kernel_mode):
     assert experts_cpu.implementation(1) == ("torch" if kernel_mode == "torch" else f"native-{kernel_mode}")
+
+
+# -- moe_ffn: one layer's experts in one call -----------------------------------------------------
+
+def moe_reference(x, experts, tokens, weights):
+    """float64 Σ over pairs of weight · expert(x[token]) → (N, H)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for (gate_up, down), tok, w in zip(experts, tokens, weights):
+        tok = torch.as_tensor(tok, dtype=torch.int64)
+        if tok.numel():
+            out.index_add_(0, tok, reference(x[tok], gate_up, down) * torch.as_tensor(w).double().unsqueeze(1))
+    return out
+
+
+def check_moe(y, x, experts, tokens, weights, dtype):
+    ref = moe_reference(x, experts, tokens, weights)
+    assert y.dtype == torch.float32 and y.shape == x.shape and not torch.isnan(y).any()
+    err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+def routing(N, counts, gen):
+    """counts[j] distinct random tokens of range(N) per expert, and fp32 weights in (0, 1]."""
+    tokens = [torch.randperm(N, generator=gen)[:n] for n in counts]
+    return tokens, [torch.rand(n, generator=gen) + 1e-3 for n in counts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_ffn_matches_float64_reference(kernel_mode, dtype, monkeypatch):
+    """1…20 tokens per expert, tokens shared by several experts, one token routed to none (its row
+    must come back 0 in a NaN-poisoned out), and a single expert."""
+    monkeypatch.setattr(experts_cpu, "_native_max_tokens", 256)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    H, I, N = 128, 96, 24
+    x = torch.randn(N, H).to(dtype)
+    for counts in ([3], list(range(1, 21)), [1, 8, 2, 5, 1]):
+        experts = [weights(H, I, dtype) for _ in counts]
+        tokens, w = routing(N - 1, counts, gen)  # token N − 1 is routed to none
+        out = torch.full((N, H), math.nan)
+        y = experts_cpu.moe_ffn(x, experts, tokens, w, out=out, threads=3)
+        assert y is out and (y[N - 1] == 0).all()
+        check_moe(y, x, experts, tokens, w, dtype)
+
+
+def test_moe_ffn_without_experts_or_pairs_is_zero(kernel_mode):
+    H, I = 64, 32
+    x = torch.randn(3, H)
+    out = torch.full((3, H), math.nan)
+    assert (experts_cpu.moe_ffn(x, [], [], [], out=out) == 0).all()
+    out.fill_(math.nan)
+    empty = torch.empty(0, dtype=torch.int64)
+    y = experts_cpu.moe_ffn(x, [weights(H, I, torch.float32)], [empty], [torch.empty(0)], out=out)
+    assert y is out and (y == 0).all()
+    assert experts_cpu.moe_ffn(torch.empty(0, H), [weights(H, I, torch.float32)], [empty], [[]]).shape == (0, H)
+
+
+def test_moe_ffn_duplicate_and_strided_experts(kernel_mode):
+    """The same expert twice (shared storage), views into a stacked, row-padded store, numpy inputs,
+    fp32 activations with bf16 weights, and a row-strided x."""
+    H, I, E, N = 64, 48, 3, 6
+    store_gu = (torch.randn(E, 2 * I, H + 16) / 8).bfloat16()
+    store_dn = (torch.randn(E, H, I + 16) / 8).bfloat16()
+    experts = [(store_gu[e, :, :H], store_dn[e, :, :I]) for e in (0, 2, 0, 1)]
+    x = torch.randn(N, H + 8)[:, 4:4 + H]
+    tokens = [np.array([0, 5]), np.array([5, 1, 2]), np.array([5]), np.array([3, 4, 0, 1])]
+    w = [np.random.rand(len(t)).astype(np.float32) for t in tokens]
+    y = experts_cpu.moe_ffn(x, experts, tokens, w, threads=2)
+    check_moe(y, x.bfloat16(), experts, tokens, w, torch.bfloat16)
+
+
+def test_moe_ffn_prefill_sized_experts(kernel_mode, monkeypatch):
+    """Hundreds of tokens per expert go through in several passes of the native call; with a low
+    native_max_tokens the large experts run through torch and the small ones natively, summed."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    H, I, N = 64, 32, 600
+    x = torch.randn(N, H).bfloat16()
+    counts = [N, 7, 450, 1, N]
+    experts = [weights(H, I, torch.bfloat16) for _ in counts]
+    tokens, w = routing(N, counts, gen)
+    for max_tokens in (1 << 20, 8):
+        monkeypatch.setattr(experts_cpu, "_native_max_tokens", max_tokens)
+        check_moe(experts_cpu.moe_ffn(x, experts, tokens, w, threads=2), x, experts, tokens, w, torch.bfloat16)
+
+
+def test_moe_ffn_bad_inputs_raise_clear_errors():
+    H, I = 64, 32
+    x, expert = torch.randn(4, H), weights(H, I, torch.bfloat16)
+    tok, w = [torch.tensor([0, 1])], [torch.rand(2)]
+    with pytest.raises(KernelInputError, match="token lists"):
+        experts_cpu.moe_ffn(x, [expert], tok * 2, w)
+    with pytest.raises(KernelInputError, match="shapes do not fit"):
+        experts_cpu.moe_ffn(x, [expert, weights(H, 2 * I, torch.bfloat16)], tok * 2, w * 2)
+    with pytest.raises(KernelInputError, match="experts\\[1\\] is"):
+        experts_cpu.moe_ffn(x, [expert, weights(H, I, torch.float32)], tok * 2, w * 2)
+    with pytest.raises(KernelInputError, match="outside"):
+        experts_cpu.moe_ffn(x, [expert], [torch.tensor([0, 4])], w)
+    with pytest.raises(KernelInputError, match="2 tokens but 3 weights"):
+        experts_cpu.moe_ffn(x, [expert], tok, [torch.rand(3)])
+    with pytest.raises(KernelInputError, match="integer"):
+        experts_cpu.moe_ffn(x, [expert], [torch.tensor([0.0, 1.0])], w)
+    with pytest.raises(KernelInputError, match="out must be"):
+        experts_cpu.moe_ffn(x, [expert], tok, w, out=torch.empty(4, H, dtype=torch.bfloat16))
+    with pytest.raises(KernelInputError, match="2-D"):
+        experts_cpu.moe_ffn(x.double(), [expert], tok, w)
