@@ -47,6 +47,27 @@ def default_cpu_kernel():
     return experts_cpu.expert_ffn, str(getattr(experts_cpu, "IMPLEMENTATION", "experts_cpu"))
 
 
+def per_expert_moe(ffn):
+    """A layer's CPU set from a per-expert kernel ffn(x (n, H), gate_up, down) → (n, H) (an injected
+    kernel, or torch without the experts_cpu module): same contract as experts_cpu.moe_ffn."""
+    def moe(x, experts, tokens, weights):
+        out = torch.zeros(x.shape, dtype=torch.float32)  # (N, H)
+        for (gate_up, down), tok, w in zip(experts, tokens, weights):
+            idx = torch.from_numpy(tok)
+            out.index_add_(0, idx, ffn(x[idx], gate_up, down).float() * torch.from_numpy(w).unsqueeze(1))
+        return out
+    return moe
+
+
+def default_cpu_moe():
+    """A layer's whole CPU set in one call (one fork of the native thread team per layer): (moe, name)."""
+    try:
+        from engine.kernels import experts_cpu
+    except ImportError:
+        return per_expert_moe(expert_ffn), "torch"
+    return experts_cpu.moe_ffn, str(getattr(experts_cpu, "IMPLEMENTATION", "experts_cpu"))
+
+
 class OffloadedExperts(ExpertExecutor):
     def __init__(self, policy: str, store: ExpertStore, *, device: torch.device, n_slots: int | None = None,
                  costs: ExpertCostModel | None = None, max_decode_tokens: int = 4, cpu_ffn=None,
@@ -56,9 +77,11 @@ class OffloadedExperts(ExpertExecutor):
         self.policy, self.store, self.device = policy, store, torch.device(device)
         self.costs = costs or ExpertCostModel.from_shape(store.hidden, store.expert_ffn, store.blocks.element_size())
         self.planner = MissPlanner(policy, self.costs, max_decode_tokens)
-        if cpu_ffn is None:
-            cpu_ffn, cpu_kernel = default_cpu_kernel()
-        self.cpu_ffn, self.cpu_kernel = cpu_ffn, cpu_kernel or getattr(cpu_ffn, "__module__", "custom")
+        if cpu_ffn is None:  # the layer's CPU set in one native call
+            self.cpu_moe, default_name = default_cpu_moe()
+        else:  # an injected per-expert kernel
+            self.cpu_moe, default_name = per_expert_moe(cpu_ffn), getattr(cpu_ffn, "__module__", "custom")
+        self.cpu_ffn, self.cpu_kernel = cpu_ffn, cpu_kernel or default_name
         self.cache: ExpertCache | None = None
         self.predictor: GateLookahead | None = None
         self.trace = HotTable(store.n_layers, store.n_experts)  # tokens per (layer, expert), always counted
@@ -212,8 +235,9 @@ class OffloadedExperts(ExpertExecutor):
         return pairs.view(N, k, -1).sum(1).to(x.dtype)  # (N, H)
 
     def _cpu_set(self, layer: int, experts: list[int], x_h: torch.Tensor, ids_h: np.ndarray,
-                 w_h: torch.Tensor) -> torch.Tensor:
-        """In the worker thread: Σ over the CPU-side experts, each computed from its store block."""
+                 w_h: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """In the worker thread: Σ over the CPU-side experts, computed in place from their store
+        blocks → ((N, H) fp32, seconds)."""
         with torch.inference_mode():  # grad mode is per thread
             t0 = time.perf_counter()
             k = ids_h.shape[1]
@@ -222,13 +246,10 @@ class OffloadedExperts(ExpertExecutor):
             sorted_ids = flat[order]
             lo = np.searchsorted(sorted_ids, experts, side="left")
             hi = np.searchsorted(sorted_ids, experts, side="right")
-            w_flat = w_h.reshape(-1)
-            out = torch.zeros_like(x_h)  # (N, H)
-            for e, a, b in zip(experts, lo.tolist(), hi.tolist()):
-                pairs = torch.from_numpy(order[a:b])
-                tok = pairs // k
-                gate_up, down = self.store.expert(layer, e)
-                out.index_add_(0, tok, self.cpu_ffn(x_h[tok], gate_up, down) * w_flat[pairs].unsqueeze(1))
+            w_flat = w_h.reshape(-1).float().numpy()  # (N·k,)
+            pairs = [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+            out = self.cpu_moe(x_h, [self.store.expert(layer, e) for e in experts], [p // k for p in pairs],
+                               [w_flat[p] for p in pairs])  # (N, H) fp32
             seconds = time.perf_counter() - t0
             self.cpu_s += seconds
         return out, seconds
