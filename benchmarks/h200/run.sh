@@ -18,7 +18,7 @@
 #   bash benchmarks/h200/run.sh K    # after the sweep's choice: resident L16 decode; hybrid KV attention at 32K
 #   bash benchmarks/h200/run.sh L    # decode graph tests; the 48-layer resident upper bound through `tandem generate`
 #   bash benchmarks/h200/run.sh M    # native expert kernel with 8-token tiles: tests, cpu-kernels at 15/16 threads
-#   bash benchmarks/h200/run.sh N    # offloaded experts in graph pieces: tests, bench experts 2K per policy (sampled)
+#   bash benchmarks/h200/run.sh N    # offloaded experts in graph pieces: tests, moe_ffn A/B, bench experts 2K (sampled)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -133,6 +133,11 @@ if [ "$phase" = N ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_decode_gpu.py tests/models/test_decode_graph.py \
     tests/kernels/test_experts_cpu.py 2>&1 | tail -8 | tee "$out/pytest.log"
   timeout 100 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts 2>&1 | tail -5 | tee -a "$out/pytest.log"
+  step bench cpu-kernels moe: per-expert loop vs one call, default OpenMP waiting, then ACTIVE
+  timeout 120 python3 -m engine.cli bench cpu-kernels --sections moe --thread-counts 15 --repeats 21 \
+    --json "$out/cpu-kernels-moe.json" > /dev/null 2>>"$log"
+  OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000 timeout 120 python3 -m engine.cli bench cpu-kernels --sections moe \
+    --thread-counts 15 --repeats 21 --json "$out/cpu-kernels-moe-active.json" > /dev/null 2>>"$log"
   bench_experts 2k-sample --batch-sizes 1,4 --contexts 2048
 fi
 if [ "$phase" = N2 ]; then
