@@ -71,7 +71,7 @@ def test_moe_decode_skips_ids_outside_the_pool():
                         device=device)
     marked = torch.where(skip, torch.where(torch.rand(skip.shape, device=device) < 0.5, -1, 8), ids)
     out = moe_decode_gpu.moe_decode(x, marked, w, gate_up, down)
-    kept = torch.where(skip, 0.0, w.cpu().double())  # skipped pairs weigh nothing in the reference
+    kept = torch.where(skip.cpu(), 0.0, w.cpu().double())  # skipped pairs weigh nothing in the reference
     ref = moe_experts(x.cpu().double(), ids.cpu(), kept, gate_up.cpu().double(), down.cpu().double())
     assert torch.allclose(out.cpu().double(), ref, rtol=1e-4, atol=1e-5)
     assert torch.equal(out[2].cpu(), torch.zeros_like(out[2].cpu()))  # all four pairs skipped: exactly zero

@@ -1,0 +1,77 @@
+"""Where the GPU-driving thread spends a decode step with offloaded experts, per policy (cProfile).
+
+    python3 benchmarks/h200/profile_offload.py MODEL SLOTS OUT_DIR [policies]
+
+Loads MODEL once with SLOTS expert cache slots, and for each policy and batch size 1 and 4: a
+512-token random prompt, 4 sampled warm-up tokens (graph capture, compiles), then 16 sampled decode
+tokens timed without the profiler and 16 more under cProfile. Writes OUT_DIR/profile-offload.json
+(tok/s per run) and one text profile per run (functions by own time, then by cumulative time).
+"""
+
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.api import Engine, EngineConfig, GenerationRequest
+
+
+def main() -> None:
+    model, slots, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    policies = sys.argv[4].split(",") if len(sys.argv) > 4 else ["on-demand", "adaptive", "cpu-only"]
+    out.mkdir(parents=True, exist_ok=True)
+    engine = Engine(EngineConfig(model=model, backend="tandem", device="cuda", expert_policy=policies[0],
+                                 expert_cache_slots=slots, max_batch=4, max_context=1024, cpu_threads=15))
+    vocab = engine.info()["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    record = {"model": model, "slots": slots, "runs": []}
+    try:
+        for policy in policies:
+            if engine.info()["expert_policy"] != policy:
+                engine.set_expert_policy(policy)
+            for bs in (1, 4):
+                sessions = [f"{policy}-{bs}-{i}" for i in range(bs)]
+                history = [torch.randint(0, vocab, (512,), generator=gen).tolist() for _ in range(bs)]
+
+                def decode(n: int) -> float:
+                    reqs = [GenerationRequest(prompt_ids=h, max_new_tokens=n, temperature=1.0, seed=i,
+                                              ignore_eos=True, session_id=s)
+                            for i, (h, s) in enumerate(zip(history, sessions))]
+                    t0 = time.perf_counter()
+                    res = engine.generate_batch(reqs)
+                    dt = time.perf_counter() - t0
+                    for h, r in zip(history, res):
+                        h.extend(r.token_ids)
+                    return dt
+
+                decode(4)
+                plain = decode(16)
+                prof = cProfile.Profile()
+                prof.enable()
+                profiled = decode(16)
+                prof.disable()
+                text = io.StringIO()
+                stats = pstats.Stats(prof, stream=text)
+                stats.sort_stats("tottime").print_stats(30)
+                stats.sort_stats("cumulative").print_stats(40)
+                (out / f"profile-{policy}-bs{bs}.txt").write_text(text.getvalue())
+                ex = engine.stats().experts
+                run = {"policy": policy, "batch": bs, "tok_s": round(16 * bs / plain, 2),
+                       "tok_s_profiled": round(16 * bs / profiled, 2), "hit_rate": ex.get("hit_rate"),
+                       "cuda_graphs": engine.info()["cuda_graphs"]}
+                record["runs"].append(run)
+                print(json.dumps(run), flush=True)
+                for s in sessions:
+                    engine.end_session(s)
+    finally:
+        engine.close()
+    (out / "profile-offload.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
