@@ -184,10 +184,21 @@ class ExpertCache:
         with torch.cuda.stream(self.copy_stream):
             self.pool[slot].copy_(block, non_blocking=True)
 
-    def wait_copies(self) -> None:
-        """Make the compute stream wait for every fill and prefetch issued so far."""
+    def copy_in_many(self, slots: list[int], blocks: list[torch.Tensor]) -> None:
+        """Several blocks into their slots, in order, entering the copy stream once."""
+        if self.copy_stream is None:
+            for slot, block in zip(slots, blocks):
+                self.pool[slot].copy_(block)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            for slot, block in zip(slots, blocks):
+                self.pool[slot].copy_(block, non_blocking=True)
+
+    def wait_copies(self, stream=None) -> None:
+        """Make the compute stream (the current one unless given) wait for every fill and prefetch
+        issued so far."""
         if self.copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            (stream or torch.cuda.current_stream(self.device)).wait_stream(self.copy_stream)
 
     def synchronize(self) -> None:
         if self.copy_stream is not None:

@@ -136,25 +136,33 @@ class OffloadedExperts(ExpertExecutor):
         return placed
 
     # -- one layer ------------------------------------------------------------------------------
-    def run(self, layer, x, ids, weights):
+    def lookahead(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The layer's routing and, with a predictor, the next layer's predicted routing below it:
+        (N or 2N, k) on the device, pure device work (a decode graph piece captures it)."""
+        predicted = self.predictor.propose(layer, x) if self.predictor is not None else None
+        return ids if predicted is None else torch.cat([ids, predicted.to(ids.dtype)])
+
+    def run(self, layer, x, ids, weights, routed: torch.Tensor | None = None):
+        """routed: `lookahead(layer, x, ids)` when the caller computed it already (graph pieces)."""
         N, k = ids.shape
         if N == 0:
             return torch.zeros_like(x)
         lru = self.cache.lru if self.cache is not None else None
         if layer == self._first_layer:  # a new forward pass begins
             self._prev_sweep_start, self._sweep_start = self._sweep_start, (lru.clock if lru else 0)
-        predicted = self.predictor.propose(layer, x) if self.predictor is not None else None
-        both = ids if predicted is None else torch.cat([ids, predicted.to(ids.dtype)])  # (N or 2N, k)
+        both = self.lookahead(layer, x, ids) if routed is None else routed  # (N or 2N, k)
+        predicted = both.shape[0] > N
         # The layer's one host sync: routing, prediction, and the inputs a CPU set would need, each
         # copied without blocking (into pinned pages on a GPU), then one wait for all of them.
         host_t, x_h, w_h = (t.to("cpu", non_blocking=True) for t in (both, x, weights))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None:
+            stream.synchronize()
         host = host_t.numpy()
         ids_h = host[:N]
         if self.predictor is not None:
             self.predictor.score(layer, ids_h)
-            self.predictor.remember(layer, host[N:] if predicted is not None else None)
+            self.predictor.remember(layer, host[N:] if predicted else None)
         counts = np.bincount(ids_h.ravel(), minlength=self.store.n_experts)  # tokens per expert
         self.trace.add(layer, counts)
         active = np.flatnonzero(counts).tolist()
@@ -167,15 +175,15 @@ class OffloadedExperts(ExpertExecutor):
         capacity = self.cache.n_slots - len(hits) if self.cache is not None else 0
         plan = self.planner.plan(N, misses, counts[misses].tolist(), len(hits), int(counts[hits].sum()),
                                  capacity, self.predictor.hit_rate() if self.predictor else None)
-        fill_slots = [self._fill(layer, e) for e in plan.fill]
+        fill_slots = self._fill(layer, plan.fill)
         job = None
         if plan.cpu:
             job = self._workers.submit(self._cpu_set, layer, plan.cpu, x_h, ids_h, w_h)
             self.cpu_executed += len(plan.cpu)
         gpu_experts = hits + plan.fill
-        out = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts]) \
+        out = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts], stream) \
             if gpu_experts else None
-        if plan.prefetch and predicted is not None and self.cache is not None:
+        if plan.prefetch and predicted and self.cache is not None:
             self._prefetch(layer, host[N:], plan.prefetch)
         if lru is not None:
             lru.unlock()
@@ -200,20 +208,23 @@ class OffloadedExperts(ExpertExecutor):
             self.planner.costs = self.costs
             self._cpu_ratios.clear()
 
-    def _fill(self, layer: int, expert: int) -> int:
-        slot, _ = self.cache.lru.admit(layer, expert)
-        self.cache.copy_in(slot, self.store.block(layer, expert))
-        self.h2d_bytes += self.store.block_bytes
-        return slot
+    def _fill(self, layer: int, experts: list[int]) -> list[int]:
+        """Admit the experts into slots and copy them in (copy stream) → their slots."""
+        slots = [self.cache.lru.admit(layer, e)[0] for e in experts]
+        if slots:
+            self.cache.copy_in_many(slots, [self.store.block(layer, e) for e in experts])
+            self.h2d_bytes += len(slots) * self.store.block_bytes
+        return slots
 
-    def _gpu_set(self, x, ids, weights, experts: list[int], slots: list[int], pairs_per_expert: np.ndarray):
+    def _gpu_set(self, x, ids, weights, experts: list[int], slots: list[int], pairs_per_expert: np.ndarray,
+                 stream=None):
         """Σ over the GPU-side experts, as one grouped computation over the slot pool → (N, H)."""
         N, k = ids.shape
         self._map_np.fill(self._sentinel)
         self._map_np[experts] = slots
         if self._map_dev is not self._map_host:  # reused after the next layer's host sync: safe
             self._map_dev.copy_(self._map_host, non_blocking=True)
-        self.cache.wait_copies()
+        self.cache.wait_copies(stream)
         if moe_decode_gpu.available(x):  # a few tokens: matrix-vector products over the slots in place
             slot_ids = self._map_dev[ids]  # (N, k) slot, or the sentinel (past the pool: skipped) for CPU pairs
             return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down)
@@ -264,17 +275,20 @@ class OffloadedExperts(ExpertExecutor):
         wanted = sorted(np.flatnonzero(counts).tolist(), key=lambda e: (-counts[e], e))
         lru = self.cache.lru
         protect = {(nxt, e) for e in wanted}
+        slots, blocks = [], []
         for e in wanted:
-            if depth <= 0:
+            if len(slots) >= depth:
                 break
             if (nxt, e) in lru:
                 continue
             slot = lru.admit_prefetch(nxt, e, self._prev_sweep_start, protect)
             if slot is None:
                 break
-            self.cache.copy_in(slot, self.store.block(nxt, e))
-            self.h2d_bytes += self.store.block_bytes
-            depth -= 1
+            slots.append(slot)
+            blocks.append(self.store.block(nxt, e))
+        if slots:
+            self.cache.copy_in_many(slots, blocks)
+            self.h2d_bytes += len(slots) * self.store.block_bytes
 
     # -- reporting ------------------------------------------------------------------------------
     def hit_rate(self) -> float | None:

@@ -37,6 +37,7 @@ class GateLookahead:
         self._scores: deque[tuple[float, float, float]] = deque(maxlen=window)
         self.totals = np.zeros(3)  # sums of token_accuracy, set_recall, set_precision
         self.scored = 0
+        self._window_precision = 0.0  # Σ set_precision over the window
 
     def propose(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
         """x: (N, H) layer l's MoE input → predicted ids (N, k) of layer l+1, on x's device."""
@@ -56,20 +57,23 @@ class GateLookahead:
         pred = self.pending.pop(layer, None)
         if pred is None or pred.shape != actual.shape:
             return
-        k = actual.shape[1]
-        per_token = (pred[:, :, None] == actual[:, None, :]).any(-1).sum(-1) / k  # (N,)
-        p, a = set(pred.ravel().tolist()), set(actual.ravel().tolist())
-        common = len(p & a)
-        s = (float(per_token.mean()), common / len(a), common / len(p))
+        token_accuracy = (pred[:, :, None] == actual[:, None, :]).any(-1).sum() / actual.size  # mean over tokens of hits / k
+        p, a = np.unique(pred), np.unique(actual)
+        common = np.intersect1d(p, a, assume_unique=True).size
+        s = (float(token_accuracy), common / a.size, common / p.size)
+        if len(self._scores) == self._scores.maxlen:
+            self._window_precision -= self._scores[0][2]  # the score the append below pushes out
         self._scores.append(s)
+        self._window_precision += s[2]
         self.totals += s
         self.scored += 1
 
     def hit_rate(self) -> float | None:
-        """Windowed set precision: the chance that a prefetched expert is used."""
+        """Windowed set precision: the chance that a prefetched expert is used (kept as a running sum:
+        it is read on every layer step)."""
         if not self._scores:
             return None
-        return float(np.mean([s[2] for s in self._scores]))
+        return self._window_precision / len(self._scores)
 
     def accuracy(self) -> dict:
         """Mean scores since load (None before the first scored layer)."""
@@ -84,6 +88,7 @@ class GateLookahead:
         self._scores.clear()
         self.totals[:] = 0
         self.scored = 0
+        self._window_precision = 0.0
 
 
 class HotTable:

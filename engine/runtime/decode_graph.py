@@ -65,17 +65,20 @@ class _Piece:
     x: torch.Tensor | None = None  # (B, H) the layer's expert input, written by this piece
     ids: torch.Tensor | None = None  # (B, k)
     weights: torch.Tensor | None = None  # (B, k)
+    routed: torch.Tensor | None = None  # (B or 2B, k) routing and the next layer's prediction (lookahead)
     out: torch.Tensor | None = None  # (B, H) the experts' sum, written by the host, read by the next piece
 
 
 class _Cut(ExpertExecutor):
     """Stands in for offloaded experts while a step is captured: ends the piece that routed this
-    layer, hands back a fixed buffer for the experts' sum, and starts the next piece."""
+    layer (and predicted the next one's routing), hands back a fixed buffer for the experts' sum, and
+    starts the next piece."""
 
     policy = "capture-cut"
 
-    def __init__(self, pool, home: torch.cuda.Stream):
-        self.pool, self.home, self.pieces, self.graph = pool, home, [], None  # home: the stream replays run on
+    def __init__(self, pool, home: torch.cuda.Stream, experts: OffloadedExperts | None = None):
+        self.pool, self.home, self.experts = pool, home, experts  # home: the stream replays run on
+        self.pieces, self.graph = [], None
 
     def begin(self) -> None:
         self.graph = torch.cuda.CUDAGraph()
@@ -98,7 +101,8 @@ class _Cut(ExpertExecutor):
             self.graph = None
 
     def run(self, layer, x, ids, weights):
-        self.end(layer=layer, x=x, ids=ids, weights=weights)
+        routed = self.experts.lookahead(layer, x, ids)  # captured: the prediction costs no launch later
+        self.end(layer=layer, x=x, ids=ids, weights=weights, routed=routed)
         with torch.cuda.stream(self.home):  # outside any capture, owned by the replaying stream
             out = torch.empty_like(x)  # the host writes it between replays
         self.pieces[-1].out = out
@@ -139,7 +143,7 @@ class DecodeGraphs:
         for piece in pieces:
             piece.graph.replay()
             if piece.layer is not None:  # the host places and runs this layer's experts, eagerly
-                piece.out.copy_(self.experts.run(piece.layer, piece.x, piece.ids, piece.weights))
+                piece.out.copy_(self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed))
         self.replays += 1
         if isinstance(self.experts, ResidentExperts):  # the counter Python would have bumped
             self.experts.tokens_routed += B * self.model.args.top_k
@@ -153,23 +157,29 @@ class DecodeGraphs:
             self.model(tokens, positions, self.kv)
         torch.cuda.current_stream(self.device).wait_stream(side)
         # pieces of one batch size share a pool of their own; single graphs share one across sizes
-        cut = _Cut(None if self.cut else self.pool, torch.cuda.current_stream(self.device))
+        cut = _Cut(None if self.cut else self.pool, torch.cuda.current_stream(self.device),
+                   self.experts if self.cut else None)
+        failure = None
         try:
             for mlp in self._moe:
                 mlp.experts = cut
             with torch.cuda.stream(side):
-                cut.begin()
-                logits = self.model(tokens, positions, self.kv)  # (B, V) fp32, a buffer of the pool
-                cut.end()
-        except Exception as e:  # an op that syncs with the host or is not capturable: stay eager
-            cut.abort()
-            self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            log.warning("decode steps run without CUDA graphs: capture failed (%s)", self.failed)
-            torch.cuda.synchronize(self.device)
-            return None
+                try:
+                    cut.begin()
+                    logits = self.model(tokens, positions, self.kv)  # (B, V) fp32, a buffer of the pool
+                    cut.end()
+                except Exception as e:  # an op that syncs with the host or is not capturable: stay eager
+                    cut.abort()  # on the capturing stream: a capture must end where it began
+                    failure = e
         finally:
             for mlp in self._moe:
                 mlp.experts = self.experts
+        if failure is not None:
+            text = str(failure).strip()
+            self.failed = f"{type(failure).__name__}: {text.splitlines()[0] if text else ''}"
+            log.warning("decode steps run without CUDA graphs: capture failed (%s)", self.failed)
+            torch.cuda.synchronize(self.device)
+            return None
         torch.cuda.current_stream(self.device).wait_stream(side)
         if not self.cut:
             self.pool = cut.pool
