@@ -20,6 +20,7 @@
 #   bash benchmarks/h200/run.sh M    # native expert kernel with 8-token tiles: tests, cpu-kernels at 15/16 threads
 #   bash benchmarks/h200/run.sh N    # offloaded experts in graph pieces: tests, moe_ffn A/B, bench experts 2K (sampled)
 #   bash benchmarks/h200/run.sh O    # decode graph tests (full log); host profile of offloaded decode (profile_offload.py)
+#   bash benchmarks/h200/run.sh P    # O, then bench experts 2K per policy (sampled) again
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -141,12 +142,15 @@ if [ "$phase" = N ]; then
     --thread-counts 15 --repeats 21 --json "$out/cpu-kernels-moe-active.json" > /dev/null 2>>"$log"
   bench_experts 2k-sample --batch-sizes 1,4 --contexts 2048
 fi
-if [ "$phase" = O ]; then
+if [ "$phase" = O ] || [ "$phase" = P ]; then
   step tests: moe_decode, decode graphs
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_decode_gpu.py tests/models/test_decode_graph.py \
     > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"
   step profile offloaded decode, L16, 737 slots
   timeout 300 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 737 "$out" 2>>"$log" | tee -a "$log"
+fi
+if [ "$phase" = P ]; then
+  bench_experts 2k-sample --batch-sizes 1,4 --contexts 2048
 fi
 if [ "$phase" = N2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive
