@@ -93,6 +93,8 @@ class OffloadedExperts(ExpertExecutor):
         self.cpu_executed = self.uncached_misses = self.h2d_bytes = 0
         self.cpu_s = 0.0  # worker time computing CPU sets
         self.cpu_wait_s = 0.0  # time the GPU-driving thread waited for them
+        self.device_wait_s = 0.0  # time it waited, at each layer's sync, for the device (pieces, fills)
+        self.run_s = 0.0  # its whole time in `run` (the rest is host work: planning, launches, copies)
         self._rate_mark = (time.perf_counter(), 0)
         self._cpu_ratios: deque[float] = deque(maxlen=CPU_CORRECTION_WINDOW)
         self._opened = False
@@ -147,6 +149,7 @@ class OffloadedExperts(ExpertExecutor):
         N, k = ids.shape
         if N == 0:
             return torch.zeros_like(x)
+        t_start = time.perf_counter()
         lru = self.cache.lru if self.cache is not None else None
         if layer == self._first_layer:  # a new forward pass begins
             self._prev_sweep_start, self._sweep_start = self._sweep_start, (lru.clock if lru else 0)
@@ -157,7 +160,9 @@ class OffloadedExperts(ExpertExecutor):
         host_t, x_h, w_h = (t.to("cpu", non_blocking=True) for t in (both, x, weights))
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if stream is not None:
+            t0 = time.perf_counter()
             stream.synchronize()
+            self.device_wait_s += time.perf_counter() - t0
         host = host_t.numpy()
         ids_h = host[:N]
         if self.predictor is not None:
@@ -178,7 +183,7 @@ class OffloadedExperts(ExpertExecutor):
         fill_slots = self._fill(layer, plan.fill)
         job = None
         if plan.cpu:
-            job = self._workers.submit(self._cpu_set, layer, plan.cpu, x_h, ids_h, w_h)
+            job = self._workers.submit(self._cpu_set, x_h, *self._cpu_inputs(layer, plan.cpu, ids_h, w_h))
             self.cpu_executed += len(plan.cpu)
         gpu_experts = hits + plan.fill
         out = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts], stream) \
@@ -190,10 +195,11 @@ class OffloadedExperts(ExpertExecutor):
         if job is not None:
             t0 = time.perf_counter()
             cpu_out, seconds = job.result()
-            cpu_out = cpu_out.to(self.device, x.dtype)
             self.cpu_wait_s += time.perf_counter() - t0
+            cpu_out = cpu_out.to(self.device, x.dtype)
             self._observe_cpu(plan.t_cpu_ms, 1e3 * seconds)
             out = cpu_out if out is None else out + cpu_out
+        self.run_s += time.perf_counter() - t_start
         return out
 
     def _observe_cpu(self, modelled_ms: float, measured_ms: float) -> None:
@@ -245,22 +251,25 @@ class OffloadedExperts(ExpertExecutor):
         pairs = torch.empty_like(y).index_copy_(0, perm, y)  # back to (token, choice) order
         return pairs.view(N, k, -1).sum(1).to(x.dtype)  # (N, H)
 
-    def _cpu_set(self, layer: int, experts: list[int], x_h: torch.Tensor, ids_h: np.ndarray,
-                 w_h: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _cpu_inputs(self, layer: int, experts: list[int], ids_h: np.ndarray, w_h: torch.Tensor):
+        """The CPU set's operands, grouped here so the worker thread spends no Python on them:
+        (store views per expert, token rows per expert, fp32 routing weights per expert)."""
+        k = ids_h.shape[1]
+        flat = ids_h.ravel()
+        order = np.argsort(flat, kind="stable")  # (token, choice) pairs grouped by expert
+        sorted_ids = flat[order]
+        lo = np.searchsorted(sorted_ids, experts, side="left")
+        hi = np.searchsorted(sorted_ids, experts, side="right")
+        w_flat = w_h.reshape(-1).float().numpy()  # (N·k,)
+        pairs = [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+        return [self.store.expert(layer, e) for e in experts], [p // k for p in pairs], [w_flat[p] for p in pairs]
+
+    def _cpu_set(self, x_h: torch.Tensor, blocks, tokens, weights) -> tuple[torch.Tensor, float]:
         """In the worker thread: Σ over the CPU-side experts, computed in place from their store
         blocks → ((N, H) fp32, seconds)."""
         with torch.inference_mode():  # grad mode is per thread
             t0 = time.perf_counter()
-            k = ids_h.shape[1]
-            flat = ids_h.ravel()
-            order = np.argsort(flat, kind="stable")  # (token, choice) pairs grouped by expert
-            sorted_ids = flat[order]
-            lo = np.searchsorted(sorted_ids, experts, side="left")
-            hi = np.searchsorted(sorted_ids, experts, side="right")
-            w_flat = w_h.reshape(-1).float().numpy()  # (N·k,)
-            pairs = [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
-            out = self.cpu_moe(x_h, [self.store.expert(layer, e) for e in experts], [p // k for p in pairs],
-                               [w_flat[p] for p in pairs])  # (N, H) fp32
+            out = self.cpu_moe(x_h, blocks, tokens, weights)  # (N, H) fp32
             seconds = time.perf_counter() - t0
             self.cpu_s += seconds
         return out, seconds
@@ -312,7 +321,7 @@ class OffloadedExperts(ExpertExecutor):
             "cpu_kernel": self.cpu_kernel, "gpu_kernel": grouped_impl(self.device, self.store.dtype),
             "h2d_bytes": self.h2d_bytes, "h2d_gbps": (self.h2d_bytes - b0) / (now - t0) / 1e9 if now > t0 else None,
             "cpu_expert_s": self.cpu_s, "cpu_wait_s": self.cpu_wait_s, "hot_table": self.hot_source,
-            "cpu_correction": self.costs.cpu_correction,
+            "cpu_correction": self.costs.cpu_correction, "device_wait_s": self.device_wait_s, "run_s": self.run_s,
             "predictor": self.predictor.accuracy() if self.predictor is not None else None,
         }
 
