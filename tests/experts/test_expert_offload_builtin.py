@@ -166,11 +166,12 @@ def test_bench_shared_prefill_decodes_every_policy_from_one_kv(engine, reference
     from engine.bench.experts import run
 
     rec = run(engine=engine, policies=("on-demand", "cpu-only", "adaptive"), batch_sizes=(2,), contexts=(8,),
-              new_tokens=3, warmup=False, shared_prefill=True, decode="greedy")
+              new_tokens=3, shared_prefill=True, decode="greedy")
     rows = rec["results"]
     assert [r["policy"] for r in rows] == ["on-demand", "cpu-only", "adaptive"]
     assert rows[0]["prefill"]["tokens"] == 2 * 8 and rows[1]["prefill"] is None and rows[2]["prefill"] is None
     assert all(r["decode"]["tokens"] == 3 * 2 for r in rows)
+    assert all(r["decode"]["prefilled"] == 2 for r in rows)  # every policy decoded on from the kept KV
     assert rows[1]["decode"]["cpu_executed"] > 0 and rows[1]["decode"]["hit_rate"] == 0.0
     assert engine.backend.generator.sessions == {}  # the shared sessions end with their rows
     assert set(rec["adaptive_vs_best_baseline_decode"]) == {"ctx8-bs2"}
