@@ -22,7 +22,7 @@
 #   bash benchmarks/h200/run.sh O    # decode graph tests (full log); host profile of offloaded decode (profile_offload.py)
 #   bash benchmarks/h200/run.sh P    # O, then bench experts 2K per policy (sampled) again
 #   bash benchmarks/h200/run.sh Q    # bench experts 2K, bs 1 and 4, every policy decoding from one prefill
-#   bash benchmarks/h200/run.sh R    # Q again (after the shared-prefill fix), then 32K at bs=1
+#   bash benchmarks/h200/run.sh R    # after the shared-prefill fix: 2K and 32K at bs=1 from one prefill each
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -158,8 +158,7 @@ if [ "$phase" = Q ]; then
   bench_experts 2k-shared --batch-sizes 1,4 --contexts 2048 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = R ]; then
-  bench_experts 2k-shared --batch-sizes 1,4 --contexts 2048 --shared-prefill --policies on-demand,cpu-only,adaptive
-  bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
+  bench_experts 2k-32k-bs1-shared --batch-sizes 1 --contexts 2048,32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = N2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive

@@ -119,7 +119,8 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
     if owned:
         engine = Engine(EngineConfig(model=model, backend="tandem", device=device, dtype=dtype,
                                      expert_policy=policies[0], vram_budget_gb=vram_budget_gb,
-                                     max_batch=max(batch_sizes), max_context=max(contexts) + 2 * new_tokens + 4,
+                                     max_batch=max(batch_sizes),
+                                     max_context=context_needed(contexts, new_tokens, len(policies), shared_prefill),
                                      simulate_hybrid=simulate_hybrid, expert_cache_slots=expert_cache_slots,
                                      cpu_threads=cpu_threads, cuda_graphs=cuda_graphs))
     load_s = time.perf_counter() - t0
@@ -182,6 +183,13 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
     if torch.cuda.is_available() and not config.simulate_hybrid:
         record["cpu_expert_pinning"] = pinning_penalty()
     return record
+
+
+def context_needed(contexts, new_tokens: int, n_policies: int, shared_prefill: bool) -> int:
+    """Tokens a sequence reaches: the prompt, its first token, then the decodes (with shared prefill
+    every policy decodes on the same sequence, after a 2-token warm-up each)."""
+    decodes = n_policies * (new_tokens + 2) if shared_prefill else new_tokens
+    return max(contexts) + 1 + decodes + 4
 
 
 def speedups(rows: list[dict]) -> dict:
