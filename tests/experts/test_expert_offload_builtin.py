@@ -176,8 +176,8 @@ def test_bench_shared_prefill_decodes_every_policy_from_one_kv(engine, reference
     assert engine.backend.generator.sessions == {}  # the shared sessions end with their rows
     from engine.bench.experts import context_needed
 
-    length = 8 + len(rows[0]["prefill"] and [1]) + sum(2 + 3 for _ in rows)  # prompt, first token, warm-ups, decodes
-    assert context_needed((8,), 3, 3, True) >= length > context_needed((8,), 3, 1, False) - 4
+    # the shared sequence: prompt, first token, then per policy a 2-token warm-up and the 3 measured tokens
+    assert context_needed((8,), 3, 3, True) >= 8 + 1 + 3 * (2 + 3)
     assert set(rec["adaptive_vs_best_baseline_decode"]) == {"ctx8-bs2"}
     with pytest.raises(ValueError, match="sample"):
         run(engine=engine, policies=("adaptive",), decode="beam")
