@@ -4,8 +4,9 @@
 
 Loads MODEL once with SLOTS expert cache slots, and for each policy and batch size 1 and 4: a
 512-token random prompt, 4 sampled warm-up tokens (graph capture, compiles), then 16 sampled decode
-tokens timed without the profiler and 16 more under cProfile. Writes OUT_DIR/profile-offload.json
-(tok/s per run) and one text profile per run (functions by own time, then by cumulative time).
+tokens timed without the profiler (with the executor's own split of the driving thread's time:
+device wait, CPU wait, host parts) and 16 more under cProfile. Writes OUT_DIR/profile-offload.json
+and one text profile per run (functions by own time, then by cumulative time).
 """
 
 import cProfile
@@ -50,7 +51,14 @@ def main() -> None:
                     return dt
 
                 decode(4)
+                ex = engine.backend.parts.experts
+                before = ex.telemetry()
                 plain = decode(16)
+                after = ex.telemetry()
+                spent = {k: round(after[k] - before[k], 4) for k in ("run_s", "device_wait_s", "cpu_wait_s")}
+                spent["host_split_s"] = {k: round(after["host_split_s"][k] - before["host_split_s"][k], 4)
+                                         for k in after["host_split_s"]}
+                spent["layer_steps"] = 16 * len(ex.store.layers)
                 prof = cProfile.Profile()
                 prof.enable()
                 profiled = decode(16)
@@ -60,10 +68,9 @@ def main() -> None:
                 stats.sort_stats("tottime").print_stats(30)
                 stats.sort_stats("cumulative").print_stats(40)
                 (out / f"profile-{policy}-bs{bs}.txt").write_text(text.getvalue())
-                ex = engine.stats().experts
-                run = {"policy": policy, "batch": bs, "tok_s": round(16 * bs / plain, 2),
-                       "tok_s_profiled": round(16 * bs / profiled, 2), "hit_rate": ex.get("hit_rate"),
-                       "cuda_graphs": engine.info()["cuda_graphs"]}
+                run = {"policy": policy, "batch": bs, "tok_s": round(16 * bs / plain, 2), "decode_s": round(plain, 4),
+                       "tok_s_profiled": round(16 * bs / profiled, 2), "hit_rate": engine.stats().experts.get("hit_rate"),
+                       "executor": spent, "cuda_graphs": engine.info()["cuda_graphs"]}
                 record["runs"].append(run)
                 print(json.dumps(run), flush=True)
                 for s in sessions:

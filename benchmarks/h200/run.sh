@@ -23,6 +23,7 @@
 #   bash benchmarks/h200/run.sh P    # O, then bench experts 2K per policy (sampled) again
 #   bash benchmarks/h200/run.sh Q    # bench experts 2K, bs 1 and 4, every policy decoding from one prefill
 #   bash benchmarks/h200/run.sh R    # after the shared-prefill fix: 2K and 32K at bs=1 from one prefill each
+#   bash benchmarks/h200/run.sh S    # profile_offload.py for on-demand and adaptive with the executor's time split
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -159,6 +160,11 @@ if [ "$phase" = Q ]; then
 fi
 if [ "$phase" = R ]; then
   bench_experts 2k-32k-bs1-shared --batch-sizes 1 --contexts 2048,32768 --shared-prefill --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = S ]; then
+  step profile offloaded decode, L16, 737 slots: on-demand and adaptive
+  timeout 150 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 737 "$out" on-demand,adaptive \
+    2>>"$log" | tee -a "$log"
 fi
 if [ "$phase" = N2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive

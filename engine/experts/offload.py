@@ -35,6 +35,10 @@ from engine.kernels.experts_torch import expert_ffn
 from engine.sched.expert_cost import ExpertCostModel
 
 OFFLOAD_POLICIES = ("adaptive", "on-demand", "static", "cpu-only")
+# The driving thread's host work in `run` after the layer's sync, in order (seconds in `host_split`):
+# routing bookkeeping and LRU lookup; the plan; fills and the CPU set's hand-off; the GPU set's
+# launches; prefetches; then (layers with a CPU set) the result's return and merge.
+HOST_PARTS = ("lookup", "plan", "fill", "gpu_set", "prefetch", "merge")
 CPU_CORRECTION_WINDOW = 32  # CPU sets measured per update of the cost model's CPU correction
 
 
@@ -50,8 +54,8 @@ def default_cpu_kernel():
 def per_expert_moe(ffn):
     """A layer's CPU set from a per-expert kernel ffn(x (n, H), gate_up, down) → (n, H) (an injected
     kernel, or torch without the experts_cpu module): same contract as experts_cpu.moe_ffn."""
-    def moe(x, experts, tokens, weights):
-        out = torch.zeros(x.shape, dtype=torch.float32)  # (N, H)
+    def moe(x, experts, tokens, weights, out=None):
+        out = torch.zeros(x.shape, dtype=torch.float32) if out is None else out.zero_()  # (N, H)
         for (gate_up, down), tok, w in zip(experts, tokens, weights):
             idx = torch.from_numpy(tok)
             out.index_add_(0, idx, ffn(x[idx], gate_up, down).float() * torch.from_numpy(w).unsqueeze(1))
@@ -95,6 +99,8 @@ class OffloadedExperts(ExpertExecutor):
         self.cpu_wait_s = 0.0  # time the GPU-driving thread waited for them
         self.device_wait_s = 0.0  # time it waited, at each layer's sync, for the device (pieces, fills)
         self.run_s = 0.0  # its whole time in `run` (the rest is host work: planning, launches, copies)
+        self.host_split = dict.fromkeys(HOST_PARTS, 0.0)
+        self._cpu_out: dict[int, torch.Tensor] = {}  # N → (N, H) fp32 pinned result buffer of the CPU set
         self._rate_mark = (time.perf_counter(), 0)
         self._cpu_ratios: deque[float] = deque(maxlen=CPU_CORRECTION_WINDOW)
         self._opened = False
@@ -163,6 +169,7 @@ class OffloadedExperts(ExpertExecutor):
             t0 = time.perf_counter()
             stream.synchronize()
             self.device_wait_s += time.perf_counter() - t0
+        marks = [time.perf_counter()]  # host work after the sync, per part (see `host_split`)
         host = host_t.numpy()
         ids_h = host[:N]
         if self.predictor is not None:
@@ -178,28 +185,38 @@ class OffloadedExperts(ExpertExecutor):
             self.uncached_misses += len(active)
         self._window.append((len(hits), len(active)))
         capacity = self.cache.n_slots - len(hits) if self.cache is not None else 0
+        marks.append(time.perf_counter())
         plan = self.planner.plan(N, misses, counts[misses].tolist(), len(hits), int(counts[hits].sum()),
                                  capacity, self.predictor.hit_rate() if self.predictor else None)
+        marks.append(time.perf_counter())
         fill_slots = self._fill(layer, plan.fill)
         job = None
         if plan.cpu:
             job = self._workers.submit(self._cpu_set, x_h, *self._cpu_inputs(layer, plan.cpu, ids_h, w_h))
             self.cpu_executed += len(plan.cpu)
+        marks.append(time.perf_counter())
         gpu_experts = hits + plan.fill
         out = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts], stream) \
             if gpu_experts else None
+        marks.append(time.perf_counter())
         if plan.prefetch and predicted and self.cache is not None:
             self._prefetch(layer, host[N:], plan.prefetch)
         if lru is not None:
             lru.unlock()
+        marks.append(time.perf_counter())
+        merged_from = marks[-1]
         if job is not None:
-            t0 = time.perf_counter()
             cpu_out, seconds = job.result()
-            self.cpu_wait_s += time.perf_counter() - t0
-            cpu_out = cpu_out.to(self.device, x.dtype)
+            merged_from = time.perf_counter()
+            self.cpu_wait_s += merged_from - marks[-1]  # the wait is not host work
+            # from pinned pages (the worker wrote there): an async copy, no wait for the device here
+            cpu_out = cpu_out.to(self.device, non_blocking=True).to(x.dtype)
             self._observe_cpu(plan.t_cpu_ms, 1e3 * seconds)
             out = cpu_out if out is None else out + cpu_out
-        self.run_s += time.perf_counter() - t_start
+        end = time.perf_counter()
+        for part, a, b in zip(HOST_PARTS, marks, marks[1:] + [end]):
+            self.host_split[part] += b - (merged_from if part == "merge" else a)
+        self.run_s += end - t_start
         return out
 
     def _observe_cpu(self, modelled_ms: float, measured_ms: float) -> None:
@@ -269,10 +286,21 @@ class OffloadedExperts(ExpertExecutor):
         blocks → ((N, H) fp32, seconds)."""
         with torch.inference_mode():  # grad mode is per thread
             t0 = time.perf_counter()
-            out = self.cpu_moe(x_h, blocks, tokens, weights)  # (N, H) fp32
+            out = self.cpu_moe(x_h, blocks, tokens, weights, out=self._result_buffer(x_h.shape))  # (N, H) fp32
             seconds = time.perf_counter() - t0
             self.cpu_s += seconds
         return out, seconds
+
+    def _result_buffer(self, shape) -> torch.Tensor | None:
+        """A pinned (N, H) fp32 buffer per decode size for the CPU set's result, so it returns to the
+        GPU by an async copy; reused after the next layer's sync has seen that copy done. Larger
+        (prefill) sets get a fresh pageable tensor."""
+        if self.device.type != "cuda" or shape[0] > self.planner.max_decode_tokens:
+            return None
+        buf = self._cpu_out.get(shape[0])
+        if buf is None:
+            buf = self._cpu_out[shape[0]] = torch.empty(shape, dtype=torch.float32, pin_memory=True)
+        return buf
 
     def _prefetch(self, layer: int, predicted: np.ndarray, depth: int) -> None:
         """Copy the next layer's predicted misses, most-routed first, into free slots or slots whose
@@ -322,6 +350,7 @@ class OffloadedExperts(ExpertExecutor):
             "h2d_bytes": self.h2d_bytes, "h2d_gbps": (self.h2d_bytes - b0) / (now - t0) / 1e9 if now > t0 else None,
             "cpu_expert_s": self.cpu_s, "cpu_wait_s": self.cpu_wait_s, "hot_table": self.hot_source,
             "cpu_correction": self.costs.cpu_correction, "device_wait_s": self.device_wait_s, "run_s": self.run_s,
+            "host_split_s": dict(self.host_split),
             "predictor": self.predictor.accuracy() if self.predictor is not None else None,
         }
 

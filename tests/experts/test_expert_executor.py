@@ -246,3 +246,17 @@ def test_cheaper_cpu_moves_misses_off_the_link():
     q_slow, _, _ = slow.best_split([1] * 8, 0, 0, 8)
     q_fast, _, _ = fast.best_split([1] * 8, 0, 0, 8)
     assert q_fast < q_slow
+
+
+def test_host_split_accounts_the_run_time(model):
+    """The driving thread's time in `run` is the device wait, the CPU wait and the host parts."""
+    ex = make("adaptive", model, 7)
+    forward_passes(ex, model, "cpu", n_passes=2, n_tokens=3, seed=4)
+    tel = ex.telemetry()
+    split = tel["host_split_s"]
+    assert set(split) == set(offload_mod.HOST_PARTS) and all(v >= 0 for v in split.values())
+    accounted = sum(split.values()) + tel["device_wait_s"] + tel["cpu_wait_s"]
+    assert accounted <= tel["run_s"] + 1e-9
+    assert accounted >= 0.5 * tel["run_s"]  # what is left: the copies to the host before the sync
+    assert tel["cpu_executed"] > 0 and split["merge"] > 0
+    ex.close()
