@@ -227,49 +227,16 @@ def cmd_bench_soak(argv: list[str]) -> int:
 
 
 def cmd_bench_own_flags(kind: str, argv: list[str]) -> int:
-    """`tandem bench kv|e2e|experts …`: these benchmarks parse their own flags."""
+    """`tandem bench kv|e2e|experts|transformers …`: these benchmarks parse their own flags."""
+    from engine.bench import e2e, experts, kv, transformers_peer
     from engine.bench.common import write_json
 
-    if kind in ("kv", "e2e", "transformers"):
-        from engine.bench import e2e, kv, transformers_peer
-        mod = {"kv": kv, "e2e": e2e, "transformers": transformers_peer}[kind]
-        p = argparse.ArgumentParser(prog=f"tandem bench {kind}")
-        mod.add_arguments(p)
-        ns = p.parse_args(argv)
-        write_json(mod.from_args(ns), ns.json)
-    else:
-        record, path = _bench_experts(argv)
-        write_json(record, path)
-    return 0
-
-
-def _bench_experts(argv: list[str]) -> tuple[dict, str | None]:
-    from engine.bench import experts
-
-    p = argparse.ArgumentParser(prog="tandem bench experts")
-    p.add_argument("--model", default="synthetic:qwen3-30b-a3b")
-    p.add_argument("--policies", default=",".join(experts.POLICIES))
-    p.add_argument("--batch-sizes", default="1,4")
-    p.add_argument("--contexts", default="2048")
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--vram-budget-gb", type=float, default=24.0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--cpu-threads", type=int, default=None)
-    p.add_argument("--expert-cache-slots", type=int, default=None)
-    p.add_argument("--simulate-hybrid", action="store_true")
-    p.add_argument("--decode", choices=("sample", "greedy"), default="sample",
-                   help="sample (temperature 1, seeded): near-uniform routing; greedy: a random model repeats one token")
-    p.add_argument("--shared-prefill", action="store_true",
-                   help="prefill each context and batch once, under the first policy, and decode every policy from it")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="decode eagerly (graphs capture decode steps in pieces cut at the offloaded experts)")
-    p.add_argument("--json", default=None, help="also write the record here")
+    mod = {"kv": kv, "e2e": e2e, "transformers": transformers_peer, "experts": experts}[kind]
+    p = argparse.ArgumentParser(prog=f"tandem bench {kind}")
+    mod.add_arguments(p)
     ns = p.parse_args(argv)
-    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
-    return experts.run(decode=ns.decode, shared_prefill=ns.shared_prefill, cuda_graphs=ns.cuda_graphs, model=ns.model, policies=tuple(ns.policies.split(",")), batch_sizes=ints(ns.batch_sizes),
-                       contexts=ints(ns.contexts), new_tokens=ns.new_tokens, vram_budget_gb=ns.vram_budget_gb,
-                       device=ns.device, cpu_threads=ns.cpu_threads, expert_cache_slots=ns.expert_cache_slots,
-                       simulate_hybrid=ns.simulate_hybrid), ns.json
+    write_json(mod.from_args(ns), ns.json)
+    return 0
 
 
 def cmd_serve(args) -> int:

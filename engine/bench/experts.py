@@ -185,6 +185,36 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
     return record
 
 
+def add_arguments(p) -> None:
+    """The flags of `tandem bench experts` (the names `from_args` reads)."""
+    p.add_argument("--model", default="synthetic:qwen3-30b-a3b")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--batch-sizes", default="1,4")
+    p.add_argument("--contexts", default="2048")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--vram-budget-gb", type=float, default=24.0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--cpu-threads", type=int, default=None)
+    p.add_argument("--expert-cache-slots", type=int, default=None)
+    p.add_argument("--simulate-hybrid", action="store_true")
+    p.add_argument("--decode", choices=("sample", "greedy"), default="sample",
+                   help="sample (temperature 1, seeded): fresh tokens each step; greedy: a random model repeats one token")
+    p.add_argument("--shared-prefill", action="store_true",
+                   help="prefill each context and batch once, under the first policy, and decode every policy from it")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="decode eagerly (graphs capture decode steps in pieces cut at the offloaded experts)")
+    p.add_argument("--json", default=None, help="also write the record here")
+
+
+def from_args(ns) -> dict:
+    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    return run(model=ns.model, policies=tuple(ns.policies.split(",")), batch_sizes=ints(ns.batch_sizes),
+               contexts=ints(ns.contexts), new_tokens=ns.new_tokens, vram_budget_gb=ns.vram_budget_gb,
+               device=ns.device, cpu_threads=ns.cpu_threads, expert_cache_slots=ns.expert_cache_slots,
+               simulate_hybrid=ns.simulate_hybrid, decode=ns.decode, shared_prefill=ns.shared_prefill,
+               cuda_graphs=ns.cuda_graphs)
+
+
 def context_needed(contexts, new_tokens: int, n_policies: int, shared_prefill: bool) -> int:
     """Tokens a sequence reaches: the prompt, its first token, then the decodes (with shared prefill
     every policy decodes on the same sequence, after a 2-token warm-up each)."""

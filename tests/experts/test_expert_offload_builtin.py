@@ -211,3 +211,19 @@ def test_cuda_offload_generates_what_resident_generates(policy):
         assert eng.stats().to_dict()["vram"]["expert_cache"] == eng.backend.parts.experts.telemetry()["cache_bytes"]
     finally:
         eng.close()
+
+
+def test_bench_experts_from_the_command_line(tmp_path):
+    """`tandem bench experts …` parses its flags in engine.bench.experts and writes the record."""
+    import json
+
+    from engine.cli import main
+
+    out = tmp_path / "experts.json"
+    rc = main(["bench", "experts", "--model", MODEL, "--device", "cpu", "--simulate-hybrid", "--policies",
+               "cpu-only,on-demand", "--batch-sizes", "1", "--contexts", "6", "--new-tokens", "2",
+               "--expert-cache-slots", "8", "--decode", "greedy", "--shared-prefill", "--json", str(out)])
+    rec = json.loads(out.read_text())
+    assert rc == 0 and rec["decode"] == "greedy" and rec["shared_prefill"]
+    assert [r["policy"] for r in rec["results"]] == ["cpu-only", "on-demand"]
+    assert all(r["decode"]["prefilled"] == 1 for r in rec["results"])
