@@ -102,7 +102,10 @@ class OffloadedExperts(ExpertExecutor):
         self.host_split = dict.fromkeys(HOST_PARTS, 0.0)
         self._cpu_out: dict[int, torch.Tensor] = {}  # N → (N, H) fp32 pinned result buffer of the CPU set
         self._rate_mark = (time.perf_counter(), 0)
-        self._cpu_ratios: deque[float] = deque(maxlen=CPU_CORRECTION_WINDOW)
+        # The CPU correction is tracked per phase: decode sets stream weights through the native
+        # kernel, prefill sets are compute-bound (often torch's kernel), so their errors differ.
+        self._phase_costs = {"decode": self.costs, "prefill": self.costs}
+        self._cpu_ratios = {phase: deque(maxlen=CPU_CORRECTION_WINDOW) for phase in self._phase_costs}
         self._opened = False
         if n_slots is not None:
             self.open_cache(n_slots)
@@ -186,6 +189,8 @@ class OffloadedExperts(ExpertExecutor):
         self._window.append((len(hits), len(active)))
         capacity = self.cache.n_slots - len(hits) if self.cache is not None else 0
         marks.append(time.perf_counter())
+        phase = self.planner.phase(N)
+        self.planner.costs = self._phase_costs[phase]
         plan = self.planner.plan(N, misses, counts[misses].tolist(), len(hits), int(counts[hits].sum()),
                                  capacity, self.predictor.hit_rate() if self.predictor else None)
         marks.append(time.perf_counter())
@@ -211,7 +216,7 @@ class OffloadedExperts(ExpertExecutor):
             self.cpu_wait_s += merged_from - marks[-1]  # the wait is not host work
             # from pinned pages (the worker wrote there): an async copy, no wait for the device here
             cpu_out = cpu_out.to(self.device, non_blocking=True).to(x.dtype)
-            self._observe_cpu(plan.t_cpu_ms, 1e3 * seconds)
+            self._observe_cpu(phase, plan.t_cpu_ms, 1e3 * seconds)
             out = cpu_out if out is None else out + cpu_out
         end = time.perf_counter()
         for part, a, b in zip(HOST_PARTS, marks, marks[1:] + [end]):
@@ -219,17 +224,19 @@ class OffloadedExperts(ExpertExecutor):
         self.run_s += end - t_start
         return out
 
-    def _observe_cpu(self, modelled_ms: float, measured_ms: float) -> None:
-        """Track measured / modelled CPU-set time and hand the median of the last window to the cost
-        model, so the split follows what the CPU really does here (threads, contention, kernel)."""
-        base = modelled_ms / self.costs.cpu_correction  # the model's time without the correction
+    def _observe_cpu(self, phase: str, modelled_ms: float, measured_ms: float) -> None:
+        """Track measured / modelled CPU-set time per phase and hand the median of the last window
+        to that phase's cost model, so the split follows what the CPU really does here (threads,
+        contention, kernel). `self.costs`, the calibrated model, stays as it was given."""
+        costs = self._phase_costs[phase]
+        base = modelled_ms / costs.cpu_correction  # the model's time without the correction
         if base <= 0:
             return
-        self._cpu_ratios.append(min(max(measured_ms / base, 0.1), 20.0))
-        if len(self._cpu_ratios) == self._cpu_ratios.maxlen:
-            self.costs = replace(self.costs, cpu_correction=float(np.median(self._cpu_ratios)))
-            self.planner.costs = self.costs
-            self._cpu_ratios.clear()
+        ratios = self._cpu_ratios[phase]
+        ratios.append(min(max(measured_ms / base, 0.1), 20.0))
+        if len(ratios) == ratios.maxlen:
+            self._phase_costs[phase] = replace(costs, cpu_correction=float(np.median(ratios)))
+            ratios.clear()
 
     def _fill(self, layer: int, experts: list[int]) -> list[int]:
         """Admit the experts into slots and copy them in (copy stream) → their slots."""
@@ -349,7 +356,8 @@ class OffloadedExperts(ExpertExecutor):
             "cpu_kernel": self.cpu_kernel, "gpu_kernel": grouped_impl(self.device, self.store.dtype),
             "h2d_bytes": self.h2d_bytes, "h2d_gbps": (self.h2d_bytes - b0) / (now - t0) / 1e9 if now > t0 else None,
             "cpu_expert_s": self.cpu_s, "cpu_wait_s": self.cpu_wait_s, "hot_table": self.hot_source,
-            "cpu_correction": self.costs.cpu_correction, "device_wait_s": self.device_wait_s, "run_s": self.run_s,
+            "cpu_correction": {phase: c.cpu_correction for phase, c in self._phase_costs.items()},
+            "device_wait_s": self.device_wait_s, "run_s": self.run_s,
             "host_split_s": dict(self.host_split),
             "predictor": self.predictor.accuracy() if self.predictor is not None else None,
         }

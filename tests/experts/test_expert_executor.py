@@ -221,21 +221,27 @@ def test_resident_grouped_experts_match_the_reference_loop():
     assert ((got - ref).norm() / ref.norm()).item() < 2e-2
 
 
-def test_cpu_correction_follows_measured_cpu_sets(model):
-    """The executor hands the median of measured / modelled CPU-set times to the cost model once a
-    window is full; the planner then sees CPU sets that much dearer (or cheaper)."""
+def test_cpu_correction_follows_measured_cpu_sets_per_phase(model):
+    """The executor hands the median of measured / modelled CPU-set times to the phase's cost model
+    once a window is full; the planner then sees that phase's CPU sets that much dearer (or cheaper),
+    the other phase and the calibrated model are untouched."""
     ex = make("adaptive", model, 7)
-    modelled = ex.costs.cpu_ms(3, 3)
+    base = ex.costs
+    modelled = base.cpu_ms(3, 3)
     ratios = [2.0] * (offload_mod.CPU_CORRECTION_WINDOW - 3) + [50.0, 0.01, 3.0]  # outliers are clamped, median holds
     for r in ratios:
-        ex._observe_cpu(modelled, r * modelled)
-    assert ex.costs.cpu_correction == pytest.approx(2.0)
-    assert ex.planner.costs is ex.costs and ex.costs.cpu_ms(3, 3) == pytest.approx(2.0 * modelled)
-    again = ex.costs.cpu_ms(3, 3)  # the next window measures against the corrected model
+        ex._observe_cpu("decode", modelled, r * modelled)
+    decode = ex._phase_costs["decode"]
+    assert decode.cpu_correction == pytest.approx(2.0) and decode.cpu_ms(3, 3) == pytest.approx(2.0 * modelled)
+    assert ex._phase_costs["prefill"] is base and ex.costs is base and base.cpu_correction == 1.0
+    again = decode.cpu_ms(3, 3)  # the next window measures against the corrected model
     for _ in range(offload_mod.CPU_CORRECTION_WINDOW):
-        ex._observe_cpu(again, 0.5 * again)
-    assert ex.costs.cpu_correction == pytest.approx(1.0)
-    assert ex.telemetry()["cpu_correction"] == pytest.approx(1.0)
+        ex._observe_cpu("decode", again, 0.5 * again)
+    assert ex.telemetry()["cpu_correction"] == {"decode": pytest.approx(1.0), "prefill": 1.0}
+    x = torch.randn(2, H)  # a decode step plans with the decode model
+    w, ids = softmax_topk(x @ model[2][0].T, K, True)
+    ex.run(0, x, ids, w)
+    assert ex.planner.costs is ex._phase_costs["decode"]
     ex.close()
 
 
