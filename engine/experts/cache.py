@@ -178,11 +178,7 @@ class ExpertCache:
     def copy_in(self, slot: int, block: torch.Tensor) -> None:
         """One expert's host block (P,) into a slot: async on the copy stream from pinned memory;
         a plain copy when the "GPU" is the CPU (simulated hybrid)."""
-        if self.copy_stream is None:
-            self.pool[slot].copy_(block)
-            return
-        with torch.cuda.stream(self.copy_stream):
-            self.pool[slot].copy_(block, non_blocking=True)
+        self.copy_in_many([slot], [block])
 
     def copy_in_many(self, slots: list[int], blocks: list[torch.Tensor]) -> None:
         """Several blocks into their slots, in order, entering the copy stream once."""
