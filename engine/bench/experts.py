@@ -23,6 +23,12 @@ from __future__ import annotations
 
 import time
 from engine.bench.common import header
+from engine.experts.zero_copy import PROBE_STEPS
+
+# Unmeasured decode steps per policy and batch size before measuring: kernel compiles and graph
+# captures, and for `adaptive` the choice between the whole-step graph and pieces (each form is
+# timed PROBE_STEPS steps after its first).
+WARM_TOKENS = 2 * (PROBE_STEPS + 1) + 2
 
 POLICIES = ("cpu-only", "on-demand", "static", "adaptive")
 ROUTING_NOTE = ("synthetic models route with random routers: expert use is near-uniform, a worst case for any "
@@ -136,7 +142,7 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
             engine.set_expert_policy(policy)
         if warmup and warm:  # first-call costs (kernel compiles, graph capture per batch size) stay out
             for bs in batch_sizes:
-                _measure(engine, [prompt(16) for _ in range(bs)], 2, f"warmup-{bs}", sample, seed)
+                _measure(engine, [prompt(16) for _ in range(bs)], WARM_TOKENS, f"warmup-{bs}", sample, seed)
 
     try:
         if shared_prefill:
@@ -147,10 +153,10 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
                     sessions, histories, prefill = _prefill(engine, [prompt(context) for _ in range(bs)], tag)
                     for i, policy in enumerate(policies):
                         # The KV pool holds only the shared sessions: each policy warms up by decoding
-                        # two tokens on them (graph capture, compiles), unmeasured, then is measured.
+                        # WARM_TOKENS on them (graph capture, compiles, form choice), then is measured.
                         use(policy, warm=False)
                         if warmup:
-                            _, histories = _decode(engine, sessions, histories, 2, sample, seed + 1000)
+                            _, histories = _decode(engine, sessions, histories, WARM_TOKENS, sample, seed + 1000)
                         dec, histories = _decode(engine, sessions, histories, new_tokens, sample, seed)
                         rows.append(_row(engine, policy, context, bs, {
                             "prefill": prefill if i == 0 else None, "decode": dec,
@@ -217,8 +223,8 @@ def from_args(ns) -> dict:
 
 def context_needed(contexts, new_tokens: int, n_policies: int, shared_prefill: bool) -> int:
     """Tokens a sequence reaches: the prompt, its first token, then the decodes (with shared prefill
-    every policy decodes on the same sequence, after a 2-token warm-up each)."""
-    decodes = n_policies * (new_tokens + 2) if shared_prefill else new_tokens
+    every policy decodes on the same sequence, after a warm-up of WARM_TOKENS each)."""
+    decodes = n_policies * (new_tokens + WARM_TOKENS) if shared_prefill else max(new_tokens, WARM_TOKENS)
     return max(contexts) + 1 + decodes + 4
 
 

@@ -16,6 +16,7 @@ synchronous, but the LRU, fills, CPU set, prefetch and merge all run as on a GPU
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import replace
@@ -29,6 +30,7 @@ from engine.experts.executor import ExpertExecutor
 from engine.experts.planner import MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
+from engine.experts.zero_copy import ZeroCopyDecode
 from engine.kernels import moe_decode_gpu
 from engine.kernels.experts_gpu import grouped_expert_ffn, grouped_impl, uses_grouped_mm
 from engine.kernels.experts_torch import expert_ffn
@@ -39,6 +41,7 @@ OFFLOAD_POLICIES = ("adaptive", "on-demand", "static", "cpu-only")
 # routing bookkeeping and LRU lookup; the plan; fills and the CPU set's hand-off; the GPU set's
 # launches; prefetches; then (layers with a CPU set) the result's return and merge.
 HOST_PARTS = ("lookup", "plan", "fill", "gpu_set", "prefetch", "merge")
+log = logging.getLogger("tandem")
 CPU_CORRECTION_WINDOW = 32  # CPU sets measured per update of the cost model's CPU correction
 
 
@@ -106,6 +109,8 @@ class OffloadedExperts(ExpertExecutor):
         # kernel, prefill sets are compute-bound (often torch's kernel), so their errors differ.
         self._phase_costs = {"decode": self.costs, "prefill": self.costs}
         self._cpu_ratios = {phase: deque(maxlen=CPU_CORRECTION_WINDOW) for phase in self._phase_costs}
+        self.zero_copy: ZeroCopyDecode | None = None  # the whole-step graph's device table (adaptive, CUDA)
+        self.zero_copy_off: str | None = None  # why there is none
         self._opened = False
         if n_slots is not None:
             self.open_cache(n_slots)
@@ -127,6 +132,24 @@ class OffloadedExperts(ExpertExecutor):
         self._group_ends = torch.arange(1, n_slots + 1, device=self.device)  # searchsorted → group end rows
         self._grouped_mm = uses_grouped_mm(self.device, s.dtype)  # else: a loop over the host-known groups
         self._opened = True
+        self._open_zero_copy()
+
+    def _open_zero_copy(self) -> None:
+        """adaptive on a GPU may also run decode as one graph, reading misses in place (zero_copy.py)."""
+        if self.policy != "adaptive" or self.cache is None:
+            self.zero_copy_off = f"policy {self.policy}" if self.policy != "adaptive" else "no cache slots"
+        elif self.device.type != "cuda" or moe_decode_gpu.triton is None:
+            self.zero_copy_off = "needs CUDA and Triton"
+        elif not self.store.pinned:
+            self.zero_copy_off = "the host store is not pinned"
+        else:
+            try:
+                self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device,
+                                                min(self.planner.max_decode_tokens, moe_decode_gpu.MAX_TOKENS),
+                                                self.costs.pcie_gbps, window=self._window)
+            except RuntimeError as e:  # the driver cannot map the store
+                self.zero_copy_off = str(e)
+                log.warning("decode steps with offloaded experts stay in pieces: %s", e)
 
     def attach_predictor(self, predictor: GateLookahead) -> None:
         self.predictor = predictor
@@ -153,12 +176,15 @@ class OffloadedExperts(ExpertExecutor):
         predicted = self.predictor.propose(layer, x) if self.predictor is not None else None
         return ids if predicted is None else torch.cat([ids, predicted.to(ids.dtype)])
 
-    def run(self, layer, x, ids, weights, routed: torch.Tensor | None = None):
-        """routed: `lookahead(layer, x, ids)` when the caller computed it already (graph pieces)."""
+    def run(self, layer, x, ids, weights, routed: torch.Tensor | None = None, out: torch.Tensor | None = None):
+        """routed: `lookahead(layer, x, ids)` when the caller computed it already (graph pieces); out:
+        a buffer (N, H) to write the result into (a piece's fixed input) instead of a new tensor."""
         N, k = ids.shape
         if N == 0:
-            return torch.zeros_like(x)
+            return torch.zeros_like(x) if out is None else out.zero_()
         t_start = time.perf_counter()
+        if self.zero_copy is not None:
+            self.zero_copy.stale = True  # this path admits and evicts behind the device table
         lru = self.cache.lru if self.cache is not None else None
         if layer == self._first_layer:  # a new forward pass begins
             self._prev_sweep_start, self._sweep_start = self._sweep_start, (lru.clock if lru else 0)
@@ -201,8 +227,8 @@ class OffloadedExperts(ExpertExecutor):
             self.cpu_executed += len(plan.cpu)
         marks.append(time.perf_counter())
         gpu_experts = hits + plan.fill
-        out = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts], stream) \
-            if gpu_experts else None
+        result = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts], stream,
+                               out=out if job is None else None) if gpu_experts else None
         marks.append(time.perf_counter())
         if plan.prefetch and predicted and self.cache is not None:
             self._prefetch(layer, host[N:], plan.prefetch)
@@ -217,12 +243,15 @@ class OffloadedExperts(ExpertExecutor):
             # from pinned pages (the worker wrote there): an async copy, no wait for the device here
             cpu_out = cpu_out.to(self.device, non_blocking=True).to(x.dtype)
             self._observe_cpu(phase, plan.t_cpu_ms, 1e3 * seconds)
-            out = cpu_out if out is None else out + cpu_out
+            result = cpu_out if result is None else torch.add(result, cpu_out, out=out)
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
         end = time.perf_counter()
         for part, a, b in zip(HOST_PARTS, marks, marks[1:] + [end]):
             self.host_split[part] += b - (merged_from if part == "merge" else a)
         self.run_s += end - t_start
-        return out
+        return result
 
     def _observe_cpu(self, phase: str, modelled_ms: float, measured_ms: float) -> None:
         """Track measured / modelled CPU-set time per phase and hand the median of the last window
@@ -247,7 +276,7 @@ class OffloadedExperts(ExpertExecutor):
         return slots
 
     def _gpu_set(self, x, ids, weights, experts: list[int], slots: list[int], pairs_per_expert: np.ndarray,
-                 stream=None):
+                 stream=None, out: torch.Tensor | None = None):
         """Σ over the GPU-side experts, as one grouped computation over the slot pool → (N, H)."""
         N, k = ids.shape
         self._map_np.fill(self._sentinel)
@@ -257,7 +286,7 @@ class OffloadedExperts(ExpertExecutor):
         self.cache.wait_copies(stream)
         if moe_decode_gpu.available(x):  # a few tokens: matrix-vector products over the slots in place
             slot_ids = self._map_dev[ids]  # (N, k) slot, or the sentinel (past the pool: skipped) for CPU pairs
-            return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down)
+            return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down, out=out)
         slot_of_pair = self._map_dev[ids.reshape(-1)]  # (N·k,) slot, or the sentinel for CPU pairs
         sorted_slots, perm = torch.sort(slot_of_pair, stable=True)
         xs = x[perm // k]  # (N·k, H) rows grouped by slot
@@ -343,7 +372,10 @@ class OffloadedExperts(ExpertExecutor):
         lru = self.cache.lru if self.cache is not None else None
         now = time.perf_counter()
         t0, b0 = self._rate_mark
-        self._rate_mark = (now, self.h2d_bytes)
+        h2d = self.h2d_bytes  # copies into slots, plus the whole-step graph's fills and in-place PCIe reads
+        if self.zero_copy is not None:
+            h2d += (self.zero_copy.fills + self.zero_copy.zero_copy_experts) * self.store.block_bytes
+        self._rate_mark = (now, h2d)
         c = lambda name: getattr(lru, name) if lru is not None else 0  # noqa: E731
         return {
             "policy": self.policy, "hits": c("hits"), "misses": c("misses") + self.uncached_misses,
@@ -354,12 +386,13 @@ class OffloadedExperts(ExpertExecutor):
             "cache_bytes": self.cache.nbytes if self.cache is not None else 0,
             "store_bytes": self.store.nbytes, "store_pinned": self.store.pinned, "bytes": 0,
             "cpu_kernel": self.cpu_kernel, "gpu_kernel": grouped_impl(self.device, self.store.dtype),
-            "h2d_bytes": self.h2d_bytes, "h2d_gbps": (self.h2d_bytes - b0) / (now - t0) / 1e9 if now > t0 else None,
+            "h2d_bytes": h2d, "h2d_gbps": (h2d - b0) / (now - t0) / 1e9 if now > t0 else None,
             "cpu_expert_s": self.cpu_s, "cpu_wait_s": self.cpu_wait_s, "hot_table": self.hot_source,
             "cpu_correction": {phase: c.cpu_correction for phase, c in self._phase_costs.items()},
             "device_wait_s": self.device_wait_s, "run_s": self.run_s,
             "host_split_s": dict(self.host_split),
             "predictor": self.predictor.accuracy() if self.predictor is not None else None,
+            "zero_copy": self.zero_copy.telemetry() if self.zero_copy is not None else {"off": self.zero_copy_off},
         }
 
     def close(self, release_store: bool = True) -> None:

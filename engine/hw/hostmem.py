@@ -53,3 +53,23 @@ def registered(t: torch.Tensor):
     finally:
         torch.cuda.synchronize()
         unregister(t)
+
+
+def device_address(t: torch.Tensor) -> int:
+    """The address a CUDA kernel reads t's first element at: t lies in registered (page-locked,
+    mapped) host memory. Under unified addressing this is nearly always the host address; the driver
+    says so (cuMemHostGetDevicePointer) rather than us assuming it. Raises RuntimeError when t is
+    not registered host memory."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise RuntimeError(f"the CUDA driver library cannot be loaded ({e})") from e
+    ptr = ctypes.c_uint64(0)
+    fn = cuda.cuMemHostGetDevicePointer_v2
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    err = int(fn(ctypes.byref(ptr), ctypes.c_void_p(t.data_ptr()), 0))
+    if err != 0:
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUDA driver error {err}: not mapped host memory")
+    return int(ptr.value)

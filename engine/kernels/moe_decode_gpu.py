@@ -21,7 +21,9 @@ the last bit. Nothing reads back to the host: a CUDA graph can capture it.
         x (N, H); ids (N, k) int; weights (N, k); gate_up (E, 2I, H) gate rows first; down (E, H, I)
 
 An id outside [0, E) skips its pair (it adds zero and reads no weights): the offloaded experts pass
-slot ids of a cache pool and mark the pairs the CPU computes that way.
+slot ids of a cache pool and mark the pairs the CPU computes that way. With an offset table the ids
+are expert ids and each expert's weights may sit anywhere the GPU can address, the pinned host store
+included (`engine/experts/zero_copy.py`).
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, H, I, E, top_k, stride_we, stride_wr,
-                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, offs_ptr, act_ptr, H, I, E, top_k, stride_we, stride_wr,
+                        HAS_OFFS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of the gate half
         e = tl.load(ids_ptr + p).to(tl.int64)
@@ -53,7 +55,8 @@ if triton is not None:
         row_ok = rows < n_rows
         store_ok = rows < I
         t = p // top_k
-        base = w_ptr + e * stride_we
+        e_ok = tl.where((e >= 0) & (e < E), e, 0)  # an in-range index for the table read
+        base = w_ptr + (tl.load(offs_ptr + e_ok) if HAS_OFFS else e * stride_we)
         acc_gate = tl.zeros((BLOCK_R,), tl.float32)
         acc_up = tl.zeros((BLOCK_R,), tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -72,14 +75,15 @@ if triton is not None:
         tl.store(act_ptr + p * I + rows, (silu * up).to(dtype), mask=store_ok)
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, H, I, E, stride_we, stride_wr,
-                     BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    def _down_kernel(act_ptr, w_ptr, ids_ptr, offs_ptr, wts_ptr, y_ptr, H, I, E, stride_we, stride_wr,
+                     HAS_OFFS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # output features
         e = tl.load(ids_ptr + p).to(tl.int64)
         row_ok = rows < tl.where((e >= 0) & (e < E), H, 0)
         store_ok = rows < H
-        base = w_ptr + e * stride_we
+        e_ok = tl.where((e >= 0) & (e < E), e, 0)
+        base = w_ptr + (tl.load(offs_ptr + e_ok) if HAS_OFFS else e * stride_we)
         acc = tl.zeros((BLOCK_R,), tl.float32)
         for i0 in range(0, I, BLOCK_I):
             i = i0 + tl.arange(0, BLOCK_I)
@@ -105,7 +109,12 @@ if triton is not None:
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-               down: torch.Tensor) -> torch.Tensor:
+               down: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """offsets (E,) int64, optional: expert e starts `offsets[e]` elements past gate_up's (and down's)
+    first element instead of at e · stride(0). The offloaded experts pass the pool's views and an
+    offset per expert of the layer: into a cache slot, or into the pinned host store, which the
+    kernel then reads in place over PCIe (mapped memory: the same element distance applies to the
+    gate_up and the down view of a block). out (N, H), optional: written instead of a new tensor."""
     N, H = x.shape
     k = ids.shape[1]
     I = down.shape[2]
@@ -115,15 +124,18 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     P = N * k
     act = torch.empty((P, I), device=x.device, dtype=x.dtype)
     y = torch.empty((P, H), device=x.device, dtype=x.dtype)  # each pair's weighted expert output
-    out = torch.empty_like(x)  # (N, H)
+    out = torch.empty_like(x) if out is None else out  # (N, H)
     if N == 0:
         return out
+    E = gate_up.shape[0] if offsets is None else offsets.shape[0]
+    offs = ids if offsets is None else offsets  # any int64 tensor stands in when unused
     # Few rows per program and whole 1024-wide stretches of them: thousands of programs even for one
     # token, so that every multiprocessor has many loads in flight (the GEMV is bandwidth-bound).
-    E = gate_up.shape[0]
-    _gate_up_kernel[(P, triton.cdiv(I, 4))](x, gate_up, ids, act, H, I, E, k, gate_up.stride(0), gate_up.stride(1),
+    _gate_up_kernel[(P, triton.cdiv(I, 4))](x, gate_up, ids, offs, act, H, I, E, k, gate_up.stride(0),
+                                            gate_up.stride(1), HAS_OFFS=offsets is not None,
                                             BLOCK_R=4, BLOCK_H=min(1024, triton.next_power_of_2(H)))
-    _down_kernel[(P, triton.cdiv(H, 8))](act, down, ids, weights, y, H, I, E, down.stride(0), down.stride(1),
+    _down_kernel[(P, triton.cdiv(H, 8))](act, down, ids, offs, weights, y, H, I, E, down.stride(0), down.stride(1),
+                                         HAS_OFFS=offsets is not None,
                                          BLOCK_R=8, BLOCK_I=min(1024, triton.next_power_of_2(I)))
     _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, out, H, k, BLOCK=1024)
     return out

@@ -16,6 +16,11 @@ residuals), cut where the layer hands its tokens to the experts. A replay runs t
 at each cut, the executor eagerly on the captured inputs (x, ids, weights at fixed addresses), writing
 into a fixed output buffer that the next piece reads.
 
+Offloaded experts with a device table (`adaptive` on a GPU, engine/experts/zero_copy.py) can also
+run the whole step as one graph: each layer's kernel finds its experts in cache slots or reads them
+in place from the pinned host store, and the host manages the cache between steps. A chooser keeps,
+per batch size, whichever form (one graph or pieces) measured faster.
+
 The first step of a batch size runs eagerly on a side stream (Triton compiles, cuBLAS picks its
 algorithms), then is captured and replayed: K, V of that step are written twice with the same values
 (and offloaded experts run twice for it).
@@ -30,6 +35,7 @@ import torch
 
 from engine.experts.executor import GROUPED_MAX_TOKENS, ExpertExecutor, ResidentExperts
 from engine.experts.offload import OffloadedExperts
+from engine.experts.zero_copy import ModeChooser
 from engine.kernels.experts_gpu import MAX_GROUPS, uses_grouped_mm
 from engine.kv.resident import ResidentKV
 
@@ -113,19 +119,37 @@ class _Cut(ExpertExecutor):
         return {}
 
 
+class _InGraph(ExpertExecutor):
+    """Stands in for offloaded experts while a whole-step graph is warmed up and captured: device
+    work only, through the expert table."""
+
+    policy = "in-graph"
+
+    def __init__(self, zero_copy):
+        self.zero_copy = zero_copy
+
+    def run(self, layer, x, ids, weights):
+        return self.zero_copy.run(layer, x, ids, weights)
+
+    def telemetry(self) -> dict:
+        return {}
+
+
 class DecodeGraphs:
     """Captured decode forwards per batch size: one graph, or pieces cut at offloaded experts."""
 
     def __init__(self, model, kv: ResidentKV, experts, device: torch.device, max_batch: int):
         self.model, self.kv, self.experts, self.device = model, kv, experts, device
         self.tokens = torch.zeros((max_batch, 1), dtype=torch.int64, device=device)  # (B, 1) static input
-        self.steps: dict[int, tuple[list[_Piece], torch.Tensor]] = {}  # B → (pieces, logits (B, V))
+        self.steps: dict[tuple[int, str], tuple[list[_Piece], torch.Tensor]] = {}  # (B, form) → (pieces, logits (B, V))
         self.pool = None  # resident experts: one pool for every batch size (one graph each)
         self.failed: str | None = None  # set when a capture failed: every later step runs eagerly
         self.replays = 0
         self.cut = isinstance(experts, OffloadedExperts)
         self._moe = [layer.mlp for layer in model.model.layers if getattr(layer.mlp, "experts", None) is experts] \
             if self.cut else []
+        self.zero_copy = getattr(experts, "zero_copy", None) if self.cut else None
+        self.chooser = ModeChooser() if self.zero_copy is not None else None
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """tokens (B, 1) on the host, positions (B, 1) from kv.begin_step → logits (B, V) fp32, or None
@@ -134,35 +158,60 @@ class DecodeGraphs:
             return None
         B = tokens.shape[0]
         self.tokens[:B].copy_(tokens, non_blocking=True)
-        entry = self.steps.get(B)
+        form = "graph" if not self.cut else "pieces"
+        if self.chooser is not None and B <= self.zero_copy.max_tokens:
+            form = self.chooser.form(B)
+        entry = self.steps.get((B, form))
         if entry is None:
-            entry = self._capture(B, positions)
+            entry = self._capture(B, positions, form)
             if entry is None:
                 return None
+            if self.chooser is not None:
+                self.chooser.discard()  # the capture's time is not a step's
+        interval = self.chooser.started(B, form) if self.chooser is not None else None
         pieces, logits = entry
+        if self.zero_copy is not None:
+            if form == "graph":
+                self.zero_copy.before_step()
+            else:
+                self.zero_copy.leave()
         for piece in pieces:
             piece.graph.replay()
             if piece.layer is not None:  # the host places and runs this layer's experts, eagerly
-                piece.out.copy_(self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed))
+                self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed, out=piece.out)
+        if self.zero_copy is not None and form == "graph":
+            self.zero_copy.after_step(B, interval)
         self.replays += 1
         if isinstance(self.experts, ResidentExperts):  # the counter Python would have bumped
             self.experts.tokens_routed += B * self.model.args.top_k
         return logits.clone()  # the graph's output buffer is overwritten by the next replay
 
-    def _capture(self, B: int, positions: torch.Tensor):
+    def _capture(self, B: int, positions: torch.Tensor, form: str):
+        """form: "graph" (one graph; offloaded experts through the device table) or "pieces" (cut at
+        each offloaded MoE layer)."""
         tokens = self.tokens[:B]
+        in_graph = _InGraph(self.zero_copy) if self.cut and form == "graph" else None
+        if in_graph is not None:
+            self.zero_copy.before_step()  # a valid table for the warm-up
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: compiles kernels, settles cuBLAS workspaces
-            self.model(tokens, positions, self.kv)
+        try:
+            for mlp in self._moe if in_graph is not None else ():
+                mlp.experts = in_graph
+            with torch.cuda.stream(side):  # warm-up: compiles kernels, settles cuBLAS workspaces
+                self.model(tokens, positions, self.kv)
+        finally:
+            for mlp in self._moe:
+                mlp.experts = self.experts
         torch.cuda.current_stream(self.device).wait_stream(side)
+        pieces = self.cut and form == "pieces"
         # pieces of one batch size share a pool of their own; single graphs share one across sizes
         cut = _Cut(None if self.cut else self.pool, torch.cuda.current_stream(self.device),
-                   self.experts if self.cut else None)
+                   self.experts if pieces else None)
         failure = None
         try:
             for mlp in self._moe:
-                mlp.experts = cut
+                mlp.experts = in_graph or cut
             with torch.cuda.stream(side):
                 try:
                     cut.begin()
@@ -183,15 +232,16 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         if not self.cut:
             self.pool = cut.pool
-        self.steps[B] = (cut.pieces, logits)
-        log.info("captured the decode step for batch %d (%d piece%s)", B, len(cut.pieces),
+        self.steps[(B, form)] = (cut.pieces, logits)
+        log.info("captured the decode step for batch %d (%s, %d piece%s)", B, form, len(cut.pieces),
                  "" if len(cut.pieces) == 1 else "s")
-        return self.steps[B]
+        return self.steps[(B, form)]
 
     def telemetry(self) -> dict:
-        pieces = {B: len(p) for B, (p, _) in self.steps.items()}
-        return {"captured_batches": sorted(self.steps), "replays": self.replays, "failed": self.failed,
-                **({"pieces_per_step": pieces} if self.cut else {})}
+        pieces = {B: len(p) for (B, form), (p, _) in self.steps.items() if form == "pieces"}
+        return {"captured_batches": sorted({B for B, _ in self.steps}), "replays": self.replays,
+                "failed": self.failed, **({"pieces_per_step": pieces} if self.cut else {}),
+                **(self.chooser.telemetry() if self.chooser is not None else {})}
 
     def close(self) -> None:
         self.steps.clear()

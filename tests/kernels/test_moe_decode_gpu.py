@@ -75,3 +75,32 @@ def test_moe_decode_skips_ids_outside_the_pool():
     ref = moe_experts(x.cpu().double(), ids.cpu(), kept, gate_up.cpu().double(), down.cpu().double())
     assert torch.allclose(out.cpu().double(), ref, rtol=1e-4, atol=1e-5)
     assert torch.equal(out[2].cpu(), torch.zeros_like(out[2].cpu()))  # all four pairs skipped: exactly zero
+
+
+def test_moe_decode_offset_table_reads_experts_in_other_allocations():
+    """With an offset table an expert's weights may live in another allocation (the host store read
+    in place): expert e at `offsets[e]` elements from the pool's first element; out= is written."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, ids, w, gate_up, down = _case(3, 2, 5, 40, 24, torch.float32, device, seed=11)
+    E, I, H = gate_up.shape[0], down.shape[2], gate_up.shape[2]
+    blocks = torch.cat([gate_up.flatten(1), down.flatten(1)], 1)  # (E, 3IH) one block per expert
+    pool = torch.zeros(2, blocks.shape[1], device=device)  # two "slots"
+    elsewhere = blocks.clone()  # a separate allocation standing in for the store
+    pool[1] = blocks[3]
+    split = 2 * I * H
+    pool_gu = pool[:, :split].unflatten(1, (2 * I, H))
+    pool_d = pool[:, split:].unflatten(1, (H, I))
+    offsets = torch.tensor([(elsewhere[e].data_ptr() - pool.data_ptr()) // 4 for e in range(E)], device=device)
+    offsets[3] = pool.shape[1]  # expert 3 from slot 1
+    out = torch.full_like(x, float("nan"))
+    got = moe_decode_gpu.moe_decode(x, ids, w, pool_gu, pool_d, offsets=offsets, out=out)
+    assert got is out
+    ref = moe_experts(x.cpu().double(), ids.cpu(), w.cpu().double(), gate_up.cpu().double(), down.cpu().double())
+    assert torch.allclose(out.cpu().double(), ref, rtol=1e-4, atol=1e-5)
+    skipped = ids.clone()
+    skipped[0, 0] = E  # outside the table: skipped
+    part = moe_decode_gpu.moe_decode(x, skipped, w, pool_gu, pool_d, offsets=offsets)
+    w0 = w.clone()
+    w0[0, 0] = 0
+    ref0 = moe_experts(x.cpu().double(), ids.cpu(), w0.cpu().double(), gate_up.cpu().double(), down.cpu().double())
+    assert torch.allclose(part.cpu().double(), ref0, rtol=1e-4, atol=1e-5)
