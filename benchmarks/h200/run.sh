@@ -24,6 +24,8 @@
 #   bash benchmarks/h200/run.sh Q    # bench experts 2K, bs 1 and 4, every policy decoding from one prefill
 #   bash benchmarks/h200/run.sh R    # after the shared-prefill fix: 2K and 32K at bs=1 from one prefill each
 #   bash benchmarks/h200/run.sh S    # profile_offload.py for on-demand and adaptive with the executor's time split
+#   bash benchmarks/h200/run.sh T    # whole-step graph for adaptive (zero-copy misses): tests, bench experts 2K bs 1 and 4
+#   bash benchmarks/h200/run.sh T2   # the same at 32K, bs=1
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -165,6 +167,16 @@ if [ "$phase" = S ]; then
   step profile offloaded decode, L16, 737 slots: on-demand and adaptive
   timeout 150 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 737 "$out" on-demand,adaptive \
     2>>"$log" | tee -a "$log"
+fi
+if [ "$phase" = T ]; then
+  step tests: moe_decode, zero-copy decode, decode graphs, offloaded experts on CUDA
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_decode_gpu.py tests/experts/test_zero_copy.py \
+    tests/models/test_decode_graph.py tests/experts/test_expert_executor.py > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"
+  grep -E "^(FAILED|ERROR)|Error" "$out/pytest.log" | head -20 | tee -a "$log"
+  bench_experts 2k-shared --batch-sizes 1,4 --contexts 2048 --shared-prefill --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = T2 ]; then
+  bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = N2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive
