@@ -15,7 +15,8 @@ from engine.experts.zero_copy import PROBE_STEPS, REPROBE_EVERY, ModeChooser, Ze
 from engine.kernels.experts_torch import moe_experts  # noqa: E402
 
 L, E, H, I, K = 3, 6, 24, 16, 2
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the kernel runs compiled on CUDA tensors, or interpreted on CPU tensors where there is no GPU
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 def _model(seed=0):
@@ -96,7 +97,7 @@ def test_table_points_to_slots_of_cached_experts_and_to_the_store_otherwise(devi
 
 
 def test_fill_budget_follows_the_link_time_of_a_step():
-    zc, store, *_ = _decode("cpu", 4, steps=1)
+    zc, store, *_ = _decode(DEVICES[0], 4, steps=1)
     assert zc._fill_budget(7) == 7  # before any step was timed: every miss
     zc._last_step_s = 10 * store.block_bytes / 50e9  # a step long enough for 10 blocks over the link
     assert zc._fill_budget(4) == 6 and zc._fill_budget(30) == 1  # at least one: the cache keeps learning
