@@ -132,6 +132,30 @@ class SlotLRU:
         self.entries[key] = _Entry(slot, self._tick())
         return slot
 
+    def take_slots(self, n: int) -> tuple[list[int], list[Key]]:
+        """Up to n slots out of the LRU's hands: free ones first, then those of the least recently
+        used unlocked entries, which are evicted → (slots, evicted keys). The caller holds the slots
+        until it admits into them (`admit_into`) or gives them back (`give_back`)."""
+        slots, evicted = [], []
+        while len(slots) < n and self.free:
+            slots.append(self.free.pop())
+        if len(slots) < n:
+            for key in [k for k in self.entries if k not in self.locked][:n - len(slots)]:
+                slots.append(self._evict(key))
+                evicted.append(key)
+        return slots, evicted
+
+    def admit_into(self, layer: int, expert: int, slot: int) -> None:
+        """A fill that landed in a slot the caller took with `take_slots`: a new, most recent entry."""
+        key = (layer, expert)
+        if key in self.entries:
+            raise KeyError(f"expert {key} is cached already")
+        self.entries[key] = _Entry(slot, self._tick())
+        self.fills += 1
+
+    def give_back(self, slots: list[int]) -> None:
+        self.free.extend(slots)
+
     def unlock(self) -> None:
         self.locked.clear()
 

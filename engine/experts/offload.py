@@ -146,7 +146,7 @@ class OffloadedExperts(ExpertExecutor):
             try:
                 self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device,
                                                 min(self.planner.max_decode_tokens, moe_decode_gpu.MAX_TOKENS),
-                                                self.costs.pcie_gbps, window=self._window)
+                                                window=self._window)
             except RuntimeError as e:  # the driver cannot map the store
                 self.zero_copy_off = str(e)
                 log.warning("decode steps with offloaded experts stay in pieces: %s", e)

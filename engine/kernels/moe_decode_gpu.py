@@ -46,8 +46,9 @@ def available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, offs_ptr, act_ptr, H, I, E, top_k, stride_we, stride_wr,
-                        HAS_OFFS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, offs_ptr, spare_ptr, act_ptr, H, I, E, top_k, stride_we, stride_wr,
+                        HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of the gate half
         e = tl.load(ids_ptr + p).to(tl.int64)
@@ -57,6 +58,10 @@ if triton is not None:
         t = p // top_k
         e_ok = tl.where((e >= 0) & (e < E), e, 0)  # an in-range index for the table read
         base = w_ptr + (tl.load(offs_ptr + e_ok) if HAS_OFFS else e * stride_we)
+        if HAS_SPARE:  # this pair copies the weights it reads into a free slot (-1: none)
+            sp = tl.load(spare_ptr + p)
+            copy_row = rows < tl.where(sp >= 0, n_rows, 0)
+            spare = w_ptr + tl.where(sp >= 0, sp, 0)
         acc_gate = tl.zeros((BLOCK_R,), tl.float32)
         acc_up = tl.zeros((BLOCK_R,), tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -66,6 +71,10 @@ if triton is not None:
             ok = row_ok[:, None] & h_ok[None, :]
             wg = tl.load(base + rows[:, None] * stride_wr + h[None, :], mask=ok, other=0.0)  # (BLOCK_R, BLOCK_H)
             wu = tl.load(base + (rows + I)[:, None] * stride_wr + h[None, :], mask=ok, other=0.0)
+            if HAS_SPARE:
+                copy = copy_row[:, None] & h_ok[None, :]
+                tl.store(spare + rows[:, None] * stride_wr + h[None, :], wg, mask=copy)
+                tl.store(spare + (rows + I)[:, None] * stride_wr + h[None, :], wu, mask=copy)
             acc_gate += tl.sum(wg.to(tl.float32) * xv[None, :], 1)
             acc_up += tl.sum(wu.to(tl.float32) * xv[None, :], 1)
         dtype = act_ptr.dtype.element_ty
@@ -75,27 +84,47 @@ if triton is not None:
         tl.store(act_ptr + p * I + rows, (silu * up).to(dtype), mask=store_ok)
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, ids_ptr, offs_ptr, wts_ptr, y_ptr, H, I, E, stride_we, stride_wr,
-                     HAS_OFFS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    def _down_kernel(act_ptr, w_ptr, ids_ptr, offs_ptr, spare_ptr, wts_ptr, y_ptr, H, I, E, stride_we, stride_wr,
+                     HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_I: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # output features
         e = tl.load(ids_ptr + p).to(tl.int64)
-        row_ok = rows < tl.where((e >= 0) & (e < E), H, 0)
+        n_rows = tl.where((e >= 0) & (e < E), H, 0)
+        row_ok = rows < n_rows
         store_ok = rows < H
         e_ok = tl.where((e >= 0) & (e < E), e, 0)
         base = w_ptr + (tl.load(offs_ptr + e_ok) if HAS_OFFS else e * stride_we)
+        if HAS_SPARE:
+            sp = tl.load(spare_ptr + p)
+            copy_row = rows < tl.where(sp >= 0, n_rows, 0)
+            spare = w_ptr + tl.where(sp >= 0, sp, 0)
         acc = tl.zeros((BLOCK_R,), tl.float32)
         for i0 in range(0, I, BLOCK_I):
             i = i0 + tl.arange(0, BLOCK_I)
             i_ok = i < I
             a = tl.load(act_ptr + p * I + i, mask=i_ok, other=0.0).to(tl.float32)  # (BLOCK_I,)
-            wd = tl.load(base + rows[:, None] * stride_wr + i[None, :],
-                         mask=row_ok[:, None] & i_ok[None, :], other=0.0)  # (BLOCK_R, BLOCK_I)
+            ok = row_ok[:, None] & i_ok[None, :]
+            wd = tl.load(base + rows[:, None] * stride_wr + i[None, :], mask=ok, other=0.0)  # (BLOCK_R, BLOCK_I)
+            if HAS_SPARE:
+                tl.store(spare + rows[:, None] * stride_wr + i[None, :], wd, mask=copy_row[:, None] & i_ok[None, :])
             acc += tl.sum(wd.to(tl.float32) * a[None, :], 1)
         dtype = y_ptr.dtype.element_ty
         w = tl.load(wts_ptr + p).to(tl.float32)
         y = acc.to(dtype).to(tl.float32)  # the expert's output, rounded as F.linear's
         tl.store(y_ptr + p * H + rows, (y * w).to(dtype), mask=store_ok)  # weighted in the model dtype
+
+    @triton.jit
+    def _claim_kernel(ids_ptr, offs_ptr, spares_ptr, counter_ptr, spare_of_pair_ptr, E, pool_numel, n_spares):
+        p = tl.program_id(0)  # (token, choice) pair
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        valid = (e >= 0) & (e < E)
+        off = tl.load(offs_ptr + tl.where(valid, e, 0))
+        outside = valid & ((off < 0) | (off >= pool_numel))  # the expert is not in a slot of the pool
+        c = tl.atomic_add(counter_ptr, outside.to(tl.int32))  # this pair's place in the list of free slots (adds 0 for the rest)
+        ok = outside & (c < n_spares)
+        sp = tl.load(spares_ptr + tl.where(ok, c, 0))
+        tl.store(spare_of_pair_ptr + p, tl.where(ok, sp, -1))
 
     @triton.jit
     def _sum_choices_kernel(y_ptr, out_ptr, H, top_k, BLOCK: tl.constexpr):
@@ -108,13 +137,31 @@ if triton is not None:
         tl.store(out_ptr + t * H + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def claim_free_slots(ids: torch.Tensor, offsets: torch.Tensor, spares: torch.Tensor, counter: torch.Tensor,
+                     pool_numel: int) -> torch.Tensor:
+    """For each (token, choice) pair whose expert's offset lies outside the pool (read from the host
+    store), the next entry of `spares` (element offsets of free slots; -1 past the list's end), in the
+    order an atomic counter hands them out → (N·k,) int64 spare offset per pair, -1 for the rest.
+    counter (1,) int32 is the number handed out so far (reset by the caller between steps)."""
+    P = ids.numel()
+    spare_of_pair = torch.empty(P, dtype=torch.int64, device=ids.device)
+    if P:
+        _claim_kernel[(P,)](ids.contiguous(), offsets, spares, counter, spare_of_pair, offsets.shape[0],
+                            pool_numel, spares.shape[0])
+    return spare_of_pair
+
+
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-               down: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               down: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               spare: torch.Tensor | None = None) -> torch.Tensor:
     """offsets (E,) int64, optional: expert e starts `offsets[e]` elements past gate_up's (and down's)
     first element instead of at e · stride(0). The offloaded experts pass the pool's views and an
     offset per expert of the layer: into a cache slot, or into the pinned host store, which the
     kernel then reads in place over PCIe (mapped memory: the same element distance applies to the
-    gate_up and the down view of a block). out (N, H), optional: written instead of a new tensor."""
+    gate_up and the down view of a block). out (N, H), optional: written instead of a new tensor.
+    spare (N·k,) int64, optional (with offsets): pair p also writes the weights it reads to the block
+    `spare[p]` elements past the pool's start (a free slot; -1: no copy) — a fill over the same PCIe
+    read that computes with the expert."""
     N, H = x.shape
     k = ids.shape[1]
     I = down.shape[2]
@@ -129,13 +176,15 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
         return out
     E = gate_up.shape[0] if offsets is None else offsets.shape[0]
     offs = ids if offsets is None else offsets  # any int64 tensor stands in when unused
+    sp = ids if spare is None else spare
     # Few rows per program and whole 1024-wide stretches of them: thousands of programs even for one
     # token, so that every multiprocessor has many loads in flight (the GEMV is bandwidth-bound).
-    _gate_up_kernel[(P, triton.cdiv(I, 4))](x, gate_up, ids, offs, act, H, I, E, k, gate_up.stride(0),
+    _gate_up_kernel[(P, triton.cdiv(I, 4))](x, gate_up, ids, offs, sp, act, H, I, E, k, gate_up.stride(0),
                                             gate_up.stride(1), HAS_OFFS=offsets is not None,
+                                            HAS_SPARE=spare is not None,
                                             BLOCK_R=4, BLOCK_H=min(1024, triton.next_power_of_2(H)))
-    _down_kernel[(P, triton.cdiv(H, 8))](act, down, ids, offs, weights, y, H, I, E, down.stride(0), down.stride(1),
-                                         HAS_OFFS=offsets is not None,
+    _down_kernel[(P, triton.cdiv(H, 8))](act, down, ids, offs, sp, weights, y, H, I, E, down.stride(0),
+                                         down.stride(1), HAS_OFFS=offsets is not None, HAS_SPARE=spare is not None,
                                          BLOCK_R=8, BLOCK_I=min(1024, triton.next_power_of_2(I)))
     _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, out, H, k, BLOCK=1024)
     return out

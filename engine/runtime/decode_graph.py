@@ -168,7 +168,8 @@ class DecodeGraphs:
                 return None
             if self.chooser is not None:
                 self.chooser.discard()  # the capture's time is not a step's
-        interval = self.chooser.started(B, form) if self.chooser is not None else None
+        if self.chooser is not None:
+            self.chooser.started(B, form)
         pieces, logits = entry
         if self.zero_copy is not None:
             if form == "graph":
@@ -180,7 +181,7 @@ class DecodeGraphs:
             if piece.layer is not None:  # the host places and runs this layer's experts, eagerly
                 self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed, out=piece.out)
         if self.zero_copy is not None and form == "graph":
-            self.zero_copy.after_step(B, interval)
+            self.zero_copy.after_step(B)
         self.replays += 1
         if isinstance(self.experts, ResidentExperts):  # the counter Python would have bumped
             self.experts.tokens_routed += B * self.model.args.top_k

@@ -104,3 +104,35 @@ def test_moe_decode_offset_table_reads_experts_in_other_allocations():
     w0[0, 0] = 0
     ref0 = moe_experts(x.cpu().double(), ids.cpu(), w0.cpu().double(), gate_up.cpu().double(), down.cpu().double())
     assert torch.allclose(part.cpu().double(), ref0, rtol=1e-4, atol=1e-5)
+
+
+def test_pairs_read_from_outside_the_pool_claim_free_slots_and_copy_their_expert_there():
+    """claim_free_slots hands the listed free slots to the pairs whose expert is outside the pool, in
+    order, until the list runs out; moe_decode with those spares computes as before and leaves each
+    claimed slot holding the expert its pair read."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, ids, w, gate_up, down = _case(3, 2, 6, 32, 16, torch.float32, device, seed=12)
+    E, I, H = gate_up.shape[0], down.shape[2], gate_up.shape[2]
+    blocks = torch.cat([gate_up.flatten(1), down.flatten(1)], 1)  # (E, 3IH)
+    P_el = blocks.shape[1]
+    pool = torch.zeros(5, P_el, device=device)
+    elsewhere = blocks.clone()
+    split = 2 * I * H
+    pool_gu, pool_d = pool[:, :split].unflatten(1, (2 * I, H)), pool[:, split:].unflatten(1, (H, I))
+    offsets = torch.tensor([(elsewhere[e].data_ptr() - pool.data_ptr()) // 4 for e in range(E)], device=device)
+    in_pool = int(ids[0, 0])
+    pool[0] = blocks[in_pool]
+    offsets[in_pool] = 0  # slot 0
+    spares = torch.tensor([3 * P_el, 1 * P_el, -1, -1], device=device)  # two free slots listed
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    spare = moe_decode_gpu.claim_free_slots(ids, offsets, spares, counter, pool.numel())
+    outside = [p for p, e in enumerate(ids.reshape(-1).tolist()) if e != in_pool]
+    assert int(counter.item()) == len(outside)
+    claimed = {p: int(s) for p, s in enumerate(spare.tolist()) if s >= 0}
+    assert sorted(claimed.values()) == [1 * P_el, 3 * P_el][:len(outside)] and set(claimed) <= set(outside)
+    out = moe_decode_gpu.moe_decode(x, ids, w, pool_gu, pool_d, offsets=offsets, spare=spare)
+    ref = moe_experts(x.cpu().double(), ids.cpu(), w.cpu().double(), gate_up.cpu().double(), down.cpu().double())
+    assert torch.allclose(out.cpu().double(), ref, rtol=1e-4, atol=1e-5)
+    for p, off in claimed.items():
+        assert torch.equal(pool[off // P_el], blocks[int(ids.reshape(-1)[p])])
+    assert torch.equal(pool[2], torch.zeros(P_el, device=device))  # not listed: untouched
