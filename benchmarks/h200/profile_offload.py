@@ -1,6 +1,8 @@
 """Where the GPU-driving thread spends a decode step with offloaded experts, per policy (cProfile).
 
-    python3 benchmarks/h200/profile_offload.py MODEL SLOTS OUT_DIR [policies]
+    python3 benchmarks/h200/profile_offload.py MODEL SLOTS OUT_DIR [policies] [form]
+
+form (adaptive only): "graph" or "pieces" forces that decode form instead of the measured choice.
 
 Loads MODEL once with SLOTS expert cache slots, and for each policy and batch size 1 and 4: a
 512-token random prompt, 4 sampled warm-up tokens (graph capture, compiles), then 16 sampled decode
@@ -25,6 +27,7 @@ from engine.api import Engine, EngineConfig, GenerationRequest
 def main() -> None:
     model, slots, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     policies = sys.argv[4].split(",") if len(sys.argv) > 4 else ["on-demand", "adaptive", "cpu-only"]
+    form = sys.argv[5] if len(sys.argv) > 5 else None
     out.mkdir(parents=True, exist_ok=True)
     engine = Engine(EngineConfig(model=model, backend="tandem", device="cuda", expert_policy=policies[0],
                                  expert_cache_slots=slots, max_batch=4, max_context=1024, cpu_threads=15))
@@ -35,6 +38,9 @@ def main() -> None:
         for policy in policies:
             if engine.info()["expert_policy"] != policy:
                 engine.set_expert_policy(policy)
+            graphs = engine.backend.generator.graphs
+            if form and graphs is not None and graphs.chooser is not None:
+                graphs.chooser.form = lambda B: form  # forced
             for bs in (1, 4):
                 sessions = [f"{policy}-{bs}-{i}" for i in range(bs)]
                 history = [torch.randint(0, vocab, (512,), generator=gen).tolist() for _ in range(bs)]

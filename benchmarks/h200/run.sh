@@ -28,6 +28,7 @@
 #   bash benchmarks/h200/run.sh T2   # the same at 32K, bs=1
 #   bash benchmarks/h200/run.sh U    # zero-copy tests; in-place expert reads vs DMA; adaptive's two decode forms forced (L16)
 #   bash benchmarks/h200/run.sh V    # misses filled on the way: tests, U's profile, bench experts 2K bs 1 and 4 shared
+#   bash benchmarks/h200/run.sh W    # 32K bs=1 from one prefill; host profile of adaptive's pieces form (L16)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -179,6 +180,12 @@ if [ "$phase" = T ]; then
 fi
 if [ "$phase" = T2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = W ]; then
+  bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
+  step profile offloaded decode, L16, 737 slots: adaptive in pieces, on-demand
+  timeout 200 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 737 "$out" adaptive,on-demand pieces \
+    2>>"$log" | tee -a "$log"
 fi
 if [ "$phase" = V ]; then
   step tests: moe_decode, zero-copy decode, decode graphs
