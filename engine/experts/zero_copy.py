@@ -196,8 +196,10 @@ class ZeroCopyDecode:
         self.cache.wait_copies(stream)  # the replay reads the slots after every fill and prefetch
         mirror = self.mirror.numpy()
         mirror[:] = self.host_offsets
-        for (layer, e), ent in self.lru.entries.items():
-            mirror[layer, e] = ent.slot * self.slot_numel
+        if len(self.lru):
+            keys = np.array(list(self.lru.entries), dtype=np.int64)  # (n, 2) layer, expert
+            slots = np.fromiter((ent.slot for ent in self.lru.entries.values()), np.int64, len(keys))
+            mirror[keys[:, 0], keys[:, 1]] = slots * self.slot_numel
         self.stale = False
 
     def telemetry(self) -> dict:
@@ -217,50 +219,54 @@ class _Done:
 
 
 class ModeChooser:
-    """Per batch size, which step form to run: time PROBE_STEPS steps of each, keep the faster by
-    median step interval, and time the other again every REPROBE_EVERY steps."""
+    """Per batch size, which step form to run: time PROBE_STEPS steps of each, the two interleaved so
+    that both see the cache as it warms, keep the faster by median step time, and time both again
+    every REPROBE_EVERY steps."""
 
     FORMS = ("graph", "pieces")
 
     def __init__(self):
-        self.samples = defaultdict(list)  # (B, form) → step intervals, s
+        self.samples = defaultdict(list)  # (B, form) → step durations of the current probe, s
+        self.measured: dict[tuple[int, str], float] = {}  # (B, form) → median ms at the last choice
         self.choice: dict[int, str] = {}
         self.since_choice = defaultdict(int)
         self._last: tuple[int, str, float] | None = None  # (B, form, start) of the step before
 
+    def probing(self, B: int) -> bool:
+        return B not in self.choice or self.since_choice[B] >= REPROBE_EVERY
+
     def form(self, B: int) -> str:
-        chosen = self.choice.get(B)
-        if chosen is not None and self.since_choice[B] < REPROBE_EVERY:
-            return chosen
-        for form in self.FORMS:  # probing: each form until it has its samples
-            if len(self.samples[(B, form)]) < PROBE_STEPS:
-                return form
-        faster = min(self.FORMS, key=lambda f: float(np.median(self.samples[(B, f)])))
-        self.choice[B] = faster
+        if not self.probing(B):
+            return self.choice[B]
+        counts = {f: len(self.samples[(B, f)]) for f in self.FORMS}
+        if min(counts.values()) < PROBE_STEPS:
+            return min(self.FORMS, key=counts.get)  # the form with fewer samples (ties: the graph)
+        medians = {f: float(np.median(self.samples[(B, f)])) for f in self.FORMS}
+        for f in self.FORMS:
+            self.measured[(B, f)] = round(1e3 * medians[f], 3)
+            self.samples[(B, f)].clear()
+        self.choice[B] = min(self.FORMS, key=medians.get)
         self.since_choice[B] = 0
-        other = self.FORMS[1 - self.FORMS.index(faster)]
-        self.samples[(B, other)].clear()  # re-timed at the next probe
-        self.samples[(B, faster)] = self.samples[(B, faster)][-PROBE_STEPS:]
-        return faster
+        return self.choice[B]
 
     def discard(self) -> None:
-        """The next step's interval is not timed (a capture ran in between)."""
+        """The step before is not timed (a capture ran since it started)."""
         self._last = None
 
     def started(self, B: int, form: str, now: float | None = None) -> float | None:
-        """Mark a step's start; returns the interval since the last step's start when that step was of
-        the same batch size and form (the step it timed), else None."""
+        """Mark a step's start. The time since the last step's start is that step's duration; while
+        probing it counts for that step's form (same batch size only). Returns it, or None."""
         now = time.perf_counter() if now is None else now
         last, self._last = self._last, (B, form, now)
         if B in self.choice:
             self.since_choice[B] += 1
-        if last is None or last[:2] != (B, form):
+        if last is None or last[0] != B:
             return None
-        interval = now - last[2]
-        self.samples[(B, form)].append(interval)
-        return interval
+        duration = now - last[2]
+        if self.probing(B):
+            self.samples[(B, last[1])].append(duration)
+        return duration
 
     def telemetry(self) -> dict:
         return {"decode_form": {str(B): f for B, f in sorted(self.choice.items())},
-                "step_ms": {f"{B}:{form}": round(1e3 * float(np.median(s)), 3)
-                            for (B, form), s in sorted(self.samples.items()) if s}}
+                "step_ms": {f"{B}:{form}": ms for (B, form), ms in sorted(self.measured.items())}}

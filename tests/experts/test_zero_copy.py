@@ -119,23 +119,30 @@ def test_leaving_hands_the_listed_slots_back_and_a_rebuild_follows_the_lru():
     _check_table(zc, cache, store)
 
 
-def test_mode_chooser_times_both_forms_then_keeps_the_faster():
+def test_mode_chooser_times_both_forms_interleaved_then_keeps_the_faster():
     ch = ModeChooser()
     cost = {"graph": 0.010, "pieces": 0.030}
     now, forms = 0.0, []
-    for _ in range(2 * (PROBE_STEPS + 1) + 10):
-        form = ch.form(1)
-        forms.append(form)
-        ch.started(1, form, now)
-        now += cost[form]
-    assert forms[:PROBE_STEPS + 1] == ["graph"] * (PROBE_STEPS + 1)  # the first interval of a form is untimed
-    assert "pieces" in forms and forms[-1] == "graph" and ch.choice[1] == "graph"
-    # the other form is timed again after REPROBE_EVERY steps, and wins if it became faster
+
+    def steps(n):
+        nonlocal now
+        for _ in range(n):
+            form = ch.form(1)
+            forms.append(form)
+            ch.started(1, form, now)
+            now += cost[form]
+
+    steps(2 * PROBE_STEPS + 3)
+    probe = forms[:2 * PROBE_STEPS + 2]
+    assert probe.count("graph") >= PROBE_STEPS and probe.count("pieces") >= PROBE_STEPS
+    assert "pieces" in probe[:4]  # interleaved, not one form after the other
+    assert ch.choice[1] == "graph" and forms[-1] == "graph"
+    assert ch.telemetry()["step_ms"] == {"1:graph": 10.0, "1:pieces": 30.0}
+    steps(20)
+    assert set(forms[-20:]) == {"graph"}
+    # both are timed again after REPROBE_EVERY steps; the other wins if it became faster
     cost["pieces"] = 0.005
-    for _ in range(REPROBE_EVERY + 2 * PROBE_STEPS + 4):
-        form = ch.form(1)
-        ch.started(1, form, now)
-        now += cost[form]
+    steps(REPROBE_EVERY + 2 * PROBE_STEPS + 4)
     assert ch.choice[1] == "pieces"
     ch.discard()
     assert ch.started(1, "pieces", now + 5.0) is None  # a capture in between is not a step
