@@ -176,9 +176,13 @@ class OffloadedExperts(ExpertExecutor):
         predicted = self.predictor.propose(layer, x) if self.predictor is not None else None
         return ids if predicted is None else torch.cat([ids, predicted.to(ids.dtype)])
 
-    def run(self, layer, x, ids, weights, routed: torch.Tensor | None = None, out: torch.Tensor | None = None):
+    def run(self, layer, x, ids, weights, routed: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            cpu_buf: torch.Tensor | None = None):
         """routed: `lookahead(layer, x, ids)` when the caller computed it already (graph pieces); out:
-        a buffer (N, H) to write the result into (a piece's fixed input) instead of a new tensor."""
+        a buffer (N, H) to write the result into (a piece's fixed input) instead of a new tensor.
+        cpu_buf (N, H) fp32: the host half only — the layer's slot map goes to the device and the CPU
+        set's sum (or zeros) into cpu_buf; `gpu_side` computes the rest, in the next graph piece.
+        Returns None then."""
         N, k = ids.shape
         if N == 0:
             return torch.zeros_like(x) if out is None else out.zero_()
@@ -227,8 +231,12 @@ class OffloadedExperts(ExpertExecutor):
             self.cpu_executed += len(plan.cpu)
         marks.append(time.perf_counter())
         gpu_experts = hits + plan.fill
-        result = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts], stream,
-                               out=out if job is None else None) if gpu_experts else None
+        if cpu_buf is not None:  # the next graph piece reads the map
+            self._publish_map(gpu_experts, hit_slots + fill_slots, stream)
+            result = None
+        else:
+            result = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts],
+                                   stream, out=out if job is None else None) if gpu_experts else None
         marks.append(time.perf_counter())
         if plan.prefetch and predicted and self.cache is not None:
             self._prefetch(layer, host[N:], plan.prefetch)
@@ -240,10 +248,15 @@ class OffloadedExperts(ExpertExecutor):
             cpu_out, seconds = job.result()
             merged_from = time.perf_counter()
             self.cpu_wait_s += merged_from - marks[-1]  # the wait is not host work
-            # from pinned pages (the worker wrote there): an async copy, no wait for the device here
-            cpu_out = cpu_out.to(self.device, non_blocking=True).to(x.dtype)
             self._observe_cpu(phase, plan.t_cpu_ms, 1e3 * seconds)
-            result = cpu_out if result is None else torch.add(result, cpu_out, out=out)
+            # from pinned pages (the worker wrote there): an async copy, no wait for the device here
+            if cpu_buf is not None:
+                cpu_buf.copy_(cpu_out, non_blocking=True)
+            else:
+                cpu_out = cpu_out.to(self.device, non_blocking=True).to(x.dtype)
+                result = cpu_out if result is None else torch.add(result, cpu_out, out=out)
+        elif cpu_buf is not None:
+            cpu_buf.zero_()
         if out is not None and result is not out:
             out.copy_(result)
             result = out
@@ -275,15 +288,34 @@ class OffloadedExperts(ExpertExecutor):
             self.h2d_bytes += len(slots) * self.store.block_bytes
         return slots
 
-    def _gpu_set(self, x, ids, weights, experts: list[int], slots: list[int], pairs_per_expert: np.ndarray,
-                 stream=None, out: torch.Tensor | None = None):
-        """Σ over the GPU-side experts, as one grouped computation over the slot pool → (N, H)."""
-        N, k = ids.shape
+    def device_side_ok(self, x: torch.Tensor) -> bool:
+        """Whether a graph piece can hold this layer's GPU side (`gpu_side`): a few tokens on CUDA."""
+        return self.device.type == "cuda" and moe_decode_gpu.available(x)
+
+    def gpu_side(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cpu_buf: torch.Tensor):
+        """The device half of a decode layer whose host half ran as `run(..., cpu_buf=)`: the experts
+        the published map puts in slots, plus the CPU set's sum. Device work only (captured)."""
+        if self.cache is None:  # cpu-only: everything came from the CPU
+            return cpu_buf.to(x.dtype)
+        slot_ids = self._map_dev[ids]  # (N, k) slot, or the sentinel (skipped) for CPU pairs
+        return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down) + \
+            cpu_buf.to(x.dtype)
+
+    def _publish_map(self, experts: list[int], slots: list[int], stream=None) -> None:
+        """This layer's expert → slot map on the device (the sentinel for the rest), and the compute
+        stream after every fill issued so far."""
         self._map_np.fill(self._sentinel)
         self._map_np[experts] = slots
         if self._map_dev is not self._map_host:  # reused after the next layer's host sync: safe
             self._map_dev.copy_(self._map_host, non_blocking=True)
-        self.cache.wait_copies(stream)
+        if self.cache is not None:
+            self.cache.wait_copies(stream)
+
+    def _gpu_set(self, x, ids, weights, experts: list[int], slots: list[int], pairs_per_expert: np.ndarray,
+                 stream=None, out: torch.Tensor | None = None):
+        """Σ over the GPU-side experts, as one grouped computation over the slot pool → (N, H)."""
+        N, k = ids.shape
+        self._publish_map(experts, slots, stream)
         if moe_decode_gpu.available(x):  # a few tokens: matrix-vector products over the slots in place
             slot_ids = self._map_dev[ids]  # (N, k) slot, or the sentinel (past the pool: skipped) for CPU pairs
             return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down, out=out)

@@ -13,8 +13,10 @@ step and runs eagerly.
 Offloaded experts also decide on the host, per layer (LRU lookup, fills, a CPU share), so their step
 is captured in pieces: one graph from each MoE layer's routing to the next (attention, norms, router,
 residuals), cut where the layer hands its tokens to the experts. A replay runs the pieces in order and,
-at each cut, the executor eagerly on the captured inputs (x, ids, weights at fixed addresses), writing
-into a fixed output buffer that the next piece reads.
+at each cut, the executor's host half on the captured inputs (x, ids, weights at fixed addresses): it
+places the experts, publishes the layer's slot map and writes the CPU set's sum into a fixed buffer;
+the next piece begins with the GPU side over the slots (up to 8 tokens; larger batches run the
+executor whole between pieces, writing a fixed output buffer).
 
 Offloaded experts with a device table (`adaptive` on a GPU, engine/experts/zero_copy.py) can also
 run the whole step as one graph: each layer's kernel finds its experts in cache slots or reads them
@@ -73,12 +75,14 @@ class _Piece:
     weights: torch.Tensor | None = None  # (B, k)
     routed: torch.Tensor | None = None  # (B or 2B, k) routing and the next layer's prediction (lookahead)
     out: torch.Tensor | None = None  # (B, H) the experts' sum, written by the host, read by the next piece
+    cpu_buf: torch.Tensor | None = None  # (B, H) fp32 instead: the CPU set's sum; the next piece runs the GPU side
 
 
 class _Cut(ExpertExecutor):
     """Stands in for offloaded experts while a step is captured: ends the piece that routed this
-    layer (and predicted the next one's routing), hands back a fixed buffer for the experts' sum, and
-    starts the next piece."""
+    layer (and predicted the next one's routing) and starts the next piece, which begins with the
+    layer's GPU side over the slots plus a fixed buffer for the CPU set's sum (a few tokens), or reads
+    a fixed buffer the host fills with the whole experts' sum."""
 
     policy = "capture-cut"
 
@@ -108,12 +112,17 @@ class _Cut(ExpertExecutor):
 
     def run(self, layer, x, ids, weights):
         routed = self.experts.lookahead(layer, x, ids)  # captured: the prediction costs no launch later
+        device_side = self.experts.device_side_ok(x)  # the GPU side goes into the next piece
         self.end(layer=layer, x=x, ids=ids, weights=weights, routed=routed)
         with torch.cuda.stream(self.home):  # outside any capture, owned by the replaying stream
-            out = torch.empty_like(x)  # the host writes it between replays
-        self.pieces[-1].out = out
+            # the host writes it between replays
+            buf = torch.empty(x.shape, dtype=torch.float32 if device_side else x.dtype, device=x.device)
         self.begin()
-        return out
+        if not device_side:
+            self.pieces[-1].out = buf
+            return buf
+        self.pieces[-1].cpu_buf = buf
+        return self.experts.gpu_side(x, ids, weights, buf)
 
     def telemetry(self) -> dict:
         return {}
@@ -179,7 +188,8 @@ class DecodeGraphs:
         for piece in pieces:
             piece.graph.replay()
             if piece.layer is not None:  # the host places and runs this layer's experts, eagerly
-                self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed, out=piece.out)
+                self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed, out=piece.out,
+                                 cpu_buf=piece.cpu_buf)
         if self.zero_copy is not None and form == "graph":
             self.zero_copy.after_step(B)
         self.replays += 1

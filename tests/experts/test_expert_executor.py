@@ -266,3 +266,28 @@ def test_host_split_accounts_the_run_time(model):
     assert accounted >= 0.5 * tel["run_s"]  # what is left: the copies to the host before the sync
     assert tel["cpu_executed"] > 0 and split["merge"] > 0
     ex.close()
+
+
+@pytest.mark.parametrize("policy", OFFLOAD_POLICIES)
+def test_host_half_then_gpu_side_equals_the_whole_run(model, policy):
+    """Graph pieces split a decode layer: `run(..., cpu_buf=)` places the experts, publishes the slot
+    map and leaves the CPU set's sum in cpu_buf; `gpu_side` (captured in the next piece) adds the
+    slots' part. Together they equal resident execution, with fills, evictions and CPU sets (4 slots)."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # gpu_side's kernels: compiled, or interpreted
+    gate_up, down, routers = model
+    ex = make(policy, model, 4, device)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(3, H, generator=g)
+        for layer in range(L):
+            w, ids = softmax_topk(x @ routers[layer].T, K, True)
+            xd, idsd, wd = x.to(device), ids.to(device), w.to(device)
+            cpu_buf = torch.full((3, H), float("nan"), device=device)
+            assert ex.run(layer, xd, idsd, wd, cpu_buf=cpu_buf) is None
+            out = ex.gpu_side(xd, idsd, wd, cpu_buf)
+            torch.testing.assert_close(out.cpu(), moe_experts(x, ids, w, gate_up[layer], down[layer]),
+                                       atol=2e-5, rtol=1e-5)
+            x = x + 0.3 * torch.randn(3, H, generator=g)
+    t = ex.telemetry()
+    assert t["misses"] == t["fills"] + t["cpu_executed"] and t["hits"] + t["misses"] > 0
