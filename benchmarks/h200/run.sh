@@ -30,7 +30,6 @@
 #   bash benchmarks/h200/run.sh V    # misses filled on the way: tests, U's profile, bench experts 2K bs 1 and 4 shared
 #   bash benchmarks/h200/run.sh W    # 32K bs=1 from one prefill; host profile of adaptive's pieces form (L16)
 #   bash benchmarks/h200/run.sh X    # GPU side of cut layers inside the pieces: tests; bench experts 2K bs 1,4 and 32K bs 1
-#   bash benchmarks/h200/run.sh Y    # X with the in-graph lookahead prefetch
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -183,7 +182,7 @@ fi
 if [ "$phase" = T2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
-if [ "$phase" = X ] || [ "$phase" = Y ]; then
+if [ "$phase" = X ]; then
   step tests: moe_decode, zero-copy decode, decode graphs, offloaded experts on CUDA
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_decode_gpu.py tests/experts/test_zero_copy.py \
     tests/models/test_decode_graph.py tests/experts/test_expert_executor.py > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"

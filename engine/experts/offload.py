@@ -146,15 +146,13 @@ class OffloadedExperts(ExpertExecutor):
             try:
                 self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device,
                                                 min(self.planner.max_decode_tokens, moe_decode_gpu.MAX_TOKENS),
-                                                window=self._window, predictor=self.predictor)
+                                                window=self._window)
             except RuntimeError as e:  # the driver cannot map the store
                 self.zero_copy_off = str(e)
                 log.warning("decode steps with offloaded experts stay in pieces: %s", e)
 
     def attach_predictor(self, predictor: GateLookahead) -> None:
         self.predictor = predictor
-        if self.zero_copy is not None:
-            self.zero_copy.predictor = predictor
 
     def warm(self, keys: list[tuple[int, int]], source: str) -> int:
         """Place (layer, expert) pairs into free slots at load (hot table / static placement)."""
@@ -408,8 +406,7 @@ class OffloadedExperts(ExpertExecutor):
         t0, b0 = self._rate_mark
         h2d = self.h2d_bytes  # copies into slots, plus the whole-step graph's fills and in-place PCIe reads
         if self.zero_copy is not None:
-            # (its fills are the in-place reads, written on into slots: no second transfer)
-            h2d += (self.zero_copy.zero_copy_experts + self.zero_copy.prefetched) * self.store.block_bytes
+            h2d += (self.zero_copy.fills + self.zero_copy.zero_copy_experts) * self.store.block_bytes
         self._rate_mark = (now, h2d)
         c = lambda name: getattr(lru, name) if lru is not None else 0  # noqa: E731
         return {

@@ -9,19 +9,14 @@ an expert's entry points into its cache slot or into the pinned host store, whic
 (`moe_decode` with `offsets`) then reads in place over PCIe. A pair that reads from the store also
 claims a free slot from a list the host prepared and writes the weights it reads there: the miss is
 computed and filled by one PCIe read (no second copy over the link, which halved the rate of a first
-version that admitted misses by DMA beside the in-place reads: RESULTS.md, phase U). And as soon as
-a layer has routed, the next layer's router applied to its input (the gate lookahead) names the
-experts that layer will likely use; a side stream inside the graph copies those outside the pool
-into free slots and points the next layer's table entries at them, while this layer computes (the
-next layer waits for it), so a correct prediction turns a miss into a hit. The whole step is one
-graph; the cache follows one step behind, on the host, between replays:
+version that admitted misses by DMA beside the in-place reads: RESULTS.md, phase U). The whole step
+is one graph; the cache follows one step behind, on the host, between replays:
 
-1. The graph logs each MoE layer's routing, each pair's claimed slot, and each prefetch; after the
-   replay the logs come to the host.
-2. Before the next replay the host reads them: prefetched experts enter the LRU in their slots;
-   experts whose entry pointed to a slot (or was prefetched) were hits (their LRU recency is
-   refreshed); the others were misses, and each missed expert that claimed a slot enters the LRU
-   there, its entry now pointing to that slot (the replay that wrote it is over).
+1. The graph logs each MoE layer's routing and each pair's claimed slot; after the replay both come
+   to the host.
+2. Before the next replay the host reads them: experts whose entry pointed to a slot were hits
+   (their LRU recency is refreshed); the others were misses, and each missed expert that claimed a
+   slot enters the LRU there, its entry now pointing to that slot (the replay that wrote it is over).
 3. The list of free slots is topped up for the next step — about the last step's misses — from the
    LRU's free slots, else by evicting its least recently used entries, whose table entries point back
    to the store at once.
@@ -37,7 +32,6 @@ the planner's CPU split) measured faster, and re-measures the other now and then
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import defaultdict
@@ -53,11 +47,9 @@ SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for th
 
 
 class ZeroCopyDecode:
-    def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None, predictor=None):
-        """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate);
-        predictor: a GateLookahead, for the in-graph prefetch of the next layer's experts."""
+    def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None):
+        """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate)."""
         self.store, self.cache, self.lru, self.device = store, cache, cache.lru, torch.device(device)
-        self.predictor = predictor
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
         L = store.n_layers
@@ -81,15 +73,11 @@ class ZeroCopyDecode:
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # free slots claimed this step
         self.spare_slots: list[int] = []  # slots held out of the LRU for the next step's misses
         self._wanted = min(self.max_spares, 2 * L)  # list length before a step has been seen
-        self.pf_flags = torch.zeros((L, store.n_experts), dtype=torch.int32, device=self.device)  # prefetch taken
-        self.pf_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._inflight: dict[int, tuple] = {}  # layer → tensors its prefetch (on pf_stream) reads, until joined
-        self.logs = self.logs_host = None  # made at the first run: routing, claims, prefetched ids and slots
+        self.log = self.claims = self.log_host = self.claims_host = None  # made at the first run
         self._log_ready = None  # CUDA event after the last replay's log copy
         self._logged_tokens = 0  # B of the logs awaiting their reading
         self.stale = True  # the LRU changed outside this path: rebuild the table before a replay
         self.zero_copy_experts = self.fills = self.steps = 0  # experts read over PCIe; kept in a slot
-        self.prefetched = self.prefetch_used = 0
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if self.device.type == "cuda" else t
@@ -97,32 +85,18 @@ class ZeroCopyDecode:
     # -- inside the graph -------------------------------------------------------------------------
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Device work only (captured): log the routing, claim free slots for the pairs read from the
-        store, compute every routed expert where the table says it is, and start copying the next
-        layer's predicted experts into free slots on the prefetch stream. x (N, H), ids (N, k) → (N, H)."""
+        store, compute every routed expert where the table says it is. x (N, H), ids (N, k) → (N, H)."""
         N, k = ids.shape
-        if self.logs is None:  # the first call is a warm-up, outside any capture
-            shape = (4, self.store.n_layers, self.max_tokens * k)  # routing, claims, predicted ids, prefetch slots
-            self.logs = torch.full(shape, -1, dtype=torch.int64, device=self.device)  # (4, L, B·k)
-            self.logs_host = self._host(torch.empty(shape, dtype=torch.int64))
-        routing, claims, pf_ids, pf_slots = self.logs
-        main = torch.cuda.current_stream(self.device) if self.pf_stream is not None else None
-        if self._inflight.pop(layer, None) is not None and main is not None:
-            main.wait_stream(self.pf_stream)  # this layer's prefetches have landed and the table points at them
-        nxt = self.predictor.next_of.get(layer) if self.predictor is not None else None
-        if nxt is not None:
-            predicted = self.predictor.propose(layer, x)  # (N, k) the next layer's experts, likely
-            if main is not None:
-                self.pf_stream.wait_stream(main)
-            with torch.cuda.stream(self.pf_stream) if main is not None else contextlib.nullcontext():
-                dst = moe_decode_gpu.prefetch_blocks(predicted, self.table[nxt], self.pf_flags[nxt], self.spares,
-                                                     self.counter, self.cache.pool)  # (N·k,)
-                pf_ids[nxt, :N * k].copy_(predicted.reshape(-1))
-                pf_slots[nxt, :N * k].copy_(dst)
-            self._inflight[nxt] = (predicted, dst)  # alive until joined: no allocation reuses them meanwhile
+        if self.log is None:  # the first call is a warm-up, outside any capture
+            L = self.store.n_layers
+            self.log = torch.full((L, self.max_tokens * k), -1, dtype=torch.int64, device=self.device)  # (L, B·k)
+            self.claims = torch.full_like(self.log, -1)  # (L, B·k) offset of the slot each pair filled, or -1
+            self.log_host, self.claims_host = (self._host(torch.empty_like(t, device="cpu"))
+                                               for t in (self.log, self.claims))
         offsets = self.table[layer]  # (E,)
         spare = moe_decode_gpu.claim_free_slots(ids, offsets, self.spares, self.counter, self.pool_numel)  # (N·k,)
-        routing[layer, :N * k].copy_(ids.reshape(-1))
-        claims[layer, :N * k].copy_(spare)
+        self.log[layer, :N * k].copy_(ids.reshape(-1))
+        self.claims[layer, :N * k].copy_(spare)
         return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
                                          offsets=offsets, spare=spare)
 
@@ -139,11 +113,11 @@ class ZeroCopyDecode:
         self.table.copy_(self.mirror, non_blocking=True)
         self.spares.copy_(self.spare_list, non_blocking=True)
         self.counter.zero_()
-        self.pf_flags.zero_()
 
     def after_step(self, n_tokens: int) -> None:
         """Queue the logs' copy to the host behind the replay just launched."""
-        self.logs_host.copy_(self.logs, non_blocking=True)
+        self.log_host.copy_(self.log, non_blocking=True)
+        self.claims_host.copy_(self.claims, non_blocking=True)
         if self.device.type == "cuda":
             self._log_ready = torch.cuda.Event()
             self._log_ready.record()
@@ -164,35 +138,20 @@ class ZeroCopyDecode:
         if self._log_ready is not None:
             self._log_ready.synchronize()  # the last replay has finished: no kernel reads or writes a slot now
             self._log_ready = None
-            used = self.logs_host[:, :, :self._logged_tokens * (self.logs.shape[2] // self.max_tokens)].numpy()
-            self._account(*used)
+            n = self._logged_tokens
+            k = self.log.shape[1] // self.max_tokens
+            self._account(self.log_host[:, :n * k].numpy().reshape(-1, n, k), self.claims_host[:, :n * k].numpy())
 
-    def _account(self, ids: np.ndarray, claims: np.ndarray, pf_ids: np.ndarray, pf_slots: np.ndarray) -> None:
-        """Logs (L, B·k) of a finished replay — routing, slot each pair filled, predicted ids and the
-        slot each prefetch filled: prefetches and filled misses enter the LRU, hits are refreshed,
-        misses counted."""
+    def _account(self, log: np.ndarray, claims: np.ndarray) -> None:
+        """log (L, B, k) and claims (L, B·k) of a finished replay: LRU hits refreshed, misses counted,
+        missed experts admitted into the slots they filled."""
         lru, E = self.lru, self.store.n_experts
-        L = ids.shape[0]
-        mirror = self.mirror.numpy()
-        on_slot = mirror != self.host_offsets  # (L, E) entries that pointed to a slot at the upload
-        prefetched = {}  # (layer, expert) → slot offset its prefetch filled during the replay
-        for layer, pair in zip(*np.nonzero(pf_slots >= 0)):
-            prefetched[(int(layer), int(pf_ids[layer, pair]))] = int(pf_slots[layer, pair])
-        for key, offset in list(prefetched.items()):  # before the lookups: a used prefetch is a hit
-            slot = offset // self.slot_numel
-            if key in lru or slot not in self.spare_slots:  # cannot happen while the table follows the LRU
-                del prefetched[key]
-                continue
-            lru.admit_into(*key, slot, prefetched=True)
-            mirror[key] = offset
-            on_slot[key] = True
-            self.spare_slots.remove(slot)
+        L = log.shape[0]
+        ids = log.reshape(L, -1)  # (L, B·k)
         flat = (np.arange(L)[:, None] * E + ids).ravel()
         counts = np.bincount(flat[ids.ravel() >= 0], minlength=L * E).reshape(L, E)  # tokens per (layer, expert)
         active = counts > 0
-        hit = active & on_slot
-        self.prefetched += len(prefetched)
-        self.prefetch_used += sum(1 for key in prefetched if active[key])
+        hit = active & (self.mirror.numpy() != self.host_offsets)  # entries that pointed to a slot
         hits_per_layer, active_per_layer = hit.sum(1), active.sum(1)
         for layer in np.flatnonzero(active_per_layer).tolist():
             lru.lookup(layer, np.flatnonzero(hit[layer]).tolist())  # refresh recency
@@ -201,6 +160,7 @@ class ZeroCopyDecode:
         n_missed = int((active & ~hit).sum())
         lru.misses += n_missed
         self.zero_copy_experts += n_missed
+        mirror = self.mirror.numpy()
         filled = set()
         for layer, pair in zip(*np.nonzero(claims >= 0)):
             offset = int(claims[layer, pair])
@@ -214,7 +174,7 @@ class ZeroCopyDecode:
             self.spare_slots.remove(slot)
             self.fills += 1
         lru.unlock()
-        outside = int(counts[active & ~hit].sum()) + len(prefetched)  # slots this step could fill
+        outside = int(counts[active & ~hit].sum())  # pairs read from the store
         self._wanted = min(self.max_spares, math.ceil(1.25 * outside) + 4)
 
     def _list_spares(self) -> None:
@@ -245,7 +205,6 @@ class ZeroCopyDecode:
     def telemetry(self) -> dict:
         return {"graph_steps": self.steps, "zero_copy_experts": self.zero_copy_experts,
                 "zero_copy_bytes": self.zero_copy_experts * self.store.block_bytes, "graph_fills": self.fills,
-                "graph_prefetches": self.prefetched, "graph_prefetches_used": self.prefetch_used,
                 "free_slots_listed": len(self.spare_slots)}
 
 

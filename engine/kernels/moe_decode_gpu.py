@@ -127,40 +127,6 @@ if triton is not None:
         tl.store(spare_of_pair_ptr + p, tl.where(ok, sp, -1))
 
     @triton.jit
-    def _claim_prefetch_kernel(ids_ptr, offs_ptr, flag_ptr, spares_ptr, counter_ptr, src_ptr, dst_ptr, E,
-                               pool_numel, n_spares):
-        p = tl.program_id(0)  # (token, choice) pair of the prediction
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        valid = (e >= 0) & (e < E)
-        e_ok = tl.where(valid, e, 0)
-        off = tl.load(offs_ptr + e_ok)
-        outside = valid & ((off < 0) | (off >= pool_numel))
-        first = tl.atomic_cas(flag_ptr + e_ok, 0, 1) == 0  # one copy per expert, however many pairs predict it
-        take = outside & first
-        c = tl.atomic_add(counter_ptr, take.to(tl.int32))
-        ok = take & (c < n_spares)
-        tl.store(dst_ptr + p, tl.where(ok, tl.load(spares_ptr + tl.where(ok, c, 0)), -1))
-        tl.store(src_ptr + p, off)
-
-    @triton.jit
-    def _copy_block_kernel(base_ptr, src_ptr, dst_ptr, numel, CHUNK: tl.constexpr):
-        p = tl.program_id(0)
-        dst = tl.load(dst_ptr + p)
-        src = tl.load(src_ptr + p)
-        idx = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-        ok = idx < tl.where(dst >= 0, numel, 0)
-        v = tl.load(base_ptr + tl.where(dst >= 0, src, 0) + idx, mask=ok)
-        tl.store(base_ptr + tl.where(dst >= 0, dst, 0) + idx, v, mask=ok)
-
-    @triton.jit
-    def _point_table_kernel(table_ptr, ids_ptr, dst_ptr):
-        p = tl.program_id(0)
-        dst = tl.load(dst_ptr + p)
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        one = tl.arange(0, 1)
-        tl.store(table_ptr + tl.where(dst >= 0, e, 0) + one, dst + one, mask=one < tl.where(dst >= 0, 1, 0))
-
-    @triton.jit
     def _sum_choices_kernel(y_ptr, out_ptr, H, top_k, BLOCK: tl.constexpr):
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -183,26 +149,6 @@ def claim_free_slots(ids: torch.Tensor, offsets: torch.Tensor, spares: torch.Ten
         _claim_kernel[(P,)](ids.contiguous(), offsets, spares, counter, spare_of_pair, offsets.shape[0],
                             pool_numel, spares.shape[0])
     return spare_of_pair
-
-
-def prefetch_blocks(ids: torch.Tensor, offsets: torch.Tensor, flags: torch.Tensor, spares: torch.Tensor,
-                    counter: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """Copy the experts `ids` (predicted for a layer) that its offset table puts outside the pool
-    into free slots of the pool, and point the table at them. One copy per expert: `flags` (E,) int32
-    marks the experts already taken this step (zeroed by the caller between steps). Free slots come
-    from `spares` through `counter`, as in claim_free_slots. offsets (E,) int64 element offsets from
-    the pool's first element; pool (S, P). → (N·k,) the slot offset each pair copied into, or -1."""
-    P, E = ids.numel(), offsets.shape[0]
-    src = torch.empty(P, dtype=torch.int64, device=ids.device)
-    dst = torch.empty(P, dtype=torch.int64, device=ids.device)
-    if P == 0:
-        return dst
-    ids = ids.contiguous()
-    _claim_prefetch_kernel[(P,)](ids, offsets, flags, spares, counter, src, dst, E, pool.numel(), spares.shape[0])
-    chunk = 8192  # elements per program: 16 KiB of bf16, reads that keep the link busy
-    _copy_block_kernel[(P, triton.cdiv(pool.shape[1], chunk))](pool, src, dst, pool.shape[1], CHUNK=chunk)
-    _point_table_kernel[(P,)](offsets, ids, dst)  # after every copy, in stream order
-    return dst
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

@@ -136,28 +136,3 @@ def test_pairs_read_from_outside_the_pool_claim_free_slots_and_copy_their_expert
     for p, off in claimed.items():
         assert torch.equal(pool[off // P_el], blocks[int(ids.reshape(-1)[p])])
     assert torch.equal(pool[2], torch.zeros(P_el, device=device))  # not listed: untouched
-
-
-def test_prefetch_copies_each_outside_expert_once_into_a_free_slot_and_points_the_table_there():
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    E, P_el = 6, 40
-    blocks = torch.randn(E, P_el, device=device)  # the "store": another allocation
-    pool = torch.zeros(4, P_el, device=device)
-    pool[0] = blocks[2]
-    offsets = torch.tensor([(blocks[e].data_ptr() - pool.data_ptr()) // 4 for e in range(E)], device=device)
-    offsets[2] = 0  # expert 2 in slot 0
-    before = offsets.clone()
-    ids = torch.tensor([[1, 2], [1, 4], [5, 3]], device=device)  # 1 twice; 2 in the pool; 3 beyond the list
-    flags = torch.zeros(E, dtype=torch.int32, device=device)
-    spares = torch.tensor([2 * P_el, 3 * P_el, 1 * P_el], device=device)
-    counter = torch.zeros(1, dtype=torch.int32, device=device)
-    dst = moe_decode_gpu.prefetch_blocks(ids, offsets, flags, spares, counter, pool).tolist()
-    flat = ids.reshape(-1).tolist()
-    copied = {flat[p]: d for p, d in enumerate(dst) if d >= 0}
-    assert len(copied) == 3 and set(copied) <= {1, 4, 5, 3} and 2 not in copied  # one per expert, list of 3
-    assert sum(d >= 0 for d in dst) == 3  # expert 1's second pair made no copy
-    assert sorted(copied.values()) == [1 * P_el, 2 * P_el, 3 * P_el]
-    for e, d in copied.items():
-        assert torch.equal(pool[d // P_el], blocks[e]) and int(offsets[e]) == d
-    for e in set(range(E)) - set(copied):
-        assert int(offsets[e]) == int(before[e])  # untouched
