@@ -30,6 +30,7 @@
 #   bash benchmarks/h200/run.sh V    # misses filled on the way: tests, U's profile, bench experts 2K bs 1 and 4 shared
 #   bash benchmarks/h200/run.sh W    # 32K bs=1 from one prefill; host profile of adaptive's pieces form (L16)
 #   bash benchmarks/h200/run.sh X    # GPU side of cut layers inside the pieces: tests; bench experts 2K bs 1,4 and 32K bs 1
+#   (Y: X's commands at commit af320ca, an in-graph lookahead prefetch since reverted: it was slower)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
