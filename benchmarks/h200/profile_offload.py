@@ -24,6 +24,18 @@ import torch
 from engine.api import Engine, EngineConfig, GenerationRequest
 
 
+def decode_batch(engine, history: list[list[int]], sessions: list[str], n: int) -> float:
+    """n sampled tokens for each session (its history as the prompt; the history grows) → seconds."""
+    reqs = [GenerationRequest(prompt_ids=h, max_new_tokens=n, temperature=1.0, seed=i, ignore_eos=True,
+                              session_id=s) for i, (h, s) in enumerate(zip(history, sessions))]
+    t0 = time.perf_counter()
+    res = engine.generate_batch(reqs)
+    dt = time.perf_counter() - t0
+    for h, r in zip(history, res):
+        h.extend(r.token_ids)
+    return dt
+
+
 def main() -> None:
     model, slots, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     policies = sys.argv[4].split(",") if len(sys.argv) > 4 else ["on-demand", "adaptive", "cpu-only"]
@@ -46,15 +58,7 @@ def main() -> None:
                 history = [torch.randint(0, vocab, (512,), generator=gen).tolist() for _ in range(bs)]
 
                 def decode(n: int) -> float:
-                    reqs = [GenerationRequest(prompt_ids=h, max_new_tokens=n, temperature=1.0, seed=i,
-                                              ignore_eos=True, session_id=s)
-                            for i, (h, s) in enumerate(zip(history, sessions))]
-                    t0 = time.perf_counter()
-                    res = engine.generate_batch(reqs)
-                    dt = time.perf_counter() - t0
-                    for h, r in zip(history, res):
-                        h.extend(r.token_ids)
-                    return dt
+                    return decode_batch(engine, history, sessions, n)
 
                 decode(4)
                 ex = engine.backend.parts.experts

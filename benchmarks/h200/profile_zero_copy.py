@@ -14,7 +14,6 @@ Writes OUT_DIR/zero-copy.json.
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -87,7 +86,8 @@ def kernels() -> dict:
 
 
 def forms(model: str, slots: int) -> list[dict]:
-    from engine.api import Engine, EngineConfig, GenerationRequest
+    from engine.api import Engine, EngineConfig
+    from profile_offload import decode_batch  # the script's folder is on the path
 
     engine = Engine(EngineConfig(model=model, backend="tandem", device="cuda", expert_policy="adaptive",
                                  expert_cache_slots=slots, max_batch=4, max_context=1024, cpu_threads=15))
@@ -103,15 +103,7 @@ def forms(model: str, slots: int) -> list[dict]:
                 history = [torch.randint(0, vocab, (512,), generator=gen).tolist() for _ in range(bs)]
 
                 def decode(n: int) -> float:
-                    reqs = [GenerationRequest(prompt_ids=h, max_new_tokens=n, temperature=1.0, seed=i,
-                                              ignore_eos=True, session_id=s)
-                            for i, (h, s) in enumerate(zip(history, sessions))]
-                    t0 = time.perf_counter()
-                    out = engine.generate_batch(reqs)
-                    dt = time.perf_counter() - t0
-                    for h, r in zip(history, out):
-                        h.extend(r.token_ids)
-                    return dt
+                    return decode_batch(engine, history, sessions, n)
 
                 decode(4)
                 ex = engine.backend.parts.experts

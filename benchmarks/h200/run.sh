@@ -173,21 +173,21 @@ if [ "$phase" = S ]; then
   timeout 150 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 737 "$out" on-demand,adaptive \
     2>>"$log" | tee -a "$log"
 fi
-if [ "$phase" = T ]; then
+zero_copy_tests() {
   step tests: moe_decode, zero-copy decode, decode graphs, offloaded experts on CUDA
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_decode_gpu.py tests/experts/test_zero_copy.py \
     tests/models/test_decode_graph.py tests/experts/test_expert_executor.py > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"
   grep -E "^(FAILED|ERROR)|Error" "$out/pytest.log" | head -20 | tee -a "$log"
+}
+if [ "$phase" = T ]; then
+  zero_copy_tests
   bench_experts 2k-shared --batch-sizes 1,4 --contexts 2048 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = T2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = X ]; then
-  step tests: moe_decode, zero-copy decode, decode graphs, offloaded experts on CUDA
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_decode_gpu.py tests/experts/test_zero_copy.py \
-    tests/models/test_decode_graph.py tests/experts/test_expert_executor.py > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"
-  grep -E "^(FAILED|ERROR)|Error" "$out/pytest.log" | head -20 | tee -a "$log"
+  zero_copy_tests
   bench_experts 2k-shared --batch-sizes 1,4 --contexts 2048 --shared-prefill --policies on-demand,cpu-only,adaptive
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi

@@ -4,7 +4,6 @@ Triton's interpreter): outputs equal resident execution while the table, the LRU
 slots change between steps; misses enter the cache in the slots they filled; every slot is in exactly
 one place; the table is the LRU's after a rebuild."""
 
-import numpy as np
 import pytest
 import torch
 
