@@ -113,11 +113,10 @@ template <class WT> TANDEM_ALWAYS_INLINE void prefetch_ahead(const WT* row, int6
 // accumulators of one result vector), so each loaded weight vector serves every token of the tile and
 // each activation vector RB rows.
 // `next`: elements from w[r] to the segment row slot r reads after this one (for prefetching).
-// kStream: prefetch ahead (the segment comes from DRAM); false when the segment was just read by
-// another token group and sits in L1 (see dot_groups).
+// kPrefetchRows: the rows (bit r: row r) this call prefetches for; see dot_groups.
 // Always inlined: out of line, the call passes the row pointers and the result through memory, and
 // measured ~5% slower per tile.
-template <DType WD, bool DP, int RB, int TB, bool kStream = true>
+template <DType WD, bool DP, int RB, int TB, unsigned kPrefetchRows = ~0u>
 TANDEM_ALWAYS_INLINE Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act, int64_t k0, int64_t k1, int64_t next) {
   static_assert(RB * TB <= Simd::W, "a tile fits one vector of results (unused lanes stay zero)");
   constexpr int64_t step = DP ? 2 * Simd::W : Simd::W;  // elements per vector of weights
@@ -130,8 +129,8 @@ TANDEM_ALWAYS_INLINE Simd::V dot_tile(const typename Elem<WD>::type* const* w, c
   for (int i = 0; i < Simd::W; ++i) acc[i] = Simd::zero();
   if constexpr (TB >= 4) {
     for (int64_t k = k0; k < k1; k += step) {
-      if constexpr (kStream)
-        for (int r = 0; r < RB; ++r) prefetch_ahead(w[r], k, k1, w[r] + next);
+      for (int r = 0; r < RB; ++r)
+        if ((kPrefetchRows >> r) & 1u) prefetch_ahead(w[r], k, k1, w[r] + next);
       if constexpr (DP) {
         Simd::VI wv[RB];
         for (int r = 0; r < RB; ++r) wv[r] = Simd::load_raw(w[r] + k);
@@ -159,7 +158,7 @@ TANDEM_ALWAYS_INLINE Simd::V dot_tile(const typename Elem<WD>::type* const* w, c
     for (; k + U * step <= k1; k += U * step)
       for (int u = 0; u < U; ++u) {
         const int64_t ku = k + u * step;
-        if constexpr (kStream) prefetch_ahead(w[r], ku, k1, after);
+        if ((kPrefetchRows >> r) & 1u) prefetch_ahead(w[r], ku, k1, after);
         if constexpr (DP) {
           const Simd::VI wv = Simd::load_raw(w[r] + ku);
           for (int t = 0; t < TB; ++t)
@@ -170,7 +169,7 @@ TANDEM_ALWAYS_INLINE Simd::V dot_tile(const typename Elem<WD>::type* const* w, c
         }
       }
     for (; k < k1; k += step) {  // the segment not a multiple of U·step
-      if constexpr (kStream) prefetch_ahead(w[r], k, k1, after);
+      if ((kPrefetchRows >> r) & 1u) prefetch_ahead(w[r], k, k1, after);
       if constexpr (DP) {
         const Simd::VI wv = Simd::load_raw(w[r] + k);
         for (int t = 0; t < TB; ++t) part[t] = Simd::dp(part[t], wv, Simd::load_raw(a16 + k * TB + t * step));
@@ -199,21 +198,35 @@ inline Simd::V swiglu(Simd::V g, Simd::V u) {
   return Simd::div(Simd::mul(g, u), Simd::add(Simd::set1(1.0f), e));
 }
 
-// Token groups per pass: a tile's K chunk of weight rows serves GP groups of TB tokens while it is in
-// L1 (RB rows × KC elements: 4 × 1024 bf16 = 8 KiB next to 8 tokens' 16 KiB of activations). The
-// first group's dot_tile streams the chunk from DRAM with prefetching; the others re-read it from L1
-// at once. 5…8 tokens run as 4-token tiles × 2 groups rather than 2-row × 8-token tiles: the same
-// dot products per weight byte, but 4 rows stream at a time and each weight vector loaded from DRAM
-// serves 4 tokens before the next (measured on Zen 4, H = 2048, I = 768, bf16, 8 tokens: +8–10% weight
-// GB/s on 1 and 2 threads; see expert_tile_tokens).
+// Token groups per pass: a tile's K chunk of weight rows serves GP ≤ 2 groups of TB tokens while it
+// is in L1 (RB rows × KC elements: 4 × 1024 bf16 = 8 KiB next to 8 tokens' 16 KiB of activations): the
+// first group's dot_tile reads the chunk from DRAM, the second re-reads it from L1 at once. 5…8 tokens
+// run as 4-token tiles × 2 groups rather than 2-row × 8-token tiles: the same dot products per weight
+// byte, but 4 rows stream at a time and each weight vector loaded from DRAM serves 4 tokens before the
+// next (measured on Zen 4, H = 2048, I = 768, bf16, 8 tokens: +8–10% weight GB/s on 1 and 2 threads).
+// Prefetching with two groups: a chunk is no longer than the prefetch distance (static_assert in the
+// callers), so every prefetch of a pass lands in the segment read next, and the two passes share them:
+// the first prefetches rows 0, 2, the second rows 1, 3. A pass without prefetches (about half the time
+// at 8 tokens) would let the core's outstanding misses drain while it computes from L1. Measured
+// neutral on Zen 4, whose hardware prefetchers already cover this path (dropping every software
+// prefetch here changed nothing there); meant for cores whose bandwidth is bounded by the misses they
+// keep in flight and whose prefetchers stop at each 4 KiB row (see kWeightPrefetchBytes).
 template <DType WD, bool DP, int RB, int TB, int GP>
 TANDEM_ALWAYS_INLINE void dot_groups(Simd::V* acc, const typename Elem<WD>::type* const* w, const void* act,
                                      int64_t group_elems, int ng, int64_t k0, int64_t k1, int64_t next) {
+  static_assert(GP == 1 || GP == 2, "one or two token groups per pass");
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
   const AT* a = static_cast<const AT*>(act);  // group gi at a + gi·group_elems (TB tokens × K)
-  acc[0] = Simd::add(acc[0], dot_tile<WD, DP, RB, TB, true>(w, a, k0, k1, next));
-  for (int gi = 1; gi < GP && gi < ng; ++gi)  // GP = 1: no second copy of dot_tile's loop
-    acc[gi] = Simd::add(acc[gi], dot_tile<WD, DP, RB, TB, false>(w, a + gi * group_elems, k0, k1, next));
+  if constexpr (GP == 2) {
+    if (ng == 2) {
+      constexpr unsigned kEvenRows = 0x5555u, kOddRows = 0xaaaau;
+      acc[0] = Simd::add(acc[0], dot_tile<WD, DP, RB, TB, kEvenRows>(w, a, k0, k1, next));
+      acc[1] = Simd::add(acc[1], dot_tile<WD, DP, RB, TB, kOddRows>(w, a + group_elems, k0, k1, next));
+      return;
+    }
+  }
+  // One group (GP = 1, or the last pass of 9…12 tokens): it prefetches every row.
+  acc[0] = Simd::add(acc[0], dot_tile<WD, DP, RB, TB>(w, a, k0, k1, next));
 }
 
 // Stage 1, rows [j0, j1) of the intermediate: h[t][j] = silu(gate_j · x_t) · (up_j · x_t).
@@ -225,6 +238,7 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
   using WT = typename Elem<WD>::type;
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
   constexpr int64_t step = DP ? 2 * W : W, KC = k_chunk<AT, TB * GP, step>();
+  static_assert(GP == 1 || KC * int64_t(sizeof(WT)) <= kWeightPrefetchBytes, "groups share prefetches (dot_groups)");
   const WT* gu = static_cast<const WT*>(P.gate_up);
   const int64_t H = P.hidden, I = P.inter, S = P.gate_up_stride;
   alignas(64) float hs[W];  // one tile of h, lane r·TB + t
@@ -283,6 +297,7 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
   using WT = typename Elem<WD>::type;
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
   constexpr int64_t step = DP ? 2 * W : W, KC = k_chunk<AT, TB * GP, step>();
+  static_assert(GP == 1 || KC * int64_t(sizeof(WT)) <= kWeightPrefetchBytes, "groups share prefetches (dot_groups)");
   const WT* dn = static_cast<const WT*>(P.down);
   const int64_t I = P.inter, S = P.down_stride;
   alignas(64) float y[kBlockTiles * W];   // one group's tiles of the block, lane r·TB + t each
