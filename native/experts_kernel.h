@@ -203,7 +203,7 @@ inline Simd::V swiglu(Simd::V g, Simd::V u) {
 // first group's dot_tile reads the chunk from DRAM, the second re-reads it from L1 at once. 5…8 tokens
 // run as 4-token tiles × 2 groups rather than 2-row × 8-token tiles: the same dot products per weight
 // byte, but 4 rows stream at a time and each weight vector loaded from DRAM serves 4 tokens before the
-// next (measured on Zen 4, H = 2048, I = 768, bf16, 8 tokens: +8–10% weight GB/s on 1 and 2 threads).
+// next (measured on Zen 4, H = 2048, I = 768, bf16, 8 tokens: +5–11% weight GB/s on 1 and 2 threads).
 // Prefetching with two groups: a chunk is no longer than the prefetch distance (static_assert in the
 // callers), so every prefetch of a pass lands in the segment read next, and the two passes share them:
 // the first prefetches rows 0, 2, the second rows 1, 3. A pass without prefetches (about half the time
@@ -358,8 +358,9 @@ void expert_stage_groups(const ExpertProblem& P, const void* in, void* h, int64_
 }
 
 // Groups of 4-token tiles go through in passes of 2 (see dot_groups): 2 × 4 tokens' activations per
-// K chunk fill the L1 share that 8 tokens of one tile had. Other tile widths take one group per pass;
-// more groups (e.g. 4 × 4 tokens at 16) measured slower than 2 × 8-token tiles (K chunks half as long).
+// K chunk fill the L1 share that 8 tokens of one tile had. Other tile widths take one group per pass:
+// at 16 tokens, 4 groups of 4 per pass and 2 passes of 2 × 4 both measured ~10% slower on Zen 4 than
+// 2 passes of 2-row × 8-token tiles, which expert_tile_tokens picks there.
 constexpr int kPassGroups = 2;
 
 template <bool kDown, int TB>
