@@ -59,6 +59,20 @@ def test_long_rows_read_in_chunks(kernel_mode, H, I, monkeypatch):
         check(expert_ffn(x, gate_up, down, threads=threads), x, gate_up, down, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype, I", [(torch.bfloat16, 96), (torch.bfloat16, 80), (torch.float16, 96)])
+def test_token_groups_at_tile_width_boundaries(kernel_mode, dtype, I, monkeypatch):
+    """5…8 tokens run as two 4-token groups over each weight chunk (the second re-reads it from L1);
+    above 8 the tile width is whichever of 4 and 8 pads less (12 → 4, 13 → 8, 20 → 4, 21 → 8), with a
+    last pass of one group (9, 20). H = 1088: K chunks of 1024 and 64; I = 80 takes fp32 activations."""
+    monkeypatch.setattr(experts_cpu, "_native_max_tokens", 256)
+    H = 1088
+    gate_up, down = weights(H, I, dtype)
+    for n, threads in ((5, 2), (7, 3), (8, 1), (9, 2), (12, 3), (13, 2), (20, 1), (21, 3)):
+        x = torch.randn(n, H).to(dtype)
+        out = torch.full((n, H), math.nan).to(dtype)
+        check(expert_ffn(x, gate_up, down, out=out, threads=threads), x, gate_up, down, dtype)
+
+
 def test_fp32_activations_with_bf16_weights(kernel_mode):
     H, I = 64, 32
     gate_up, down = weights(H, I, torch.bfloat16)
