@@ -31,6 +31,8 @@
 #   bash benchmarks/h200/run.sh W    # 32K bs=1 from one prefill; host profile of adaptive's pieces form (L16)
 #   bash benchmarks/h200/run.sh X    # GPU side of cut layers inside the pieces: tests; bench experts 2K bs 1,4 and 32K bs 1
 #   (Y: X's commands at commit af320ca, an in-graph lookahead prefetch since reverted: it was slower)
+#   bash benchmarks/h200/run.sh Z    # expert kernel 5–8-token tiles A/B on one host (needs .k8-before/: the old
+#                                    #   native/experts_kernel.h and common.h, untracked)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -172,6 +174,17 @@ if [ "$phase" = S ]; then
   step profile offloaded decode, L16, 737 slots: on-demand and adaptive
   timeout 150 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 737 "$out" on-demand,adaptive \
     2>>"$log" | tee -a "$log"
+fi
+if [ "$phase" = Z ]; then
+  for v in after before; do
+    if [ $v = before ]; then
+      cp .k8-before/experts_kernel.h .k8-before/common.h native/
+      python3 setup.py -q build_ext --inplace --force >>"$log" 2>&1 || echo "native build FAILED" | tee -a "$log"
+    fi
+    step bench cpu-kernels experts, $v
+    timeout 100 python3 -m engine.cli bench cpu-kernels --sections experts --thread-counts 15 --tokens 1,2,4,5,8,12 \
+      --quick --repeats 9 --json "$out/cpu-kernels-experts-$v.json" > /dev/null 2>>"$log"
+  done
 fi
 zero_copy_tests() {
   step tests: moe_decode, zero-copy decode, decode graphs, offloaded experts on CUDA
