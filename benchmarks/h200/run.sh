@@ -177,10 +177,8 @@ if [ "$phase" = S ]; then
 fi
 if [ "$phase" = Z ]; then
   for v in after before; do
-    if [ $v = before ]; then
-      cp .k8-before/experts_kernel.h .k8-before/common.h native/
-      python3 setup.py -q build_ext --inplace --force >>"$log" 2>&1 || echo "native build FAILED" | tee -a "$log"
-    fi
+    [ $v = before ] && cp .k8-before/experts_kernel.h .k8-before/common.h native/
+    python3 setup.py -q build_ext --inplace --force >>"$log" 2>&1 || echo "native build FAILED" | tee -a "$log"
     step bench cpu-kernels experts, $v
     timeout 100 python3 -m engine.cli bench cpu-kernels --sections experts --thread-counts 15 --tokens 1,2,4,5,8,12 \
       --quick --repeats 9 --json "$out/cpu-kernels-experts-$v.json" > /dev/null 2>>"$log"
