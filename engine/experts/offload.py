@@ -430,6 +430,8 @@ class OffloadedExperts(ExpertExecutor):
     def close(self, release_store: bool = True) -> None:
         if self.cache is not None:
             self.cache.synchronize()  # no copy may still read the store
+        if self.zero_copy is not None:  # nor a kernel reading it in place
+            torch.cuda.synchronize(self.device)
         self._workers.shutdown(wait=True)
         if release_store:
             self.store.close()

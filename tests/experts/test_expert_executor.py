@@ -291,3 +291,13 @@ def test_host_half_then_gpu_side_equals_the_whole_run(model, policy):
             x = x + 0.3 * torch.randn(3, H, generator=g)
     t = ex.telemetry()
     assert t["misses"] == t["fills"] + t["cpu_executed"] and t["hits"] + t["misses"] > 0
+
+
+def test_stats_say_why_the_whole_step_graph_is_off(model):
+    """Only `adaptive` with cache slots on CUDA (and a pinned store) reads experts in place from one
+    graph; elsewhere the stats give the reason."""
+    assert make("on-demand", model, 4).telemetry()["zero_copy"] == {"off": "policy on-demand"}
+    assert make("adaptive", model, 4).telemetry()["zero_copy"] == {"off": "needs CUDA and Triton"}
+    if torch.cuda.is_available():
+        tel = make("adaptive", model, 4, "cuda").telemetry()["zero_copy"]
+        assert tel["graph_steps"] == 0 and tel["zero_copy_experts"] == 0
