@@ -186,9 +186,13 @@ class LivePanels(QWidget):
         self.experts_text.setText(why or f"hit rate {fmt(ex.get('hit_rate'), '.1%')} (windowed) · "
                                          f"fills {fmt(rates['fills_per_s'], '.1f', '/s')} · "
                                          f"CPU-executed {fmt(rates['cpu_per_s'], '.1f', '/s')}")
-        self.counts_text.setText(" · ".join(f"{k.replace('_', ' ')} {fmt(ex.get(k), ',')}" for k in
-                                            ("hits", "misses", "fills", "cpu_executed", "evictions",
-                                             "prefetch_used", "prefetch_wasted")))
+        counts = [f"{k.replace('_', ' ')} {fmt(ex.get(k), ',')}" for k in
+                  ("hits", "misses", "fills", "cpu_executed", "evictions", "prefetch_used", "prefetch_wasted")]
+        zc = ex.get("zero_copy") or {}
+        if zc.get("graph_steps"):  # adaptive decoding as one graph: misses read in place over PCIe
+            counts.append(f"one-graph steps {fmt(zc['graph_steps'], ',')} · read in place "
+                          f"{fmt(zc.get('zero_copy_experts'), ',')}")
+        self.counts_text.setText(" · ".join(counts))
 
     def _pcie(self, s: dict) -> None:
         pc = s["pcie"]

@@ -38,7 +38,8 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
                         workspace=gib // 2, budget=8 * gib, device_total=16 * gib, device_used=6 * gib)
     base["kv"].update(r_target=0.4, r_deployed=0.35, A_ns_per_token=12.5, B_ns_per_token=20.0, delta_ms=0.3)
     base["experts"].update(hits=90, misses=10, fills=6, cpu_executed=4, evictions=2, prefetch_used=3,
-                           prefetch_wasted=1, hit_rate=0.9)
+                           prefetch_wasted=1, hit_rate=0.9,
+                           zero_copy={"graph_steps": 40, "zero_copy_experts": 1200, "graph_fills": 1100})
     base["pcie"].update(h2d_bytes=3 * gib, d2h_bytes=gib // 10, h2d_gbps=24.5, d2h_gbps=1.5)
     snap = StatsSnapshot(**base).to_dict()  # the engine's own record type: the fields must exist
     snap["t"] = 1.0
@@ -56,6 +57,7 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
     assert "hit rate 90.0%" in panels.experts_text.text()
     assert "fills 10.0/s" in panels.experts_text.text() and "CPU-executed 2.0/s" in panels.experts_text.text()
     assert panels.flow_plot.values("fills_per_s") == [None, 10.0]  # no rate from a single sample
+    assert "one-graph steps 40 · read in place 1,200" in panels.counts_text.text()
     assert "H2D 24.50 GB/s" in panels.pcie_text.text() and "D2H 1.50 GB/s" in panels.pcie_text.text()
     img = panels.grab()
     assert not img.isNull() and img.width() > 100
