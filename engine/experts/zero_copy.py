@@ -161,16 +161,14 @@ class ZeroCopyDecode:
         lru.misses += n_missed
         self.zero_copy_experts += n_missed
         mirror = self.mirror.numpy()
-        filled = set()
         for layer, pair in zip(*np.nonzero(claims >= 0)):
             offset = int(claims[layer, pair])
             key = (int(layer), int(ids[layer, pair]))
-            if key in lru or offset in filled:  # two tokens missed the same expert: one copy is kept
+            if key in lru:  # two tokens missed the same expert: one copy is kept, the other slot stays listed
                 continue
             slot = offset // self.slot_numel
             lru.admit_into(*key, slot)
             mirror[key] = offset
-            filled.add(offset)
             self.spare_slots.remove(slot)
             self.fills += 1
         lru.unlock()
