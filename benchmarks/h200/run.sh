@@ -33,6 +33,11 @@
 #   (Y: X's commands at commit af320ca, an in-graph lookahead prefetch since reverted: it was slower)
 #   bash benchmarks/h200/run.sh Z    # expert kernel 5–8-token tiles A/B on one host (needs .k8-before/: the old
 #                                    #   native/experts_kernel.h and common.h, untracked)
+#   bash benchmarks/h200/run.sh AA   # hybrid KV step timeline at 32K (profile_kv.py), default and spinning OpenMP
+#                                    #   threads; host split of adaptive's pieces form at bs=4 (profile_offload.py)
+#   bash benchmarks/h200/run.sh AB   # profile_kv.py again, with the host-sync diagnosis and a cProfile per run
+#   bash benchmarks/h200/run.sh AC   # hybrid KV with fewer host calls per layer: CUDA tests, profile_kv.py (default and
+#                                    #   OMP_WAIT_POLICY=PASSIVE), bench kv at 32K twice (default, PASSIVE)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -224,6 +229,41 @@ if [ "$phase" = U ]; then
   grep -E "^(FAILED|ERROR)|Error" "$out/pytest.log" | head -20 | tee -a "$log"
   step profile zero-copy reads and decode forms
   timeout 300 python3 benchmarks/h200/profile_zero_copy.py "$out" 2>>"$log" | tee -a "$log"
+fi
+if [ "$phase" = AA ]; then
+  step profile hybrid KV step, 32K, bs 1 and 4
+  timeout 240 python3 benchmarks/h200/profile_kv.py "$out/kv-default" 2>>"$log" | tee -a "$log"
+  step the same with OMP_WAIT_POLICY=ACTIVE
+  OMP_WAIT_POLICY=ACTIVE timeout 200 python3 benchmarks/h200/profile_kv.py "$out/kv-active" 2>>"$log" | tee -a "$log"
+  step profile offloaded decode, L16, 737 slots: adaptive in pieces
+  timeout 200 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 737 "$out/offload" adaptive pieces \
+    2>>"$log" | tail -20 | tee -a "$log"
+fi
+if [ "$phase" = AB ]; then
+  step profile hybrid KV step, 32K, bs 1 and 4, host syncs
+  timeout 300 python3 benchmarks/h200/profile_kv.py "$out" 2>>"$log" | cut -c1-1500 | tee -a "$log"
+fi
+kv_tests() {
+  step tests: hybrid KV on CUDA, merge kernel
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kv/test_kv_inplace.py tests/kv/test_kv_kernels.py \
+    tests/kv/test_kv_generation.py > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"
+  grep -E "^(FAILED|ERROR)|Error" "$out/pytest.log" | head -20 | tee -a "$log"
+}
+bench_kv_32k() {  # $1: record name; the rest: environment for the run
+  local name=$1; shift
+  step bench kv at 32K, $name
+  env "$@" timeout 240 python3 -m engine.cli bench kv --policies writescope,gpu-centric,cpu-centric --layers 8 \
+    --lengths 32768 --batch-sizes 1,4,16 --json "$out/kv-32k-$name.json" 2>>"$log" | tail -12 | tee -a "$log"
+}
+if [ "$phase" = AC ]; then
+  kv_tests
+  step profile hybrid KV step, default
+  timeout 200 python3 benchmarks/h200/profile_kv.py "$out/kv-default" 2>>"$log" | cut -c1-700 | tee -a "$log"
+  step profile hybrid KV step, OMP_WAIT_POLICY=PASSIVE
+  OMP_WAIT_POLICY=PASSIVE timeout 200 python3 benchmarks/h200/profile_kv.py "$out/kv-passive" 2>>"$log" | cut -c1-700 \
+    | tee -a "$log"
+  bench_kv_32k default
+  bench_kv_32k passive OMP_WAIT_POLICY=PASSIVE
 fi
 if [ "$phase" = N2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive

@@ -150,16 +150,26 @@ def register(name: str, kernel: Kernel) -> None:
     _registered[name] = kernel
 
 
-def attend_blocks(q: torch.Tensor, blocks: list[list[KVView]], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring. q (B, nh, T, hs) → out (B, nh, T, hs) fp32, lse (B, nh, T) fp32."""
+def attend_blocks(q: torch.Tensor, blocks: list[list[KVView]], scale: float, *, out: torch.Tensor | None = None,
+                  lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring. q (B, nh, T, hs) → out (B, nh, T, hs) fp32, lse (B, nh, T) fp32.
+    `out` and `lse`, when given (contiguous fp32 of those shapes, e.g. views of a page-locked buffer
+    the result leaves from), receive the result; the native kernel writes them directly."""
     B, nh, T, hs = q.shape
     first = next((views[0][0] for views in blocks if views), None)
     if first is None:
-        return (torch.zeros((B, nh, T, hs), dtype=torch.float32),
-                torch.full((B, nh, T), float("-inf"), dtype=torch.float32))
+        o = torch.zeros((B, nh, T, hs), dtype=torch.float32) if out is None else out.zero_()
+        return o, (torch.full((B, nh, T), float("-inf")) if lse is None else lse.fill_(float("-inf")))
     name = implementation(first.dtype, nh, first.shape[0], hs)
+    if name == "native" and name in _registered:
+        return _registered[name](q, blocks, scale, out=out, lse=lse)
     kernel = _registered[name] if name in _registered else _torch_kernel(name)
-    return kernel(q, blocks, scale)
+    o, l = kernel(q, blocks, scale)
+    if out is None:
+        return o, l
+    out.copy_(o)
+    lse.copy_(l)
+    return out, lse
 
 
 def attend_view(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
@@ -184,9 +194,9 @@ def _register_native() -> None:
     if not attention_native.implementation().startswith("native"):
         return
 
-    def native_kernel(q: torch.Tensor, blocks: list[list[KVView]], scale: float):
+    def native_kernel(q: torch.Tensor, blocks: list[list[KVView]], scale: float, out=None, lse=None):
         return attention_native.attend_blocks(q, [[k for k, _ in views] for views in blocks],
-                                              [[v for _, v in views] for views in blocks], scale)
+                                              [[v for _, v in views] for views in blocks], scale, out=out, lse=lse)
 
     register("native", native_kernel)
 

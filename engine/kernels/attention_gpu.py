@@ -46,13 +46,15 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return o.view(b, nh, T, hs), lse.view(b, nh, T)
 
 
-def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
+                 fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32=False lets the flash path return its output in q's dtype (one kernel fewer, for a
+    caller that merges in fp32 itself); other paths return fp32 either way."""
     # Flash's causal mask is aligned top-left (query i sees keys 0..i), ours bottom-right: only
     # T == S agrees; and an empty key set is the math path's job (lse −inf, output 0).
     if _flash_ok(q) and k.dtype == q.dtype and k.shape[2] > 0 and (not causal or q.shape[2] == k.shape[2]):
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        return res[0].float(), res[1]
+        return (res[0].float() if fp32 else res[0]), res[1]
     if q.device.type == "cpu":
         return attention_cpu.attend_view(q, k, v, scale, causal)
     return _math(q, k, v, scale, causal=causal)

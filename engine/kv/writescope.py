@@ -16,6 +16,7 @@ A and B from the measured CPU and GPU times; `gpu-centric`, `cpu-centric` and `f
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -24,6 +25,7 @@ import torch
 
 from engine.kernels.attention_cpu import attend_blocks, implementation, kernel_name
 from engine.kernels.attention_gpu import attend_dense, attend_padded
+from engine.kernels import lse_gpu
 from engine.kernels.lse import merge_groups, merge_pair, merge_stack
 from engine.kv.backend import KVBackend
 from engine.kv.inplace import InplaceKVCache, PartitionSpec, StepPlan
@@ -32,58 +34,69 @@ from engine.sched.roofline import RooflineParams, SharePolicy
 
 
 class HostExchange:
-    """Queries to the host and CPU results back to the device, through exact-size page-locked
-    buffers on CUDA (async both ways); in simulate mode the tensors pass as they are."""
+    """Queries to the host and CPU results back to the device, on CUDA through exact-size page-locked
+    buffers (async both ways); in simulate mode the tensors pass as they are.
+
+    The CPU kernel writes its result straight into one of two page-locked result buffers, out and
+    LSE side by side, so one copy brings it to the device; the buffer alternates by layer so the
+    kernel of layer l+1 never waits for the copy of layer l to have left."""
 
     def __init__(self, transport: Transport):
         self.tr = transport
         self._q = None  # HostBuffer, flat, in the KV dtype
-        self._res = None  # HostBuffer, flat fp32: out then lse
-        self.result_free = transport.event()  # the last staged result has been copied to the device
+        self._res = [None, None]  # HostBuffers, flat fp32: out then lse
+        self._free = [transport.event(), transport.event()]  # result buffer i has been copied to the device
+        self._dev = None  # device flat fp32 the results land in (the merge reads it on the same stream)
+        self._turn = 0
 
-    def _flat(self, holder: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = getattr(self, holder)
+    def _flat(self, buf, n: int, dtype: torch.dtype):
         if buf is None or buf.tensor.numel() < n or buf.tensor.dtype != dtype:
             if buf is not None:
                 buf.release()
             buf = self.tr.host((max(n, 1 << 16),), dtype, pinned=True)
-            setattr(self, holder, buf)
-        return buf.tensor
+        return buf
 
-    def to_host(self, q: torch.Tensor, dtype: torch.dtype):
+    def to_host(self, q: torch.Tensor, dtype: torch.dtype, stream=None):
         """q (B, nh, T, hs) on the device → (host tensor, event after which it is readable)."""
         if not self.tr.cuda:
             return q.to(dtype), NullEvent()
-        host = self._flat("_q", q.numel(), dtype)[:q.numel()].view(q.shape)
+        self._q = self._flat(self._q, q.numel(), dtype)
+        host = self._q.tensor[:q.numel()].view(q.shape)
         host.copy_(q, non_blocking=True)
         ready = self.tr.event()
-        ready.record()
+        ready.record(stream)
         return host, ready
 
-    def stage(self, out: torch.Tensor, lse: torch.Tensor):
-        """Worker side: CPU results into the page-locked buffer (once the last one has left it)."""
+    def result_buffers(self, q_shape: tuple):
+        """Worker side: (slot, out (B, nh, T, hs), lse (B, nh, T)) page-locked views for the CPU kernel
+        to write, free once the copy that last read them has left; (None, None, None) in simulate mode."""
+        if not self.tr.cuda:
+            return None, None, None
+        i = self._turn
+        self._turn ^= 1
+        n_out = math.prod(q_shape)
+        n = n_out + n_out // q_shape[-1]
+        self._res[i] = self._flat(self._res[i], n, torch.float32)
+        self._free[i].synchronize()
+        flat = self._res[i].tensor
+        return i, flat[:n_out].view(q_shape), flat[n_out:n].view(q_shape[:-1])
+
+    def to_device(self, slot, out: torch.Tensor, lse: torch.Tensor, stream=None):
+        """Main side: the CPU result → device views (out, lse), by one copy of result buffer `slot`."""
         if not self.tr.cuda:
             return out, lse
-        self.result_free.synchronize()
-        flat = self._flat("_res", out.numel() + lse.numel(), torch.float32)
-        o = flat[:out.numel()].view(out.shape)
-        lo = flat[out.numel():out.numel() + lse.numel()].view(lse.shape)
-        o.copy_(out)
-        lo.copy_(lse)
-        return o, lo
+        n_out, n = out.numel(), out.numel() + lse.numel()
+        if self._dev is None or self._dev.numel() < n:
+            self._dev = torch.empty(max(n, 1 << 16), dtype=torch.float32, device=self.tr.device)
+        self._dev[:n].copy_(self._res[slot].tensor[:n], non_blocking=True)
+        self._free[slot].record(stream)
+        return self._dev[:n_out].view(out.shape), self._dev[n_out:n].view(lse.shape)
 
     def close(self) -> None:
-        for buf in (self._q, self._res):
+        for buf in (self._q, *self._res):
             if buf is not None:
                 buf.release()
-        self._q = self._res = None
-
-    def to_device(self, staged):
-        if not self.tr.cuda:
-            return staged
-        o, lo = (t.to(self.tr.device, non_blocking=True) for t in staged)
-        self.result_free.record()
-        return o, lo
+        self._q, self._res, self._dev = None, [None, None], None
 
 
 class WriteScopeKV(KVBackend):
@@ -108,6 +121,8 @@ class WriteScopeKV(KVBackend):
         self._timings: deque = deque()  # CUDA: (kind, start event, end event, tokens or bytes)
         self._n_heads: int | None = None
         self._cpu_ran = False
+        self._merge_rows: dict = {}  # (parts, chunks) → (P,) row of each part, for this step
+        self._pp_views = None
 
     # -- sequences ----------------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -140,38 +155,41 @@ class WriteScopeKV(KVBackend):
         nh, hs = q.shape[1], q.shape[3]
         self._n_heads = nh
         scale = hs ** -0.5
-        self.cache.append(layer, plan, k, v)
+        compute = self.transport.compute_stream()
         cpu = None
-        if plan.cpu_tokens:  # the CPU starts first; the GPU parts below run meanwhile
-            q_host, ready = self.exchange.to_host(q, self.dtype)
+        if plan.cpu_tokens:  # the CPU starts first (it reads placed tokens only); the GPU parts run meanwhile
+            q_host, ready = self.exchange.to_host(q, self.dtype, compute)
             cpu = self.worker.submit(self._cpu_part, layer, plan, q_host, ready, scale)
             self._cpu_ran = True
         try:
-            timing = self._start_timing() if plan.stream_tokens else None
-            parts = []  # (o (B, nh, T, hs) fp32, lse (B, nh, T)) with every row
+            self.cache.append(layer, plan, k, v)
+            timing = self._start_timing(compute) if plan.stream_tokens else None
+            parts = []  # (o (B, nh, T, hs), lse (B, nh, T) fp32) with every row
+            fp32 = not self.transport.cuda  # on CUDA the merge kernel reads q's dtype and casts
             if plan.window_max:
                 wk, wv = self.cache.window_views(layer, plan)
                 if plan.window_excluded is None:
-                    parts.append(attend_dense(q, wk, wv, scale))
+                    parts.append(attend_dense(q, wk, wv, scale, fp32=fp32))
                 else:
                     parts.append(attend_padded(q, wk, wv, plan.window_excluded, scale))
             if not plan.decode:  # the new tokens over themselves
-                parts.append(attend_dense(q, k, v, scale, causal=True))
-            chunks = self._stream(layer, q, plan, scale) if plan.chunks else None
-            self._end_timing(timing, plan)
+                parts.append(attend_dense(q, k, v, scale, causal=True, fp32=fp32))
+            chunks = self._stream(layer, q, plan, scale, compute, fp32) if plan.chunks else []
+            self._end_timing(timing, plan, compute)
             self.cache.flush(layer, plan, k, v)  # write-time routing of this layer, while the CPU works
         except BaseException:
             if cpu is not None:  # the CPU side still reads this step's views: let it finish before the step is undone
                 wait([cpu])
             raise
         if cpu is not None:
-            staged, seconds = cpu.result()
-            parts.append(self.exchange.to_device(staged))
+            (slot, out, lse), seconds = cpu.result()
+            parts.append(self.exchange.to_device(slot, out, lse, compute))
             self.share.A.observe(plan.cpu_tokens, seconds)
-        return self._merge(plan, parts, chunks).to(q.dtype)
+        return self._merge(plan, parts, chunks, q.dtype)
 
     def end_step(self) -> None:
         plan, self.plan = self.plan, None
+        self._merge_rows.clear()
         self.cache.finish(plan)
         self.cache.commit(plan)
 
@@ -180,67 +198,87 @@ class WriteScopeKV(KVBackend):
     def _cpu_part(self, layer: int, plan: StepPlan, q_host: torch.Tensor, ready, scale: float):
         ready.synchronize()
         implementation(self.dtype, q_host.shape[1], self.cache.n_kv, self.cache.head_dim)  # first call: probe, untimed
+        slot, out, lse = self.exchange.result_buffers(tuple(q_host.shape))
         t0 = time.perf_counter()
-        out, lse = attend_blocks(q_host, self.cache.cpu_views(layer, plan), scale)
+        out, lse = attend_blocks(q_host, self.cache.cpu_views(layer, plan), scale, out=out, lse=lse)
         seconds = time.perf_counter() - t0
-        return self.exchange.stage(out, lse), seconds
+        return (slot, out, lse), seconds
 
-    def _stream(self, layer: int, q: torch.Tensor, plan: StepPlan, scale: float):
-        """The pinned share through the ping-pong buffers: copy of chunk i+1 overlaps compute on i."""
-        tr, cache = self.transport, self.cache
-        compute = tr.compute_stream()
-        tr.wait(tr.h2d, cache.d2h_done)  # extents written back by an earlier flush have landed
+    def _stream(self, layer: int, q: torch.Tensor, plan: StepPlan, scale: float, compute, fp32: bool) -> list:
+        """The pinned share through the ping-pong buffers: copy of chunk i+1 overlaps compute on i.
+        → one (o (1, nh, T, hs), lse (1, nh, T)) per chunk. On a slow host each torch call costs tens
+        of µs, so the loop keeps to the calls it needs (events recorded on named streams, K/V views
+        of each buffer made once)."""
+        tr, cache, h2d = self.transport, self.cache, self.transport.h2d
+        tr.wait(h2d, cache.d2h_done)  # extents written back by an earlier flush have landed
         span = self._span_start()
-        outs, lses = [], []
+        parts = []
         for i, (row, ext, n) in enumerate(plan.chunks):
             j = i & 1
-            buf = cache.pingpong[j]
-            with tr.on(tr.h2d):
-                tr.wait(tr.h2d, self.consumed[j])  # attention over this buffer's previous chunk is done
-                buf[:n].copy_(cache.pinned_slab(layer, ext, n), non_blocking=True)  # one DMA
-                self.loaded[j].record(tr.h2d)
+            with tr.on(h2d, compute):
+                tr.wait(h2d, self.consumed[j])  # attention over this buffer's previous chunk is done
+                cache.pingpong[j][:n].copy_(cache.pinned_slab(layer, ext, n), non_blocking=True)  # one DMA
+                self.loaded[j].record(h2d)
             tr.wait(compute, self.loaded[j])
-            kv = buf[:n]  # (n, 2, n_kv, hs)
-            o, lse = attend_dense(q[row:row + 1], kv[:, 0].transpose(0, 1).unsqueeze(0),
-                                  kv[:, 1].transpose(0, 1).unsqueeze(0), scale)
+            k, v = self._pingpong_kv[j]  # (1, n_kv, E, hs) views
+            parts.append(attend_dense(q[row:row + 1], k[:, :, :n], v[:, :, :n], scale, fp32=fp32))
             self.consumed[j].record(compute)
-            outs.append(o)
-            lses.append(lse)
         self._span_end(span, plan.stream_tokens * cache.token_bytes)
-        return torch.cat(outs), torch.cat(lses)  # (P, nh, T, hs), (P, nh, T)
+        return parts
 
-    def _merge(self, plan: StepPlan, parts: list, chunks) -> torch.Tensor:
-        """Every part by its LSE: o (B, nh, T, hs) fp32. Each row has at least one finite part (the
-        D-window in decode, the new tokens in prefill)."""
-        if chunks is None and len(parts) <= 2:
+    @property
+    def _pingpong_kv(self):
+        """Per ping-pong buffer (n, 2, n_kv, hs): its K and V as (1, n_kv, E, hs) views."""
+        if self._pp_views is None:
+            self._pp_views = [(b[:, 0].transpose(0, 1).unsqueeze(0), b[:, 1].transpose(0, 1).unsqueeze(0))
+                              for b in self.cache.pingpong]
+        return self._pp_views
+
+    def _merge(self, plan: StepPlan, parts: list, chunks: list, dtype: torch.dtype) -> torch.Tensor:
+        """Every part by its LSE → o (B, nh, T, hs) in `dtype`. Each row has at least one finite part
+        (the D-window in decode, the new tokens in prefill). On CUDA: one cat of outputs, one of LSEs
+        and one merge kernel, whatever the number of parts."""
+        B = len(plan.seqs)
+        if self.transport.cuda and lse_gpu.available(parts[0][0] if parts else chunks[0][0]):
+            key = (len(parts), len(chunks))
+            rows = self._merge_rows.get(key)
+            if rows is None:  # the same for every layer of the step: built once
+                rows = torch.arange(B, device=self.device).repeat(len(parts))
+                if chunks:
+                    rows = torch.cat([rows, plan.chunk_rows])
+                self._merge_rows[key] = rows
+            every = parts + chunks
+            outs = torch.cat([p[0] for p in every])  # (P, nh, T, hs), fp32 when any part is
+            lses = torch.cat([p[1] for p in every])  # (P, nh, T)
+            return lse_gpu.merge_rows(outs, lses, rows, B, dtype)
+        if not chunks and len(parts) <= 2:
             out, lse = parts[0]
             if len(parts) == 2:
                 out, lse = merge_pair(out, lse, *parts[1])
-            return out
-        B = len(plan.seqs)
-        outs = torch.cat([p[0] for p in parts] + ([chunks[0]] if chunks else []))  # (P, nh, T, hs)
-        lses = torch.cat([p[1] for p in parts] + ([chunks[1]] if chunks else []))  # (P, nh, T)
+            return out.to(dtype)
+        outs = torch.cat([p[0] for p in parts + chunks])  # (P, nh, T, hs)
+        lses = torch.cat([p[1] for p in parts + chunks])  # (P, nh, T)
         if B == 1:
-            return merge_stack(outs, lses)[0].unsqueeze(0)
+            return merge_stack(outs, lses)[0].unsqueeze(0).to(dtype)
         rows = torch.arange(B, device=self.device).repeat(len(parts))
-        if chunks is not None:
+        if chunks:
             rows = torch.cat([rows, plan.chunk_rows])
-        return merge_groups(outs, lses, rows, B)[0]
+        return merge_groups(outs, lses, rows, B)[0].to(dtype)
 
     # -- timing: the GPU side for the B estimator, the h2d stream for its achieved rate -----------
-    def _event(self, stream=None):
+    def _event(self, stream):
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream)
         return ev
 
-    def _start_timing(self):
-        return self._event() if self.transport.cuda else time.perf_counter()
+    def _start_timing(self, compute):
+        return self._event(compute) if self.transport.cuda else time.perf_counter()
 
-    def _end_timing(self, start, plan: StepPlan) -> None:
+    def _end_timing(self, start, plan: StepPlan, compute) -> None:
         if not plan.stream_tokens:
             return
         if self.transport.cuda:
-            self._timings.append(("gpu", start, self._event(), plan.stream_tokens))
+            self._timings.append(("gpu", start, self._event(compute), plan.stream_tokens))
         else:
             self.share.B.observe(plan.stream_tokens, time.perf_counter() - start)
 

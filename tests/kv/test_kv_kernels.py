@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from engine.kernels import attention_cpu
 from engine.kernels.attention_cpu import attend_blocks
 from engine.kernels.attention_gpu import attend_dense, attend_padded, padding_mask
+from engine.kernels import lse_gpu
 from engine.kernels.lse import merge_groups, merge_pair, merge_stack
 
 NH, NKV, HS = 8, 2, 16
@@ -58,6 +59,52 @@ def test_merge_groups_routes_parts_to_rows_and_ignores_empty_parts():
     out, lse = merge_groups(torch.cat(outs), torch.cat(lses), torch.tensor(rows), 3)
     ref, ref_lse = full(q, k, v)
     assert rel(out, ref) < 1e-5 and rel(lse, ref_lse) < 1e-5
+
+
+@pytest.mark.skipif(lse_gpu.triton is None, reason="needs triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_kernel_equals_full_attention_per_row(dtype):
+    """The one-launch merge (lse_gpu.merge_rows) against full attention: parts in any order and
+    dtype, a part without keys, a row without any part (→ 0), the result cast to `dtype`."""
+    gen = torch.Generator().manual_seed(6)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU Triton's interpreter runs it
+    q = torch.randn(3, NH, 2, HS, generator=gen)
+    k, v = torch.randn(3, NKV, 50, HS, generator=gen), torch.randn(3, NKV, 50, HS, generator=gen)
+    outs, lses, rows = [], [], []
+    for b, cuts in ((0, [0, 50]), (2, [0, 13, 14, 50]), (0, [])):
+        for a, c in zip(cuts, cuts[1:]):
+            o, lse = full(q[b:b + 1], k[b:b + 1, :, a:c], v[b:b + 1, :, a:c])
+            outs.append(o.to(dtype)), lses.append(lse.float()), rows.append(b)
+    outs.insert(1, torch.zeros(1, NH, 2, HS, dtype=dtype)), lses.insert(1, torch.full((1, NH, 2), float("-inf")))
+    rows.insert(1, 2)  # an empty part between row 2's others
+    out = lse_gpu.merge_rows(torch.cat(outs).to(dev), torch.cat(lses).to(dev), torch.tensor(rows, device=dev), 3,
+                             dtype)
+    assert out.dtype == dtype and out.shape == (3, NH, 2, HS)
+    ref, _ = full(q, k, v)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel(out[0].cpu(), ref[0]) < tol and rel(out[2].cpu(), ref[2]) < tol
+    assert torch.all(out[1] == 0)  # no part: 0, not NaN
+
+
+def test_attend_blocks_writes_into_given_buffers():
+    """The CPU side writes its result straight into the page-locked buffer it leaves from."""
+    gen = torch.Generator().manual_seed(7)
+    arena_k, arena_v = torch.randn(NKV, 100, HS, generator=gen), torch.randn(NKV, 100, HS, generator=gen)
+    q = torch.randn(2, NH, 1, HS, generator=gen)
+    blocks = [[(arena_k[:, 0:60], arena_v[:, 0:60])], [(arena_k[:, 60:100], arena_v[:, 60:100])]]
+    ref_out, ref_lse = attend_blocks(q, blocks, HS ** -0.5)
+    for impl in (None, "matmul"):
+        flat = torch.full((2 * NH * HS + 2 * NH,), float("nan"))
+        out, lse = flat[:2 * NH * HS].view(2, NH, 1, HS), flat[2 * NH * HS:].view(2, NH, 1)
+        attention_cpu.set_implementation(impl)
+        try:
+            got_out, got_lse = attend_blocks(q, blocks, HS ** -0.5, out=out, lse=lse)
+        finally:
+            attention_cpu.set_implementation(None)
+        assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+        assert rel(out, ref_out.double()) < 1e-5 and rel(lse, ref_lse.double()) < 1e-5
+    attend_blocks(q, [[], []], HS ** -0.5, out=out, lse=lse)  # no keys at all: 0 and −inf, written
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "matmul", "native"])
