@@ -38,6 +38,7 @@
 #   bash benchmarks/h200/run.sh AB   # profile_kv.py again, with the host-sync diagnosis and a cProfile per run
 #   bash benchmarks/h200/run.sh AC   # hybrid KV with fewer host calls per layer: CUDA tests, profile_kv.py (default and
 #                                    #   OMP_WAIT_POLICY=PASSIVE), bench kv at 32K twice (default, PASSIVE)
+#   bash benchmarks/h200/run.sh AD   # AC's tests and profile after pairing extent-layers per ping-pong load; bench kv 32K twice
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -246,7 +247,7 @@ fi
 kv_tests() {
   step tests: hybrid KV on CUDA, merge kernel
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kv/test_kv_inplace.py tests/kv/test_kv_kernels.py \
-    tests/kv/test_kv_generation.py > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"
+    > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"
   grep -E "^(FAILED|ERROR)|Error" "$out/pytest.log" | head -20 | tee -a "$log"
 }
 bench_kv_32k() {  # $1: record name; the rest: environment for the run
@@ -264,6 +265,13 @@ if [ "$phase" = AC ]; then
     | tee -a "$log"
   bench_kv_32k default
   bench_kv_32k passive OMP_WAIT_POLICY=PASSIVE
+fi
+if [ "$phase" = AD ]; then
+  kv_tests
+  step profile hybrid KV step, default
+  timeout 200 python3 benchmarks/h200/profile_kv.py "$out/kv-default" 2>>"$log" | cut -c1-700 | tee -a "$log"
+  bench_kv_32k run1
+  bench_kv_32k run2
 fi
 if [ "$phase" = N2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive

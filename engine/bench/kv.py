@@ -152,7 +152,7 @@ def bench_point(policy, shape, bs, L, *, device, dtype, d_window=256, block_size
 def _h2d_counters(kv) -> tuple[int, float] | None:
     if not hasattr(kv, "h2d_seconds"):
         return None
-    return kv.h2d_bytes, kv.h2d_seconds
+    return kv.h2d_timed_bytes, kv.h2d_seconds
 
 
 def run(policies=POLICIES, batch_sizes=(1, 4, 16), lengths=(2048, 8192, 32768), *, shape=QWEN3_30B_A3B,

@@ -36,8 +36,8 @@ if triton is not None:
     @triton.jit
     def _merge_rows_kernel(outs_ptr, lses_ptr, rows_ptr, out_ptr, n_parts, n_cols, hs,
                            HS: tl.constexpr):
-        row = tl.program_id(0)  # the sequence row
-        col = tl.program_id(1).to(tl.int64)  # one (head, query) pair: h · T + t
+        col = tl.program_id(0).to(tl.int64)  # one (head, query) pair: h · T + t (a prefill has many)
+        row = tl.program_id(1)  # the sequence row
         d = tl.arange(0, HS)
         dmask = d < hs
         acc = tl.zeros((HS,), dtype=tl.float32)
@@ -68,6 +68,6 @@ def merge_rows(outs: torch.Tensor, lses: torch.Tensor, rows: torch.Tensor, n_row
     outs, lses = outs.contiguous(), lses.float().contiguous()
     out = torch.empty((n_rows, nh, T, hs), dtype=dtype, device=outs.device)
     if n_rows and nh * T:
-        _merge_rows_kernel[(n_rows, nh * T)](outs, lses, rows, out, P, nh * T, hs,
+        _merge_rows_kernel[(nh * T, n_rows)](outs, lses, rows, out, P, nh * T, hs,
                                              HS=triton.next_power_of_2(hs))
     return out

@@ -4,7 +4,8 @@ init / append / views / flush.
 Regions (E = PartitionSpec.pingpong_tokens, D = d_window):
 
     D-window    device  (n_layers, max_batch, D, 2, n_kv, hs)   each sequence's newest tokens, ≤ D
-    ping-pong   device  (2, E, 2, n_kv, hs)                     two buffers, created once, overwritten
+    ping-pong   device  (2, G·E, 2, n_kv, hs)                   two buffers, created once, overwritten;
+                                                                each takes up to G extent-layers of one row
     pinned      host    page-locked extents (n_layers, E, 2, n_kv, hs)   the GPU's placed share
     unpinned    host    pageable, per layer (2, n_kv, tokens, hs)        the CPU's placed share
 
@@ -28,7 +29,7 @@ import torch
 
 from engine.errors import ContextOverflowError, OutOfMemoryError
 from engine.kernels.attention_gpu import padding_mask
-from engine.kv.partition import PartitionSpec
+from engine.kv.partition import PINGPONG_EXTENTS, PartitionSpec
 from engine.kv.regions import PinnedRegion, RegionRun, UnpinnedRegion
 from engine.sched.roofline import route_to_cpu, split_run
 
@@ -72,8 +73,8 @@ class StepPlan:
     slot_start: int | None  # rows occupy D-window rows slot_start.. contiguously, else gather by slots
     slots: torch.Tensor  # (B,) int64 on the device
     append_pos: torch.Tensor | None  # (B,) decode: where the new token goes in the D-window
-    chunks: list[tuple[int, int, int]]  # pinned (row, extent, tokens)
-    chunk_rows: torch.Tensor | None  # (P,) int64 on the device
+    chunks: list[tuple[int, list[tuple[int, int]], int]]  # per ping-pong load: (row, [(extent, tokens)…], tokens)
+    chunk_rows: torch.Tensor | None  # (P,) int64 on the device: each chunk's row
     cpu_ranges: list[list[tuple[int, int]]]  # per row: unpinned arena token ranges
     cpu_tokens: int
     stream_tokens: int
@@ -104,7 +105,7 @@ class InplaceKVCache:
                                    "lower d_window or max_batch, or raise vram_budget_gb")
         try:  # zeros: padded keys are masked, but their values must stay finite
             self.window = torch.zeros((n_layers, max_batch, D, 2, n_kv_heads, head_dim), device=device, dtype=dtype)
-            self.pingpong = torch.empty((2, E, 2, n_kv_heads, head_dim), device=device, dtype=dtype)
+            self.pingpong = torch.empty((2, PINGPONG_EXTENTS * E, 2, n_kv_heads, head_dim), device=device, dtype=dtype)
         except torch.OutOfMemoryError as e:
             raise OutOfMemoryError(f"the D-window and ping-pong buffers do not fit on {device}",
                                    "lower d_window or max_batch") from e
@@ -164,7 +165,12 @@ class InplaceKVCache:
         excluded = None
         if wmax and min(window_len) != wmax:
             excluded = padding_mask(torch.tensor(window_len, device=dev), wmax)
-        chunks = [(row, ext, n) for row, s in enumerate(seqs) for ext, n in s.pinned.extent_fills()]
+        chunks = []  # consecutive extent-layers of one row share a ping-pong buffer, up to G of them:
+        for row, s in enumerate(seqs):  # one attention call per G DMAs (host calls cost tens of µs)
+            fills = list(s.pinned.extent_fills())
+            for i in range(0, len(fills), PINGPONG_EXTENTS):
+                group = fills[i:i + PINGPONG_EXTENTS]
+                chunks.append((row, group, sum(n for _, n in group)))
         plan = StepPlan(
             seqs=seqs, n_new=n_new, decode=decode,
             positions=(torch.tensor([s.length for s in seqs])[:, None] + torch.arange(n_new)).to(dev),

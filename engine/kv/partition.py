@@ -21,6 +21,7 @@ DEFAULT_CPU_GBPS = 10.0  # torch CPU attention reads ~10-19 GB/s of KV on a 16-c
 DEFAULT_H2D_GBPS = 25.0  # pinned PCIe H2D, Gen4 (Gen5 reaches ~55)
 DEFAULT_DELTA_MS = 0.1  # the GPU side's extra launches per layer-step (window, chunks, merge)
 PINGPONG_TARGET_BYTES = 8 << 20  # per extent-layer: where pinned H2D reaches its plateau (≥52 GB/s Gen5)
+PINGPONG_EXTENTS = 2  # G: extent-layers of one row per ping-pong buffer, i.e. DMAs per attention call
 
 
 @dataclass
@@ -72,4 +73,4 @@ class PartitionSpec:
     def device_bytes(self, n_layers: int, max_batch: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """VRAM of the D-window and the ping-pong buffers."""
         token_bytes = 2 * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        return token_bytes * (n_layers * max_batch * self.d_window + 2 * self.pingpong_tokens)
+        return token_bytes * (n_layers * max_batch * self.d_window + 2 * PINGPONG_EXTENTS * self.pingpong_tokens)
