@@ -15,6 +15,7 @@ Writes OUT_DIR/profile-kv.json and prints a table.
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import traceback
@@ -203,6 +204,8 @@ def diagnose(kv, sids, q, k, n_layers: int) -> tuple[dict, str]:
 
 
 def main() -> None:
+    if os.environ.get("SWITCH_INTERVAL"):  # an experiment: the GIL handed over sooner between the two threads
+        sys.setswitchinterval(float(os.environ["SWITCH_INTERVAL"]))
     out = Path(sys.argv[1])
     policies = sys.argv[2].split(",") if len(sys.argv) > 2 else ["cpu-centric", "gpu-centric", "fixed:0.45"]
     batches = [int(b) for b in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 4]

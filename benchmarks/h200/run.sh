@@ -39,6 +39,8 @@
 #   bash benchmarks/h200/run.sh AC   # hybrid KV with fewer host calls per layer: CUDA tests, profile_kv.py (default and
 #                                    #   OMP_WAIT_POLICY=PASSIVE), bench kv at 32K twice (default, PASSIVE)
 #   bash benchmarks/h200/run.sh AD   # AC's tests and profile after pairing extent-layers per ping-pong load; bench kv 32K twice
+#   bash benchmarks/h200/run.sh AE   # block tables built once per CPU share: tests; bench kv 32K as is and with the GIL
+#                                    #   switch interval at 0.1 ms; profile_kv.py with that interval
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -272,6 +274,16 @@ if [ "$phase" = AD ]; then
   timeout 200 python3 benchmarks/h200/profile_kv.py "$out/kv-default" 2>>"$log" | cut -c1-700 | tee -a "$log"
   bench_kv_32k run1
   bench_kv_32k run2
+fi
+if [ "$phase" = AE ]; then
+  kv_tests
+  bench_kv_32k default
+  step bench kv at 32K, switch interval 0.1 ms
+  timeout 240 python3 -c "import runpy, sys; sys.setswitchinterval(1e-4); runpy.run_module('engine.cli', run_name='__main__')" \
+    bench kv --policies writescope,gpu-centric,cpu-centric --layers 8 --lengths 32768 --batch-sizes 1,4,16 \
+    --json "$out/kv-32k-switch.json" 2>>"$log" | tail -3 | tee -a "$log"
+  step profile hybrid KV step, switch interval 0.1 ms
+  SWITCH_INTERVAL=1e-4 timeout 200 python3 benchmarks/h200/profile_kv.py "$out/kv-switch" 2>>"$log" | cut -c1-700 | tee -a "$log"
 fi
 if [ "$phase" = N2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive

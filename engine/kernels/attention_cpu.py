@@ -150,12 +150,34 @@ def register(name: str, kernel: Kernel) -> None:
     _registered[name] = kernel
 
 
-def attend_blocks(q: torch.Tensor, blocks: list[list[KVView]], scale: float, *, out: torch.Tensor | None = None,
+def prepare(blocks: list[list[KVView]]):
+    """The blocks in the form the kernel serving them reads: the native kernel's block table (one
+    int64 row per view, built in Python) or the lists as they are. A caller that attends over the
+    same views again and again (each layer's CPU share between two flushes) prepares them once and
+    passes the result to attend_blocks; the views' memory must stay as it is meanwhile."""
+    first = next((views[0][0] for views in blocks if views), None)
+    serving = _forced or ("native" if "native" in _registered else None)
+    if first is None or serving != "native":
+        return blocks
+    from engine.kernels import attention_native
+
+    if not attention_native.native_head_dim(first.shape[-1]):
+        return blocks
+    return attention_native.KVBlockTable.from_blocks([[k for k, _ in views] for views in blocks],
+                                                     [[v for _, v in views] for views in blocks])
+
+
+def attend_blocks(q: torch.Tensor, blocks, scale: float, *, out: torch.Tensor | None = None,
                   lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. q (B, nh, T, hs) → out (B, nh, T, hs) fp32, lse (B, nh, T) fp32.
-    `out` and `lse`, when given (contiguous fp32 of those shapes, e.g. views of a page-locked buffer
-    the result leaves from), receive the result; the native kernel writes them directly."""
+    `blocks` may also be what prepare() made of them. `out` and `lse`, when given (contiguous fp32
+    of those shapes, e.g. views of a page-locked buffer the result leaves from), receive the result;
+    the native kernel writes them directly."""
     B, nh, T, hs = q.shape
+    if not isinstance(blocks, list):  # a prepared block table: the native kernel reads it as it is
+        from engine.kernels import attention_native
+
+        return attention_native.attend_blocks(q, blocks, None, scale, out=out, lse=lse)
     first = next((views[0][0] for views in blocks if views), None)
     if first is None:
         o = torch.zeros((B, nh, T, hs), dtype=torch.float32) if out is None else out.zero_()

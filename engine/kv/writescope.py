@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from engine.kernels.attention_cpu import attend_blocks, implementation, kernel_name
+from engine.kernels.attention_cpu import attend_blocks, implementation, kernel_name, prepare
 from engine.kernels.attention_gpu import attend_dense, attend_padded
 from engine.kernels import lse_gpu
 from engine.kernels.lse import merge_groups, merge_pair, merge_stack
@@ -128,6 +128,7 @@ class WriteScopeKV(KVBackend):
         self._n_heads: int | None = None
         self._cpu_ran = False
         self._merge_rows: dict = {}  # (parts, chunks) → (P,) row of each part, for this step
+        self._cpu_blocks: dict = {}  # layer → (the plan's cpu_ranges, its views prepared for the CPU kernel)
         self._pp_views = None
 
     # -- sequences ----------------------------------------------------------------------------
@@ -207,8 +208,12 @@ class WriteScopeKV(KVBackend):
         ready.synchronize()
         implementation(self.dtype, q_host.shape[1], self.cache.n_kv, self.cache.head_dim)  # first call: probe, untimed
         slot, out, lse = self.exchange.result_buffers(tuple(q_host.shape))
+        ranges, blocks = self._cpu_blocks.get(layer, (None, None))
+        if ranges != plan.cpu_ranges:  # the CPU share changed (a flush, crop or new row): new views
+            blocks = prepare(self.cache.cpu_views(layer, plan))
+            self._cpu_blocks[layer] = (plan.cpu_ranges, blocks)
         t0 = time.perf_counter()
-        out, lse = attend_blocks(q_host, self.cache.cpu_views(layer, plan), scale, out=out, lse=lse)
+        out, lse = attend_blocks(q_host, blocks, scale, out=out, lse=lse)
         seconds = time.perf_counter() - t0
         return (slot, out, lse), seconds
 

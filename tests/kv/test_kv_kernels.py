@@ -108,6 +108,9 @@ def test_attend_blocks_writes_into_given_buffers():
             attention_cpu.set_implementation(None)
         assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
         assert rel(out, ref_out.double()) < 1e-5 and rel(lse, ref_lse.double()) < 1e-5
+    prepared = attention_cpu.prepare(blocks)  # the block table, built once for views used again
+    got_out, got_lse = attend_blocks(q, prepared, HS ** -0.5)
+    assert rel(got_out, ref_out.double()) < 1e-6 and rel(got_lse, ref_lse.double()) < 1e-6
     attend_blocks(q, [[], []], HS ** -0.5, out=out, lse=lse)  # no keys at all: 0 and −inf, written
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
 
