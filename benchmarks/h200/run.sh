@@ -42,6 +42,7 @@
 #   bash benchmarks/h200/run.sh AE   # block tables built once per CPU share: tests; bench kv 32K as is and with the GIL
 #                                    #   switch interval at 0.1 ms; profile_kv.py with that interval
 #   bash benchmarks/h200/run.sh AF   # bench kv 32K once more; whole-model decode per KV policy at 32K (G's command)
+#   bash benchmarks/h200/run.sh AG   # unpinned write-backs per layer as each lands: tests; bench kv 32K (with warm-route prefill)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -292,6 +293,10 @@ if [ "$phase" = AF ]; then
   timeout 300 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric --batch-sizes 1,4 \
     --contexts 32768 --new-tokens 8 --vram-budget-gb 24 --cpu-threads 15 --json "$out/e2e-32k.json" \
     > /dev/null 2> "$out/e2e-32k.log"; grep "\[e2e\]" "$out/e2e-32k.log" | tee -a "$log"
+fi
+if [ "$phase" = AG ]; then
+  kv_tests
+  bench_kv_32k per-layer-writeback
 fi
 if [ "$phase" = N2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive

@@ -84,6 +84,7 @@ class StepPlan:
     window_after: list[int]
     stage: torch.Tensor | None = None  # (n_layers, S, 2, n_kv, hs) host staging for the CPU region's tokens
     stage_at: list[int] = field(default_factory=list)  # per placement: its offset in `stage` (CPU-bound ones)
+    unpinned_jobs: list | None = None  # built by InplaceKVCache._unpinned_jobs
     placed_layers: set = field(default_factory=set)
 
 
@@ -117,7 +118,7 @@ class InplaceKVCache:
         self._free_slots = list(range(max_batch))
         self._next_id = 0
         self._stage = None  # HostBuffer (n_layers, S, 2, n_kv, hs): write-back staging for the CPU region
-        self._stage_job = None
+        self._stage_jobs: list = []  # per-layer write-backs into the unpinned region, queued on the CPU side's thread
         self.pinned.reserve_ahead()  # the first pinned extent is prepared at load, not at the first prefill
         self.d2h_done = transport.event()
         self.flush_pending = False  # the D-window was read by write-backs still in flight
@@ -297,6 +298,10 @@ class InplaceKVCache:
                 dst.copy_(src, non_blocking=True)  # one contiguous DMA
             layer_done = tr.event()
             layer_done.record(tr.d2h)
+        jobs = self._unpinned_jobs(plan)
+        if jobs:  # the CPU side's thread lays this layer out per head as soon as it has landed, while
+            # later layers compute (one job per layer: only the last layer's is left at the step's end)
+            self._stage_jobs.append(self.executor.submit(self._write_unpinned, layer_done, plan.stage, layer, jobs))
         if new is not None:
             tr.keep_alive(new, tr.d2h)
             if plan.tails:
@@ -306,8 +311,9 @@ class InplaceKVCache:
 
     def finish(self, plan: StepPlan) -> None:
         """End of step: layers a failed step never reached still get their D-window write-backs (the
-        tokens already placed elsewhere in other layers must exist in every layer); the CPU side's
-        thread then copies the staged tokens into its per-head layout, after every other job queued."""
+        tokens already placed elsewhere in other layers must exist in every layer). Each flushed
+        layer's CPU-bound tokens were handed to the CPU side's thread, which lays them out per head
+        as soon as that layer's copies have landed."""
         for layer in range(self.n_layers):
             if layer not in plan.placed_layers:
                 self.flush(layer, plan)
@@ -315,17 +321,11 @@ class InplaceKVCache:
             return
         tr = self.transport
         self.d2h_done.record(tr.d2h)
-        jobs = [(at, p.extent * self.spec.pingpong_tokens + p.ext_start, p.n)
-                for p, at in zip(plan.placements, plan.stage_at) if p.to_cpu]
-        if jobs:
-            self._stage_job = self.executor.submit(self._write_unpinned, self.d2h_done, plan.stage, jobs)
         self.flush_pending = any(p.source == "window" for p in plan.placements)
         self.d2h_bytes += sum(p.n for p in plan.placements) * self.token_bytes * self.n_layers
 
     def _staging(self, n_tokens: int) -> torch.Tensor:
-        if self._stage_job is not None:
-            self._stage_job.result()  # the previous write-back has left the staging buffer
-            self._stage_job = None
+        self._wait_stage_jobs()  # the previous write-backs have left the staging buffer
         if self._stage is None or self._stage.tensor.shape[1] < n_tokens:
             if self._stage is not None:
                 self._stage.release()
@@ -337,11 +337,24 @@ class InplaceKVCache:
                 self._stage = self.transport.host(shape, self.dtype, pinned=False)
         return self._stage.tensor
 
+    def _wait_stage_jobs(self) -> None:
+        jobs, self._stage_jobs = self._stage_jobs, []
+        for job in jobs:
+            job.result()
+
+    def _unpinned_jobs(self, plan: StepPlan) -> list[tuple[int, int, int]]:
+        """(offset in the staging buffer, arena token, tokens) of each CPU-bound placement, the same
+        for every layer of the step."""
+        if plan.unpinned_jobs is None:
+            plan.unpinned_jobs = [(at, p.extent * self.spec.pingpong_tokens + p.ext_start, p.n)
+                                  for p, at in zip(plan.placements, plan.stage_at) if p.to_cpu]
+        return plan.unpinned_jobs
+
     @torch.inference_mode()
-    def _write_unpinned(self, ready, stage: torch.Tensor, jobs: list[tuple[int, int, int]]) -> None:
-        ready.synchronize()
+    def _write_unpinned(self, ready, stage: torch.Tensor, layer: int, jobs: list[tuple[int, int, int]]) -> None:
+        ready.synchronize()  # this layer's copies into the staging buffer have landed
         for at, start, n in jobs:
-            self.unpinned.write(start, stage[:, at:at + n])
+            self.unpinned.write(layer, start, stage[layer, at:at + n])
 
     def commit(self, plan: StepPlan) -> None:
         for s, w in zip(plan.seqs, plan.window_after):
@@ -366,8 +379,7 @@ class InplaceKVCache:
                 "kv_pinned": self.pinned.bytes_pinned, "kv_unpinned": self.unpinned.bytes_in_use}
 
     def close(self) -> None:
-        if self._stage_job is not None:
-            self._stage_job.result()
+        self._wait_stage_jobs()
         self.pinned.close()
         if self._stage is not None:
             self._stage.release()

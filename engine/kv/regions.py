@@ -121,11 +121,10 @@ class UnpinnedRegion:
         kv = self.layers[layer]
         return [(kv[0, :, a:b], kv[1, :, a:b]) for a, b in ranges]
 
-    def write(self, start: int, src: torch.Tensor) -> None:
-        """src (n_layers, n, 2, n_kv, hs) host, token-interleaved → arena tokens [start, start+n)."""
-        n = src.shape[1]
-        for layer, kv in enumerate(self.layers):
-            kv[:, :, start:start + n].copy_(src[layer].permute(1, 2, 0, 3))  # (2, n_kv, n, hs)
+    def write(self, layer: int, start: int, src: torch.Tensor) -> None:
+        """src (n, 2, n_kv, hs) host, token-interleaved → layer's arena tokens [start, start+n)."""
+        n = src.shape[0]
+        self.layers[layer][:, :, start:start + n].copy_(src.permute(1, 2, 0, 3))  # (2, n_kv, n, hs)
 
     @property
     def bytes_in_use(self) -> int:
