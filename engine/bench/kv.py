@@ -133,7 +133,9 @@ def bench_point(policy, shape, bs, L, *, device, dtype, d_window=256, block_size
         # A new chat after one ended: its prefill routes into host regions already touched and
         # pinned, so this one costs the routing itself, not first-use page faults and pinning.
         kv.free(sids[0])
+        pinned0 = (kv.telemetry().get("bytes") or {}).get("kv_pinned", 0)
         warm = _prefill(kv, shape, L, device, dtype, gen)
+        warm_new_pinned = (kv.telemetry().get("bytes") or {}).get("kv_pinned", 0) - pinned0
     finally:
         if hasattr(kv, "close"):
             kv.close()
@@ -153,6 +155,7 @@ def bench_point(policy, shape, bs, L, *, device, dtype, d_window=256, block_size
         "prefill_route_ms": statistics.mean(f[1] for f in fills),
         "prefill_ideal_ms": statistics.mean(f[2] for f in fills),
         "prefill_route_warm_ms": warm[1], "prefill_ideal_warm_ms": warm[2],
+        "prefill_warm_new_pinned_bytes": warm_new_pinned,
     }
 
 
