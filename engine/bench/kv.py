@@ -133,9 +133,9 @@ def bench_point(policy, shape, bs, L, *, device, dtype, d_window=256, block_size
         # A new chat after one ended: its prefill routes into host regions already touched and
         # pinned, so this one costs the routing itself, not first-use page faults and pinning.
         kv.free(sids[0])
-        pinned0 = (kv.telemetry().get("bytes") or {}).get("kv_pinned", 0)
+        pinned0 = _pinned_bytes(kv)
         warm = _prefill(kv, shape, L, device, dtype, gen)
-        warm_new_pinned = (kv.telemetry().get("bytes") or {}).get("kv_pinned", 0) - pinned0
+        warm_new_pinned = _pinned_bytes(kv) - pinned0
     finally:
         if hasattr(kv, "close"):
             kv.close()
@@ -157,6 +157,12 @@ def bench_point(policy, shape, bs, L, *, device, dtype, d_window=256, block_size
         "prefill_route_warm_ms": warm[1], "prefill_ideal_warm_ms": warm[2],
         "prefill_warm_new_pinned_bytes": warm_new_pinned,
     }
+
+
+def _pinned_bytes(kv) -> int:
+    """Page-locked host bytes the KV holds: its load region and its staging buffer."""
+    held = kv.telemetry().get("bytes") or {}
+    return (held.get("kv_pinned") or 0) + (held.get("kv_staging") or 0)
 
 
 def _h2d_counters(kv) -> tuple[int, float] | None:
