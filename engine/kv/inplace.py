@@ -212,7 +212,7 @@ class InplaceKVCache:
             plan.stage_at.append(at if p.to_cpu else -1)
             at += p.n if p.to_cpu else 0
         if at:
-            plan.stage = self._staging(at)
+            plan.stage = self._staging(at, sum(p.n for p in plan.placements))
         self.pinned.reserve_ahead()  # the next pinned extent is prepared one window ahead
         return plan
 
@@ -324,16 +324,14 @@ class InplaceKVCache:
         self.flush_pending = any(p.source == "window" for p in plan.placements)
         self.d2h_bytes += sum(p.n for p in plan.placements) * self.token_bytes * self.n_layers
 
-    def _staging(self, n_tokens: int) -> torch.Tensor:
+    def _staging(self, n_tokens: int, step_tokens: int) -> torch.Tensor:
         self._wait_stage_jobs()  # the previous write-backs have left the staging buffer
         if self._stage is None or self._stage.tensor.shape[1] < n_tokens:
-            grown = 2 * self._stage.tensor.shape[1] if self._stage is not None else 0
             if self._stage is not None:
                 self._stage.release()
-            # Page-locking costs ~0.5 s per GB on the decode or prefill path: grow by doubling (up to
-            # what one step can place) so that a prefill a little longer than the last does not pay it.
-            size = max(n_tokens, min(grown, self.max_batch * self.max_context),
-                       self.max_batch * self.spec.d_window, self.spec.d_window + 512)
+            # Sized for all of the step's placed tokens, not only its CPU share: page-locking costs
+            # ~0.5 s per GB, and a later step of the same size with a larger share must not pay it again.
+            size = max(n_tokens, step_tokens, self.max_batch * self.spec.d_window, self.spec.d_window + 512)
             shape = (self.n_layers, size, 2, self.n_kv, self.head_dim)
             try:
                 self._stage = self.transport.host(shape, self.dtype, pinned=True)

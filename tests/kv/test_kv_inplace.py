@@ -261,3 +261,22 @@ def test_a_step_that_fails_midway_leaves_the_cache_consistent(policy):
     for _ in range(D + 2):
         m.step([a], 1)
     kv.close()
+
+
+def test_staging_is_sized_for_a_whole_step_so_a_larger_share_does_not_repin():
+    """A prefill routes its CPU share through a page-locked staging buffer. A later prefill of the
+    same length with a larger CPU share must find it big enough: page-locking again costs ~0.5 s/GB."""
+    from engine.sched.roofline import SharePolicy
+
+    spec = PartitionSpec(block_size=BLOCK, d_window=D, pingpong_tokens=E, roofline=RooflineParams(30.0, 10.0, 0.0))
+    kv = WriteScopeKV(LAYERS, NKV, HS, spec=spec, policy="fixed:0.25", max_context=2000, max_batch=2,
+                      device=torch.device("cpu"), dtype=torch.float32)
+    m = Mirror(kv, seed=31)
+    m.step([m.new()], 1100)  # past the buffer's floor of D + 512 tokens
+    stage = kv.cache._stage
+    assert stage is not None and stage.tensor.shape[1] >= 1100  # every placed token of the step, not a quarter
+    kv.share = SharePolicy.from_name("fixed:1", spec.roofline, spec.cost_window)
+    m.step([m.new()], 1100)
+    assert kv.cache._stage is stage  # reused, not re-pinned
+    assert kv.telemetry()["bytes"]["kv_staging"] == stage.nbytes
+    kv.close()
