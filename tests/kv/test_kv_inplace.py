@@ -280,3 +280,36 @@ def test_staging_is_sized_for_a_whole_step_so_a_larger_share_does_not_repin():
     assert kv.cache._stage is stage  # reused, not re-pinned
     assert kv.telemetry()["bytes"]["kv_staging"] == stage.nbytes
     kv.close()
+
+
+def test_streamed_loads_pair_extents_and_cpu_writebacks_start_per_layer():
+    """A ping-pong load holds up to PINGPONG_EXTENTS extent-layers of one row (one attention call per
+    load), and a prefill hands each layer's CPU-bound tokens to the CPU side's thread as soon as that
+    layer is flushed, not at the step's end."""
+    from engine.kv.partition import PINGPONG_EXTENTS
+
+    kv = make("fixed:0.5", max_batch=3)
+    m = Mirror(kv, seed=41)
+    a, b = m.new(), m.new()
+    m.step([a, b], 5 * E + 3)  # several extents per row in each region
+    plan_rows = []
+    kv.begin_step([a, b], 1)
+    for row, pieces, n in kv.plan.chunks:
+        assert 1 <= len(pieces) <= PINGPONG_EXTENTS and n == sum(k for _, k in pieces) <= PINGPONG_EXTENTS * E
+        plan_rows.append(row)
+    assert plan_rows == sorted(plan_rows)  # one row's loads together, in token order
+    assert any(len(pieces) == PINGPONG_EXTENTS for _, pieces, _ in kv.plan.chunks)
+    assert kv.plan.stream_tokens == sum(n for _, _, n in kv.plan.chunks)
+    kv.end_step()  # as after a failed step: end it, then crop its token away
+    for s in (a, b):
+        kv.crop(s, 5 * E + 3)
+    c = m.new()
+    kv.begin_step([c], 3 * E)
+    q, k, v = m.rand(1, NH, 3 * E, HS), m.rand(1, NKV, 3 * E, HS), m.rand(1, NKV, 3 * E, HS)
+    kv.attend(0, q, k, v)
+    assert len(kv.cache._stage_jobs) == 1  # layer 0's write-back is queued before layer 1 runs
+    kv.attend(1, q, k, v)
+    assert len(kv.cache._stage_jobs) == 2
+    kv.end_step()
+    kv.synchronize()
+    kv.close()
