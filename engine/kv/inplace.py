@@ -331,6 +331,8 @@ class InplaceKVCache:
                 self._stage.release()
             # Sized for all of the step's placed tokens, not only its CPU share: page-locking costs
             # ~0.5 s per GB, and a later step of the same size with a larger share must not pay it again.
+            # That is what r = 1 stages anyway (a 32K prefill of a 48-layer, 2 KiB/token model: 3 GiB);
+            # a per-layer ring would bound it lower.
             size = max(n_tokens, step_tokens, self.max_batch * self.spec.d_window, self.spec.d_window + 512)
             shape = (self.n_layers, size, 2, self.n_kv, self.head_dim)
             try:
