@@ -127,3 +127,16 @@ def test_stats_snapshot_serialises_with_every_key(moe_engine):
     assert data["kernels"]["cpu_attention"] == "torch-sdpa"
     if data["vram"]["device_total"] is None:  # CPU run: no VRAM figure is reported as 0
         assert all(v is None for v in data["vram"].values())
+
+
+def test_host_pinned_bytes_count_the_kv_staging_buffer():
+    """The host panel's "KV pinned" is every page-locked byte the KV holds: the load region and the
+    write-back staging buffer (which a 32K prefill can make gigabytes)."""
+    import torch
+
+    from engine.runtime.telemetry import Telemetry
+
+    snap = Telemetry().snapshot(device=torch.device("cpu"), weights_bytes=0,
+                                kv_tel={"bytes": {"kv_pinned": 100, "kv_staging": 50, "kv_unpinned": 7}},
+                                experts_tel=None, vram_budget_bytes=None, model_info={}, profile=None)
+    assert snap.host["kv_pinned"] == 150 and snap.host["kv_unpinned"] == 7

@@ -381,7 +381,7 @@ class InplaceKVCache:
         return {"kv_dwindow": self.window.numel() * self.window.element_size(),
                 "kv_pingpong": self.pingpong.numel() * self.pingpong.element_size(),
                 "kv_pinned": self.pinned.bytes_pinned, "kv_unpinned": self.unpinned.bytes_in_use,
-                "kv_staging": self._stage.nbytes if self._stage is not None else 0}
+                "kv_staging": self._stage.nbytes if self._stage is not None and self._stage.pinned else 0}
 
     def close(self) -> None:
         self._wait_stage_jobs()

@@ -74,7 +74,10 @@ class Telemetry:
                 vram[region] = kv_bytes.get(region)
             if experts_tel is not None:
                 vram["expert_cache"] = experts_tel.get("cache_bytes")
-        host = {"kv_pinned": kv_bytes.get("kv_pinned"), "kv_unpinned": kv_bytes.get("kv_unpinned"),
+        pinned = kv_bytes.get("kv_pinned")  # every page-locked byte the KV holds: load region and staging
+        if pinned is not None and kv_bytes.get("kv_staging"):
+            pinned += kv_bytes["kv_staging"]
+        host = {"kv_pinned": pinned, "kv_unpinned": kv_bytes.get("kv_unpinned"),
                 "expert_store": (experts_tel or {}).get("store_bytes"), "rss": psutil.Process().memory_info().rss}
         kv_tokens = {"dwindow": None, "pinned": None, "unpinned": None, "resident": None}
         kv_tokens.update(kv_tel.get("tokens", {}))
