@@ -30,6 +30,10 @@ import torch
 from engine.errors import ContextOverflowError, OutOfMemoryError
 from engine.kernels.attention_gpu import padding_mask
 from engine.kv.partition import PINGPONG_EXTENTS, PartitionSpec
+
+# Layers of CPU-bound tokens the page-locked staging ring holds at once: the D2H of layer l waits
+# (on the host, rarely) until the CPU side's thread has laid out layer l − R.
+STAGING_LAYERS = 4
 from engine.kv.regions import PinnedRegion, RegionRun, UnpinnedRegion
 from engine.sched.roofline import route_to_cpu, split_run
 
@@ -82,7 +86,7 @@ class StepPlan:
     placements: list[Placement]
     tails: list[tuple[int, int, int, int]]  # (row, new-token start, n, D-window start): prefill into the window
     window_after: list[int]
-    stage: torch.Tensor | None = None  # (n_layers, S, 2, n_kv, hs) host staging for the CPU region's tokens
+    stage: torch.Tensor | None = None  # (R, S, 2, n_kv, hs) host staging ring for the CPU region's tokens
     stage_at: list[int] = field(default_factory=list)  # per placement: its offset in `stage` (CPU-bound ones)
     unpinned_jobs: list | None = None  # built by InplaceKVCache._unpinned_jobs
     placed_layers: set = field(default_factory=set)
@@ -118,7 +122,7 @@ class InplaceKVCache:
         self._free_slots = list(range(max_batch))
         self._next_id = 0
         self._stage = None  # HostBuffer (n_layers, S, 2, n_kv, hs): write-back staging for the CPU region
-        self._stage_jobs: list = []  # per-layer write-backs into the unpinned region, queued on the CPU side's thread
+        self._stage_jobs: dict = {}  # ring slot → the write-back into the unpinned region that reads it
         self.pinned.reserve_ahead()  # the first pinned extent is prepared at load, not at the first prefill
         self.d2h_done = transport.event()
         self.flush_pending = False  # the D-window was read by write-backs still in flight
@@ -285,6 +289,9 @@ class InplaceKVCache:
             new = torch.stack((k, v), dim=1).permute(0, 3, 1, 2, 4).contiguous()
         ready = tr.event()
         ready.record(compute)
+        slot = layer % plan.stage.shape[0] if plan.stage is not None else None
+        if slot is not None:
+            self._wait_stage_slot(slot)  # the CPU side's thread has laid out what the ring slot held
         with tr.on(tr.d2h):
             tr.wait(tr.d2h, ready)  # after this layer's D-window append and new KV
             for p, at in zip(plan.placements, plan.stage_at):
@@ -294,14 +301,14 @@ class InplaceKVCache:
                     src = new[p.row, p.src_start:p.src_start + p.n]
                 else:
                     continue  # a failed step's new tokens: cropped away right after
-                dst = plan.stage[layer, at:at + p.n] if p.to_cpu else self.pinned.slab(layer, p.extent, p.ext_start, p.n)
+                dst = plan.stage[slot, at:at + p.n] if p.to_cpu else self.pinned.slab(layer, p.extent, p.ext_start, p.n)
                 dst.copy_(src, non_blocking=True)  # one contiguous DMA
             layer_done = tr.event()
             layer_done.record(tr.d2h)
         jobs = self._unpinned_jobs(plan)
         if jobs:  # the CPU side's thread lays this layer out per head as soon as it has landed, while
             # later layers compute (one job per layer: only the last layer's is left at the step's end)
-            self._stage_jobs.append(self.executor.submit(self._write_unpinned, layer_done, plan.stage, layer, jobs))
+            self._stage_jobs[slot] = self.executor.submit(self._write_unpinned, layer_done, plan.stage[slot], layer, jobs)
         if new is not None:
             tr.keep_alive(new, tr.d2h)
             if plan.tails:
@@ -325,16 +332,19 @@ class InplaceKVCache:
         self.d2h_bytes += sum(p.n for p in plan.placements) * self.token_bytes * self.n_layers
 
     def _staging(self, n_tokens: int, step_tokens: int) -> torch.Tensor:
-        self._wait_stage_jobs()  # the previous write-backs have left the staging buffer
+        """The staging ring: R layer slots of S tokens, page-locked, each the D2H destination of one
+        layer's CPU-bound tokens until the CPU side's thread has laid them out (flush waits for a
+        slot before reusing it, R layers later). So page-locked staging is R layers' worth, not
+        n_layers'."""
         if self._stage is None or self._stage.tensor.shape[1] < n_tokens:
+            self._wait_stage_jobs()
             if self._stage is not None:
                 self._stage.release()
             # Sized for all of the step's placed tokens, not only its CPU share: page-locking costs
-            # ~0.5 s per GB, and a later step of the same size with a larger share must not pay it again.
-            # That is what r = 1 stages anyway (a 32K prefill of a 48-layer, 2 KiB/token model: 3 GiB);
-            # a per-layer ring would bound it lower.
+            # ~0.5 s per GB, and a later step of the same size with a larger share must not pay it
+            # again (a 32K step of a 2 KiB/token layer: 64 MiB per slot).
             size = max(n_tokens, step_tokens, self.max_batch * self.spec.d_window, self.spec.d_window + 512)
-            shape = (self.n_layers, size, 2, self.n_kv, self.head_dim)
+            shape = (min(self.n_layers, STAGING_LAYERS), size, 2, self.n_kv, self.head_dim)
             try:
                 self._stage = self.transport.host(shape, self.dtype, pinned=True)
             except OutOfMemoryError:  # the host refuses page-locked memory: pageable staging, synchronous copies
@@ -342,8 +352,12 @@ class InplaceKVCache:
         return self._stage.tensor
 
     def _wait_stage_jobs(self) -> None:
-        jobs, self._stage_jobs = self._stage_jobs, []
-        for job in jobs:
+        for slot in list(self._stage_jobs):
+            self._wait_stage_slot(slot)
+
+    def _wait_stage_slot(self, slot: int) -> None:
+        job = self._stage_jobs.pop(slot, None)
+        if job is not None:
             job.result()
 
     def _unpinned_jobs(self, plan: StepPlan) -> list[tuple[int, int, int]]:
@@ -356,9 +370,10 @@ class InplaceKVCache:
 
     @torch.inference_mode()
     def _write_unpinned(self, ready, stage: torch.Tensor, layer: int, jobs: list[tuple[int, int, int]]) -> None:
-        ready.synchronize()  # this layer's copies into the staging buffer have landed
+        """stage: (S, 2, n_kv, hs), the ring slot holding this layer's CPU-bound tokens."""
+        ready.synchronize()  # this layer's copies into the ring slot have landed
         for at, start, n in jobs:
-            self.unpinned.write(layer, start, stage[layer, at:at + n])
+            self.unpinned.write(layer, start, stage[at:at + n])
 
     def commit(self, plan: StepPlan) -> None:
         for s, w in zip(plan.seqs, plan.window_after):

@@ -121,6 +121,19 @@ def test_hybrid_attention_equals_full_attention(policy):
     kv.close()
 
 
+def test_a_staging_ring_of_one_layer_still_gives_exact_attention(monkeypatch):
+    """CPU-bound tokens stage in a ring of R layer slots; layer l's copies wait until the CPU side's
+    thread has laid out layer l − R. With R = 1 every layer waits for the one before it."""
+    from engine.kv import inplace
+
+    monkeypatch.setattr(inplace, "STAGING_LAYERS", 1)
+    kv = make("fixed:0.5")
+    m = Mirror(kv, seed=51)
+    scenario(m)
+    assert kv.cache._stage.tensor.shape[0] == 1
+    kv.close()
+
+
 def test_random_roofline_parameters_give_exact_attention():
     gen = torch.Generator().manual_seed(7)
     for trial in range(3):
@@ -306,10 +319,13 @@ def test_streamed_loads_pair_extents_and_cpu_writebacks_start_per_layer():
     c = m.new()
     kv.begin_step([c], 3 * E)
     q, k, v = m.rand(1, NH, 3 * E, HS), m.rand(1, NKV, 3 * E, HS), m.rand(1, NKV, 3 * E, HS)
+    before = dict(kv.cache._stage_jobs)
     kv.attend(0, q, k, v)
-    assert len(kv.cache._stage_jobs) == 1  # layer 0's write-back is queued before layer 1 runs
+    jobs = kv.cache._stage_jobs  # ring slot → its latest write-back
+    assert jobs.get(0) is not None and jobs[0] is not before.get(0)  # layer 0's is queued before layer 1 runs
+    assert jobs.get(1) is before.get(1)
     kv.attend(1, q, k, v)
-    assert len(kv.cache._stage_jobs) == 2
+    assert jobs.get(1) is not None and jobs[1] is not before.get(1)
     kv.end_step()
     kv.synchronize()
     kv.close()
