@@ -9,6 +9,9 @@ Regions (E = PartitionSpec.pingpong_tokens, D = d_window):
     pinned      host    page-locked extents (n_layers, E, 2, n_kv, hs)   the GPU's placed share
     unpinned    host    pageable, per layer (2, n_kv, tokens, hs)        the CPU's placed share
 
+Tokens bound for the unpinned region leave the device through a page-locked staging ring of R layer
+slots (one D2H per placement); the CPU side's thread then lays each layer out per head.
+
 Each token has one final residency, chosen when it is written: prefill KV goes straight to the
 pinned or unpinned region; decode KV is staged in the D-window and, once D entries accumulate,
 evicted whole to one side. Placed tokens never move; crop frees tail extents; free releases all.
