@@ -81,8 +81,8 @@ class HostExchange:
         self._turn ^= 1
         n_out = math.prod(q_shape)
         n = n_out + n_out // q_shape[-1]
+        self._free[i].synchronize()  # before the buffer is written, or released to grow
         self._res[i] = self._flat(self._res[i], n, torch.float32)
-        self._free[i].synchronize()
         flat = self._res[i].tensor
         return i, flat[:n_out].view(q_shape), flat[n_out:n].view(q_shape[:-1])
 
