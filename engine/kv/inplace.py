@@ -33,12 +33,12 @@ import torch
 from engine.errors import ContextOverflowError, OutOfMemoryError
 from engine.kernels.attention_gpu import padding_mask
 from engine.kv.partition import PINGPONG_EXTENTS, PartitionSpec
+from engine.kv.regions import PinnedRegion, RegionRun, UnpinnedRegion
+from engine.sched.roofline import route_to_cpu, split_run
 
 # Layers of CPU-bound tokens the page-locked staging ring holds at once: the D2H of layer l waits
 # (on the host, rarely) until the CPU side's thread has laid out layer l − R.
 STAGING_LAYERS = 4
-from engine.kv.regions import PinnedRegion, RegionRun, UnpinnedRegion
-from engine.sched.roofline import route_to_cpu, split_run
 
 
 @dataclass
@@ -124,7 +124,7 @@ class InplaceKVCache:
         self.seqs: dict[int, SeqState] = {}
         self._free_slots = list(range(max_batch))
         self._next_id = 0
-        self._stage = None  # HostBuffer (n_layers, S, 2, n_kv, hs): write-back staging for the CPU region
+        self._stage = None  # HostBuffer (R, S, 2, n_kv, hs): the write-back staging ring for the CPU region
         self._stage_jobs: dict = {}  # ring slot → the write-back into the unpinned region that reads it
         self.pinned.reserve_ahead()  # the first pinned extent is prepared at load, not at the first prefill
         self.d2h_done = transport.event()

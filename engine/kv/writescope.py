@@ -259,30 +259,26 @@ class WriteScopeKV(KVBackend):
         (the D-window in decode, the new tokens in prefill). On CUDA: one cat of outputs, one of LSEs
         and one merge kernel, whatever the number of parts."""
         B = len(plan.seqs)
-        if self.transport.cuda and lse_gpu.available(parts[0][0] if parts else chunks[0][0]):
-            key = (len(parts), len(chunks))
-            rows = self._merge_rows.get(key)
-            if rows is None:  # the same for every layer of the step: built once
-                rows = torch.arange(B, device=self.device).repeat(len(parts))
-                if chunks:
-                    rows = torch.cat([rows, plan.chunk_rows])
-                self._merge_rows[key] = rows
-            every = parts + chunks
-            outs = torch.cat([p[0] for p in every])  # (P, nh, T, hs), fp32 when any part is
-            lses = torch.cat([p[1] for p in every])  # (P, nh, T)
-            return lse_gpu.merge_rows(outs, lses, rows, B, dtype)
-        if not chunks and len(parts) <= 2:
+        cuda = self.transport.cuda and lse_gpu.available(parts[0][0] if parts else chunks[0][0])
+        if not cuda and not chunks and len(parts) <= 2:
             out, lse = parts[0]
             if len(parts) == 2:
                 out, lse = merge_pair(out, lse, *parts[1])
             return out.to(dtype)
-        outs = torch.cat([p[0] for p in parts + chunks])  # (P, nh, T, hs)
-        lses = torch.cat([p[1] for p in parts + chunks])  # (P, nh, T)
-        if B == 1:
+        every = parts + chunks
+        outs = torch.cat([p[0] for p in every])  # (P, nh, T, hs), fp32 when any part is
+        lses = torch.cat([p[1] for p in every])  # (P, nh, T)
+        if not cuda and B == 1:
             return merge_stack(outs, lses)[0].unsqueeze(0).to(dtype)
-        rows = torch.arange(B, device=self.device).repeat(len(parts))
-        if chunks:
-            rows = torch.cat([rows, plan.chunk_rows])
+        key = (len(parts), len(chunks))
+        rows = self._merge_rows.get(key)
+        if rows is None:  # the row of each part, the same for every layer of the step: built once
+            rows = torch.arange(B, device=self.device).repeat(len(parts))
+            if chunks:
+                rows = torch.cat([rows, plan.chunk_rows])
+            self._merge_rows[key] = rows
+        if cuda:
+            return lse_gpu.merge_rows(outs, lses, rows, B, dtype)
         return merge_groups(outs, lses, rows, B)[0].to(dtype)
 
     # -- timing: the GPU side for the B estimator, the h2d stream for its achieved rate -----------
