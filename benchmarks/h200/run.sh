@@ -43,6 +43,11 @@
 #                                    #   switch interval at 0.1 ms; profile_kv.py with that interval
 #   bash benchmarks/h200/run.sh AF   # bench kv 32K once more; whole-model decode per KV policy at 32K (G's command)
 #   bash benchmarks/h200/run.sh AG   # unpinned write-backs per layer as each lands: tests; bench kv 32K (with warm-route prefill)
+#   bash benchmarks/h200/run.sh AH   # streamed loads as one CUDA graph per layer: tests; bench kv 32K with graphs three
+#                                    #   times and eagerly twice, interleaved; whole-model decode per KV policy at 32K
+#   bash benchmarks/h200/run.sh AI   # AH after the graphs' pool fix: tests; bench kv 32K twice; routing at the model's
+#                                    #   48 layers (bs=1); whole-model decode per KV policy at 32K, 32 new tokens
+#   bash benchmarks/h200/run.sh AJ   # after the pool anchor and the generator restore: tests; bench kv 32K; AI's e2e
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -254,10 +259,10 @@ kv_tests() {
     > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"
   grep -E "^(FAILED|ERROR)|Error" "$out/pytest.log" | head -20 | tee -a "$log"
 }
-bench_kv_32k() {  # $1: record name; the rest: environment for the run
+bench_kv_32k() {  # $1: record name; the rest: more flags for the run
   local name=$1; shift
   step bench kv at 32K, $name
-  env "$@" timeout 240 python3 -m engine.cli bench kv --policies writescope,gpu-centric,cpu-centric --layers 8 \
+  timeout 240 python3 -m engine.cli bench kv "$@" --policies writescope,gpu-centric,cpu-centric --layers 8 \
     --lengths 32768 --batch-sizes 1,4,16 --json "$out/kv-32k-$name.json" 2>>"$log" | tail -12 | tee -a "$log"
 }
 if [ "$phase" = AC ]; then
@@ -268,7 +273,7 @@ if [ "$phase" = AC ]; then
   OMP_WAIT_POLICY=PASSIVE timeout 200 python3 benchmarks/h200/profile_kv.py "$out/kv-passive" 2>>"$log" | cut -c1-700 \
     | tee -a "$log"
   bench_kv_32k default
-  bench_kv_32k passive OMP_WAIT_POLICY=PASSIVE
+  OMP_WAIT_POLICY=PASSIVE bench_kv_32k passive
 fi
 if [ "$phase" = AD ]; then
   kv_tests
@@ -297,6 +302,37 @@ fi
 if [ "$phase" = AG ]; then
   kv_tests
   bench_kv_32k per-layer-writeback
+fi
+if [ "$phase" = AH ]; then
+  kv_tests
+  for run in 1 2 3; do
+    bench_kv_32k graphs-$run
+    [ $run -lt 3 ] && bench_kv_32k eager-$run --no-stream-graphs
+  done
+  step bench e2e at 32K
+  timeout 300 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric --batch-sizes 1,4 \
+    --contexts 32768 --new-tokens 8 --vram-budget-gb 24 --cpu-threads 15 --json "$out/e2e-32k.json" \
+    > /dev/null 2> "$out/e2e-32k.log"; grep "\[e2e\]" "$out/e2e-32k.log" | tee -a "$log"
+fi
+if [ "$phase" = AI ]; then
+  kv_tests
+  bench_kv_32k graphs-1
+  bench_kv_32k graphs-2
+  step bench kv at 32K, 48 layers, bs=1: routing at full model depth
+  timeout 240 python3 -m engine.cli bench kv --policies writescope,gpu-centric,cpu-centric --layers 48 \
+    --lengths 32768 --batch-sizes 1 --json "$out/kv-32k-L48.json" 2>>"$log" | tail -3 | tee -a "$log"
+  step bench e2e at 32K, 32 new tokens
+  timeout 300 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric --batch-sizes 1,4 \
+    --contexts 32768 --new-tokens 32 --vram-budget-gb 24 --cpu-threads 15 --json "$out/e2e-32k.json" \
+    > /dev/null 2> "$out/e2e-32k.log"; grep "\[e2e\]" "$out/e2e-32k.log" | tee -a "$log"
+fi
+if [ "$phase" = AJ ]; then
+  kv_tests
+  bench_kv_32k graphs-3
+  step bench e2e at 32K, 32 new tokens
+  timeout 300 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric --batch-sizes 1,4 \
+    --contexts 32768 --new-tokens 32 --vram-budget-gb 24 --cpu-threads 15 --json "$out/e2e-32k.json" \
+    > /dev/null 2> "$out/e2e-32k.log"; grep "\[e2e\]" "$out/e2e-32k.log" | tee -a "$log"
 fi
 if [ "$phase" = N2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive

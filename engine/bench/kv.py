@@ -73,7 +73,7 @@ def _sync(kv, device):
         torch.cuda.synchronize(device)
 
 
-def _make(policy, shape, bs, max_context, device, dtype, d_window, block_size, params):
+def _make(policy, shape, bs, max_context, device, dtype, d_window, block_size, params, stream_graphs=True):
     kw = dict(max_context=max_context, max_batch=bs, device=device, dtype=dtype)
     if policy == "resident":
         return ResidentKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, block_size=block_size, **kw)
@@ -81,7 +81,8 @@ def _make(policy, shape, bs, max_context, device, dtype, d_window, block_size, p
         return MonolithicKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, **kw)
     spec = PartitionSpec.for_shape(shape.n_kv_heads, shape.head_dim, dtype, cuda=device.type == "cuda",
                                    block_size=block_size, d_window=d_window, roofline=params)
-    return WriteScopeKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, spec=spec, policy=policy, **kw)
+    return WriteScopeKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, spec=spec, policy=policy,
+                        stream_graphs=stream_graphs, **kw)
 
 
 def _prefill(kv, shape, L, device, dtype, gen) -> tuple[int, float, float]:
@@ -107,9 +108,9 @@ def _prefill(kv, shape, L, device, dtype, gen) -> tuple[int, float, float]:
 
 
 def bench_point(policy, shape, bs, L, *, device, dtype, d_window=256, block_size=64, steps=8, warmup=2,
-                params: RooflineParams | None = None, seed=0) -> dict:
+                params: RooflineParams | None = None, seed=0, stream_graphs=True) -> dict:
     gen = torch.Generator(device=device).manual_seed(seed)
-    kv = _make(policy, shape, bs, L + warmup + steps + 1, device, dtype, d_window, block_size, params)
+    kv = _make(policy, shape, bs, L + warmup + steps + 1, device, dtype, d_window, block_size, params, stream_graphs)
     try:
         fills = [_prefill(kv, shape, L, device, dtype, gen) for _ in range(bs)]
         sids = [f[0] for f in fills]
@@ -156,6 +157,7 @@ def bench_point(policy, shape, bs, L, *, device, dtype, d_window=256, block_size
         "prefill_ideal_ms": statistics.mean(f[2] for f in fills),
         "prefill_route_warm_ms": warm[1], "prefill_ideal_warm_ms": warm[2],
         "prefill_warm_new_pinned_bytes": warm_new_pinned,
+        "stream_graphs": tel.get("stream_graphs"),  # captures, replays, capture ms (CUDA decode)
     }
 
 
@@ -173,7 +175,7 @@ def _h2d_counters(kv) -> tuple[int, float] | None:
 
 def run(policies=POLICIES, batch_sizes=(1, 4, 16), lengths=(2048, 8192, 32768), *, shape=QWEN3_30B_A3B,
         device: str = "auto", dtype: str = "auto", d_window=256, block_size=64, steps=8, warmup=2,
-        cpu_threads: int | None = None, progress=print) -> dict:
+        cpu_threads: int | None = None, stream_graphs: bool = True, progress=print) -> dict:
     """The whole grid → one JSON record: header (date, command, machine), settings, `points` (one
     dict per policy, bs and L). writescope at each point starts from the A and B that r=0 and r=1
     measured there."""
@@ -207,7 +209,8 @@ def run(policies=POLICIES, batch_sizes=(1, 4, 16), lengths=(2048, 8192, 32768), 
                                             delta_ms=0.0)
                 try:
                     rec = bench_point(policy, shape, bs, L, device=dev, dtype=dt, d_window=d_window,
-                                      block_size=block_size, steps=steps, warmup=warmup, params=params)
+                                      block_size=block_size, steps=steps, warmup=warmup, params=params,
+                                      stream_graphs=stream_graphs)
                 except Exception as e:  # e.g. resident KV that does not fit: record it and go on
                     rec = {"policy": policy, "bs": bs, "L": L, "error": f"{type(e).__name__}: {e}"}
                 at[policy] = rec
@@ -221,7 +224,7 @@ def run(policies=POLICIES, batch_sizes=(1, 4, 16), lengths=(2048, 8192, 32768), 
                     progress(_line(rec))
     return {"bench": "kv", **header(), "shape": vars(shape), "dtype": str(dt).removeprefix("torch."),
             "device": str(dev), "d_window": d_window, "block_size": block_size, "steps": steps, "warmup": warmup,
-            "cpu_threads": torch.get_num_threads(),
+            "cpu_threads": torch.get_num_threads(), "stream_graphs": stream_graphs,
             "b_h2d_gbps": b_h2d, "points": points}
 
 
@@ -247,6 +250,8 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cpu-threads", type=int, default=None, help="default: all cores but one with CUDA")
+    p.add_argument("--no-stream-graphs", action="store_true",
+                   help="stream the pinned share eagerly every step instead of replaying a CUDA graph per layer")
     p.add_argument("--json", default=None, help="also write the record here")
 
 
@@ -256,7 +261,7 @@ def from_args(args) -> dict:
     return run([p for p in args.policies.split(",") if p], [int(x) for x in args.batch_sizes.split(",")],
                [int(x) for x in args.lengths.split(",")], shape=shape, device=args.device, dtype=args.dtype,
                d_window=args.d_window, block_size=args.block_size, steps=args.steps, warmup=args.warmup,
-               cpu_threads=args.cpu_threads, progress=progress)
+               cpu_threads=args.cpu_threads, stream_graphs=not args.no_stream_graphs, progress=progress)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from engine.kernels import lse_gpu
 from engine.kernels.lse import merge_groups, merge_pair, merge_stack
 from engine.kv.backend import KVBackend
 from engine.kv.inplace import InplaceKVCache, PartitionSpec, StepPlan
+from engine.kv.stream_graph import StreamGraphs
 from engine.kv.transport import NullEvent, Transport
 from engine.sched.roofline import RooflineParams, SharePolicy
 
@@ -106,7 +107,10 @@ class HostExchange:
 
 class WriteScopeKV(KVBackend):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int, max_batch: int,
-                 device: torch.device, dtype: torch.dtype, spec: PartitionSpec, policy: str = "writescope"):
+                 device: torch.device, dtype: torch.dtype, spec: PartitionSpec, policy: str = "writescope",
+                 stream_graphs: bool = True):
+        """stream_graphs: on CUDA, replay each layer's streamed loads as a CUDA graph while a decode
+        step's load list stays the same (engine/kv/stream_graph.py); False streams them eagerly."""
         self.policy = policy
         self.share = SharePolicy.from_name(policy, spec.roofline, spec.cost_window)
         self.transport = Transport(device)
@@ -130,6 +134,8 @@ class WriteScopeKV(KVBackend):
         self._merge_rows: dict = {}  # (parts, chunks) → (P,) row of each part, for this step
         self._cpu_blocks: dict = {}  # layer → (the plan's cpu_ranges, its views prepared for the CPU kernel)
         self._pp_views = None
+        self.graphs = StreamGraphs(device) if self.transport.cuda and stream_graphs else None
+        self._loads_key: tuple | None = None  # this step's load list, the key of the layers' graphs
 
     # -- sequences ----------------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -154,8 +160,11 @@ class WriteScopeKV(KVBackend):
         placed = sum(self.cache.seqs[s].placed for s in seq_ids) + n_new * len(seq_ids)
         self.r_target = self.share.target(placed)
         self.cache.before_appends()
-        self.plan = self.cache.plan_step(seq_ids, n_new, self.r_target)
-        return self.plan.positions
+        self.plan = plan = self.cache.plan_step(seq_ids, n_new, self.r_target)
+        self._loads_key = None
+        if self.graphs is not None and plan.decode and plan.chunks:
+            self._loads_key = (len(seq_ids), tuple((row, tuple(pieces), n) for row, pieces, n in plan.chunks))
+        return plan.positions
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan
@@ -220,31 +229,60 @@ class WriteScopeKV(KVBackend):
     def _stream(self, layer: int, q: torch.Tensor, plan: StepPlan, scale: float, compute, fp32: bool,
                 timed: bool) -> list:
         """The pinned share through the ping-pong buffers: copy of chunk i+1 overlaps compute on i.
-        → one (o (1, nh, T, hs), lse (1, nh, T)) per chunk. On a slow host each torch call costs tens
-        of µs, so the loop keeps to the calls it needs (events recorded on named streams, K/V views
-        of each buffer made once)."""
+        → (o, lse) per load, or one (o (P, nh, T, hs), lse (P, nh, T)) for all P loads when a graph
+        ran them."""
+        tr, cache, key = self.transport, self.cache, self._loads_key
+        if key is not None:
+            graph = self.graphs.find(layer, key)
+            if graph is None and (dtype := self.graphs.ready_to_capture(layer, key)) is not None:
+                def body(q_static, stream, fork):  # the capture's own events: nothing recorded outside it is waited on
+                    loaded, consumed = [torch.cuda.Event() for _ in range(2)], [torch.cuda.Event() for _ in range(2)]
+                    return self._loads(layer, q_static, plan, scale, stream, fp32, loaded, consumed, fork)
+                graph = self.graphs.capture(layer, key, q, len(plan.chunks), dtype, body)
+            if graph is not None:
+                tr.wait(compute, cache.d2h_done)  # extents written back by an earlier flush have landed
+                span = self._span_start(compute) if timed else None
+                part = self.graphs.replay(graph, q)
+                for ev in self.consumed:  # eager loads later overwrite a buffer only after the graph read it
+                    ev.record(compute)
+                self._count_streamed(plan, span)
+                return [part]
+        tr.wait(tr.h2d, cache.d2h_done)
+        span = self._span_start(tr.h2d) if timed else None
+        parts = self._loads(layer, q, plan, scale, compute, fp32, self.loaded, self.consumed)
+        self._count_streamed(plan, span)
+        if key is not None:
+            self.graphs.seen(layer, key, parts[0][0].dtype)
+        return parts
+
+    def _loads(self, layer: int, q: torch.Tensor, plan: StepPlan, scale: float, compute, fp32: bool,
+               loaded: list, consumed: list, first=None) -> list:
+        """The loop itself → one (o (1, nh, T, hs), lse (1, nh, T)) per load. On a slow host each
+        torch call costs tens of µs, so it keeps to the calls it needs (events recorded on named
+        streams, K/V views of each buffer made once). `first`: the event the first two loads wait
+        for instead of `consumed` (a graph capture's fork)."""
         tr, cache, h2d = self.transport, self.cache, self.transport.h2d
-        tr.wait(h2d, cache.d2h_done)  # extents written back by an earlier flush have landed
-        span = self._span_start() if timed else None
         parts = []
         for i, (row, pieces, n) in enumerate(plan.chunks):
             j = i & 1
             buf = cache.pingpong[j]
             with tr.on(h2d, compute):
-                tr.wait(h2d, self.consumed[j])  # attention over this buffer's previous chunk is done
+                tr.wait(h2d, first if first is not None and i < 2 else consumed[j])  # the buffer's last reader is done
                 at = 0
                 for ext, m in pieces:  # one DMA per extent-layer
                     buf[at:at + m].copy_(cache.pinned_slab(layer, ext, m), non_blocking=True)
                     at += m
-                self.loaded[j].record(h2d)
-            tr.wait(compute, self.loaded[j])
+                loaded[j].record(h2d)
+            tr.wait(compute, loaded[j])
             k, v = self._pingpong_kv[j]  # (1, n_kv, G·E, hs) views
             parts.append(attend_dense(q[row:row + 1], k[:, :, :n], v[:, :, :n], scale, fp32=fp32))
-            self.consumed[j].record(compute)
-        self.h2d_bytes += plan.stream_tokens * cache.token_bytes
-        if timed:
-            self._span_end(span, plan.stream_tokens * cache.token_bytes)
+            consumed[j].record(compute)
         return parts
+
+    def _count_streamed(self, plan: StepPlan, span) -> None:
+        self.h2d_bytes += plan.stream_tokens * self.cache.token_bytes
+        if span is not None:
+            self._span_end(span, plan.stream_tokens * self.cache.token_bytes)
 
     @property
     def _pingpong_kv(self):
@@ -298,13 +336,16 @@ class WriteScopeKV(KVBackend):
         else:
             self.share.B.observe(plan.stream_tokens, time.perf_counter() - start)
 
-    def _span_start(self):
-        return self._event(self.transport.h2d) if self.transport.cuda else time.perf_counter()
+    def _span_start(self, stream):
+        """On the h2d stream when the loads run eagerly; on the compute stream around a graph's replay
+        (which then counts its attention calls too, so the rate is a lower bound)."""
+        return (self._event(stream), stream) if self.transport.cuda else time.perf_counter()
 
     def _span_end(self, start, nbytes: int) -> None:
         self.h2d_timed_bytes += nbytes
         if self.transport.cuda:
-            self._timings.append(("h2d", start, self._event(self.transport.h2d), nbytes))
+            start, stream = start
+            self._timings.append(("h2d", start, self._event(stream), nbytes))
         else:
             seconds = time.perf_counter() - start
             self.h2d_seconds += seconds
@@ -338,6 +379,7 @@ class WriteScopeKV(KVBackend):
             "delta_ms": self.share.delta_ms,
             "pcie": {"h2d_bytes": self.h2d_bytes, "d2h_bytes": cache.d2h_bytes, "h2d_gbps": self.h2d_gbps},
             "cpu_kernel": kernel_name(self.dtype, self._n_heads, cache.n_kv, cache.head_dim) if self._cpu_ran else None,
+            "stream_graphs": self.graphs.telemetry() if self.graphs is not None else None,
         }
 
     def synchronize(self) -> None:
@@ -350,5 +392,7 @@ class WriteScopeKV(KVBackend):
     def close(self) -> None:
         self.worker.shutdown(wait=True)
         self.transport.synchronize()
+        if self.graphs is not None:  # its copies read the load region: gone before the region is
+            self.graphs.close()
         self.exchange.close()
         self.cache.close()

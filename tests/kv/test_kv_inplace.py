@@ -329,3 +329,61 @@ def test_streamed_loads_pair_extents_and_cpu_writebacks_start_per_layer():
     kv.end_step()
     kv.synchronize()
     kv.close()
+
+
+def test_stream_graphs_capture_a_load_list_on_its_second_step_and_drop_it_when_it_changes():
+    """The bookkeeping behind the CUDA graphs of the streamed loads (no capture here)."""
+    from engine.kv.stream_graph import StreamGraphs, _Graph
+
+    g = StreamGraphs(torch.device("cpu"))
+    a, b = (1, ((0, ((3, 24),), 24),)), (1, ((0, ((3, 24), (4, 8)), 32),))
+    assert g.find(0, a) is None and g.ready_to_capture(0, a) is None  # first sight: run eagerly
+    g.seen(0, a, torch.bfloat16)
+    assert g.ready_to_capture(0, a) is torch.bfloat16 and g.ready_to_capture(1, a) is None  # per layer
+    assert g.ready_to_capture(0, b) is None
+    g._graphs[0] = _Graph(a, None, None, None, None)  # as a capture leaves it
+    assert g.find(0, a) is not None and g.find(0, b) is None
+    g.seen(0, b, torch.bfloat16)  # a flush changed the list: the old graph goes
+    assert g.find(0, a) is None
+    g.failed = "capture refused"
+    assert g.ready_to_capture(0, b) is None  # after a failure every step streams eagerly
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["gpu-centric", "fixed:0.5"])
+def test_cuda_streamed_loads_replay_as_graphs_and_stay_exact(policy):
+    """Decode replays each layer's loads as a graph between flushes; every flush, crop, free and
+    new row changes the load list, so graphs are captured again and stale ones never run."""
+    kv = make(policy, device="cuda", dtype=torch.bfloat16)
+    m = Mirror(kv, seed=13, device="cuda", dtype=torch.bfloat16, tol=2e-2)
+    scenario(m, decode_steps=40)
+    graphs = kv.telemetry()["stream_graphs"]
+    assert graphs["failed"] is None
+    assert graphs["captures"] >= 4 and graphs["replays"] > graphs["captures"]
+    kv.close()
+
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_load_list_that_cannot_be_captured_streams_eagerly(monkeypatch):
+    """A call that syncs with the host cannot be captured: the capture fails once and is reported,
+    every step streams eagerly with exact results, and random draws on the device still work after
+    it (a failed capture leaves torch's default generator in capture mode unless it is restored)."""
+    from engine.kv import writescope
+
+    real = writescope.attend_dense
+
+    def syncing(q, k, v, scale, **kw):
+        q.sum().item()  # a host sync: illegal while a stream is captured
+        return real(q, k, v, scale, **kw)
+
+    monkeypatch.setattr(writescope, "attend_dense", syncing)
+    kv = make("gpu-centric", device="cuda", dtype=torch.bfloat16)
+    m = Mirror(kv, seed=17, device="cuda", dtype=torch.bfloat16, tol=2e-2)
+    scenario(m, decode_steps=20)
+    graphs = kv.telemetry()["stream_graphs"]
+    assert graphs["failed"] and graphs["captures"] == 0 and graphs["replays"] == 0
+    kv.close()
+    assert torch.isfinite(torch.randn(1000, device="cuda")).all()
