@@ -48,6 +48,8 @@
 #   bash benchmarks/h200/run.sh AI   # AH after the graphs' pool fix: tests; bench kv 32K twice; routing at the model's
 #                                    #   48 layers (bs=1); whole-model decode per KV policy at 32K, 32 new tokens
 #   bash benchmarks/h200/run.sh AJ   # after the pool anchor and the generator restore: tests; bench kv 32K; AI's e2e
+#   bash benchmarks/h200/run.sh AK   # a lone attention part is the result (no merge pass): tests; bench kv at the model's
+#                                    #   48 layers, 32K, bs 1 and 4, twice; bench kv 32K (8 layers) once
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -333,6 +335,15 @@ if [ "$phase" = AJ ]; then
   timeout 300 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric --batch-sizes 1,4 \
     --contexts 32768 --new-tokens 32 --vram-budget-gb 24 --cpu-threads 15 --json "$out/e2e-32k.json" \
     > /dev/null 2> "$out/e2e-32k.log"; grep "\[e2e\]" "$out/e2e-32k.log" | tee -a "$log"
+fi
+if [ "$phase" = AK ]; then
+  kv_tests
+  for run in 1 2; do
+    step bench kv at 32K, 48 layers, bs 1 and 4, run $run
+    timeout 240 python3 -m engine.cli bench kv --policies writescope,gpu-centric,cpu-centric --layers 48 \
+      --lengths 32768 --batch-sizes 1,4 --json "$out/kv-32k-L48-$run.json" 2>>"$log" | tail -3 | tee -a "$log"
+  done
+  bench_kv_32k lone-part
 fi
 if [ "$phase" = N2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive

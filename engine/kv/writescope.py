@@ -295,8 +295,12 @@ class WriteScopeKV(KVBackend):
     def _merge(self, plan: StepPlan, parts: list, chunks: list, dtype: torch.dtype) -> torch.Tensor:
         """Every part by its LSE → o (B, nh, T, hs) in `dtype`. Each row has at least one finite part
         (the D-window in decode, the new tokens in prefill). On CUDA: one cat of outputs, one of LSEs
-        and one merge kernel, whatever the number of parts."""
+        and one merge kernel, whatever the number of parts. A single part holds every key of every
+        row (a first prefill, or a decode still inside its D-window): it is the result as it is, which
+        spares a 32K prefill a copy and a merge pass over its output (~0.5 ms a layer on the H200)."""
         B = len(plan.seqs)
+        if len(parts) + len(chunks) == 1 and (parts or chunks)[0][0].shape[0] == B:
+            return (parts or chunks)[0][0].to(dtype)
         cuda = self.transport.cuda and lse_gpu.available(parts[0][0] if parts else chunks[0][0])
         if not cuda and not chunks and len(parts) <= 2:
             out, lse = parts[0]
