@@ -50,6 +50,7 @@
 #   bash benchmarks/h200/run.sh AJ   # after the pool anchor and the generator restore: tests; bench kv 32K; AI's e2e
 #   bash benchmarks/h200/run.sh AK   # a lone attention part is the result (no merge pass): tests; bench kv at the model's
 #                                    #   48 layers, 32K, bs 1 and 4, twice; bench kv 32K (8 layers) once
+#   bash benchmarks/h200/run.sh AL   # the next layer's first load copied ahead: tests; bench kv 32K twice; 48 layers once
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -344,6 +345,14 @@ if [ "$phase" = AK ]; then
       --lengths 32768 --batch-sizes 1,4 --json "$out/kv-32k-L48-$run.json" 2>>"$log" | tail -3 | tee -a "$log"
   done
   bench_kv_32k lone-part
+fi
+if [ "$phase" = AL ]; then
+  kv_tests
+  bench_kv_32k ahead-1
+  step bench kv at 32K, 48 layers, bs 1 and 4
+  timeout 200 python3 -m engine.cli bench kv --policies writescope,gpu-centric,cpu-centric --layers 48 \
+    --lengths 32768 --batch-sizes 1,4 --json "$out/kv-32k-L48.json" 2>>"$log" | tail -3 | tee -a "$log"
+  bench_kv_32k ahead-2
 fi
 if [ "$phase" = N2 ]; then
   bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,static,adaptive
