@@ -50,7 +50,8 @@
 #   bash benchmarks/h200/run.sh AJ   # after the pool anchor and the generator restore: tests; bench kv 32K; AI's e2e
 #   bash benchmarks/h200/run.sh AK   # a lone attention part is the result (no merge pass): tests; bench kv at the model's
 #                                    #   48 layers, 32K, bs 1 and 4, twice; bench kv 32K (8 layers) once
-#   bash benchmarks/h200/run.sh AL   # the next layer's first load copied ahead: tests; bench kv 32K twice; 48 layers once
+#   (AL: the next layer's first load copied ahead, at commit e44b45b; reverted: no gain measured at bs=1)
+#   bash benchmarks/h200/run.sh AL   # tests; bench kv 32K twice; 48 layers once
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
