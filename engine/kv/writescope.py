@@ -136,8 +136,6 @@ class WriteScopeKV(KVBackend):
         self._pp_views = None
         self.graphs = StreamGraphs(device) if self.transport.cuda and stream_graphs else None
         self._loads_key: tuple | None = None  # this step's load list, the key of the layers' graphs
-        self._pp_next = 0  # the ping-pong buffer the next load uses (the parity runs on across layers)
-        self._ahead: int | None = None  # the layer whose first load is already copied (into buffer _pp_next)
 
     # -- sequences ----------------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -164,7 +162,6 @@ class WriteScopeKV(KVBackend):
         self.cache.before_appends()
         self.plan = plan = self.cache.plan_step(seq_ids, n_new, self.r_target)
         self._loads_key = None
-        self._pp_next, self._ahead = 0, None
         if self.graphs is not None and plan.decode and plan.chunks:
             self._loads_key = (len(seq_ids), tuple((row, tuple(pieces), n) for row, pieces, n in plan.chunks))
         return plan.positions
@@ -231,91 +228,61 @@ class WriteScopeKV(KVBackend):
 
     def _stream(self, layer: int, q: torch.Tensor, plan: StepPlan, scale: float, compute, fp32: bool,
                 timed: bool) -> list:
-        """The pinned share through the ping-pong buffers: copy of load i+1 overlaps attention on i.
+        """The pinned share through the ping-pong buffers: copy of chunk i+1 overlaps compute on i.
         → (o, lse) per load, or one (o (P, nh, T, hs), lse (P, nh, T)) for all P loads when a graph
-        ran them. In decode the next layer's first load is copied as soon as this layer's loads are
-        queued: copies do not depend on the query, and the copy engine would otherwise idle while this
-        layer's CPU part finishes and the next layer's query is computed."""
-        tr, cache = self.transport, self.cache
-        start, ahead = self._pp_next, self._ahead == layer  # ahead: load 0 is in buffer `start` already
-        self._pp_next, self._ahead = (start + len(plan.chunks)) & 1, None
-        first_bytes = plan.chunks[0][2] * cache.token_bytes if ahead else 0  # copied in the previous layer's span
-        key = self._loads_key and (self._loads_key, start, ahead)
-        graph = None
+        ran them."""
+        tr, cache, key = self.transport, self.cache, self._loads_key
         if key is not None:
             graph = self.graphs.find(layer, key)
             if graph is None and (dtype := self.graphs.ready_to_capture(layer, key)) is not None:
                 def body(q_static, stream, fork):  # the capture's own events: nothing recorded outside it is waited on
                     loaded, consumed = [torch.cuda.Event() for _ in range(2)], [torch.cuda.Event() for _ in range(2)]
-                    return self._loads(layer, q_static, plan, scale, stream, fp32, loaded, consumed, start, ahead, fork)
-                if ahead:
-                    tr.wait(compute, self.loaded[start])  # the capture cannot wait for it: the stream does
+                    return self._loads(layer, q_static, plan, scale, stream, fp32, loaded, consumed, fork)
                 graph = self.graphs.capture(layer, key, q, len(plan.chunks), dtype, body)
-        if graph is not None:
-            tr.wait(compute, cache.d2h_done)  # extents written back by an earlier flush have landed
-            if ahead:
-                tr.wait(compute, self.loaded[start])
-            span = self._span_start(compute) if timed else None
-            result = [self.graphs.replay(graph, q)]
-            for ev in self.consumed:  # eager loads later overwrite a buffer only after the graph read it
-                ev.record(compute)
-        else:
-            tr.wait(tr.h2d, cache.d2h_done)
-            span = self._span_start(tr.h2d) if timed else None
-            result = self._loads(layer, q, plan, scale, compute, fp32, self.loaded, self.consumed, start, ahead)
-            if key is not None:
-                self.graphs.seen(layer, key, result[0][0].dtype)
-        self._count_streamed(plan, span, first_bytes)
-        if plan.decode and layer + 1 < cache.n_layers:
-            self._load_ahead(layer + 1, plan, compute)
-        return result
-
-    def _load_ahead(self, layer: int, plan: StepPlan, compute) -> None:
-        """Copy `layer`'s first load into the buffer its loads start with, on the h2d stream."""
-        tr, h2d, j = self.transport, self.transport.h2d, self._pp_next
-        with tr.on(h2d, compute):
-            tr.wait(h2d, self.cache.d2h_done)
-            tr.wait(h2d, self.consumed[j])  # the buffer's last reader is done
-            self._copy_load(layer, plan.chunks[0][1], self.cache.pingpong[j])
-            self.loaded[j].record(h2d)
-        self._ahead = layer
-
-    def _copy_load(self, layer: int, pieces: list, buf: torch.Tensor) -> None:
-        at = 0
-        for ext, m in pieces:  # one DMA per extent-layer
-            buf[at:at + m].copy_(self.cache.pinned_slab(layer, ext, m), non_blocking=True)
-            at += m
+            if graph is not None:
+                tr.wait(compute, cache.d2h_done)  # extents written back by an earlier flush have landed
+                span = self._span_start(compute) if timed else None
+                part = self.graphs.replay(graph, q)
+                for ev in self.consumed:  # eager loads later overwrite a buffer only after the graph read it
+                    ev.record(compute)
+                self._count_streamed(plan, span)
+                return [part]
+        tr.wait(tr.h2d, cache.d2h_done)
+        span = self._span_start(tr.h2d) if timed else None
+        parts = self._loads(layer, q, plan, scale, compute, fp32, self.loaded, self.consumed)
+        self._count_streamed(plan, span)
+        if key is not None:
+            self.graphs.seen(layer, key, parts[0][0].dtype)
+        return parts
 
     def _loads(self, layer: int, q: torch.Tensor, plan: StepPlan, scale: float, compute, fp32: bool,
-               loaded: list, consumed: list, start: int = 0, ahead: bool = False, first=None) -> list:
-        """The loop itself → one (o (1, nh, T, hs), lse (1, nh, T)) per load; load i uses buffer
-        (start + i) % 2. On a slow host each torch call costs tens of µs, so it keeps to the calls it
-        needs (events recorded on named streams, K/V views of each buffer made once).
-        ahead: load 0 is already in its buffer (`loaded` records it, or, in a capture, the stream
-        waited for it). first: the event the first two copies wait for instead of `consumed` (a
-        capture's fork)."""
-        tr, h2d = self.transport, self.transport.h2d
+               loaded: list, consumed: list, first=None) -> list:
+        """The loop itself → one (o (1, nh, T, hs), lse (1, nh, T)) per load. On a slow host each
+        torch call costs tens of µs, so it keeps to the calls it needs (events recorded on named
+        streams, K/V views of each buffer made once). `first`: the event the first two loads wait
+        for instead of `consumed` (a graph capture's fork)."""
+        tr, cache, h2d = self.transport, self.cache, self.transport.h2d
         parts = []
         for i, (row, pieces, n) in enumerate(plan.chunks):
-            j = (start + i) & 1
-            if not (ahead and i == 0):
-                with tr.on(h2d, compute):
-                    tr.wait(h2d, first if first is not None and i < 2 else consumed[j])  # the buffer's last reader is done
-                    self._copy_load(layer, pieces, self.cache.pingpong[j])
-                    loaded[j].record(h2d)
-            if not (ahead and i == 0 and first is not None):
-                tr.wait(compute, loaded[j])
+            j = i & 1
+            buf = cache.pingpong[j]
+            with tr.on(h2d, compute):
+                tr.wait(h2d, first if first is not None and i < 2 else consumed[j])  # the buffer's last reader is done
+                at = 0
+                for ext, m in pieces:  # one DMA per extent-layer
+                    buf[at:at + m].copy_(cache.pinned_slab(layer, ext, m), non_blocking=True)
+                    at += m
+                loaded[j].record(h2d)
+            tr.wait(compute, loaded[j])
             k, v = self._pingpong_kv[j]  # (1, n_kv, G·E, hs) views
             parts.append(attend_dense(q[row:row + 1], k[:, :, :n], v[:, :, :n], scale, fp32=fp32))
             consumed[j].record(compute)
         return parts
 
-    def _count_streamed(self, plan: StepPlan, span, copied_before: int = 0) -> None:
-        """copied_before: bytes of this layer's loads that an earlier span carried (the load ahead)."""
-        nbytes = plan.stream_tokens * self.cache.token_bytes
-        self.h2d_bytes += nbytes
+    def _count_streamed(self, plan: StepPlan, span) -> None:
+        self.h2d_bytes += plan.stream_tokens * self.cache.token_bytes
         if span is not None:
-            self._span_end(span, nbytes - copied_before)
+            self._span_end(span, plan.stream_tokens * self.cache.token_bytes)
 
     @property
     def _pingpong_kv(self):

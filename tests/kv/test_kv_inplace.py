@@ -331,28 +331,6 @@ def test_streamed_loads_pair_extents_and_cpu_writebacks_start_per_layer():
     kv.close()
 
 
-def test_decode_copies_the_next_layers_first_load_while_this_layer_finishes():
-    """Copies do not depend on the query: during layer l's step the first ping-pong load of layer
-    l + 1 is already copied into the buffer its loads start with (none after the last layer)."""
-    kv = make("gpu-centric")
-    m = Mirror(kv, seed=43)
-    a = m.new()
-    m.step([a], 3 * E + 5)
-    m.step([a], 1)
-    kv.begin_step([a], 1)
-    q, k, v = m.rand(1, NH, 1, HS), m.rand(1, NKV, 1, HS), m.rand(1, NKV, 1, HS)
-    kv.attend(0, q, k, v)
-    assert kv._ahead == 1
-    _, pieces, _ = kv.plan.chunks[0]
-    buf, at = kv.cache.pingpong[kv._pp_next], 0
-    for ext, n in pieces:
-        assert torch.equal(buf[at:at + n], kv.cache.pinned_slab(1, ext, n))
-        at += n
-    kv.attend(1, q, k, v)
-    assert kv._ahead is None
-    kv.end_step()
-    kv.close()
-
 def test_stream_graphs_capture_a_load_list_on_its_second_step_and_drop_it_when_it_changes():
     """The bookkeeping behind the CUDA graphs of the streamed loads (no capture here)."""
     from engine.kv.stream_graph import StreamGraphs, _Graph
