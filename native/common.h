@@ -136,17 +136,21 @@ struct KernelTable {
 // rows split finely over threads (Qwen3-30B-A3B's I = 768 gives 192 units of work).
 constexpr int expert_tile_rows(int lanes, int tokens) { return lanes / tokens < 4 ? lanes / tokens : 4; }
 
-// Tokens per tile for an expert applied to n tokens (never more than the vector's lanes). 3…8
-// tokens: 4 (3 padded to 4, 5…7 to 8), the 4 rows × 4 tokens tile, and for 5…8 two groups of 4 over
+// Tokens per tile for an expert applied to n tokens (never more than the vector's lanes). 2…8
+// tokens: 4 (2 and 3 padded to 4, 5…7 to 8), the 4 rows × 4 tokens tile, and for 5…8 two groups of 4 over
 // each weight chunk while it is in L1 (experts_kernel.h, dot_groups). 2 rows × 8 tokens, the former
 // choice for 5…8, does the same dot products per weight byte but measured 5–11% slower there (Zen 4,
 // AVX512_BF16, H = 2048, I = 768). Above 8: whichever of 4 and 8 pads less (9…12 → 4, 13…16 → 8,
 // 17…20 → 4, …); at equal padding 2 × 8 tiles measured 3–10% faster (16, 24, 32 tokens). More
 // tokens go through in groups (the kernels loop over them; later groups read the rows from L2).
-// 1 row × 16 tokens measured slower (a weight vector per 16 activation loads).
+// 1 row × 16 tokens measured slower (a weight vector per 16 activation loads). 2 tokens ran as a
+// row-at-a-time 2-token tile until it measured 57.6 GB/s of weights on the H200 host, against 73.2 for
+// 4-token tiles in the same run (benchmarks/RESULTS.md, phase Z): its 2 dot products per weight
+// vector sit on 4 dependency chains, and a padded 4-token tile reads the same bytes (on the 2-core
+// Zen 4: 14.9 → 19.1–19.3 GB/s on one thread, 27.0 → 30.1–33.1 on two).
 inline int expert_tile_tokens(int64_t n, int lanes) {
   int tpt;
-  if (n <= 2) tpt = n <= 1 ? 1 : 2;
+  if (n <= 1) tpt = 1;
   else if (n <= 8 || (n + 3) / 4 * 4 < (n + 7) / 8 * 8) tpt = 4;
   else tpt = 8;
   return tpt < lanes ? tpt : lanes;

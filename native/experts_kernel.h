@@ -67,7 +67,6 @@ template <class AT>
 void prepare_x_as(const ExpertProblem& P, AT* xs, int tokens_per_tile, int64_t t_begin, int64_t t_end) {
   switch (tokens_per_tile) {
     case 1: return prepare_x_tokens<AT, 1>(P, xs, t_begin, t_end);
-    case 2: return prepare_x_tokens<AT, 2>(P, xs, t_begin, t_end);
     case 4: return prepare_x_tokens<AT, 4>(P, xs, t_begin, t_end);
     default: return prepare_x_tokens<AT, 8>(P, xs, t_begin, t_end);
   }
@@ -379,7 +378,6 @@ void expert_gate_up(const ExpertProblem& P, const void* xs, void* h, int64_t n_p
                     int64_t row_begin, int64_t row_end) {
   switch (tokens_per_tile) {
     case 1: return expert_stage<false, 1>(P, xs, h, n_pad, row_begin, row_end);
-    case 2: return expert_stage<false, 2>(P, xs, h, n_pad, row_begin, row_end);
     case 4: return expert_stage<false, 4>(P, xs, h, n_pad, row_begin, row_end);
     default: return expert_stage<false, 8>(P, xs, h, n_pad, row_begin, row_end);
   }
@@ -389,7 +387,6 @@ void expert_down(const ExpertProblem& P, const void* h, int64_t n_pad, int token
                  int64_t row_end) {
   switch (tokens_per_tile) {
     case 1: return expert_stage<true, 1>(P, h, nullptr, n_pad, row_begin, row_end);
-    case 2: return expert_stage<true, 2>(P, h, nullptr, n_pad, row_begin, row_end);
     case 4: return expert_stage<true, 4>(P, h, nullptr, n_pad, row_begin, row_end);
     default: return expert_stage<true, 8>(P, h, nullptr, n_pad, row_begin, row_end);
   }
