@@ -263,6 +263,12 @@ kv_tests() {
     > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"
   grep -E "^(FAILED|ERROR)|Error" "$out/pytest.log" | head -20 | tee -a "$log"
 }
+bench_e2e_32k() {  # $1: new tokens per sequence
+  step bench e2e at 32K, $1 new tokens
+  timeout 300 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric --batch-sizes 1,4 \
+    --contexts 32768 --new-tokens "$1" --vram-budget-gb 24 --cpu-threads 15 --json "$out/e2e-32k.json" \
+    > /dev/null 2> "$out/e2e-32k.log"; grep "\[e2e\]" "$out/e2e-32k.log" | tee -a "$log"
+}
 bench_kv_32k() {  # $1: record name; the rest: more flags for the run
   local name=$1; shift
   step bench kv at 32K, $name
@@ -298,10 +304,7 @@ if [ "$phase" = AE ]; then
 fi
 if [ "$phase" = AF ]; then
   bench_kv_32k final
-  step bench e2e at 32K
-  timeout 300 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric --batch-sizes 1,4 \
-    --contexts 32768 --new-tokens 8 --vram-budget-gb 24 --cpu-threads 15 --json "$out/e2e-32k.json" \
-    > /dev/null 2> "$out/e2e-32k.log"; grep "\[e2e\]" "$out/e2e-32k.log" | tee -a "$log"
+  bench_e2e_32k 8
 fi
 if [ "$phase" = AG ]; then
   kv_tests
@@ -313,10 +316,7 @@ if [ "$phase" = AH ]; then
     bench_kv_32k graphs-$run
     [ $run -lt 3 ] && bench_kv_32k eager-$run --no-stream-graphs
   done
-  step bench e2e at 32K
-  timeout 300 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric --batch-sizes 1,4 \
-    --contexts 32768 --new-tokens 8 --vram-budget-gb 24 --cpu-threads 15 --json "$out/e2e-32k.json" \
-    > /dev/null 2> "$out/e2e-32k.log"; grep "\[e2e\]" "$out/e2e-32k.log" | tee -a "$log"
+  bench_e2e_32k 8
 fi
 if [ "$phase" = AI ]; then
   kv_tests
@@ -325,18 +325,12 @@ if [ "$phase" = AI ]; then
   step bench kv at 32K, 48 layers, bs=1: routing at full model depth
   timeout 240 python3 -m engine.cli bench kv --policies writescope,gpu-centric,cpu-centric --layers 48 \
     --lengths 32768 --batch-sizes 1 --json "$out/kv-32k-L48.json" 2>>"$log" | tail -3 | tee -a "$log"
-  step bench e2e at 32K, 32 new tokens
-  timeout 300 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric --batch-sizes 1,4 \
-    --contexts 32768 --new-tokens 32 --vram-budget-gb 24 --cpu-threads 15 --json "$out/e2e-32k.json" \
-    > /dev/null 2> "$out/e2e-32k.log"; grep "\[e2e\]" "$out/e2e-32k.log" | tee -a "$log"
+  bench_e2e_32k 32
 fi
 if [ "$phase" = AJ ]; then
   kv_tests
   bench_kv_32k graphs-3
-  step bench e2e at 32K, 32 new tokens
-  timeout 300 python3 -m engine.cli bench e2e --kv-policies writescope,gpu-centric,cpu-centric --batch-sizes 1,4 \
-    --contexts 32768 --new-tokens 32 --vram-budget-gb 24 --cpu-threads 15 --json "$out/e2e-32k.json" \
-    > /dev/null 2> "$out/e2e-32k.log"; grep "\[e2e\]" "$out/e2e-32k.log" | tee -a "$log"
+  bench_e2e_32k 32
 fi
 if [ "$phase" = AK ]; then
   kv_tests
