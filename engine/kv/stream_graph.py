@@ -76,7 +76,7 @@ class StreamGraphs:
                 body) -> _Graph | None:
         """Capture `body(q, compute, fork)` → list of (o (1, nh, T, hs), lse (1, nh, T)); None if the
         capture fails (logged once; the caller streams eagerly from then on)."""
-        B, nh, T, hs = q.shape
+        _, nh, T, hs = q.shape  # (B, nh, T, hs)
         compute = torch.cuda.current_stream(self.device)
         t0 = time.perf_counter()
         static_q = q.clone()  # on the compute stream, outside the capture
