@@ -16,7 +16,6 @@ A and B from the measured CPU and GPU times; `gpu-centric`, `cpu-centric` and `f
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -30,79 +29,13 @@ from engine.kernels.lse import merge_groups, merge_pair, merge_stack
 from engine.kv.backend import KVBackend
 from engine.kv.inplace import InplaceKVCache, PartitionSpec, StepPlan
 from engine.kv.stream_graph import StreamGraphs
-from engine.kv.transport import NullEvent, Transport
+from engine.kv.transport import HostExchange, Transport
 from engine.sched.roofline import RooflineParams, SharePolicy
 
 
 # On CUDA the GPU side and the h2d stream are timed (four events) on one layer in this many, which
 # feeds the B estimator plenty while sparing the other layers' event calls.
 TIMED_LAYER_STRIDE = 4
-
-
-class HostExchange:
-    """Queries to the host and CPU results back to the device, on CUDA through exact-size page-locked
-    buffers (async both ways); in simulate mode the tensors pass as they are.
-
-    The CPU kernel writes its result straight into one of two page-locked result buffers, out and
-    LSE side by side, so one copy brings it to the device; the buffer alternates by layer so the
-    kernel of layer l+1 never waits for the copy of layer l to have left."""
-
-    def __init__(self, transport: Transport):
-        self.tr = transport
-        self._q = None  # HostBuffer, flat, in the KV dtype
-        self._res = [None, None]  # HostBuffers, flat fp32: out then lse
-        self._free = [transport.event(), transport.event()]  # result buffer i has been copied to the device
-        self._dev = None  # device flat fp32 the results land in (the merge reads it on the same stream)
-        self._turn = 0
-
-    def _flat(self, buf, n: int, dtype: torch.dtype):
-        if buf is None or buf.tensor.numel() < n or buf.tensor.dtype != dtype:
-            if buf is not None:
-                buf.release()
-            buf = self.tr.host((max(n, 1 << 16),), dtype, pinned=True)
-        return buf
-
-    def to_host(self, q: torch.Tensor, dtype: torch.dtype, stream=None):
-        """q (B, nh, T, hs) on the device → (host tensor, event after which it is readable)."""
-        if not self.tr.cuda:
-            return q.to(dtype), NullEvent()
-        self._q = self._flat(self._q, q.numel(), dtype)
-        host = self._q.tensor[:q.numel()].view(q.shape)
-        host.copy_(q, non_blocking=True)
-        ready = self.tr.event()
-        ready.record(stream)
-        return host, ready
-
-    def result_buffers(self, q_shape: tuple):
-        """Worker side: (slot, out (B, nh, T, hs), lse (B, nh, T)) page-locked views for the CPU kernel
-        to write, free once the copy that last read them has left; (None, None, None) in simulate mode."""
-        if not self.tr.cuda:
-            return None, None, None
-        i = self._turn
-        self._turn ^= 1
-        n_out = math.prod(q_shape)
-        n = n_out + n_out // q_shape[-1]
-        self._free[i].synchronize()  # before the buffer is written, or released to grow
-        self._res[i] = self._flat(self._res[i], n, torch.float32)
-        flat = self._res[i].tensor
-        return i, flat[:n_out].view(q_shape), flat[n_out:n].view(q_shape[:-1])
-
-    def to_device(self, slot, out: torch.Tensor, lse: torch.Tensor, stream=None):
-        """Main side: the CPU result → device views (out, lse), by one copy of result buffer `slot`."""
-        if not self.tr.cuda:
-            return out, lse
-        n_out, n = out.numel(), out.numel() + lse.numel()
-        if self._dev is None or self._dev.numel() < n:
-            self._dev = torch.empty(max(n, 1 << 16), dtype=torch.float32, device=self.tr.device)
-        self._dev[:n].copy_(self._res[slot].tensor[:n], non_blocking=True)
-        self._free[slot].record(stream)
-        return self._dev[:n_out].view(out.shape), self._dev[n_out:n].view(lse.shape)
-
-    def close(self) -> None:
-        for buf in (self._q, *self._res):
-            if buf is not None:
-                buf.release()
-        self._q, self._res, self._dev = None, [None, None], None
 
 
 class WriteScopeKV(KVBackend):
