@@ -34,11 +34,8 @@ from engine.errors import ContextOverflowError, OutOfMemoryError
 from engine.kernels.attention_gpu import padding_mask
 from engine.kv.partition import PINGPONG_EXTENTS, PartitionSpec
 from engine.kv.regions import PinnedRegion, RegionRun, UnpinnedRegion
+from engine.kv.staging import StagingRing
 from engine.sched.roofline import route_to_cpu, split_run
-
-# Layers of CPU-bound tokens the page-locked staging ring holds at once: the D2H of layer l waits
-# (on the host, rarely) until the CPU side's thread has laid out layer l − R.
-STAGING_LAYERS = 4
 
 
 @dataclass
@@ -124,8 +121,7 @@ class InplaceKVCache:
         self.seqs: dict[int, SeqState] = {}
         self._free_slots = list(range(max_batch))
         self._next_id = 0
-        self._stage = None  # HostBuffer (R, S, 2, n_kv, hs): the write-back staging ring for the CPU region
-        self._stage_jobs: dict = {}  # ring slot → the write-back into the unpinned region that reads it
+        self.staging = StagingRing(transport, n_layers, n_kv_heads, head_dim, dtype)  # the CPU region's way in
         self.pinned.reserve_ahead()  # the first pinned extent is prepared at load, not at the first prefill
         self.d2h_done = transport.event()
         self.flush_pending = False  # the D-window was read by write-backs still in flight
@@ -219,7 +215,8 @@ class InplaceKVCache:
             plan.stage_at.append(at if p.to_cpu else -1)
             at += p.n if p.to_cpu else 0
         if at:
-            plan.stage = self._staging(at, sum(p.n for p in plan.placements))
+            floor = max(sum(p.n for p in plan.placements), self.max_batch * D, D + 512)
+            plan.stage = self.staging.slots(at, floor)
         self.pinned.reserve_ahead()  # the next pinned extent is prepared one window ahead
         return plan
 
@@ -292,9 +289,9 @@ class InplaceKVCache:
             new = torch.stack((k, v), dim=1).permute(0, 3, 1, 2, 4).contiguous()
         ready = tr.event()
         ready.record(compute)
-        slot = layer % plan.stage.shape[0] if plan.stage is not None else None
+        slot = self.staging.slot(layer) if plan.stage is not None else None
         if slot is not None:
-            self._wait_stage_slot(slot)  # the CPU side's thread has laid out what the ring slot held
+            self.staging.wait_slot(slot)  # the CPU side's thread has laid out what the ring slot held
         with tr.on(tr.d2h):
             tr.wait(tr.d2h, ready)  # after this layer's D-window append and new KV
             for p, at in zip(plan.placements, plan.stage_at):
@@ -311,7 +308,7 @@ class InplaceKVCache:
         jobs = self._unpinned_jobs(plan)
         if jobs:  # the CPU side's thread lays this layer out per head as soon as it has landed, while
             # later layers compute (one job per layer: only the last layer's is left at the step's end)
-            self._stage_jobs[slot] = self.executor.submit(self._write_unpinned, layer_done, plan.stage[slot], layer, jobs)
+            self.staging.jobs[slot] = self.executor.submit(self._write_unpinned, layer_done, plan.stage[slot], layer, jobs)
         if new is not None:
             tr.keep_alive(new, tr.d2h)
             if plan.tails:
@@ -333,35 +330,6 @@ class InplaceKVCache:
         self.d2h_done.record(tr.d2h)
         self.flush_pending = any(p.source == "window" for p in plan.placements)
         self.d2h_bytes += sum(p.n for p in plan.placements) * self.token_bytes * self.n_layers
-
-    def _staging(self, n_tokens: int, step_tokens: int) -> torch.Tensor:
-        """The staging ring: R layer slots of S tokens, page-locked, each the D2H destination of one
-        layer's CPU-bound tokens until the CPU side's thread has laid them out (flush waits for a
-        slot before reusing it, R layers later). So page-locked staging is R layers' worth, not
-        n_layers'."""
-        if self._stage is None or self._stage.tensor.shape[1] < n_tokens:
-            self._wait_stage_jobs()
-            if self._stage is not None:
-                self._stage.release()
-            # Sized for all of the step's placed tokens, not only its CPU share: page-locking costs
-            # ~0.5 s per GB, and a later step of the same size with a larger share must not pay it
-            # again (a 32K step of a 2 KiB/token layer: 64 MiB per slot).
-            size = max(n_tokens, step_tokens, self.max_batch * self.spec.d_window, self.spec.d_window + 512)
-            shape = (min(self.n_layers, STAGING_LAYERS), size, 2, self.n_kv, self.head_dim)
-            try:
-                self._stage = self.transport.host(shape, self.dtype, pinned=True)
-            except OutOfMemoryError:  # the host refuses page-locked memory: pageable staging, synchronous copies
-                self._stage = self.transport.host(shape, self.dtype, pinned=False)
-        return self._stage.tensor
-
-    def _wait_stage_jobs(self) -> None:
-        for slot in list(self._stage_jobs):
-            self._wait_stage_slot(slot)
-
-    def _wait_stage_slot(self, slot: int) -> None:
-        job = self._stage_jobs.pop(slot, None)
-        if job is not None:
-            job.result()
 
     def _unpinned_jobs(self, plan: StepPlan) -> list[tuple[int, int, int]]:
         """(offset in the staging buffer, arena token, tokens) of each CPU-bound placement, the same
@@ -399,10 +367,8 @@ class InplaceKVCache:
         return {"kv_dwindow": self.window.numel() * self.window.element_size(),
                 "kv_pingpong": self.pingpong.numel() * self.pingpong.element_size(),
                 "kv_pinned": self.pinned.bytes_pinned, "kv_unpinned": self.unpinned.bytes_in_use,
-                "kv_staging": self._stage.nbytes if self._stage is not None and self._stage.pinned else 0}
+                "kv_staging": self.staging.pinned_bytes}
 
     def close(self) -> None:
-        self._wait_stage_jobs()
+        self.staging.close()
         self.pinned.close()
-        if self._stage is not None:
-            self._stage.release()

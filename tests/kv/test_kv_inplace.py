@@ -124,13 +124,13 @@ def test_hybrid_attention_equals_full_attention(policy):
 def test_a_staging_ring_of_one_layer_still_gives_exact_attention(monkeypatch):
     """CPU-bound tokens stage in a ring of R layer slots; layer l's copies wait until the CPU side's
     thread has laid out layer l − R. With R = 1 every layer waits for the one before it."""
-    from engine.kv import inplace
+    from engine.kv import staging
 
-    monkeypatch.setattr(inplace, "STAGING_LAYERS", 1)
+    monkeypatch.setattr(staging, "STAGING_LAYERS", 1)
     kv = make("fixed:0.5")
     m = Mirror(kv, seed=51)
     scenario(m)
-    assert kv.cache._stage.tensor.shape[0] == 1
+    assert kv.cache.staging.buffer.tensor.shape[0] == 1
     kv.close()
 
 
@@ -286,11 +286,11 @@ def test_staging_is_sized_for_a_whole_step_so_a_larger_share_does_not_repin():
                       device=torch.device("cpu"), dtype=torch.float32)
     m = Mirror(kv, seed=31)
     m.step([m.new()], 1100)  # past the buffer's floor of D + 512 tokens
-    stage = kv.cache._stage
+    stage = kv.cache.staging.buffer
     assert stage is not None and stage.tensor.shape[1] >= 1100  # every placed token of the step, not a quarter
     kv.share = SharePolicy.from_name("fixed:1", spec.roofline, spec.cost_window)
     m.step([m.new()], 1100)
-    assert kv.cache._stage is stage  # reused, not re-pinned
+    assert kv.cache.staging.buffer is stage  # reused, not re-pinned
     assert kv.telemetry()["bytes"]["kv_staging"] == (stage.nbytes if stage.pinned else 0)  # page-locked only
     kv.close()
 
@@ -319,9 +319,9 @@ def test_streamed_loads_pair_extents_and_cpu_writebacks_start_per_layer():
     c = m.new()
     kv.begin_step([c], 3 * E)
     q, k, v = m.rand(1, NH, 3 * E, HS), m.rand(1, NKV, 3 * E, HS), m.rand(1, NKV, 3 * E, HS)
-    before = dict(kv.cache._stage_jobs)
+    before = dict(kv.cache.staging.jobs)
     kv.attend(0, q, k, v)
-    jobs = kv.cache._stage_jobs  # ring slot → its latest write-back
+    jobs = kv.cache.staging.jobs  # ring slot → its latest write-back
     assert jobs.get(0) is not None and jobs[0] is not before.get(0)  # layer 0's is queued before layer 1 runs
     assert jobs.get(1) is before.get(1)
     kv.attend(1, q, k, v)
