@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.cuda_capture import GeneratorState
+
 log = logging.getLogger("tandem")
 
 
@@ -86,9 +88,7 @@ class StreamGraphs:
             self._capture_stream = torch.cuda.Stream(self.device)  # capture needs a non-default stream
         cap = self._capture_stream
         cap.wait_stream(compute)
-        rng = torch.cuda.default_generators[self.device.index if self.device.index is not None
-                                            else torch.cuda.current_device()]
-        rng_state = rng.clone_state()
+        rng = GeneratorState(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(cap):
@@ -96,9 +96,7 @@ class StreamGraphs:
                     self._anchor = self._record(torch.cuda.CUDAGraph(), None, lambda: torch.zeros(1, device=self.device))
                 self._record(graph, self._anchor.pool(), lambda: self._body(body, static_q, cap, out, lse))
         except Exception as e:  # e.g. a kernel or copy that cannot be captured on this stack
-            # A failed capture leaves the default generator in capture mode (every later random
-            # draw on the device would fail): give it back its state from before.
-            rng.graphsafe_set_state(rng_state)
+            rng.restore()  # a failed capture leaves the default generator in capture mode
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("streamed KV loads run eagerly: capturing them as a CUDA graph failed (%s)", self.failed)
             self._graphs.pop(layer, None)

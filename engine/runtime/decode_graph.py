@@ -38,6 +38,7 @@ import torch
 from engine.experts.executor import GROUPED_MAX_TOKENS, ExpertExecutor, ResidentExperts
 from engine.experts.offload import OffloadedExperts
 from engine.experts.zero_copy import ModeChooser
+from engine.kernels.cuda_capture import GeneratorState
 from engine.kernels.experts_gpu import MAX_GROUPS, uses_grouped_mm
 from engine.kv.resident import ResidentKV
 
@@ -219,7 +220,7 @@ class DecodeGraphs:
         # pieces of one batch size share a pool of their own; single graphs share one across sizes
         cut = _Cut(None if self.cut else self.pool, torch.cuda.current_stream(self.device),
                    self.experts if pieces else None)
-        failure = None
+        failure, rng = None, GeneratorState(self.device)
         try:
             for mlp in self._moe:
                 mlp.experts = in_graph or cut
@@ -230,6 +231,7 @@ class DecodeGraphs:
                     cut.end()
                 except Exception as e:  # an op that syncs with the host or is not capturable: stay eager
                     cut.abort()  # on the capturing stream: a capture must end where it began
+                    rng.restore()  # the failed capture left the default generator in capture mode
                     failure = e
         finally:
             for mlp in self._moe:
