@@ -40,11 +40,11 @@ class BuildNative(build_ext):
 native = Pybind11Extension(
     "engine._native",
     sorted(f"native/{name}" for name in ("bindings.cpp", "dispatch.cpp", "isa_scalar.cpp", "isa_avx2.cpp",
-                                         "isa_avx512.cpp", "isa_avx512bf16.cpp",
+                                         "isa_avx512.cpp", "isa_avx512bf16.cpp", "isa_amx.cpp",
                                          "moe_dispatch.cpp")),
     include_dirs=["native"],
     depends=[f"native/{h}" for h in ("common.h", "convert.h", "simd_avx512.h", "simd_avx2.h", "simd_scalar.h",
-                                     "attention_kernel.h", "experts_kernel.h")],
+                                     "attention_kernel.h", "experts_kernel.h", "amx_experts.h")],
     cxx_std=17,
     optional=True,
 )

@@ -194,6 +194,7 @@ def cmd_bench(args) -> int:
         from engine.bench import cpu_kernels as ck
         record = ck.run(threads=ck.parse_list(args.thread_counts), lengths=ck.parse_list(args.lengths),
                         batches=ck.parse_list(args.batches), tokens=ck.parse_list(args.tokens), quick=args.quick,
+                        moe_tokens=ck.parse_list(args.moe_tokens),
                         repeats=args.repeats, torch_sdpa=not args.no_torch_sdpa,
                         sections=args.sections.split(",") if args.sections else None,
                         progress=lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True))
@@ -355,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lengths", default=None, help="cpu-kernels: KV lengths, e.g. 2k,8k,32k (default: 2k…64k)")
     b.add_argument("--batches", default=None, help="cpu-kernels: sequences per step (default: 1,4)")
     b.add_argument("--tokens", default=None, help="cpu-kernels: tokens per expert (default: 1,2,4,…,256)")
+    b.add_argument("--moe-tokens", default=None, help="cpu-kernels moe: tokens per expert of a layer (default: 1,4)")
     b.add_argument("--quick", action="store_true", help="cpu-kernels: fewer lengths, smaller buffers")
     b.add_argument("--no-torch-sdpa", action="store_true", help="cpu-kernels: skip torch's CPU attention")
     b.add_argument("--sections", default=None, help="cpu-kernels: e.g. moe or experts,moe (default: "

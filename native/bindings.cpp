@@ -124,6 +124,9 @@ PYBIND11_MODULE(_native, m) {
   }, "Instruction sets this CPU can run, best first.");
   m.def("select_isa", [](const std::string& name) { return select_isa(name.c_str()); }, py::arg("name"),
         "Use the kernels of one ISA ('auto': the best); False if this CPU cannot run it.");
+  m.def("amx_min_tokens", &amx_min_tokens, "Fewest tokens per expert that the AMX tiles take (amx-bf16 only).");
+  m.def("set_amx_min_tokens", &set_amx_min_tokens, py::arg("n"),
+        "Send experts with ≥ n tokens to the AMX tiles (amx-bf16 only); fewer go to the vector tiles.");
   m.def("default_threads", &default_threads, "OpenMP's default thread count.");
   m.def("openmp_runtime", &openmp_runtime, "The OpenMP runtime file the kernels' thread teams come from.");
   m.def("attention_decode", &attention_decode_py, py::arg("q"), py::arg("q_dtype"), py::arg("B"), py::arg("T"),

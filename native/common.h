@@ -18,6 +18,12 @@
                                     (!defined(__clang__) && __GNUC__ >= 10))
 #define TANDEM_AVX512BF16_KERNELS 1
 #endif
+// AMX tile intrinsics need GCC ≥ 11 or Clang ≥ 12 (and an assembler that knows the tmm registers);
+// the tiles' OS permission request is Linux's arch_prctl.
+#if defined(TANDEM_AVX512BF16_KERNELS) && defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define TANDEM_AMX_KERNELS 1
+#endif
 
 // Hot helpers that must inline into their (target-pragma) callers; GCC otherwise leaves some out of line.
 #if defined(__GNUC__) || defined(__clang__)
@@ -114,22 +120,32 @@ struct MoeProblem {
   int64_t out_stride;
 };
 
+// How an expert's tokens are cut into tiles, chosen per problem by the kernel table (see
+// expert_tiling): the kernels and both dispatchers (expert_ffn, moe_ffn) read the same plan.
+struct ExpertTiling {
+  int tokens_per_tile;   // tokens per tile (matrix tiles: the tile's columns, ≤ 16)
+  bool matrix_tiles;     // AMX tiles (isa_amx.cpp) rather than vector tiles (experts_kernel.h)
+  int64_t n_pad;         // tokens padded to whole tiles
+  int64_t rows_per_unit; // weight rows per scheduling unit: one tile's rows
+  int64_t row_cost;      // work of one weight row, for balancing threads across experts (moe_ffn)
+};
+
 // The kernels of one instruction set. Threading lives in dispatch.cpp; these run one piece of work
-// on the calling thread. Expert activations (x converted, then h = silu(g)⊙u) are padded to a
-// multiple of `tokens_per_tile` tokens, stored as `expert_activation_dtype`, tile-interleaved (see
-// experts_kernel.h): the kernels own that layout, dispatch only sizes it (n_pad × H, n_pad × I).
+// on the calling thread. Expert activations (x converted, then h = silu(g)⊙u) are padded to
+// T.n_pad tokens, stored as `expert_activation_dtype`, in the layout of the tiling (see
+// experts_kernel.h and amx_experts.h): the kernels own that layout, dispatch only sizes it
+// (n_pad × H, n_pad × I).
 struct KernelTable {
   const char* name;
   int lanes;  // fp32 lanes of a vector register (1 for the portable path)
   AttentionItemFn attention_item;
   DType (*expert_activation_dtype)(const ExpertProblem&);
-  void (*expert_prepare_x)(const ExpertProblem&, void* xs, int64_t n_pad, int tokens_per_tile, int64_t t_begin,
-                           int64_t t_end);
-  // Rows [row_begin, row_end) of h (stage 1) or of y (stage 2); row counts are multiples of lanes.
-  void (*expert_gate_up)(const ExpertProblem&, const void* xs, void* h, int64_t n_pad, int tokens_per_tile,
-                         int64_t row_begin, int64_t row_end);
-  void (*expert_down)(const ExpertProblem&, const void* h, int64_t n_pad, int tokens_per_tile,
-                      int64_t row_begin, int64_t row_end);
+  ExpertTiling (*expert_tiling)(const ExpertProblem&);  // for P.n_tokens tokens
+  void (*expert_prepare_x)(const ExpertProblem&, void* xs, const ExpertTiling&, int64_t t_begin, int64_t t_end);
+  // Rows [row_begin, row_end) of h (stage 1) or of y (stage 2); whole units of the tiling.
+  void (*expert_gate_up)(const ExpertProblem&, const void* xs, void* h, const ExpertTiling&, int64_t row_begin,
+                         int64_t row_end);
+  void (*expert_down)(const ExpertProblem&, const void* h, const ExpertTiling&, int64_t row_begin, int64_t row_end);
 };
 
 // Weight rows per expert tile for `lanes`-wide vectors and `tokens` tokens per tile: ≤ 4, so that the
@@ -156,6 +172,9 @@ inline int expert_tile_tokens(int64_t n, int lanes) {
   return tpt < lanes ? tpt : lanes;
 }
 
+// Tokens per expert from which AMX tiles beat the vector tiles (benchmarks/RESULTS.md).
+constexpr int kAmxMinTokensDefault = 5;
+
 // Defined by the ISA translation units (only those compiled for this target exist).
 extern const KernelTable kTableScalar;
 #if defined(TANDEM_X86_KERNELS)
@@ -164,6 +183,9 @@ extern const KernelTable kTableAvx512;
 #endif
 #if defined(TANDEM_AVX512BF16_KERNELS)
 extern const KernelTable kTableAvx512Bf16;
+#endif
+#if defined(TANDEM_AMX_KERNELS)
+extern const KernelTable kTableAmxBf16;
 #endif
 
 // dispatch.cpp
@@ -174,6 +196,10 @@ int default_threads();
 void attention_decode(const AttentionProblem& p, int n_threads);
 void expert_ffn(const ExpertProblem& p, int n_threads);
 void moe_ffn(const MoeProblem& p, int n_threads);  // moe_dispatch.cpp
+// Fewest tokens per expert that the AMX tiles take (amx_experts.h); fewer go to the vector tiles.
+// Default kAmxMinTokensDefault, or TANDEM_AMX_MIN_TOKENS; settable for benchmarks and tests.
+int amx_min_tokens();
+void set_amx_min_tokens(int n);
 double stream_read(const void* data, size_t n_bytes, int n_threads);
 void stream_copy(void* dst, const void* src, size_t n_bytes, int n_threads);
 

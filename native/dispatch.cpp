@@ -15,12 +15,33 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
-
 #include "common.h"
 #include "convert.h"
 
+#if defined(TANDEM_AMX_KERNELS)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace tandem {
 namespace {
+
+#if defined(TANDEM_AMX_KERNELS)
+// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), and Linux's permission to use the tile
+// state (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, kernel 5.16+): without it the
+// first tile instruction raises SIGILL. Asked once; the permission covers every thread.
+bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+#endif
 
 bool cpu_supports(const KernelTable* t) {
   if (t == &kTableScalar) return true;
@@ -35,11 +56,17 @@ bool cpu_supports(const KernelTable* t) {
 #if defined(TANDEM_AVX512BF16_KERNELS)
   if (t == &kTableAvx512Bf16) return avx512 && __builtin_cpu_supports("avx512bf16");
 #endif
+#if defined(TANDEM_AMX_KERNELS)
+  if (t == &kTableAmxBf16) return avx512 && __builtin_cpu_supports("avx512bf16") && amx_usable();
+#endif
   return false;
 }
 
 // Best first.
 const KernelTable* const kAllTables[] = {
+#if defined(TANDEM_AMX_KERNELS)
+    &kTableAmxBf16,
+#endif
 #if defined(TANDEM_AVX512BF16_KERNELS)
     &kTableAvx512Bf16,
 #endif
@@ -67,6 +94,13 @@ const KernelTable* best_table() {
 }
 
 std::atomic<const KernelTable*> g_table{nullptr};
+
+int amx_min_tokens_from_env() {
+  const char* env = std::getenv("TANDEM_AMX_MIN_TOKENS");
+  const int n = env ? std::atoi(env) : 0;
+  return n >= 1 ? n : kAmxMinTokensDefault;
+}
+std::atomic<int> g_amx_min_tokens{amx_min_tokens_from_env()};
 
 int threads_or_default(int n) { return n > 0 ? n : default_threads(); }
 
@@ -99,6 +133,9 @@ int supported_isas(const char** names, int capacity) {
     if (cpu_supports(t) && n < capacity) names[n++] = t->name;
   return n;
 }
+
+int amx_min_tokens() { return g_amx_min_tokens.load(std::memory_order_relaxed); }
+void set_amx_min_tokens(int n) { g_amx_min_tokens.store(n >= 1 ? n : 1, std::memory_order_relaxed); }
 
 int default_threads() {
 #if defined(_OPENMP)
@@ -230,8 +267,8 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
 void expert_ffn(const ExpertProblem& P, int n_threads) {
   const KernelTable& K = active_table();
   const int nt = threads_or_default(n_threads);
-  const int tpt = expert_tile_tokens(P.n_tokens, K.lanes);
-  const int64_t n_pad = (P.n_tokens + tpt - 1) / tpt * tpt;
+  const ExpertTiling T = K.expert_tiling(P);
+  const int64_t n_pad = T.n_pad;
   const size_t es = dtype_size(K.expert_activation_dtype(P));
   static thread_local std::vector<char> buffer;
   // xs (n_pad × H elements) then h (n_pad × I), tile-interleaved, 64-byte aligned.
@@ -239,24 +276,24 @@ void expert_ffn(const ExpertProblem& P, int n_threads) {
   char* base = scratch(buffer, xs_bytes + size_t(n_pad * P.inter) * es + 64);
   char* xs = base + (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
   char* h = xs + xs_bytes;
-  const int64_t unit = expert_tile_rows(K.lanes, tpt);  // rows per scheduling unit: one tile's rows
+  const int64_t unit = T.rows_per_unit;
   const int64_t n1 = P.inter / unit, n2 = P.hidden / unit;
 
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < n_pad; ++t) K.expert_prepare_x(P, xs, n_pad, tpt, t, t + 1);
+    for (int64_t t = 0; t < n_pad; ++t) K.expert_prepare_x(P, xs, T, t, t + 1);
     // One contiguous run of units per thread, in one call: the kernels read a run in blocks of tiles,
     // a K chunk at a time (see experts_kernel.h).
 #pragma omp for schedule(static)
     for (int i = 0; i < nt; ++i) {
       const int64_t b = n1 * i / nt, e = n1 * (i + 1) / nt;
-      if (e > b) K.expert_gate_up(P, xs, h, n_pad, tpt, b * unit, e * unit);
+      if (e > b) K.expert_gate_up(P, xs, h, T, b * unit, e * unit);
     }
 #pragma omp for schedule(static)
     for (int i = 0; i < nt; ++i) {
       const int64_t b = n2 * i / nt, e = n2 * (i + 1) / nt;
-      if (e > b) K.expert_down(P, h, n_pad, tpt, b * unit, e * unit);
+      if (e > b) K.expert_down(P, h, T, b * unit, e * unit);
     }
   }
 }

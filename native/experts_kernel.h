@@ -72,13 +72,19 @@ void prepare_x_as(const ExpertProblem& P, AT* xs, int tokens_per_tile, int64_t t
   }
 }
 
-void expert_prepare_x(const ExpertProblem& P, void* xs, int64_t n_pad, int tokens_per_tile, int64_t t_begin,
-                      int64_t t_end) {
-  (void)n_pad;
+// The vector tiles' plan for P.n_tokens tokens (see expert_tile_tokens in common.h).
+ExpertTiling expert_tiling(const ExpertProblem& P) {
+  const int tpt = expert_tile_tokens(P.n_tokens, Simd::W);
+  const int64_t n_pad = (P.n_tokens + tpt - 1) / tpt * tpt;
+  // Memory-bound up to ~8 tokens per weight row, then the dot products grow with the tokens.
+  return {tpt, false, n_pad, expert_tile_rows(Simd::W, tpt), std::max<int64_t>(8, n_pad)};
+}
+
+void expert_prepare_x(const ExpertProblem& P, void* xs, const ExpertTiling& T, int64_t t_begin, int64_t t_end) {
   if (expert_activation_dtype(P) == DType::bf16)
-    prepare_x_as(P, static_cast<uint16_t*>(xs), tokens_per_tile, t_begin, t_end);
+    prepare_x_as(P, static_cast<uint16_t*>(xs), T.tokens_per_tile, t_begin, t_end);
   else
-    prepare_x_as(P, static_cast<float*>(xs), tokens_per_tile, t_begin, t_end);
+    prepare_x_as(P, static_cast<float*>(xs), T.tokens_per_tile, t_begin, t_end);
 }
 
 // Weights are prefetched this far ahead of their use: a thread's rows are one contiguous run, but
@@ -374,18 +380,19 @@ void expert_stage(const ExpertProblem& P, const void* in, void* h, int64_t n_pad
   }
 }
 
-void expert_gate_up(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad, int tokens_per_tile,
-                    int64_t row_begin, int64_t row_end) {
-  switch (tokens_per_tile) {
+void expert_gate_up(const ExpertProblem& P, const void* xs, void* h, const ExpertTiling& T, int64_t row_begin,
+                    int64_t row_end) {
+  const int64_t n_pad = T.n_pad;
+  switch (T.tokens_per_tile) {
     case 1: return expert_stage<false, 1>(P, xs, h, n_pad, row_begin, row_end);
     case 4: return expert_stage<false, 4>(P, xs, h, n_pad, row_begin, row_end);
     default: return expert_stage<false, 8>(P, xs, h, n_pad, row_begin, row_end);
   }
 }
 
-void expert_down(const ExpertProblem& P, const void* h, int64_t n_pad, int tokens_per_tile, int64_t row_begin,
-                 int64_t row_end) {
-  switch (tokens_per_tile) {
+void expert_down(const ExpertProblem& P, const void* h, const ExpertTiling& T, int64_t row_begin, int64_t row_end) {
+  const int64_t n_pad = T.n_pad;
+  switch (T.tokens_per_tile) {
     case 1: return expert_stage<true, 1>(P, h, nullptr, n_pad, row_begin, row_end);
     case 4: return expert_stage<true, 4>(P, h, nullptr, n_pad, row_begin, row_end);
     default: return expert_stage<true, 8>(P, h, nullptr, n_pad, row_begin, row_end);

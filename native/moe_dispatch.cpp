@@ -36,9 +36,8 @@ constexpr int64_t kReduceCols = 128;
 // One expert's pairs [pair_begin, pair_begin + P.n_tokens) within one pass.
 struct Segment {
   ExpertProblem P;  // x: the gathered rows (unit stride, H per row); y: this segment's fp32 rows
-  int64_t pair_begin, n_pad, unit;  // padded tokens; weight rows per scheduling unit (one tile's rows)
-  int tpt;                          // tokens per tile
-  int64_t row_cost;                 // work of one weight row: reading it (≈ 8 tokens' dot products) or the dot products
+  ExpertTiling T;
+  int64_t pair_begin;
   int64_t act_begin;                // first padded row in the pass (phase A's index)
   int64_t cost1_begin, cost2_begin;  // where its rows start in the pass's stage-1 / stage-2 cost
   size_t xg_off, xs_off, h_off, y_off;  // bytes from the scratch base
@@ -67,15 +66,16 @@ void run_stage(const KernelTable& K, const Segment* segs, const Pass& ps, char* 
   for (int64_t s = ps.seg_begin; s < ps.seg_end; ++s) {
     const Segment& S = segs[s];
     const int64_t begin = kDown ? S.cost2_begin : S.cost1_begin;
-    const int64_t uc = S.unit * S.row_cost;  // cost of one unit
-    const int64_t n_units = (kDown ? S.P.hidden : S.P.inter) / S.unit;
+    const int64_t uc = S.T.rows_per_unit * S.T.row_cost;  // cost of one unit
+    const int64_t n_units = (kDown ? S.P.hidden : S.P.inter) / S.T.rows_per_unit;
     if (begin >= c1) break;
     if (begin + n_units * uc <= c0) continue;
     const int64_t b = std::min(n_units, ceil_div(std::max<int64_t>(0, c0 - begin), uc));
     const int64_t e = std::min(n_units, ceil_div(std::max<int64_t>(0, c1 - begin), uc));
     if (e <= b) continue;
-    if constexpr (kDown) K.expert_down(S.P, base + S.h_off, S.n_pad, S.tpt, b * S.unit, e * S.unit);
-    else K.expert_gate_up(S.P, base + S.xs_off, base + S.h_off, S.n_pad, S.tpt, b * S.unit, e * S.unit);
+    const int64_t unit = S.T.rows_per_unit;
+    if constexpr (kDown) K.expert_down(S.P, base + S.h_off, S.T, b * unit, e * unit);
+    else K.expert_gate_up(S.P, base + S.xs_off, base + S.h_off, S.T, b * unit, e * unit);
   }
 }
 
@@ -108,18 +108,17 @@ void moe_ffn(const MoeProblem& M, int n_threads) {
     pair_end += E.n_pairs;
     for (int64_t p0 = pair_begin; p0 < pair_end; p0 += kMaxPassRows) {
       const int64_t n = std::min(kMaxPassRows, pair_end - p0);
-      const int tpt = expert_tile_tokens(n, K.lanes);
-      const int64_t n_pad = ceil_div(n, tpt) * tpt;
-      if (cur.act_rows + n_pad > kMaxPassRows) close_pass();
       Segment S;
       S.P = ExpertProblem{nullptr, M.x_dtype, n, H, I, H, reinterpret_cast<const void*>(E.gate_up_ptr),
                           reinterpret_cast<const void*>(E.down_ptr), M.w_dtype, E.gate_up_stride,
                           E.down_stride, nullptr, DType::f32, H};
-      S.pair_begin = p0, S.n_pad = n_pad, S.tpt = tpt, S.unit = expert_tile_rows(K.lanes, tpt);
-      S.row_cost = std::max<int64_t>(8, n_pad);  // memory-bound up to ~8 tokens, then compute grows
+      S.T = K.expert_tiling(S.P);
+      const int64_t n_pad = S.T.n_pad, row_cost = S.T.row_cost;
+      if (cur.act_rows + n_pad > kMaxPassRows) close_pass();
+      S.pair_begin = p0;
       S.act_begin = cur.act_rows, cur.act_rows += n_pad;
-      S.cost1_begin = cur.cost1, cur.cost1 += I * S.row_cost;
-      S.cost2_begin = cur.cost2, cur.cost2 += H * S.row_cost;
+      S.cost1_begin = cur.cost1, cur.cost1 += I * row_cost;
+      S.cost2_begin = cur.cost2, cur.cost2 += H * row_cost;
       S.xs_off = cursor, cursor += round64(size_t(n_pad * H) * aes);
       S.h_off = cursor, cursor += round64(size_t(n_pad * I) * aes);
       S.xg_off = cursor, cursor += round64(size_t(n * H) * xes);
@@ -189,7 +188,7 @@ void moe_ffn(const MoeProblem& M, int n_threads) {
         if (t < S->P.n_tokens)
           std::memcpy(base + S->xg_off + t * x_row_bytes, x + M.tokens[S->pair_begin + t] * M.x_stride * int64_t(xes),
                       x_row_bytes);
-        K.expert_prepare_x(S->P, base + S->xs_off, S->n_pad, S->tpt, t, t + 1);
+        K.expert_prepare_x(S->P, base + S->xs_off, S->T, t, t + 1);
       }
       // B, C: one contiguous run of units per thread, across experts (the kernels read a run in blocks of
       // tiles, a K chunk at a time; see experts_kernel.h).

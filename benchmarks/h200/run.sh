@@ -52,6 +52,8 @@
 #                                    #   48 layers, 32K, bs 1 and 4, twice; bench kv 32K (8 layers) once
 #   (AL: the next layer's first load copied ahead, at commit e44b45b; reverted: no gain measured at bs=1)
 #   bash benchmarks/h200/run.sh AL   # tests; bench kv 32K twice; 48 layers once
+#   bash benchmarks/h200/run.sh AM   # AMX expert tiles: expert kernel tests on every ISA; cpu-kernels experts, vector
+#                                    #   against AMX tiles per token count, and moe_ffn
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -340,6 +342,26 @@ if [ "$phase" = AK ]; then
       --lengths 32768 --batch-sizes 1,4 --json "$out/kv-32k-L48-$run.json" 2>>"$log" | tail -3 | tee -a "$log"
   done
   bench_kv_32k lone-part
+fi
+if [ "$phase" = AM ]; then
+  grep -o -w -E "amx_(tile|bf16|int8)|avx512_bf16" /proc/cpuinfo | sort | uniq -c | tee -a "$log"
+  step tests: native expert kernels on every ISA here, the decode graphs failed capture
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_experts_cpu.py \
+    "tests/models/test_decode_graph.py::test_a_failed_capture_falls_back_to_eager_steps" > "$out/pytest.log" 2>&1
+  tail -3 "$out/pytest.log" | tee -a "$log"; grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -20 | tee -a "$log"
+  step bench cpu-kernels: experts, vector and AMX tiles per token count
+  timeout 300 python3 -m engine.cli bench cpu-kernels --sections stream,experts,moe --thread-counts 15 \
+    --tokens 1,2,3,4,5,6,8,12,16,32,64,128 --moe-tokens 1,4,8,16 --quick --repeats 9 \
+    --json "$out/cpu-kernels-amx.json" > /dev/null 2>>"$log"
+  python3 - "$out/cpu-kernels-amx.json" <<'PY' 2>&1 | tee -a "$log"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("isa", r["native"]["isa"], "stream", [(s["threads"], s["read_GBps"]) for s in r.get("stream", [])])
+for p in r["experts"]["points"]:
+    print(p["tokens"], p.get("native_GBps"), "vector", p.get("native_vector_GBps"), "amx", p.get("native_amx_GBps"),
+          "torch", p["torch_GBps"])
+print(json.dumps(r["summary"]))
+PY
 fi
 if [ "$phase" = AL ]; then
   kv_tests

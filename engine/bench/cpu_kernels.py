@@ -143,6 +143,11 @@ def experts(tokens: list[int], threads: list[int], repeats: int, *, hidden: int,
                 with _native_for_all_tokens():
                     ms = time_cpu(lambda i: native_fn(x, *store.views(i)), 2, repeats).median_ms
                 row.update(native_ms=round(ms, 4), native_GBps=_gbps(nbytes, ms))
+                if native.isa() == "amx-bf16":  # both tile kinds at every count, beside the default's choice
+                    for kind, threshold in (("vector", 1 << 30), ("amx", 1)):
+                        with _amx_min_tokens(threshold), _native_for_all_tokens():
+                            ms = time_cpu(lambda i: native_fn(x, *store.views(i)), 2, repeats).median_ms
+                        row[f"native_{kind}_GBps"] = _gbps(nbytes, ms)
                 if (read_gbps or {}).get(t):  # per-core efficiency: weights read vs a plain read, same threads
                     row.update(stream_read_GBps=read_gbps[t],
                                native_fraction_of_read=round(row["native_GBps"] / read_gbps[t], 3))
@@ -186,6 +191,20 @@ class _native_for_all_tokens:
 
     def __exit__(self, *exc):
         experts_cpu.set_native_max_tokens(self.saved)
+
+
+class _amx_min_tokens:
+    """Sends experts with at least n tokens to the AMX tiles (amx-bf16 only), then restores the setting."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        self.saved = native.module().amx_min_tokens()
+        native.module().set_amx_min_tokens(self.n)
+
+    def __exit__(self, *exc):
+        native.module().set_amx_min_tokens(self.saved)
 
 
 def _crossover(rows: list[dict]) -> dict:

@@ -223,3 +223,46 @@ def test_moe_ffn_bad_inputs_raise_clear_errors():
         experts_cpu.moe_ffn(x, [expert], tok, w, out=torch.empty(4, H, dtype=torch.bfloat16))
     with pytest.raises(KernelInputError, match="2-D"):
         experts_cpu.moe_ffn(x.double(), [expert], tok, w)
+
+
+@pytest.fixture
+def amx_everywhere():
+    """The AMX tiles for every token count (skipped where this CPU has no AMX)."""
+    from engine.kernels import native
+
+    m = native.module()
+    if m is None or "amx-bf16" not in m.supported_isas():
+        pytest.skip("no AMX on this CPU")
+    assert m.select_isa("amx-bf16")
+    saved = m.amx_min_tokens()
+    m.set_amx_min_tokens(1)
+    yield m
+    m.set_amx_min_tokens(saved)
+    m.select_isa("auto")
+
+
+@pytest.mark.parametrize("H, I", [(128, 96), (1088, 96), (96, 1088)])
+def test_amx_tiles_at_every_token_count(amx_everywhere, H, I, monkeypatch):
+    """Groups of ≤ 16 tokens as even as they come (17 → 2 × 9, 33 → 3 × 11), passes of two groups and a
+    last pass of one, odd numbers of 16-row blocks per thread (stage 2 takes two blocks at a time), rows
+    longer than the prefetch distance."""
+    monkeypatch.setattr(experts_cpu, "_native_max_tokens", 256)
+    gate_up, down = weights(H, I, torch.bfloat16)
+    for n, threads in ((1, 2), (2, 3), (4, 1), (5, 2), (8, 3), (16, 2), (17, 3), (33, 2), (64, 3)):
+        x = torch.randn(n, H).bfloat16()
+        out = torch.full((n, H), math.nan).bfloat16()
+        check(expert_ffn(x, gate_up, down, out=out, threads=threads), x, gate_up, down, torch.bfloat16)
+    x = torch.randn(6, H)  # fp32 activations in and out
+    check(expert_ffn(x, gate_up, down, threads=2), x.bfloat16(), gate_up, down, torch.bfloat16)
+
+
+def test_amx_tiles_in_one_moe_call(amx_everywhere, monkeypatch):
+    """One layer's experts on AMX tiles and (below the threshold) vector tiles in one call."""
+    monkeypatch.setattr(experts_cpu, "_native_max_tokens", 256)
+    amx_everywhere.set_amx_min_tokens(4)
+    H, I, N = 128, 96, 24
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    experts = [weights(H, I, torch.bfloat16) for _ in range(5)]
+    tokens, w = routing(N, [1, 3, 4, 17, 24], gen)
+    x = torch.randn(N, H).bfloat16()
+    check_moe(experts_cpu.moe_ffn(x, experts, tokens, w, threads=3), x, experts, tokens, w, torch.bfloat16)

@@ -1,0 +1,178 @@
+// SwiGLU expert FFN on AMX tiles (Intel Sapphire Rapids and later), for tokens enough that the
+// vector kernels (experts_kernel.h) stop being bound by memory: there every token adds a VDPBF16PS
+// per 64 bytes of weights, and 5–8 tokens measured ~0.8 of the 4-token GB/s on the H200 host, 12
+// tokens ~0.45. One TDPBF16PS multiplies 16 weight rows × 32 elements by 32 elements × up to 16
+// tokens, so the weights stream at DRAM speed whatever the tokens.
+// Included inside the anonymous namespace of isa_amx.cpp, after simd_avx512.h and experts_kernel.h.
+//
+// Tile registers (one configuration per call, N = tokens per tile):
+//   C(r, g) = tmm(2g + r): row block r × token group g, 16 rows × N fp32;
+//   A(r)    = tmm(4 + r):  16 weight rows × 32 elements (bf16), loaded in place from the expert;
+//   B(g)    = tmm(6 + g):  32 elements × N tokens of activations as 16 pair rows: pair row p holds,
+//                          per token, elements 2p and 2p + 1 (the layout TDPBF16PS multiplies).
+// Stage 1 takes the gate and the up rows of one block as its two row blocks (so silu(g)·u is formed
+// from its own tiles); stage 2 two consecutive blocks of down rows.
+//
+// Activations (xs, h) in that pair layout per group of N tokens: element (t, k) of K per token at
+// amx_index(t, k, K, N); a group is N·K contiguous elements, a tile step 16 pair rows of 2N.
+
+constexpr int kAmxRows = 16;       // weight rows per A tile, and the scheduling unit
+constexpr int kAmxStep = 32;       // elements of K per tile step (64 bytes of bf16)
+constexpr int kAmxMaxTokens = 16;  // columns of a C tile (64 bytes of fp32)
+
+constexpr int64_t amx_index(int64_t t, int64_t k, int64_t K, int64_t N) {
+  return t / N * N * K + k / 2 * 2 * N + t % N * 2 + k % 2;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row of tile i
+  uint8_t rows[16] = {};
+};
+
+void load_tile_config(int n_tokens) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = kAmxRows;
+    cfg.colsb[i] = uint16_t(i == 4 || i == 5 ? 2 * kAmxStep : 4 * n_tokens);
+  }
+  // ldtilecfg's asm names only the first 8 bytes as its input: make the whole struct visible.
+  __asm__ volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// C(r, g) = A(r) · B(g) over K for R row blocks (a[r]: a block's first row, rows `stride` elements
+// apart) and G token groups (b[g]), stored to c + (g·R + r)·16·N (16 × N fp32, row-major).
+// next_block: elements from a row to the same row of the block this thread reads next; the rows
+// are prefetched kWeightPrefetchBytes ahead into L2 (not L1: the 16 rows of a gate/up block sit
+// 4 KiB apart, in one L1 set), across the end of a row into that next block.
+template <int R, int G>
+void amx_tiles(const uint16_t* const* a, int64_t stride, int64_t next_block, const uint16_t* const* b, int N,
+               int64_t K, float* c) {
+  _tile_zero(0);
+  if constexpr (R == 2) _tile_zero(1);
+  if constexpr (G == 2) _tile_zero(2);
+  if constexpr (R == 2 && G == 2) _tile_zero(3);
+  const int64_t a_bytes = 2 * stride, b_bytes = 4 * N;  // bytes between tile rows
+  constexpr int64_t ahead = kWeightPrefetchBytes / 2;   // elements
+  for (int64_t k = 0; k < K; k += kAmxStep) {
+    const int64_t kp = k + ahead, pf = kp < K ? kp : kp / K * next_block + kp % K;
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < kAmxRows; ++i) Simd::prefetch(a[r] + i * stride + pf);
+    _tile_loadd(6, b[0] + k * N, b_bytes);  // pair rows k/2 … k/2 + 15, 2N elements each
+    if constexpr (G == 2) _tile_loadd(7, b[1] + k * N, b_bytes);
+    _tile_loadd(4, a[0] + k, a_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (G == 2) _tile_dpbf16ps(2, 4, 7);
+    if constexpr (R == 2) {
+      _tile_loadd(5, a[1] + k, a_bytes);
+      _tile_dpbf16ps(1, 5, 6);
+      if constexpr (G == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const int64_t cs = int64_t(kAmxRows) * N;  // floats per C tile
+  _tile_stored(0, c, b_bytes);
+  if constexpr (R == 2) _tile_stored(1, c + cs, b_bytes);
+  if constexpr (G == 2) _tile_stored(2, c + R * cs, b_bytes);
+  if constexpr (R == 2 && G == 2) _tile_stored(3, c + 3 * cs, b_bytes);
+}
+
+// The tiles' plan for n ≥ amx_min_tokens() tokens with bf16 weights and activations: groups of at
+// most 16 tokens, as even as they come (20 tokens: 2 × 10), so padding is under one token per group.
+ExpertTiling amx_tiling(const ExpertProblem& P) {
+  const int64_t n = P.n_tokens;
+  if (expert_activation_dtype(P) != DType::bf16 || n < amx_min_tokens()) return expert_tiling(P);
+  const int64_t groups = (n + kAmxMaxTokens - 1) / kAmxMaxTokens, N = (n + groups - 1) / groups;
+  // A row is read from DRAM once per call and re-read from L2 per pass of two groups.
+  return {int(N), true, groups * N, kAmxRows, 8 + 2 * ((groups + 1) / 2 - 1)};
+}
+
+void amx_prepare_x(const ExpertProblem& P, void* xs, const ExpertTiling& T, int64_t t_begin, int64_t t_end) {
+  const int64_t H = P.hidden, N = T.tokens_per_tile;
+  uint16_t* dst = static_cast<uint16_t*>(xs);
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const char* src = static_cast<const char*>(P.x) + t * P.x_stride * int64_t(dtype_size(P.x_dtype));
+    for (int64_t k = 0; k < H; ++k)
+      dst[amx_index(t, k, H, N)] = t < P.n_tokens ? f32_to_bf16(load_as_f32(src, P.x_dtype, k)) : uint16_t(0);
+  }
+}
+
+// Rows [j0, j1) of h (whole 16-row blocks): h[t][j] = silu(gate_j · x_t) · (up_j · x_t), as bf16.
+void amx_gate_up(const ExpertProblem& P, const void* xs, void* h, const ExpertTiling& T, int64_t j0, int64_t j1) {
+  const int N = T.tokens_per_tile;
+  const int64_t H = P.hidden, I = P.inter, S = P.gate_up_stride, groups = T.n_pad / N, cs = int64_t(kAmxRows) * N;
+  const uint16_t* gu = static_cast<const uint16_t*>(P.gate_up);
+  const uint16_t* x = static_cast<const uint16_t*>(xs);
+  uint16_t* hb = static_cast<uint16_t*>(h);
+  alignas(64) float c[4 * kAmxRows * kAmxMaxTokens];
+  load_tile_config(N);
+  for (int64_t jb = j0; jb < j1; jb += kAmxRows) {
+    const uint16_t* a[2] = {gu + jb * S, gu + (I + jb) * S};  // gate rows, up rows
+    for (int64_t g0 = 0; g0 < groups; g0 += 2) {  // a pass: two groups while the block's rows are in L2
+      const uint16_t* b[2] = {x + g0 * N * H, x + std::min(g0 + 1, groups - 1) * N * H};
+      const int G = groups - g0 >= 2 ? 2 : 1;
+      if (G == 2) amx_tiles<2, 2>(a, S, kAmxRows * S, b, N, H, c);
+      else amx_tiles<2, 1>(a, S, kAmxRows * S, b, N, H, c);
+      for (int g = 0; g < G; ++g) {
+        float* gate = c + 2 * g * cs;  // (16 rows, N tokens); up follows it
+        for (int64_t i = 0; i < cs; i += Simd::W)
+          Simd::store(gate + i, swiglu(Simd::load(gate + i), Simd::load(gate + cs + i)));
+        for (int r = 0; r < kAmxRows; ++r)
+          for (int n = 0; n < N; ++n) hb[amx_index((g0 + g) * N + n, jb + r, I, N)] = f32_to_bf16(gate[r * N + n]);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// Rows [r0, r1) of y (whole 16-row blocks, two at a time): y[t][r] = down_r · h_t, in y's dtype.
+void amx_down(const ExpertProblem& P, const void* h, const ExpertTiling& T, int64_t r0, int64_t r1) {
+  const int N = T.tokens_per_tile;
+  const int64_t I = P.inter, S = P.down_stride, groups = T.n_pad / N, cs = int64_t(kAmxRows) * N;
+  const uint16_t* dn = static_cast<const uint16_t*>(P.down);
+  const uint16_t* hb = static_cast<const uint16_t*>(h);
+  alignas(64) float c[4 * kAmxRows * kAmxMaxTokens];
+  load_tile_config(N);
+  for (int64_t rb = r0; rb < r1; rb += 2 * kAmxRows) {
+    const int R = rb + 2 * kAmxRows <= r1 ? 2 : 1;
+    const uint16_t* a[2] = {dn + rb * S, dn + (rb + kAmxRows) * S};
+    for (int64_t g0 = 0; g0 < groups; g0 += 2) {
+      const uint16_t* b[2] = {hb + g0 * N * I, hb + std::min(g0 + 1, groups - 1) * N * I};
+      const int G = groups - g0 >= 2 ? 2 : 1;
+      const int64_t next = 2 * kAmxRows * S;
+      if (R == 2 && G == 2) amx_tiles<2, 2>(a, S, next, b, N, I, c);
+      else if (R == 2) amx_tiles<2, 1>(a, S, next, b, N, I, c);
+      else if (G == 2) amx_tiles<1, 2>(a, S, next, b, N, I, c);
+      else amx_tiles<1, 1>(a, S, next, b, N, I, c);
+      for (int g = 0; g < G; ++g)
+        for (int r = 0; r < R; ++r) {
+          const float* tile = c + (g * R + r) * cs;
+          for (int n = 0; n < N; ++n) {
+            const int64_t t = (g0 + g) * N + n;
+            if (t >= P.n_tokens) break;
+            for (int i = 0; i < kAmxRows; ++i)
+              store_from_f32(P.y, P.y_dtype, t * P.y_stride + rb + r * kAmxRows + i, tile[i * N + n]);
+          }
+        }
+    }
+  }
+  _tile_release();
+}
+
+// The table's entries: the tiles where the plan says so, the vector kernels otherwise.
+void amx_or_vector_prepare_x(const ExpertProblem& P, void* xs, const ExpertTiling& T, int64_t t_begin,
+                             int64_t t_end) {
+  if (T.matrix_tiles) amx_prepare_x(P, xs, T, t_begin, t_end);
+  else expert_prepare_x(P, xs, T, t_begin, t_end);
+}
+
+void amx_or_vector_gate_up(const ExpertProblem& P, const void* xs, void* h, const ExpertTiling& T, int64_t b,
+                           int64_t e) {
+  if (T.matrix_tiles) amx_gate_up(P, xs, h, T, b, e);
+  else expert_gate_up(P, xs, h, T, b, e);
+}
+
+void amx_or_vector_down(const ExpertProblem& P, const void* h, const ExpertTiling& T, int64_t b, int64_t e) {
+  if (T.matrix_tiles) amx_down(P, h, T, b, e);
+  else expert_down(P, h, T, b, e);
+}
