@@ -6,23 +6,20 @@
 // Included inside the anonymous namespace of isa_amx.cpp, after simd_avx512.h and experts_kernel.h.
 //
 // Tile registers (one configuration per call, N = tokens per tile):
-//   C(r, g) = tmm(2g + r): row block r × token group g, 16 rows × N fp32;
-//   A(r)    = tmm(4 + r):  16 weight rows × 32 elements (bf16), loaded in place from the expert;
+//   C(r, g) = tmm(2g + r): row block r × token group g, M rows × N fp32;
+//   A(r)    = tmm(4 + r):  M weight rows × 32 elements (bf16), loaded in place from the expert;
 //   B(g)    = tmm(6 + g):  32 elements × N tokens of activations as 16 pair rows: pair row p holds,
 //                          per token, elements 2p and 2p + 1 (the layout TDPBF16PS multiplies).
 // Stage 1 takes the gate and the up rows of one block as its two row blocks (so silu(g)·u is formed
 // from its own tiles); stage 2 two consecutive blocks of down rows.
 //
-// Activations (xs, h) in that pair layout per group of N tokens: element (t, k) of K per token at
-// amx_index(t, k, K, N); a group is N·K contiguous elements, a tile step 16 pair rows of 2N.
+// Activations (xs, h) in that pair layout per group of N tokens: a group is N·K contiguous bf16, pair
+// p of token t at 32-bit word p·N + t mod N of its group (amx_pair_column), so a tile step reads 16
+// pair rows of 2N elements.
 
-constexpr int kAmxRows = 16;       // weight rows per A tile, and the scheduling unit
+constexpr int kAmxMaxRows = 16;    // weight rows of an A tile (a plan uses 8 or 16: ExpertTiling::rows_per_unit)
 constexpr int kAmxStep = 32;       // elements of K per tile step (64 bytes of bf16)
 constexpr int kAmxMaxTokens = 16;  // columns of a C tile (64 bytes of fp32)
-
-constexpr int64_t amx_index(int64_t t, int64_t k, int64_t K, int64_t N) {
-  return t / N * N * K + k / 2 * 2 * N + t % N * 2 + k % 2;
-}
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -30,24 +27,26 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void load_tile_config(int n_tokens) {
+// C and A tiles of `rows` weight rows, B tiles of 16 pair rows; N tokens.
+void load_tile_config(int rows, int n_tokens) {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = kAmxRows;
-    cfg.colsb[i] = uint16_t(i == 4 || i == 5 ? 2 * kAmxStep : 4 * n_tokens);
+    const bool a = i == 4 || i == 5, b = i >= 6;
+    cfg.rows[i] = uint8_t(b ? kAmxStep / 2 : rows);
+    cfg.colsb[i] = uint16_t(a ? 2 * kAmxStep : 4 * n_tokens);
   }
   // ldtilecfg's asm names only the first 8 bytes as its input: make the whole struct visible.
   __asm__ volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
-// C(r, g) = A(r) · B(g) over K for R row blocks (a[r]: a block's first row, rows `stride` elements
-// apart) and G token groups (b[g]), stored to c + (g·R + r)·16·N (16 × N fp32, row-major).
+// C(r, g) = A(r) · B(g) over K for R row blocks of M rows (a[r]: a block's first row, rows `stride`
+// elements apart) and G token groups (b[g]), stored to c + (g·R + r)·M·N (M × N fp32, row-major).
 // next_block: elements from a row to the same row of the block this thread reads next; the rows
-// are prefetched kWeightPrefetchBytes ahead into L2 (not L1: the 16 rows of a gate/up block sit
-// 4 KiB apart, in one L1 set), across the end of a row into that next block.
+// are prefetched kWeightPrefetchBytes ahead into L2 (not L1: the rows of a gate/up block sit 4 KiB
+// apart, in one L1 set), across the end of a row into that next block.
 template <int R, int G>
-void amx_tiles(const uint16_t* const* a, int64_t stride, int64_t next_block, const uint16_t* const* b, int N,
+void amx_tiles(const uint16_t* const* a, int M, int64_t stride, int64_t next_block, const uint16_t* const* b, int N,
                int64_t K, float* c) {
   _tile_zero(0);
   if constexpr (R == 2) _tile_zero(1);
@@ -58,7 +57,7 @@ void amx_tiles(const uint16_t* const* a, int64_t stride, int64_t next_block, con
   for (int64_t k = 0; k < K; k += kAmxStep) {
     const int64_t kp = k + ahead, pf = kp < K ? kp : kp / K * next_block + kp % K;
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < kAmxRows; ++i) Simd::prefetch(a[r] + i * stride + pf);
+      for (int i = 0; i < M; ++i) Simd::prefetch(a[r] + i * stride + pf);
     _tile_loadd(6, b[0] + k * N, b_bytes);  // pair rows k/2 … k/2 + 15, 2N elements each
     if constexpr (G == 2) _tile_loadd(7, b[1] + k * N, b_bytes);
     _tile_loadd(4, a[0] + k, a_bytes);
@@ -70,11 +69,20 @@ void amx_tiles(const uint16_t* const* a, int64_t stride, int64_t next_block, con
       if constexpr (G == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  const int64_t cs = int64_t(kAmxRows) * N;  // floats per C tile
+  const int64_t cs = int64_t(M) * N;  // floats per C tile
   _tile_stored(0, c, b_bytes);
   if constexpr (R == 2) _tile_stored(1, c + cs, b_bytes);
   if constexpr (G == 2) _tile_stored(2, c + R * cs, b_bytes);
   if constexpr (R == 2 && G == 2) _tile_stored(3, c + 3 * cs, b_bytes);
+}
+
+// Rows per tile: TANDEM_AMX_TILE_ROWS (8 or 16) for benchmarks, else 16.
+int amx_tile_rows() {
+  static const int rows = [] {
+    const char* env = std::getenv("TANDEM_AMX_TILE_ROWS");
+    return env && std::atoi(env) == 8 ? 8 : kAmxMaxRows;
+  }();
+  return rows;
 }
 
 // The tiles' plan for n ≥ amx_min_tokens() tokens with bf16 weights and activations: groups of at
@@ -83,75 +91,92 @@ ExpertTiling amx_tiling(const ExpertProblem& P) {
   const int64_t n = P.n_tokens;
   if (expert_activation_dtype(P) != DType::bf16 || n < amx_min_tokens()) return expert_tiling(P);
   const int64_t groups = (n + kAmxMaxTokens - 1) / kAmxMaxTokens, N = (n + groups - 1) / groups;
-  // A row is read from DRAM once per call and re-read from L2 per pass of two groups.
-  return {int(N), true, groups * N, kAmxRows, 8 + 2 * ((groups + 1) / 2 - 1)};
+  // A row is read from DRAM once per call and re-read from L2 per further pass of two groups.
+  return {int(N), true, groups * N, amx_tile_rows(), 8 + 2 * ((groups + 1) / 2 - 1)};
 }
+
+// Pair (element 2p, 2p + 1) of token t's row at 32-bit word p·N of its group's column (t mod N).
+inline uint32_t* amx_pair_column(void* act, int64_t t, int64_t K, int64_t N) {
+  return static_cast<uint32_t*>(act) + t / N * N * K / 2 + t % N;
+}
+
+inline uint32_t bf16_pair(float lo, float hi) { return uint32_t(f32_to_bf16(lo)) | uint32_t(f32_to_bf16(hi)) << 16; }
 
 void amx_prepare_x(const ExpertProblem& P, void* xs, const ExpertTiling& T, int64_t t_begin, int64_t t_end) {
   const int64_t H = P.hidden, N = T.tokens_per_tile;
-  uint16_t* dst = static_cast<uint16_t*>(xs);
   for (int64_t t = t_begin; t < t_end; ++t) {
+    uint32_t* col = amx_pair_column(xs, t, H, N);
     const char* src = static_cast<const char*>(P.x) + t * P.x_stride * int64_t(dtype_size(P.x_dtype));
-    for (int64_t k = 0; k < H; ++k)
-      dst[amx_index(t, k, H, N)] = t < P.n_tokens ? f32_to_bf16(load_as_f32(src, P.x_dtype, k)) : uint16_t(0);
+    if (t >= P.n_tokens) {
+      for (int64_t p = 0; p < H / 2; ++p) col[p * N] = 0;
+    } else if (P.x_dtype == DType::bf16) {  // a pair of bf16 is one 32-bit word already
+      for (int64_t p = 0; p < H / 2; ++p) std::memcpy(col + p * N, src + 4 * p, 4);
+    } else {
+      for (int64_t p = 0; p < H / 2; ++p)
+        col[p * N] = bf16_pair(load_as_f32(src, P.x_dtype, 2 * p), load_as_f32(src, P.x_dtype, 2 * p + 1));
+    }
   }
 }
 
-// Rows [j0, j1) of h (whole 16-row blocks): h[t][j] = silu(gate_j · x_t) · (up_j · x_t), as bf16.
+// Rows [j0, j1) of h (whole tiles): h[t][j] = silu(gate_j · x_t) · (up_j · x_t), as bf16 pairs.
 void amx_gate_up(const ExpertProblem& P, const void* xs, void* h, const ExpertTiling& T, int64_t j0, int64_t j1) {
-  const int N = T.tokens_per_tile;
-  const int64_t H = P.hidden, I = P.inter, S = P.gate_up_stride, groups = T.n_pad / N, cs = int64_t(kAmxRows) * N;
+  const int N = T.tokens_per_tile, M = int(T.rows_per_unit);
+  const int64_t H = P.hidden, I = P.inter, S = P.gate_up_stride, groups = T.n_pad / N, cs = int64_t(M) * N;
   const uint16_t* gu = static_cast<const uint16_t*>(P.gate_up);
   const uint16_t* x = static_cast<const uint16_t*>(xs);
-  uint16_t* hb = static_cast<uint16_t*>(h);
-  alignas(64) float c[4 * kAmxRows * kAmxMaxTokens];
-  load_tile_config(N);
-  for (int64_t jb = j0; jb < j1; jb += kAmxRows) {
+  alignas(64) float c[4 * kAmxMaxRows * kAmxMaxTokens];
+  load_tile_config(M, N);
+  for (int64_t jb = j0; jb < j1; jb += M) {
     const uint16_t* a[2] = {gu + jb * S, gu + (I + jb) * S};  // gate rows, up rows
     for (int64_t g0 = 0; g0 < groups; g0 += 2) {  // a pass: two groups while the block's rows are in L2
       const uint16_t* b[2] = {x + g0 * N * H, x + std::min(g0 + 1, groups - 1) * N * H};
       const int G = groups - g0 >= 2 ? 2 : 1;
-      if (G == 2) amx_tiles<2, 2>(a, S, kAmxRows * S, b, N, H, c);
-      else amx_tiles<2, 1>(a, S, kAmxRows * S, b, N, H, c);
+      if (G == 2) amx_tiles<2, 2>(a, M, S, M * S, b, N, H, c);
+      else amx_tiles<2, 1>(a, M, S, M * S, b, N, H, c);
       for (int g = 0; g < G; ++g) {
-        float* gate = c + 2 * g * cs;  // (16 rows, N tokens); up follows it
-        for (int64_t i = 0; i < cs; i += Simd::W)
+        float* gate = c + 2 * g * cs;  // (M rows, N tokens); up follows it
+        int64_t i = 0;
+        for (; i + Simd::W <= cs; i += Simd::W)
           Simd::store(gate + i, swiglu(Simd::load(gate + i), Simd::load(gate + cs + i)));
-        for (int r = 0; r < kAmxRows; ++r)
-          for (int n = 0; n < N; ++n) hb[amx_index((g0 + g) * N + n, jb + r, I, N)] = f32_to_bf16(gate[r * N + n]);
+        for (; i < cs; ++i) gate[i] = gate[i] * gate[cs + i] / (1.0f + std::exp(-gate[i]));
+        // Column n of the pass's group: rows jb … jb + M − 1 as M/2 pairs, N words apart.
+        uint32_t* col = amx_pair_column(h, (g0 + g) * N, I, N) + jb / 2 * N;
+        for (int r = 0; r < M; r += 2)
+          for (int n = 0; n < N; ++n) col[r / 2 * N + n] = bf16_pair(gate[r * N + n], gate[(r + 1) * N + n]);
       }
     }
   }
   _tile_release();
 }
 
-// Rows [r0, r1) of y (whole 16-row blocks, two at a time): y[t][r] = down_r · h_t, in y's dtype.
+// Rows [r0, r1) of y (whole tiles, two at a time): y[t][r] = down_r · h_t, in y's dtype.
 void amx_down(const ExpertProblem& P, const void* h, const ExpertTiling& T, int64_t r0, int64_t r1) {
-  const int N = T.tokens_per_tile;
-  const int64_t I = P.inter, S = P.down_stride, groups = T.n_pad / N, cs = int64_t(kAmxRows) * N;
+  const int N = T.tokens_per_tile, M = int(T.rows_per_unit);
+  const int64_t I = P.inter, S = P.down_stride, groups = T.n_pad / N, cs = int64_t(M) * N;
   const uint16_t* dn = static_cast<const uint16_t*>(P.down);
   const uint16_t* hb = static_cast<const uint16_t*>(h);
-  alignas(64) float c[4 * kAmxRows * kAmxMaxTokens];
-  load_tile_config(N);
-  for (int64_t rb = r0; rb < r1; rb += 2 * kAmxRows) {
-    const int R = rb + 2 * kAmxRows <= r1 ? 2 : 1;
-    const uint16_t* a[2] = {dn + rb * S, dn + (rb + kAmxRows) * S};
+  alignas(64) float c[4 * kAmxMaxRows * kAmxMaxTokens];
+  alignas(64) float run[kAmxMaxRows];  // one token's outputs of one tile
+  load_tile_config(M, N);
+  for (int64_t rb = r0; rb < r1; rb += 2 * M) {
+    const int R = rb + 2 * M <= r1 ? 2 : 1;
+    const uint16_t* a[2] = {dn + rb * S, dn + (rb + M) * S};
     for (int64_t g0 = 0; g0 < groups; g0 += 2) {
       const uint16_t* b[2] = {hb + g0 * N * I, hb + std::min(g0 + 1, groups - 1) * N * I};
       const int G = groups - g0 >= 2 ? 2 : 1;
-      const int64_t next = 2 * kAmxRows * S;
-      if (R == 2 && G == 2) amx_tiles<2, 2>(a, S, next, b, N, I, c);
-      else if (R == 2) amx_tiles<2, 1>(a, S, next, b, N, I, c);
-      else if (G == 2) amx_tiles<1, 2>(a, S, next, b, N, I, c);
-      else amx_tiles<1, 1>(a, S, next, b, N, I, c);
+      const int64_t next = 2 * M * S;
+      if (R == 2 && G == 2) amx_tiles<2, 2>(a, M, S, next, b, N, I, c);
+      else if (R == 2) amx_tiles<2, 1>(a, M, S, next, b, N, I, c);
+      else if (G == 2) amx_tiles<1, 2>(a, M, S, next, b, N, I, c);
+      else amx_tiles<1, 1>(a, M, S, next, b, N, I, c);
       for (int g = 0; g < G; ++g)
         for (int r = 0; r < R; ++r) {
           const float* tile = c + (g * R + r) * cs;
           for (int n = 0; n < N; ++n) {
             const int64_t t = (g0 + g) * N + n;
             if (t >= P.n_tokens) break;
-            for (int i = 0; i < kAmxRows; ++i)
-              store_from_f32(P.y, P.y_dtype, t * P.y_stride + rb + r * kAmxRows + i, tile[i * N + n]);
+            for (int i = 0; i < M; ++i) run[i] = tile[i * N + n];
+            store_run(P.y, P.y_dtype, t * P.y_stride + rb + r * M, run, M);
           }
         }
     }

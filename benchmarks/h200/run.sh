@@ -54,6 +54,8 @@
 #   bash benchmarks/h200/run.sh AL   # tests; bench kv 32K twice; 48 layers once
 #   bash benchmarks/h200/run.sh AM   # AMX expert tiles: expert kernel tests on every ISA; cpu-kernels experts, vector
 #                                    #   against AMX tiles per token count, and moe_ffn
+#   bash benchmarks/h200/run.sh AN   # AMX tiles of 16 and 8 rows: tests; experts vector against AMX alternated; moe_ffn
+#                                    #   with and without AMX
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -362,6 +364,37 @@ for p in r["experts"]["points"]:
           "torch", p["torch_GBps"])
 print(json.dumps(r["summary"]))
 PY
+fi
+experts_table() {  # $1: a cpu-kernels record
+  python3 - "$1" <<'PY' 2>&1 | tee -a "$log"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("isa", r["native"]["isa"], "stream", [(s["threads"], s["read_GBps"]) for s in r.get("stream", [])])
+for p in (r.get("experts") or {}).get("points", []):
+    print(p["tokens"], p.get("native_GBps"), "vector", p.get("native_vector_GBps"), "amx", p.get("native_amx_GBps"),
+          "torch", p["torch_GBps"])
+print(json.dumps(r["summary"]))
+PY
+}
+if [ "$phase" = AN ]; then
+  step tests: native expert kernels on every ISA here, AMX tiles of 16 and of 8 rows
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_experts_cpu.py > "$out/pytest.log" 2>&1
+  TANDEM_AMX_TILE_ROWS=8 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_experts_cpu.py \
+    -k "amx or moe or token" >> "$out/pytest.log" 2>&1
+  grep -E "passed|failed" "$out/pytest.log" | tee -a "$log"; grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -20 | tee -a "$log"
+  for rows in 16 8; do
+    step bench cpu-kernels experts, AMX tiles of $rows rows against vector tiles, alternated
+    TANDEM_AMX_TILE_ROWS=$rows timeout 200 python3 -m engine.cli bench cpu-kernels --sections stream,experts \
+      --thread-counts 15 --tokens 1,2,4,5,6,8,12,16,32,128 --quick --repeats 9 \
+      --json "$out/cpu-kernels-amx-rows$rows.json" > /dev/null 2>>"$log"
+    experts_table "$out/cpu-kernels-amx-rows$rows.json"
+  done
+  for min in 100000 5; do
+    step bench cpu-kernels moe, AMX from $min tokens per expert
+    TANDEM_AMX_MIN_TOKENS=$min timeout 150 python3 -m engine.cli bench cpu-kernels --sections moe --thread-counts 15 \
+      --moe-tokens 1,4,8,16 --repeats 15 --json "$out/cpu-kernels-moe-amx$min.json" > /dev/null 2>>"$log"
+    experts_table "$out/cpu-kernels-moe-amx$min.json"
+  done
 fi
 if [ "$phase" = AL ]; then
   kv_tests
