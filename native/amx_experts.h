@@ -45,9 +45,20 @@ void load_tile_config(int rows, int n_tokens) {
 // next_block: elements from a row to the same row of the block this thread reads next; the rows
 // are prefetched kWeightPrefetchBytes ahead into L2 (not L1: the rows of a gate/up block sit 4 KiB
 // apart, in one L1 set), across the end of a row into that next block.
+// TANDEM_AMX_PACK=1: copy each A tile's rows into a contiguous buffer with vector loads first (benchmarks).
+bool amx_pack() {
+  static const bool pack = [] {
+    const char* env = std::getenv("TANDEM_AMX_PACK");
+    return env && std::atoi(env) == 1;
+  }();
+  return pack;
+}
+
 template <int R, int G>
 void amx_tiles(const uint16_t* const* a, int M, int64_t stride, int64_t next_block, const uint16_t* const* b, int N,
                int64_t K, float* c) {
+  alignas(64) uint16_t packed[2][2][kAmxMaxRows * kAmxStep];  // [k step parity][row block]: M rows × 64 bytes
+  const bool pack = amx_pack();
   _tile_zero(0);
   if constexpr (R == 2) _tile_zero(1);
   if constexpr (G == 2) _tile_zero(2);
@@ -60,11 +71,20 @@ void amx_tiles(const uint16_t* const* a, int M, int64_t stride, int64_t next_blo
       for (int i = 0; i < M; ++i) Simd::prefetch(a[r] + i * stride + pf);
     _tile_loadd(6, b[0] + k * N, b_bytes);  // pair rows k/2 … k/2 + 15, 2N elements each
     if constexpr (G == 2) _tile_loadd(7, b[1] + k * N, b_bytes);
-    _tile_loadd(4, a[0] + k, a_bytes);
+    if (pack) {
+      uint16_t* slot = packed[(k / kAmxStep) & 1][0];
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < M; ++i)
+          Simd::store_raw(slot + (r * kAmxMaxRows + i) * kAmxStep, Simd::load_raw(a[r] + i * stride + k));
+      _tile_loadd(4, slot, 2 * kAmxStep);
+    } else {
+      _tile_loadd(4, a[0] + k, a_bytes);
+    }
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (G == 2) _tile_dpbf16ps(2, 4, 7);
     if constexpr (R == 2) {
-      _tile_loadd(5, a[1] + k, a_bytes);
+      if (pack) _tile_loadd(5, packed[(k / kAmxStep) & 1][1], 2 * kAmxStep);
+      else _tile_loadd(5, a[1] + k, a_bytes);
       _tile_dpbf16ps(1, 5, 6);
       if constexpr (G == 2) _tile_dpbf16ps(3, 5, 7);
     }

@@ -56,6 +56,8 @@
 #                                    #   against AMX tiles per token count, and moe_ffn
 #   bash benchmarks/h200/run.sh AN   # AMX tiles of 16 and 8 rows: tests; experts vector against AMX alternated; moe_ffn
 #                                    #   with and without AMX
+#   bash benchmarks/h200/run.sh AO   # AMX tiles: rows 4 KiB apart against padded rows, in place against packed
+#                                    #   (profile_amx.py); bench cpu-kernels experts with a fresh expert per call
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -395,6 +397,20 @@ if [ "$phase" = AN ]; then
       --moe-tokens 1,4,8,16 --repeats 15 --json "$out/cpu-kernels-moe-amx$min.json" > /dev/null 2>>"$log"
     experts_table "$out/cpu-kernels-moe-amx$min.json"
   done
+fi
+if [ "$phase" = AO ]; then
+  step tests: AMX tiles with packed rows
+  TANDEM_AMX_PACK=1 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_experts_cpu.py -k "amx or moe" \
+    > "$out/pytest.log" 2>&1; tail -2 "$out/pytest.log" | tee -a "$log"
+  for pack in 0 1; do
+    step AMX against vector tiles, rows as stored and padded, pack=$pack
+    TANDEM_AMX_PACK=$pack timeout 150 python3 benchmarks/h200/profile_amx.py "$out/profile-amx-pack$pack.json" \
+      2>&1 | tee -a "$log"
+  done
+  step bench cpu-kernels experts, a fresh expert per call
+  timeout 200 python3 -m engine.cli bench cpu-kernels --sections stream,experts --thread-counts 15 \
+    --tokens 1,2,4,5,8,16 --quick --repeats 9 --json "$out/cpu-kernels-experts.json" > /dev/null 2>>"$log"
+  experts_table "$out/cpu-kernels-experts.json"
 fi
 if [ "$phase" = AL ]; then
   kv_tests

@@ -24,6 +24,7 @@ Every figure is the median of `repeats` timed calls after a warm-up. One JSON re
 from __future__ import annotations
 
 import os
+import itertools
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -133,6 +134,9 @@ def experts(tokens: list[int], threads: list[int], repeats: int, *, hidden: int,
     nbytes = shape.bytes_per_expert
     store = ExpertStore(shape, rotation(nbytes, probe_cpu().get("l3_bytes") or 64 * 2**20))
     rows = []
+    # Every timed call takes the next expert of the ring, across calls and kernels: restarting at expert 0
+    # for each timing re-read the first few from L3 (figures above the STREAM read).
+    ring = itertools.count()
     for t in threads:
         torch.set_num_threads(t)
         native_fn = lambda x, gu, dn: experts_cpu.expert_ffn(x, gu, dn, threads=t)  # noqa: E731
@@ -142,21 +146,21 @@ def experts(tokens: list[int], threads: list[int], repeats: int, *, hidden: int,
             row = {"tokens": n, "threads": t, "kernel": experts_cpu.implementation(n)}
             if native.module() is not None:
                 with _native_for_all_tokens():
-                    ms = time_cpu(lambda i: native_fn(x, *store.views(i)), 2, repeats).median_ms
+                    ms = time_cpu(lambda i: native_fn(x, *store.views(next(ring))), 2, repeats).median_ms
                 row.update(native_ms=round(ms, 4), native_GBps=_gbps(nbytes, ms))
                 if native.isa() == "amx-bf16":  # both tile kinds at every count, alternated three times
                     times = {"vector": [], "amx": []}
                     for _ in range(3):
                         for kind, threshold in (("vector", 1 << 30), ("amx", 1)):
                             with _amx_min_tokens(threshold), _native_for_all_tokens():
-                                times[kind].append(time_cpu(lambda i: native_fn(x, *store.views(i)), 2,
+                                times[kind].append(time_cpu(lambda i: native_fn(x, *store.views(next(ring))), 2,
                                                             repeats).median_ms)
                     for kind, ms in times.items():
                         row[f"native_{kind}_GBps"] = _gbps(nbytes, statistics.median(ms))
                 if (read_gbps or {}).get(t):  # per-core efficiency: weights read vs a plain read, same threads
                     row.update(stream_read_GBps=read_gbps[t],
                                native_fraction_of_read=round(row["native_GBps"] / read_gbps[t], 3))
-            ms = time_cpu(lambda i: torch_expert_ffn(x, *store.views(i)), 2, repeats).median_ms
+            ms = time_cpu(lambda i: torch_expert_ffn(x, *store.views(next(ring))), 2, repeats).median_ms
             row.update(torch_ms=round(ms, 4), torch_GBps=_gbps(nbytes, ms))
             rows.append(row)
     out = {"hidden": hidden, "ffn": ffn, "dtype": dtype, "bytes_per_expert": nbytes, "experts_cycled": len(store.flat),
