@@ -1,8 +1,8 @@
-// SwiGLU expert FFN on AMX tiles (Intel Sapphire Rapids and later), for tokens enough that the
-// vector kernels (experts_kernel.h) stop being bound by memory: there every token adds a VDPBF16PS
-// per 64 bytes of weights, and 5–8 tokens measured ~0.8 of the 4-token GB/s on the H200 host, 12
-// tokens ~0.45. One TDPBF16PS multiplies 16 weight rows × 32 elements by 32 elements × up to 16
-// tokens, so the weights stream at DRAM speed whatever the tokens.
+// SwiGLU expert FFN on AMX tiles (Intel Sapphire Rapids and later), for experts with more tokens than
+// the vector kernels (experts_kernel.h) handle at memory speed: there every token adds a VDPBF16PS per
+// 64 bytes of weights. One TDPBF16PS multiplies 16 weight rows × 32 elements by 32 elements × up to 16
+// tokens. Measured on the H200 host (benchmarks/RESULTS.md, phases AN–AP): 1.1–1.7× the vector tiles'
+// GB/s at 12–16 tokens and 3.6× at 128, level at 5, slower at 8 and below; kAmxMinTokensDefault follows.
 // Included inside the anonymous namespace of isa_amx.cpp, after simd_avx512.h and experts_kernel.h.
 //
 // Tile registers (one configuration per call, N = tokens per tile):
@@ -17,7 +17,8 @@
 // p of token t at 32-bit word p·N + t mod N of its group (amx_pair_column), so a tile step reads 16
 // pair rows of 2N elements.
 
-constexpr int kAmxMaxRows = 16;    // weight rows of an A tile (a plan uses 8 or 16: ExpertTiling::rows_per_unit)
+constexpr int kAmxMaxRows = 16;    // weight rows of an A tile (the plan's rows_per_unit; 8-row tiles measured
+                                   // the same on the H200 host, phase AN)
 constexpr int kAmxStep = 32;       // elements of K per tile step (64 bytes of bf16)
 constexpr int kAmxMaxTokens = 16;  // columns of a C tile (64 bytes of fp32)
 
@@ -45,20 +46,9 @@ void load_tile_config(int rows, int n_tokens) {
 // next_block: elements from a row to the same row of the block this thread reads next; the rows
 // are prefetched kWeightPrefetchBytes ahead into L2 (not L1: the rows of a gate/up block sit 4 KiB
 // apart, in one L1 set), across the end of a row into that next block.
-// TANDEM_AMX_PACK=1: copy each A tile's rows into a contiguous buffer with vector loads first (benchmarks).
-bool amx_pack() {
-  static const bool pack = [] {
-    const char* env = std::getenv("TANDEM_AMX_PACK");
-    return env && std::atoi(env) == 1;
-  }();
-  return pack;
-}
-
 template <int R, int G>
 void amx_tiles(const uint16_t* const* a, int M, int64_t stride, int64_t next_block, const uint16_t* const* b, int N,
                int64_t K, float* c) {
-  alignas(64) uint16_t packed[2][2][kAmxMaxRows * kAmxStep];  // [k step parity][row block]: M rows × 64 bytes
-  const bool pack = amx_pack();
   _tile_zero(0);
   if constexpr (R == 2) _tile_zero(1);
   if constexpr (G == 2) _tile_zero(2);
@@ -71,20 +61,11 @@ void amx_tiles(const uint16_t* const* a, int M, int64_t stride, int64_t next_blo
       for (int i = 0; i < M; ++i) Simd::prefetch(a[r] + i * stride + pf);
     _tile_loadd(6, b[0] + k * N, b_bytes);  // pair rows k/2 … k/2 + 15, 2N elements each
     if constexpr (G == 2) _tile_loadd(7, b[1] + k * N, b_bytes);
-    if (pack) {
-      uint16_t* slot = packed[(k / kAmxStep) & 1][0];
-      for (int r = 0; r < R; ++r)
-        for (int i = 0; i < M; ++i)
-          Simd::store_raw(slot + (r * kAmxMaxRows + i) * kAmxStep, Simd::load_raw(a[r] + i * stride + k));
-      _tile_loadd(4, slot, 2 * kAmxStep);
-    } else {
-      _tile_loadd(4, a[0] + k, a_bytes);
-    }
+    _tile_loadd(4, a[0] + k, a_bytes);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (G == 2) _tile_dpbf16ps(2, 4, 7);
     if constexpr (R == 2) {
-      if (pack) _tile_loadd(5, packed[(k / kAmxStep) & 1][1], 2 * kAmxStep);
-      else _tile_loadd(5, a[1] + k, a_bytes);
+      _tile_loadd(5, a[1] + k, a_bytes);
       _tile_dpbf16ps(1, 5, 6);
       if constexpr (G == 2) _tile_dpbf16ps(3, 5, 7);
     }
@@ -96,15 +77,6 @@ void amx_tiles(const uint16_t* const* a, int M, int64_t stride, int64_t next_blo
   if constexpr (R == 2 && G == 2) _tile_stored(3, c + 3 * cs, b_bytes);
 }
 
-// Rows per tile: TANDEM_AMX_TILE_ROWS (8 or 16) for benchmarks, else 16.
-int amx_tile_rows() {
-  static const int rows = [] {
-    const char* env = std::getenv("TANDEM_AMX_TILE_ROWS");
-    return env && std::atoi(env) == 8 ? 8 : kAmxMaxRows;
-  }();
-  return rows;
-}
-
 // The tiles' plan for n ≥ amx_min_tokens() tokens with bf16 weights and activations: groups of at
 // most 16 tokens, as even as they come (20 tokens: 2 × 10), so padding is under one token per group.
 ExpertTiling amx_tiling(const ExpertProblem& P) {
@@ -112,7 +84,7 @@ ExpertTiling amx_tiling(const ExpertProblem& P) {
   if (expert_activation_dtype(P) != DType::bf16 || n < amx_min_tokens()) return expert_tiling(P);
   const int64_t groups = (n + kAmxMaxTokens - 1) / kAmxMaxTokens, N = (n + groups - 1) / groups;
   // A row is read from DRAM once per call and re-read from L2 per further pass of two groups.
-  return {int(N), true, groups * N, amx_tile_rows(), 8 + 2 * ((groups + 1) / 2 - 1)};
+  return {int(N), true, groups * N, kAmxMaxRows, 8 + 2 * ((groups + 1) / 2 - 1)};
 }
 
 // Pair (element 2p, 2p + 1) of token t's row at 32-bit word p·N of its group's column (t mod N).

@@ -172,8 +172,9 @@ inline int expert_tile_tokens(int64_t n, int lanes) {
   return tpt < lanes ? tpt : lanes;
 }
 
-// Tokens per expert from which AMX tiles beat the vector tiles (benchmarks/RESULTS.md).
-constexpr int kAmxMinTokensDefault = 5;
+// Tokens per expert from which AMX tiles beat the vector tiles: on the H200 host the vector tiles were
+// faster at 8 tokens in 3 of 4 same-host comparisons, AMX at 12 and 16 in all (benchmarks/RESULTS.md).
+constexpr int kAmxMinTokensDefault = 9;
 
 // Defined by the ISA translation units (only those compiled for this target exist).
 extern const KernelTable kTableScalar;

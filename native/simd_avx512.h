@@ -98,7 +98,6 @@ struct Simd {
   static V bf16_even(VI x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
   static V bf16_odd(VI x) { return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int(0xffff0000u)))); }
   static VI load_raw(const uint16_t* p) { return _mm512_loadu_si512(p); }
-  static void store_raw(uint16_t* p, VI v) { _mm512_storeu_si512(p, v); }
   static V dp(V acc, VI a, VI b) {
 #ifdef TANDEM_DPBF16
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);

@@ -1,12 +1,12 @@
-"""Expert FFN on AMX tiles against vector tiles, one host, alternated: Qwen3-30B-A3B's expert shape
-(H = 2048, I = 768, bf16) with weight rows as stored (gate/up rows 4 KiB apart) and with rows padded by
-64 bytes, 1…128 tokens, 15 threads, a ring of experts larger than L3 (each call reads a fresh one).
+"""Expert FFN on AMX tiles against vector tiles, one host, alternated three times: Qwen3-30B-A3B's
+expert shape (H = 2048, I = 768, bf16) with weight rows as stored (gate/up rows 4 KiB apart; phase AO
+also padded them by 64 bytes: no change), 1…128 tokens, 15 threads, a ring of experts larger than L3
+(each call reads a fresh one).
 
-    python3 benchmarks/h200/profile_amx.py OUT.json   # TANDEM_AMX_PACK / TANDEM_AMX_TILE_ROWS as set
+    python3 benchmarks/h200/profile_amx.py OUT.json
 """
 import itertools
 import json
-import os
 import statistics
 import sys
 
@@ -15,7 +15,7 @@ import torch
 from engine.hw.timing import time_cpu
 from engine.kernels import experts_cpu, native
 
-H, I, RING, THREADS, TOKENS = 2048, 768, 40, 15, (1, 4, 5, 8, 16, 32, 128)
+H, I, RING, THREADS, TOKENS = 2048, 768, 40, 15, (1, 2, 4, 5, 8, 9, 12, 16, 32, 128)
 
 
 def ring_of_experts(pad: int):
@@ -30,10 +30,9 @@ def main(path: str) -> None:
     torch.set_num_threads(THREADS)
     nbytes = 3 * H * I * 2
     ring = itertools.count()
-    record = {"isa": native.isa(), "env": {k: os.environ.get(k) for k in ("TANDEM_AMX_PACK", "TANDEM_AMX_TILE_ROWS")},
-              "H": H, "I": I, "ring": RING, "threads": THREADS, "points": []}
+    record = {"isa": native.isa(), "H": H, "I": I, "ring": RING, "threads": THREADS, "points": []}
     saved = m.amx_min_tokens()
-    for pad in (0, 32):
+    for pad in (0,):
         gate_up, down = ring_of_experts(pad)
         for n in TOKENS:
             x = torch.randn(n, H).bfloat16()

@@ -54,10 +54,13 @@
 #   bash benchmarks/h200/run.sh AL   # tests; bench kv 32K twice; 48 layers once
 #   bash benchmarks/h200/run.sh AM   # AMX expert tiles: expert kernel tests on every ISA; cpu-kernels experts, vector
 #                                    #   against AMX tiles per token count, and moe_ffn
+#   (AN, AO: at commits b194554 and af245cc, with TANDEM_AMX_TILE_ROWS and TANDEM_AMX_PACK, since removed)
 #   bash benchmarks/h200/run.sh AN   # AMX tiles of 16 and 8 rows: tests; experts vector against AMX alternated; moe_ffn
 #                                    #   with and without AMX
 #   bash benchmarks/h200/run.sh AO   # AMX tiles: rows 4 KiB apart against padded rows, in place against packed
 #                                    #   (profile_amx.py); bench cpu-kernels experts with a fresh expert per call
+#   bash benchmarks/h200/run.sh AP   # AMX from 9 tokens: tests; profile_amx.py; cpu-kernels experts; moe_ffn with and
+#                                    #   without AMX, alternated twice
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -411,6 +414,25 @@ if [ "$phase" = AO ]; then
   timeout 200 python3 -m engine.cli bench cpu-kernels --sections stream,experts --thread-counts 15 \
     --tokens 1,2,4,5,8,16 --quick --repeats 9 --json "$out/cpu-kernels-experts.json" > /dev/null 2>>"$log"
   experts_table "$out/cpu-kernels-experts.json"
+fi
+if [ "$phase" = AP ]; then
+  step tests: native expert kernels on every ISA here
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_experts_cpu.py > "$out/pytest.log" 2>&1
+  tail -2 "$out/pytest.log" | tee -a "$log"
+  step AMX against vector tiles, alternated
+  timeout 150 python3 benchmarks/h200/profile_amx.py "$out/profile-amx.json" 2>&1 | tee -a "$log"
+  step bench cpu-kernels experts, a fresh expert per call
+  timeout 200 python3 -m engine.cli bench cpu-kernels --sections stream,experts --thread-counts 15 \
+    --tokens 1,2,4,5,8,9,12,16,32 --quick --repeats 9 --json "$out/cpu-kernels-experts.json" > /dev/null 2>>"$log"
+  experts_table "$out/cpu-kernels-experts.json"
+  for round in 1 2; do
+    for min in 100000 9; do
+      step bench cpu-kernels moe, AMX from $min tokens per expert, round $round
+      TANDEM_AMX_MIN_TOKENS=$min timeout 150 python3 -m engine.cli bench cpu-kernels --sections moe --thread-counts 15 \
+        --moe-tokens 1,4,8,12,16 --repeats 15 --json "$out/cpu-kernels-moe-amx$min-$round.json" > /dev/null 2>>"$log"
+      experts_table "$out/cpu-kernels-moe-amx$min-$round.json"
+    done
+  done
 fi
 if [ "$phase" = AL ]; then
   kv_tests
