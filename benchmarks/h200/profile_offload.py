@@ -7,13 +7,15 @@ form (adaptive only): "graph" or "pieces" forces that decode form instead of the
 Loads MODEL once with SLOTS expert cache slots, and for each policy and batch size 1 and 4: a
 512-token random prompt, 4 sampled warm-up tokens (graph capture, compiles), then 16 sampled decode
 tokens timed without the profiler (with the executor's own split of the driving thread's time:
-device wait, CPU wait, host parts) and 16 more under cProfile. Writes OUT_DIR/profile-offload.json
+device wait, CPU wait, host parts; the worker's queue and compute time of the CPU sets) and 16 more
+under cProfile. SWITCH_INTERVAL=seconds sets the GIL switch interval first. Writes OUT_DIR/profile-offload.json
 and one text profile per run (functions by own time, then by cumulative time).
 """
 
 import cProfile
 import io
 import json
+import os
 import pstats
 import sys
 import time
@@ -40,6 +42,8 @@ def main() -> None:
     model, slots, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     policies = sys.argv[4].split(",") if len(sys.argv) > 4 else ["on-demand", "adaptive", "cpu-only"]
     form = sys.argv[5] if len(sys.argv) > 5 else None
+    if os.environ.get("SWITCH_INTERVAL"):  # an experiment: the GIL handed to the CPU-set worker sooner
+        sys.setswitchinterval(float(os.environ["SWITCH_INTERVAL"]))
     out.mkdir(parents=True, exist_ok=True)
     engine = Engine(EngineConfig(model=model, backend="tandem", device="cuda", expert_policy=policies[0],
                                  expert_cache_slots=slots, max_batch=4, max_context=1024, cpu_threads=15))
@@ -65,7 +69,8 @@ def main() -> None:
                 before = ex.telemetry()
                 plain = decode(16)
                 after = ex.telemetry()
-                spent = {k: round(after[k] - before[k], 4) for k in ("run_s", "device_wait_s", "cpu_wait_s")}
+                spent = {k: round(after[k] - before[k], 4)
+                         for k in ("run_s", "device_wait_s", "cpu_wait_s", "cpu_queue_s", "cpu_expert_s", "cpu_executed")}
                 spent["host_split_s"] = {k: round(after["host_split_s"][k] - before["host_split_s"][k], 4)
                                          for k in after["host_split_s"]}
                 spent["layer_steps"] = 16 * len(ex.store.layers)

@@ -61,6 +61,8 @@
 #                                    #   (profile_amx.py); bench cpu-kernels experts with a fresh expert per call
 #   bash benchmarks/h200/run.sh AP   # AMX from 9 tokens: tests; profile_amx.py; cpu-kernels experts; moe_ffn with and
 #                                    #   without AMX, alternated twice
+#   bash benchmarks/h200/run.sh AQ   # CUDA expert tests; adaptive pieces at bs 1 and 4 (L16) with the CPU sets' queue
+#                                    #   time, default GIL switch interval and 0.2 ms
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -432,6 +434,17 @@ if [ "$phase" = AP ]; then
         --moe-tokens 1,4,8,12,16 --repeats 15 --json "$out/cpu-kernels-moe-amx$min-$round.json" > /dev/null 2>>"$log"
       experts_table "$out/cpu-kernels-moe-amx$min-$round.json"
     done
+  done
+fi
+if [ "$phase" = AQ ]; then
+  step tests: offloaded experts on CUDA
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
+  tail -2 "$out/pytest.log" | tee -a "$log"; grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head | tee -a "$log"
+  for si in default 2e-4; do
+    step profile offloaded decode, L16, 737 slots: adaptive in pieces, switch interval $si
+    env=""; [ $si != default ] && env="SWITCH_INTERVAL=$si"
+    env $env timeout 200 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 737 "$out/offload-$si" \
+      adaptive pieces 2>>"$log" | cut -c1-900 | tee -a "$log"
   done
 fi
 if [ "$phase" = AL ]; then

@@ -99,6 +99,7 @@ class OffloadedExperts(ExpertExecutor):
         self._window: deque[tuple[int, int]] = deque(maxlen=window)  # (hits, lookups) per layer step
         self.cpu_executed = self.uncached_misses = self.h2d_bytes = 0
         self.cpu_s = 0.0  # worker time computing CPU sets
+        self.cpu_queue_s = 0.0  # from each CPU set's submit to the worker starting it
         self.cpu_wait_s = 0.0  # time the GPU-driving thread waited for them
         self.device_wait_s = 0.0  # time it waited, at each layer's sync, for the device (pieces, fills)
         self.run_s = 0.0  # its whole time in `run` (the rest is host work: planning, launches, copies)
@@ -227,7 +228,8 @@ class OffloadedExperts(ExpertExecutor):
         fill_slots = self._fill(layer, plan.fill)
         job = None
         if plan.cpu:
-            job = self._workers.submit(self._cpu_set, x_h, *self._cpu_inputs(layer, plan.cpu, ids_h, w_h))
+            job = self._workers.submit(self._cpu_set, x_h, *self._cpu_inputs(layer, plan.cpu, ids_h, w_h),
+                                       submitted=time.perf_counter())
             self.cpu_executed += len(plan.cpu)
         marks.append(time.perf_counter())
         gpu_experts = hits + plan.fill
@@ -349,11 +351,12 @@ class OffloadedExperts(ExpertExecutor):
         pairs = [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
         return [self.store.expert(layer, e) for e in experts], [p // k for p in pairs], [w_flat[p] for p in pairs]
 
-    def _cpu_set(self, x_h: torch.Tensor, blocks, tokens, weights) -> tuple[torch.Tensor, float]:
+    def _cpu_set(self, x_h: torch.Tensor, blocks, tokens, weights, submitted: float) -> tuple[torch.Tensor, float]:
         """In the worker thread: Σ over the CPU-side experts, computed in place from their store
         blocks → ((N, H) fp32, seconds)."""
         with torch.inference_mode():  # grad mode is per thread
             t0 = time.perf_counter()
+            self.cpu_queue_s += t0 - submitted  # submit → start: the worker's wake-up and its wait for the GIL
             out = self.cpu_moe(x_h, blocks, tokens, weights, out=self._result_buffer(x_h.shape))  # (N, H) fp32
             seconds = time.perf_counter() - t0
             self.cpu_s += seconds
@@ -419,7 +422,7 @@ class OffloadedExperts(ExpertExecutor):
             "store_bytes": self.store.nbytes, "store_pinned": self.store.pinned, "bytes": 0,
             "cpu_kernel": self.cpu_kernel, "gpu_kernel": grouped_impl(self.device, self.store.dtype),
             "h2d_bytes": h2d, "h2d_gbps": (h2d - b0) / (now - t0) / 1e9 if now > t0 else None,
-            "cpu_expert_s": self.cpu_s, "cpu_wait_s": self.cpu_wait_s, "hot_table": self.hot_source,
+            "cpu_expert_s": self.cpu_s, "cpu_queue_s": self.cpu_queue_s, "cpu_wait_s": self.cpu_wait_s, "hot_table": self.hot_source,
             "cpu_correction": {phase: c.cpu_correction for phase, c in self._phase_costs.items()},
             "device_wait_s": self.device_wait_s, "run_s": self.run_s,
             "host_split_s": dict(self.host_split),
