@@ -63,6 +63,9 @@
 #                                    #   without AMX, alternated twice
 #   bash benchmarks/h200/run.sh AQ   # CUDA expert tests; adaptive pieces at bs 1 and 4 (L16) with the CPU sets' queue
 #                                    #   time, default GIL switch interval and 0.2 ms
+#   bash benchmarks/h200/run.sh AR   # the CPU set submitted before the fills: CUDA expert tests; adaptive pieces (L16)
+#                                    #   new, old (needs .ab-before/offload.py: the file before, untracked), new;
+#                                    #   bench experts 2K bs 1 and 4 from one prefill
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -446,6 +449,23 @@ if [ "$phase" = AQ ]; then
     env $env timeout 200 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 737 "$out/offload-$si" \
       adaptive pieces 2>>"$log" | cut -c1-900 | tee -a "$log"
   done
+fi
+profile_pieces() {  # $1: record name; adaptive in pieces on L16, 737 slots, bs 1 and 4 (json only)
+  step profile offloaded decode, L16, 737 slots: adaptive in pieces, $1
+  timeout 200 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 737 "/tmp/profile-$1" adaptive pieces \
+    2>>"$log" | cut -c1-700 | tee -a "$log"
+  cp "/tmp/profile-$1/profile-offload.json" "$out/profile-offload-$1.json"
+}
+if [ "$phase" = AR ]; then
+  step tests: offloaded experts on CUDA
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
+  tail -2 "$out/pytest.log" | tee -a "$log"
+  profile_pieces cpu-first-1
+  cp engine/experts/offload.py /tmp/offload-new.py; cp .ab-before/offload.py engine/experts/offload.py
+  profile_pieces fills-first
+  cp /tmp/offload-new.py engine/experts/offload.py
+  profile_pieces cpu-first-2
+  bench_experts 2k-shared --batch-sizes 1,4 --contexts 2048 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = AL ]; then
   kv_tests

@@ -225,12 +225,14 @@ class OffloadedExperts(ExpertExecutor):
         plan = self.planner.plan(N, misses, counts[misses].tolist(), len(hits), int(counts[hits].sum()),
                                  capacity, self.predictor.hit_rate() if self.predictor else None)
         marks.append(time.perf_counter())
-        fill_slots = self._fill(layer, plan.fill)
+        # The CPU set first: it is the layer's longest part at bs=4 (1.2 ms against 0.46 ms of host work
+        # to issue the fills, whose copies then run 0.9 ms beside it; phase AQ, L16).
         job = None
         if plan.cpu:
             job = self._workers.submit(self._cpu_set, x_h, *self._cpu_inputs(layer, plan.cpu, ids_h, w_h),
                                        submitted=time.perf_counter())
             self.cpu_executed += len(plan.cpu)
+        fill_slots = self._fill(layer, plan.fill)
         marks.append(time.perf_counter())
         gpu_experts = hits + plan.fill
         if cpu_buf is not None:  # the next graph piece reads the map
