@@ -66,6 +66,9 @@
 #   bash benchmarks/h200/run.sh AR   # the CPU set submitted before the fills: CUDA expert tests; adaptive pieces (L16)
 #                                    #   new, old (needs .ab-before/offload.py: the file before, untracked), new;
 #                                    #   bench experts 2K bs 1 and 4 from one prefill
+#   bash benchmarks/h200/run.sh AS   # fewer device lookups on the decode path: CUDA tests; adaptive pieces (L16) new,
+#                                    #   before (.ab-before/: the files at the commit before, untracked), new;
+#                                    #   bench experts 2K bs 1 and 4 from one prefill
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -465,6 +468,23 @@ if [ "$phase" = AR ]; then
   profile_pieces fills-first
   cp /tmp/offload-new.py engine/experts/offload.py
   profile_pieces cpu-first-2
+  bench_experts 2k-shared --batch-sizes 1,4 --contexts 2048 --shared-prefill --policies on-demand,cpu-only,adaptive
+fi
+ab_swap() {  # put the tree of files under .ab-before/ in place; the files replaced go to /tmp/ab-saved
+  (cd .ab-before && find . -type f) | while read -r f; do
+    mkdir -p "/tmp/ab-saved/$(dirname "$f")"; cp "$f" "/tmp/ab-saved/$f"; cp ".ab-before/$f" "$f"
+  done
+}
+ab_restore() {
+  (cd /tmp/ab-saved && find . -type f) | while read -r f; do cp "/tmp/ab-saved/$f" "$f"; done
+}
+if [ "$phase" = AS ]; then
+  step tests: offloaded experts, hybrid KV, decode graphs on CUDA
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts tests/kv tests/models \
+    > "$out/pytest.log" 2>&1; tail -2 "$out/pytest.log" | tee -a "$log"; grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head | tee -a "$log"
+  profile_pieces new-1
+  ab_swap; profile_pieces before; ab_restore; git diff --stat | tail -1 | tee -a "$log"
+  profile_pieces new-2
   bench_experts 2k-shared --batch-sizes 1,4 --contexts 2048 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = AL ]; then

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import OutOfMemoryError
+from engine.kernels.cuda_streams import Switch, indexed
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -173,7 +174,7 @@ class ExpertCache:
     def __init__(self, n_slots: int, hidden: int, expert_ffn: int, dtype: torch.dtype, device: torch.device):
         self.lru = SlotLRU(n_slots)
         self.hidden, self.expert_ffn = hidden, expert_ffn
-        self.device = torch.device(device)
+        self.device = indexed(device)
         block = 3 * hidden * expert_ffn  # elements: gate_up (2I·H) then down (H·I)
         try:
             self.pool = torch.empty((n_slots, block), dtype=dtype, device=self.device)  # (S, P), the only allocation
@@ -186,6 +187,9 @@ class ExpertCache:
         self.gate_up = self.pool[:, :split].unflatten(1, (2 * expert_ffn, hidden))
         self.down = self.pool[:, split:].unflatten(1, (hidden, expert_ffn))
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Recorded after the copies issued so far, each time a stream must wait for them (one event
+        # reused: Stream.wait_stream creates a new one per call).
+        self._copies_done = torch.cuda.Event() if self.copy_stream is not None else None
 
     @property
     def n_slots(self) -> int:
@@ -210,7 +214,7 @@ class ExpertCache:
             for slot, block in zip(slots, blocks):
                 self.pool[slot].copy_(block)
             return
-        with torch.cuda.stream(self.copy_stream):
+        with Switch(self.copy_stream, torch.cuda.current_stream(self.device)):
             for slot, block in zip(slots, blocks):
                 self.pool[slot].copy_(block, non_blocking=True)
 
@@ -218,7 +222,8 @@ class ExpertCache:
         """Make the compute stream (the current one unless given) wait for every fill and prefetch
         issued so far."""
         if self.copy_stream is not None:
-            (stream or torch.cuda.current_stream(self.device)).wait_stream(self.copy_stream)
+            self._copies_done.record(self.copy_stream)
+            (stream or torch.cuda.current_stream(self.device)).wait_event(self._copies_done)
 
     def synchronize(self) -> None:
         if self.copy_stream is not None:

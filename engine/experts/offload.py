@@ -32,6 +32,7 @@ from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
 from engine.experts.zero_copy import ZeroCopyDecode
 from engine.kernels import moe_decode_gpu
+from engine.kernels.cuda_streams import indexed
 from engine.kernels.experts_gpu import grouped_expert_ffn, grouped_impl, uses_grouped_mm
 from engine.kernels.experts_torch import expert_ffn
 from engine.sched.expert_cost import ExpertCostModel
@@ -81,7 +82,7 @@ class OffloadedExperts(ExpertExecutor):
                  cpu_kernel: str | None = None, window: int = 256):
         if policy not in OFFLOAD_POLICIES:
             raise ValueError(f"unknown offload policy '{policy}' (one of {', '.join(OFFLOAD_POLICIES)})")
-        self.policy, self.store, self.device = policy, store, torch.device(device)
+        self.policy, self.store, self.device = policy, store, indexed(device)
         self.costs = costs or ExpertCostModel.from_shape(store.hidden, store.expert_ffn, store.blocks.element_size())
         self.planner = MissPlanner(policy, self.costs, max_decode_tokens)
         if cpu_ffn is None:  # the layer's CPU set in one native call

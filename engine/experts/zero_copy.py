@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from engine.kernels import moe_decode_gpu
+from engine.kernels.cuda_streams import indexed
 
 PROBE_STEPS = 6  # steps timed per form before choosing (the first after a switch is not timed)
 REPROBE_EVERY = 256  # steps after which the form not in use is timed again
@@ -49,7 +50,7 @@ SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for th
 class ZeroCopyDecode:
     def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None):
         """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate)."""
-        self.store, self.cache, self.lru, self.device = store, cache, cache.lru, torch.device(device)
+        self.store, self.cache, self.lru, self.device = store, cache, cache.lru, indexed(device)
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
         L = store.n_layers

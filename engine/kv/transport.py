@@ -20,6 +20,7 @@ import weakref
 import torch
 
 from engine.errors import OutOfMemoryError
+from engine.kernels.cuda_streams import Switch, indexed
 
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
@@ -39,7 +40,7 @@ class NullEvent:
 
 class Transport:
     def __init__(self, device: torch.device):
-        self.device = device
+        self.device = indexed(device)
         self.cuda = device.type == "cuda"
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
@@ -53,7 +54,7 @@ class Transport:
         (tens of µs per use on a slow host, and the streaming loop uses it once per chunk)."""
         if not self.cuda:
             return contextlib.nullcontext()
-        return _Switch(stream, back) if back is not None else torch.cuda.stream(stream)
+        return Switch(stream, back) if back is not None else torch.cuda.stream(stream)
 
     def compute_stream(self):
         return torch.cuda.current_stream(self.device) if self.cuda else None
@@ -74,21 +75,6 @@ class Transport:
     def synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
-
-
-class _Switch:
-    """Make `to` the current stream, then `back` again."""
-
-    __slots__ = ("to", "back")
-
-    def __init__(self, to, back):
-        self.to, self.back = to, back
-
-    def __enter__(self):
-        torch.cuda.set_stream(self.to)
-
-    def __exit__(self, *exc):
-        torch.cuda.set_stream(self.back)
 
 
 def _cuda_error(code) -> int:
