@@ -69,6 +69,8 @@
 #   bash benchmarks/h200/run.sh AS   # fewer device lookups on the decode path: CUDA tests; adaptive pieces (L16) new,
 #                                    #   before (.ab-before/: the files at the commit before, untracked), new;
 #                                    #   bench experts 2K bs 1 and 4 from one prefill
+#   bash benchmarks/h200/run.sh AT   # fills first again, device lookups cut: adaptive pieces (L16) against the files
+#                                    #   before (.ab-before/), alternated twice
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -487,6 +489,15 @@ if [ "$phase" = AS ]; then
   ab_swap; profile_pieces before; ab_restore; git diff --stat | tail -1 | tee -a "$log"
   profile_pieces new-2
   bench_experts 2k-shared --batch-sizes 1,4 --contexts 2048 --shared-prefill --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = AT ]; then
+  step tests: offloaded experts on CUDA
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
+  tail -2 "$out/pytest.log" | tee -a "$log"
+  for round in 1 2; do
+    profile_pieces final-$round
+    ab_swap; profile_pieces before-$round; ab_restore
+  done
 fi
 if [ "$phase" = AL ]; then
   kv_tests
