@@ -64,10 +64,11 @@
 #   bash benchmarks/h200/run.sh AQ   # CUDA expert tests; adaptive pieces at bs 1 and 4 (L16) with the CPU sets' queue
 #                                    #   time, default GIL switch interval and 0.2 ms
 #   bash benchmarks/h200/run.sh AR   # the CPU set submitted before the fills: CUDA expert tests; adaptive pieces (L16)
-#                                    #   new, old (needs .ab-before/offload.py: the file before, untracked), new;
+#                                    #   new, old (at that time .ab-before/offload.py: the file at d0fa453), new;
 #                                    #   bench experts 2K bs 1 and 4 from one prefill
 #   bash benchmarks/h200/run.sh AS   # fewer device lookups on the decode path: CUDA tests; adaptive pieces (L16) new,
-#                                    #   before (.ab-before/: the files at the commit before, untracked), new;
+#                                    #   before (.ab-before/, untracked: engine/experts/{offload,cache,store,zero_copy}.py
+#                                    #   and engine/kv/transport.py as at commit d0fa453), new;
 #                                    #   bench experts 2K bs 1 and 4 from one prefill
 #   bash benchmarks/h200/run.sh AT   # fills first again, device lookups cut: adaptive pieces (L16) against the files
 #                                    #   before (.ab-before/), alternated twice
