@@ -3,6 +3,8 @@
 Runs in simulated mode (the "GPU" is the CPU) here and on the GPU where CUDA exists.
 """
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -265,6 +267,27 @@ def test_host_split_accounts_the_run_time(model):
     assert accounted <= tel["run_s"] + 1e-9
     assert accounted >= 0.5 * tel["run_s"]  # what is left: the copies to the host before the sync
     assert tel["cpu_executed"] > 0 and split["merge"] > 0
+    ex.close()
+
+
+def test_cpu_set_queue_time_is_timed_apart_from_its_compute(model, monkeypatch):
+    """A CPU set's wait in the worker queue (submit → start) is its own figure: a worker that starts
+    late shows up there, not in cpu_expert_s."""
+    ex = make("cpu-only", model, 0)
+    real = ex._cpu_set
+
+    def late_start(*args, **kwargs):
+        time.sleep(0.02)  # stands in for a busy worker: the start is late, the compute is not longer
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ex, "_cpu_set", late_start)
+    before = ex.telemetry()
+    forward_passes(ex, model, "cpu", n_passes=1, n_tokens=2, seed=5)
+    tel = ex.telemetry()
+    sets = tel["cpu_executed"] - before["cpu_executed"]
+    assert sets > 0
+    assert tel["cpu_queue_s"] - before["cpu_queue_s"] >= 0.02 * L * 0.9  # one late start per layer
+    assert tel["cpu_expert_s"] - before["cpu_expert_s"] < tel["cpu_queue_s"] - before["cpu_queue_s"]
     ex.close()
 
 

@@ -57,6 +57,18 @@ def test_empty_store_is_written_expert_by_expert():
     assert torch.equal(store.expert(2, 1)[0], gu[1] * 3)
 
 
+def test_views_are_made_once_and_see_later_writes():
+    """block() and expert() hand out the same views each time (the decode path asks for them per layer
+    step); they are views of the store, so a write after the first ask shows through them."""
+    store = ExpertStore.empty(2, [0, 1], E, H, I, torch.float32)
+    gu, dn = layer_tensors(2)
+    views, block = store.expert(1, 2), store.block(1, 2)
+    assert store.expert(1, 2) is views and store.block(1, 2) is block
+    store.write(1, 2, gu[2], dn[2])
+    assert torch.equal(views[0], gu[2]) and torch.equal(views[1], dn[2])
+    assert block.data_ptr() == views[0].data_ptr() and store.expert(0, 2) is not views
+
+
 def test_mismatched_shapes_are_refused():
     gu, dn = layer_tensors(4)
     with pytest.raises(ModelFileError, match="do not match"):
