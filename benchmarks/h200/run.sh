@@ -72,6 +72,10 @@
 #                                    #   bench experts 2K bs 1 and 4 from one prefill
 #   bash benchmarks/h200/run.sh AT   # fills first again, device lookups cut: adaptive pieces (L16) against the files
 #                                    #   before (.ab-before/), alternated twice
+#   bash benchmarks/h200/run.sh AU   # the CPU set prepared by the driving thread and handed over before the fills:
+#                                    #   adaptive pieces (L16) against .ab-before/ (engine/experts/offload.py and
+#                                    #   engine/kernels/experts_cpu.py as at commit 053b1da), alternated twice;
+#                                    #   bench experts 2K bs=4
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -499,6 +503,13 @@ if [ "$phase" = AT ]; then
     profile_pieces final-$round
     ab_swap; profile_pieces before-$round; ab_restore
   done
+fi
+if [ "$phase" = AU ]; then
+  for round in 1 2; do
+    profile_pieces prepared-
+    ab_swap; profile_pieces before-; ab_restore
+  done
+  bench_experts 2k-shared-bs4 --batch-sizes 4 --contexts 2048 --shared-prefill --policies on-demand,adaptive
 fi
 if [ "$phase" = AL ]; then
   kv_tests

@@ -57,23 +57,26 @@ def default_cpu_kernel():
 
 def per_expert_moe(ffn):
     """A layer's CPU set from a per-expert kernel ffn(x (n, H), gate_up, down) → (n, H) (an injected
-    kernel, or torch without the experts_cpu module): same contract as experts_cpu.moe_ffn."""
-    def moe(x, experts, tokens, weights, out=None):
-        out = torch.zeros(x.shape, dtype=torch.float32) if out is None else out.zero_()  # (N, H)
-        for (gate_up, down), tok, w in zip(experts, tokens, weights):
-            idx = torch.from_numpy(tok)
-            out.index_add_(0, idx, ffn(x[idx], gate_up, down).float() * torch.from_numpy(w).unsqueeze(1))
-        return out
-    return moe
+    kernel, or torch without the experts_cpu module): same contract as experts_cpu.prepare_moe."""
+    def prepare(x, experts, tokens, weights, out=None):
+        def compute():
+            result = torch.zeros(x.shape, dtype=torch.float32) if out is None else out.zero_()  # (N, H)
+            for (gate_up, down), tok, w in zip(experts, tokens, weights):
+                idx = torch.from_numpy(tok)
+                result.index_add_(0, idx, ffn(x[idx], gate_up, down).float() * torch.from_numpy(w).unsqueeze(1))
+            return result
+        return compute
+    return prepare
 
 
 def default_cpu_moe():
-    """A layer's whole CPU set in one call (one fork of the native thread team per layer): (moe, name)."""
+    """A layer's whole CPU set in one call (one fork of the native thread team per layer):
+    (prepare(x, experts, tokens, weights, out) → compute(), name)."""
     try:
         from engine.kernels import experts_cpu
     except ImportError:
         return per_expert_moe(expert_ffn), "torch"
-    return experts_cpu.moe_ffn, str(getattr(experts_cpu, "IMPLEMENTATION", "experts_cpu"))
+    return experts_cpu.prepare_moe, str(getattr(experts_cpu, "IMPLEMENTATION", "experts_cpu"))
 
 
 class OffloadedExperts(ExpertExecutor):
@@ -86,9 +89,9 @@ class OffloadedExperts(ExpertExecutor):
         self.costs = costs or ExpertCostModel.from_shape(store.hidden, store.expert_ffn, store.blocks.element_size())
         self.planner = MissPlanner(policy, self.costs, max_decode_tokens)
         if cpu_ffn is None:  # the layer's CPU set in one native call
-            self.cpu_moe, default_name = default_cpu_moe()
+            self.cpu_prepare, default_name = default_cpu_moe()
         else:  # an injected per-expert kernel
-            self.cpu_moe, default_name = per_expert_moe(cpu_ffn), getattr(cpu_ffn, "__module__", "custom")
+            self.cpu_prepare, default_name = per_expert_moe(cpu_ffn), getattr(cpu_ffn, "__module__", "custom")
         self.cpu_ffn, self.cpu_kernel = cpu_ffn, cpu_kernel or default_name
         self.cache: ExpertCache | None = None
         self.predictor: GateLookahead | None = None
@@ -226,14 +229,16 @@ class OffloadedExperts(ExpertExecutor):
         plan = self.planner.plan(N, misses, counts[misses].tolist(), len(hits), int(counts[hits].sum()),
                                  capacity, self.predictor.hit_rate() if self.predictor else None)
         marks.append(time.perf_counter())
-        # Fills are issued before the CPU set is handed over: submitting the CPU set first measured no
-        # faster at bs=4 (phases AR, AS), its worker's Python then contending for the GIL with the fills'.
-        fill_slots = self._fill(layer, plan.fill)
+        # The CPU set is the longest part of a bs=4 layer step (phase AQ): it is prepared here and
+        # handed over before the fills are issued, so the worker only computes (the native call drops
+        # the GIL at once) and starts without waiting for this thread's Python.
         job = None
         if plan.cpu:
-            job = self._workers.submit(self._cpu_set, x_h, *self._cpu_inputs(layer, plan.cpu, ids_h, w_h),
-                                       submitted=time.perf_counter())
+            compute = self.cpu_prepare(x_h, *self._cpu_inputs(layer, plan.cpu, ids_h, w_h),
+                                       out=self._result_buffer(x_h.shape))
+            job = self._workers.submit(self._cpu_set, compute, submitted=time.perf_counter())
             self.cpu_executed += len(plan.cpu)
+        fill_slots = self._fill(layer, plan.fill)
         marks.append(time.perf_counter())
         gpu_experts = hits + plan.fill
         if cpu_buf is not None:  # the next graph piece reads the map
@@ -354,13 +359,13 @@ class OffloadedExperts(ExpertExecutor):
         pairs = [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
         return [self.store.expert(layer, e) for e in experts], [p // k for p in pairs], [w_flat[p] for p in pairs]
 
-    def _cpu_set(self, x_h: torch.Tensor, blocks, tokens, weights, submitted: float) -> tuple[torch.Tensor, float]:
-        """In the worker thread: Σ over the CPU-side experts, computed in place from their store
-        blocks → ((N, H) fp32, seconds)."""
+    def _cpu_set(self, compute, submitted: float) -> tuple[torch.Tensor, float]:
+        """In the worker thread: Σ over the CPU-side experts (prepared by `cpu_prepare`), computed in
+        place from their store blocks → ((N, H) fp32, seconds)."""
         with torch.inference_mode():  # grad mode is per thread
             t0 = time.perf_counter()
             self.cpu_queue_s += t0 - submitted  # submit → start: the worker's wake-up and its wait for the GIL
-            out = self.cpu_moe(x_h, blocks, tokens, weights, out=self._result_buffer(x_h.shape))  # (N, H) fp32
+            out = compute()  # (N, H) fp32
             seconds = time.perf_counter() - t0
             self.cpu_s += seconds
         return out, seconds

@@ -22,6 +22,8 @@ next to the GPU-driving one). Experts with more tokens than native_max_tokens go
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -107,6 +109,14 @@ def moe_ffn(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = 
     """x: (N, H); experts: J pairs (gate_up (2I, H), down (H, I)) of one dtype; tokens[j]: int rows of x
     routed to expert j; weights[j]: their routing weights (same length) → out (N, H) float32 with
     out[t] = Σ_j Σ_{i: tokens[j][i] = t} weights[j][i] · expert_j(x[t]); rows no pair names are 0."""
+    return prepare_moe(x, experts, tokens, weights, threads=threads, out=out)()
+
+
+def prepare_moe(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = None,
+                out: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+    """moe_ffn in two halves: the checks and the native call's tables now, on this thread; the compute
+    when the returned function is called (from a worker: the native call holds the GIL only to start,
+    so a worker that only computes does not contend with the thread that prepared it)."""
     if not isinstance(x, torch.Tensor) or not x.is_cpu or x.dtype not in _DTYPES or x.dim() != 2:
         raise KernelInputError(f"x must be a 2-D fp32/bf16/fp16 CPU tensor, got "
                                f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
@@ -120,7 +130,7 @@ def moe_ffn(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = 
           or not out.is_cpu or out.stride(1) != 1):
         raise KernelInputError(f"out must be a CPU float32 tensor of shape {(N, H)} with unit stride per row")
     if J == 0:
-        return out.zero_()
+        return out.zero_
     first = experts[0][0]  # experts[0]'s gate_up sets the shapes and dtype every expert must have
     two_i, w_dtype = (first.shape[0], first.dtype) if isinstance(first, torch.Tensor) else (0, None)
     inter = two_i // 2
@@ -156,6 +166,7 @@ def moe_ffn(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = 
     use_native = nat is not None and unit_stride and H % 16 == 0 and inter % 16 == 0
     # The native call takes the experts with at most native_max_tokens tokens (above it torch's kernel wins).
     on_native = [use_native and n <= _native_max_tokens for n in sizes]
+    native_args = None
     if any(on_native):
         if all(on_native):
             sel, flat_w = range(J), np.concatenate(wts)
@@ -166,18 +177,23 @@ def moe_ffn(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = 
         if x.stride(1) != 1:
             x = x.contiguous()  # (N, H): activations are small; weights are never copied
         code = native.DTYPE_CODES
-        nat.moe_ffn(x.data_ptr(), code[x.dtype], N, H, inter, x.stride(0), code[w_dtype], table, flat_tok, flat_w,
-                    out.data_ptr(), out.stride(0), threads or native.threads())
-    else:
-        out.zero_()
-    for j in range(J):  # the rest (or all, without the extension): the reference kernel per expert
-        if on_native[j] or tok[j].size == 0:
-            continue
-        gate_up, down = experts[j]
-        idx = torch.from_numpy(tok[j])
-        y = expert_ffn_torch(x[idx].to(w_dtype), gate_up, down).float()  # (n, H)
-        out.index_add_(0, idx, y * torch.from_numpy(wts[j]).unsqueeze(1))
-    return out
+        native_args = (x.data_ptr(), code[x.dtype], N, H, inter, x.stride(0), code[w_dtype], table, flat_tok, flat_w,
+                       out.data_ptr(), out.stride(0), threads or native.threads())
+    on_torch = [j for j in range(J) if not on_native[j] and tok[j].size]  # the reference kernel per expert
+
+    def compute() -> torch.Tensor:
+        if native_args is not None:
+            nat.moe_ffn(*native_args)  # x, table and pair arrays stay alive in this closure
+        else:
+            out.zero_()
+        for j in on_torch:
+            gate_up, down = experts[j]
+            idx = torch.from_numpy(tok[j])
+            y = expert_ffn_torch(x[idx].to(w_dtype), gate_up, down).float()  # (n, H)
+            out.index_add_(0, idx, y * torch.from_numpy(wts[j]).unsqueeze(1))
+        return out
+
+    return compute
 
 
 def __getattr__(name: str):

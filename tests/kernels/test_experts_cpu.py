@@ -266,3 +266,24 @@ def test_amx_tiles_in_one_moe_call(amx_everywhere, monkeypatch):
     tokens, w = routing(N, [1, 3, 4, 17, 24], gen)
     x = torch.randn(N, H).bfloat16()
     check_moe(experts_cpu.moe_ffn(x, experts, tokens, w, threads=3), x, experts, tokens, w, torch.bfloat16)
+
+
+def test_prepared_moe_checks_now_and_computes_later_on_another_thread(kernel_mode):
+    """prepare_moe validates and builds the call on the calling thread; the returned function computes
+    (here on a worker thread, as the offload executor runs it) and fills `out`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    H, I, N = 64, 32, 5
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    experts = [weights(H, I, torch.bfloat16) for _ in range(3)]
+    tokens, w = routing(N, [2, 1, 4], gen)
+    x = torch.randn(N, H).bfloat16()
+    out = torch.full((N, H), math.nan)
+    compute = experts_cpu.prepare_moe(x, experts, tokens, w, out=out, threads=2)
+    assert torch.isnan(out).all()  # nothing computed yet
+    with ThreadPoolExecutor(1) as pool:
+        y = pool.submit(compute).result()
+    assert y is out
+    check_moe(y, x, experts, tokens, w, torch.bfloat16)
+    with pytest.raises(KernelInputError, match="2 tokens but 3 weights"):
+        experts_cpu.prepare_moe(x, experts[:1], [np.array([0, 1])], [np.ones(3, np.float32)])
