@@ -506,8 +506,8 @@ if [ "$phase" = AT ]; then
 fi
 if [ "$phase" = AU ]; then
   for round in 1 2; do
-    profile_pieces prepared-
-    ab_swap; profile_pieces before-; ab_restore
+    profile_pieces prepared-$round
+    ab_swap; profile_pieces before-$round; ab_restore
   done
   bench_experts 2k-shared-bs4 --batch-sizes 4 --contexts 2048 --shared-prefill --policies on-demand,adaptive
 fi
