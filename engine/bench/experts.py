@@ -246,7 +246,7 @@ def pinning_penalty(hidden: int = 2048, expert_ffn: int = 768, tokens=(1, 16), r
     Answers whether the store should keep a pageable copy for the CPU (seed 000 §3.1: 10–25 %)."""
     import torch
 
-    from engine.experts.offload import default_cpu_kernel
+    from engine.experts.cpu_set import default_cpu_kernel
 
     ffn, _ = default_cpu_kernel()
     block = torch.randn(3 * hidden * expert_ffn).to(torch.bfloat16)

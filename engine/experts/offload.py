@@ -5,7 +5,8 @@ One MoE layer (`run`), in order:
    copy (the layer's only host sync).
 2. Active experts are looked up in the LRU: hits run on the GPU; the planner splits the misses into
    fills (copied into slots on the copy stream, then computed on the GPU, kept) and a CPU set.
-3. The CPU set starts in a worker thread, computing in place from the store.
+3. The CPU set is prepared (engine/experts/cpu_set.py) and starts in a worker thread, computing in
+   place from the store.
 4. The GPU side — hits and fills — runs as one grouped computation over the slot pool.
 5. Predicted next-layer misses are prefetched into free or stale slots while the link is idle.
 6. The CPU part joins and is added. The sum does not depend on which side computed what.
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from engine.experts.cache import ExpertCache
+from engine.experts.cpu_set import cpu_set_inputs, default_cpu_moe, per_expert_moe
 from engine.experts.executor import ExpertExecutor
 from engine.experts.planner import MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
@@ -34,7 +36,6 @@ from engine.experts.zero_copy import ZeroCopyDecode
 from engine.kernels import moe_decode_gpu
 from engine.kernels.cuda_streams import indexed
 from engine.kernels.experts_gpu import grouped_expert_ffn, grouped_impl, uses_grouped_mm
-from engine.kernels.experts_torch import expert_ffn
 from engine.sched.expert_cost import ExpertCostModel
 
 OFFLOAD_POLICIES = ("adaptive", "on-demand", "static", "cpu-only")
@@ -44,39 +45,6 @@ OFFLOAD_POLICIES = ("adaptive", "on-demand", "static", "cpu-only")
 HOST_PARTS = ("lookup", "plan", "fill", "gpu_set", "prefetch", "merge")
 log = logging.getLogger("tandem")
 CPU_CORRECTION_WINDOW = 32  # CPU sets measured per update of the cost model's CPU correction
-
-
-def default_cpu_kernel():
-    """The native CPU expert kernel where it is built, else torch: (expert_ffn, name)."""
-    try:
-        from engine.kernels import experts_cpu
-    except ImportError:
-        return expert_ffn, "torch"
-    return experts_cpu.expert_ffn, str(getattr(experts_cpu, "IMPLEMENTATION", "experts_cpu"))
-
-
-def per_expert_moe(ffn):
-    """A layer's CPU set from a per-expert kernel ffn(x (n, H), gate_up, down) → (n, H) (an injected
-    kernel, or torch without the experts_cpu module): same contract as experts_cpu.prepare_moe."""
-    def prepare(x, experts, tokens, weights, out=None):
-        def compute():
-            result = torch.zeros(x.shape, dtype=torch.float32) if out is None else out.zero_()  # (N, H)
-            for (gate_up, down), tok, w in zip(experts, tokens, weights):
-                idx = torch.from_numpy(tok)
-                result.index_add_(0, idx, ffn(x[idx], gate_up, down).float() * torch.from_numpy(w).unsqueeze(1))
-            return result
-        return compute
-    return prepare
-
-
-def default_cpu_moe():
-    """A layer's whole CPU set in one call (one fork of the native thread team per layer):
-    (prepare(x, experts, tokens, weights, out) → compute(), name)."""
-    try:
-        from engine.kernels import experts_cpu
-    except ImportError:
-        return per_expert_moe(expert_ffn), "torch"
-    return experts_cpu.prepare_moe, str(getattr(experts_cpu, "IMPLEMENTATION", "experts_cpu"))
 
 
 class OffloadedExperts(ExpertExecutor):
@@ -234,7 +202,7 @@ class OffloadedExperts(ExpertExecutor):
         # the GIL at once) and starts without waiting for this thread's Python.
         job = None
         if plan.cpu:
-            compute = self.cpu_prepare(x_h, *self._cpu_inputs(layer, plan.cpu, ids_h, w_h),
+            compute = self.cpu_prepare(x_h, *cpu_set_inputs(self.store, layer, plan.cpu, ids_h, w_h),
                                        out=self._result_buffer(x_h.shape))
             job = self._workers.submit(self._cpu_set, compute, submitted=time.perf_counter())
             self.cpu_executed += len(plan.cpu)
@@ -345,19 +313,6 @@ class OffloadedExperts(ExpertExecutor):
         y = torch.where(on_gpu, y.float() * w, 0.0)  # CPU pairs' rows are undefined: zero them
         pairs = torch.empty_like(y).index_copy_(0, perm, y)  # back to (token, choice) order
         return pairs.view(N, k, -1).sum(1).to(x.dtype)  # (N, H)
-
-    def _cpu_inputs(self, layer: int, experts: list[int], ids_h: np.ndarray, w_h: torch.Tensor):
-        """The CPU set's operands, grouped here so the worker thread spends no Python on them:
-        (store views per expert, token rows per expert, fp32 routing weights per expert)."""
-        k = ids_h.shape[1]
-        flat = ids_h.ravel()
-        order = np.argsort(flat, kind="stable")  # (token, choice) pairs grouped by expert
-        sorted_ids = flat[order]
-        lo = np.searchsorted(sorted_ids, experts, side="left")
-        hi = np.searchsorted(sorted_ids, experts, side="right")
-        w_flat = w_h.reshape(-1).float().numpy()  # (N·k,)
-        pairs = [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
-        return [self.store.expert(layer, e) for e in experts], [p // k for p in pairs], [w_flat[p] for p in pairs]
 
     def _cpu_set(self, compute, submitted: float) -> tuple[torch.Tensor, float]:
         """In the worker thread: Σ over the CPU-side experts (prepared by `cpu_prepare`), computed in

@@ -14,7 +14,7 @@ from engine.experts.offload import OFFLOAD_POLICIES, OffloadedExperts
 from engine.experts.predictor import GateLookahead, even_spread
 from engine.experts.store import ExpertStore
 from engine.kernels import experts_gpu
-from engine.kernels.experts_torch import moe_experts
+from engine.kernels.experts_torch import expert_ffn, moe_experts
 from engine.models.common import softmax_topk
 from engine.sched.expert_cost import ExpertCostModel
 
@@ -133,7 +133,7 @@ def test_group_loop_equals_grouped_mm_and_plain_mm():
     assert experts_gpu.groups_of(offs) == groups
     looped = experts_gpu.grouped_expert_ffn(xs, gate_up, down, offs, groups)
     for slot, a, b in groups:
-        torch.testing.assert_close(looped[a:b], offload_mod.expert_ffn(xs[a:b], gate_up[slot], down[slot]))
+        torch.testing.assert_close(looped[a:b], expert_ffn(xs[a:b], gate_up[slot], down[slot]))
     assert torch.equal(looped[8], torch.zeros(H))
     assert experts_gpu.grouped_impl(torch.device("cpu"), torch.float32) == "group-loop"
     if experts_gpu._probe(torch.device("cpu"), torch.float32):  # torch's own CPU kernel, where present
@@ -148,7 +148,7 @@ def test_cpu_kernel_is_injectable(model):
 
     def counting_ffn(x, gate_up, down):
         calls.append(x.shape[0])
-        return offload_mod.expert_ffn(x, gate_up, down)
+        return expert_ffn(x, gate_up, down)
 
     gate_up, down, _ = model
     store = ExpertStore.from_layers(gate_up, down, dtype=torch.float32)
