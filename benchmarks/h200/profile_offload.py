@@ -69,8 +69,8 @@ def main() -> None:
                 before = ex.telemetry()
                 plain = decode(16)
                 after = ex.telemetry()
-                spent = {k: round(after[k] - before[k], 4)
-                         for k in ("run_s", "device_wait_s", "cpu_wait_s", "cpu_queue_s", "cpu_expert_s", "cpu_executed")}
+                keys = ("run_s", "device_wait_s", "cpu_wait_s", "cpu_queue_s", "cpu_expert_s", "cpu_executed")
+                spent = {k: round(after[k] - before[k], 4) for k in keys}
                 spent["host_split_s"] = {k: round(after["host_split_s"][k] - before["host_split_s"][k], 4)
                                          for k in after["host_split_s"]}
                 spent["layer_steps"] = 16 * len(ex.store.layers)
