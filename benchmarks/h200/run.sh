@@ -76,6 +76,8 @@
 #                                    #   adaptive pieces (L16) against .ab-before/ (engine/experts/offload.py and
 #                                    #   engine/kernels/experts_cpu.py as at commit 053b1da), alternated twice;
 #                                    #   bench experts 2K bs=4
+#   bash benchmarks/h200/run.sh AV   # (not yet run) bench experts 2K bs 1 and 4 from one prefill, policies taking
+#                                    #   turns three times: the median ratio, robust to the host's slow spells
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -510,6 +512,10 @@ if [ "$phase" = AU ]; then
     ab_swap; profile_pieces before-$round; ab_restore
   done
   bench_experts 2k-shared-bs4 --batch-sizes 4 --contexts 2048 --shared-prefill --policies on-demand,adaptive
+fi
+if [ "$phase" = AV ]; then  # not yet run
+  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
+    --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = AL ]; then
   kv_tests

@@ -21,7 +21,9 @@ where the engine looks for it at load (`tandem bench trace`).
 
 from __future__ import annotations
 
+import statistics
 import time
+
 from engine.bench.common import header
 from engine.experts.zero_copy import PROBE_STEPS
 
@@ -109,15 +111,19 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
         new_tokens: int = 32, vram_budget_gb: float | None = 24.0, device: str = "auto", dtype: str = "auto",
         simulate_hybrid: bool = False, expert_cache_slots: int | None = None, cpu_threads: int | None = None,
         seed: int = 0, warmup: bool = True, engine=None, decode: str = "sample", shared_prefill: bool = False,
-        cuda_graphs: bool = True) -> dict:
+        cuda_graphs: bool = True, rounds: int = 1) -> dict:
     """engine: an already loaded engine with an offload policy to measure instead of loading one
-    (the caller keeps and closes it; its config decides budget and slots)."""
+    (the caller keeps and closes it; its config decides budget and slots). rounds (with shared_prefill):
+    the policies take turns this many times on the shared KV, so a slow spell of the host falls on
+    every policy; the ratio reported is the median of the rounds'."""
     import torch
 
     from engine.api import Engine, EngineConfig
 
     if decode not in ("sample", "greedy"):
         raise ValueError(f"decode must be 'sample' or 'greedy', got {decode!r}")
+    if rounds < 1 or (rounds > 1 and not shared_prefill):
+        raise ValueError(f"rounds must be ≥ 1, and more than 1 needs shared_prefill (got {rounds})")
     sample = decode == "sample"
     policies = list(policies)
     t0 = time.perf_counter()
@@ -126,7 +132,8 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
         engine = Engine(EngineConfig(model=model, backend="tandem", device=device, dtype=dtype,
                                      expert_policy=policies[0], vram_budget_gb=vram_budget_gb,
                                      max_batch=max(batch_sizes),
-                                     max_context=context_needed(contexts, new_tokens, len(policies), shared_prefill),
+                                     max_context=context_needed(contexts, new_tokens, len(policies) * rounds,
+                                                                shared_prefill),
                                      simulate_hybrid=simulate_hybrid, expert_cache_slots=expert_cache_slots,
                                      cpu_threads=cpu_threads, cuda_graphs=cuda_graphs))
     load_s = time.perf_counter() - t0
@@ -151,16 +158,17 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
                     use(policies[0])
                     tag = f"shared-{context}-{bs}"
                     sessions, histories, prefill = _prefill(engine, [prompt(context) for _ in range(bs)], tag)
-                    for i, policy in enumerate(policies):
-                        # The KV pool holds only the shared sessions: each policy warms up by decoding
-                        # WARM_TOKENS on them (graph capture, compiles, form choice), then is measured.
-                        use(policy, warm=False)
-                        if warmup:
-                            _, histories = _decode(engine, sessions, histories, WARM_TOKENS, sample, seed + 1000)
-                        dec, histories = _decode(engine, sessions, histories, new_tokens, sample, seed)
-                        rows.append(_row(engine, policy, context, bs, {
-                            "prefill": prefill if i == 0 else None, "decode": dec,
-                            "predictor": _counters(engine).get("predictor")}))
+                    for r in range(rounds):
+                        for i, policy in enumerate(policies):
+                            # The KV pool holds only the shared sessions: each policy warms up by decoding
+                            # WARM_TOKENS on them (graph capture, compiles, form choice), then is measured.
+                            use(policy, warm=False)
+                            if warmup:
+                                _, histories = _decode(engine, sessions, histories, WARM_TOKENS, sample, seed + 1000)
+                            dec, histories = _decode(engine, sessions, histories, new_tokens, sample, seed + r)
+                            rows.append({**_row(engine, policy, context, bs, {
+                                "prefill": prefill if i == 0 and r == 0 else None, "decode": dec,
+                                "predictor": _counters(engine).get("predictor")}), "round": r})
                     for s in sessions:
                         engine.end_session(s)
         else:
@@ -176,13 +184,14 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
         record = {**header(), "bench": "experts", "model": config.model, "load_s": round(load_s, 1) if owned else None,
                   "vram_budget_gb": config.vram_budget_gb, "device": info["device"], "dtype": info["dtype"],
                   "simulate_hybrid": config.simulate_hybrid, "new_tokens": new_tokens, "decode": decode,
-                  "shared_prefill": shared_prefill, "cuda_graphs_config": config.cuda_graphs,
+                  "shared_prefill": shared_prefill, "rounds": rounds, "cuda_graphs_config": config.cuda_graphs,
                   "store_gib": round(store.nbytes / 2**30, 3), "store_pinned": store.pinned,
                   "expert_mib_each": round(store.block_bytes / 2**20, 3), "routed_experts": store.n_routed,
                   "cpu_kernel": parts.experts.cpu_kernel, "gpu_kernel": parts.experts.telemetry()["gpu_kernel"],
                   "cost_model": dict(vars(parts.experts.costs)),
                   "routing": ROUTING_NOTE if config.model.startswith("synthetic:") else None,
-                  "results": rows, "adaptive_vs_best_baseline_decode": speedups(rows)}
+                  "results": rows, "adaptive_vs_best_baseline_decode": speedups(rows),
+                  "adaptive_vs_best_baseline_decode_per_round": speedups(rows, per_round=True)}
     finally:
         if owned:
             engine.close()
@@ -207,6 +216,8 @@ def add_arguments(p) -> None:
                    help="sample (temperature 1, seeded): fresh tokens each step; greedy: a random model repeats one token")
     p.add_argument("--shared-prefill", action="store_true",
                    help="prefill each context and batch once, under the first policy, and decode every policy from it")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --shared-prefill: the policies take turns this many times; the ratio is the median")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="decode eagerly (graphs capture decode steps in pieces cut at the offloaded experts)")
     p.add_argument("--json", default=None, help="also write the record here")
@@ -218,7 +229,7 @@ def from_args(ns) -> dict:
                contexts=ints(ns.contexts), new_tokens=ns.new_tokens, vram_budget_gb=ns.vram_budget_gb,
                device=ns.device, cpu_threads=ns.cpu_threads, expert_cache_slots=ns.expert_cache_slots,
                simulate_hybrid=ns.simulate_hybrid, decode=ns.decode, shared_prefill=ns.shared_prefill,
-               cuda_graphs=ns.cuda_graphs)
+               cuda_graphs=ns.cuda_graphs, rounds=ns.rounds)
 
 
 def context_needed(contexts, new_tokens: int, n_policies: int, shared_prefill: bool) -> int:
@@ -228,17 +239,22 @@ def context_needed(contexts, new_tokens: int, n_policies: int, shared_prefill: b
     return max(contexts) + 1 + decodes + 4
 
 
-def speedups(rows: list[dict]) -> dict:
-    """Decode tok/s of adaptive over the better of cpu-only and on-demand, per (context, batch)."""
-    out = {}
+def speedups(rows: list[dict], per_round: bool = False) -> dict:
+    """Decode tok/s of adaptive over the better of cpu-only and on-demand of the same round, per
+    (context, batch): the median over rounds, or (per_round) the list of the rounds' ratios."""
+    ratios: dict[str, list[float]] = {}
     for r in rows:
         if r["policy"] != "adaptive":
             continue
         peers = [q["decode"]["tok_s"] for q in rows if q["policy"] in ("cpu-only", "on-demand")
-                 and (q["context"], q["batch"]) == (r["context"], r["batch"]) and q["decode"]["tok_s"]]
+                 and (q["context"], q["batch"], q.get("round", 0)) == (r["context"], r["batch"], r.get("round", 0))
+                 and q["decode"]["tok_s"]]
         if peers and r["decode"]["tok_s"]:
-            out[f"ctx{r['context']}-bs{r['batch']}"] = round(r["decode"]["tok_s"] / max(peers), 3)
-    return out
+            key = f"ctx{r['context']}-bs{r['batch']}"
+            ratios.setdefault(key, []).append(round(r["decode"]["tok_s"] / max(peers), 3))
+    if per_round:
+        return ratios
+    return {key: round(statistics.median(values), 3) for key, values in ratios.items()}
 
 
 def pinning_penalty(hidden: int = 2048, expert_ffn: int = 768, tokens=(1, 16), repeats: int = 50) -> dict:

@@ -179,6 +179,16 @@ def test_bench_shared_prefill_decodes_every_policy_from_one_kv(engine, reference
     # the shared sequence: prompt, first token, then per policy a 2-token warm-up and the 3 measured tokens
     assert context_needed((8,), 3, 3, True) >= 8 + 1 + 3 * (2 + 3)
     assert set(rec["adaptive_vs_best_baseline_decode"]) == {"ctx8-bs2"}
+    # Rounds: the policies take turns on the same KV; the ratio is the median of the rounds' ratios.
+    rec = run(engine=engine, policies=("on-demand", "adaptive"), batch_sizes=(1,), contexts=(8,), new_tokens=2,
+              shared_prefill=True, decode="greedy", rounds=3, warmup=False)
+    rows = rec["results"]
+    assert [(r["policy"], r["round"]) for r in rows] == [(p, k) for k in range(3) for p in ("on-demand", "adaptive")]
+    per_round = rec["adaptive_vs_best_baseline_decode_per_round"]["ctx8-bs1"]
+    assert len(per_round) == 3 and rec["adaptive_vs_best_baseline_decode"]["ctx8-bs1"] == sorted(per_round)[1]
+    assert rows[0]["prefill"] is not None and all(r["prefill"] is None for r in rows[1:])
+    with pytest.raises(ValueError, match="shared_prefill"):
+        run(engine=engine, policies=("adaptive",), rounds=2)
     with pytest.raises(ValueError, match="sample"):
         run(engine=engine, policies=("adaptive",), decode="beam")
     switch(engine, "adaptive", 40)
