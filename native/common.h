@@ -137,7 +137,6 @@ struct ExpertTiling {
 // (n_pad × H, n_pad × I).
 struct KernelTable {
   const char* name;
-  int lanes;  // fp32 lanes of a vector register (1 for the portable path)
   AttentionItemFn attention_item;
   DType (*expert_activation_dtype)(const ExpertProblem&);
   ExpertTiling (*expert_tiling)(const ExpertProblem&);  // for P.n_tokens tokens

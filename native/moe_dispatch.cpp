@@ -29,7 +29,9 @@ namespace {
 // Padded token rows per pass: activations (512 × H in bf16: 2 MB at H = 2048) and fp32 results (4 MB)
 // stay small; an expert with more tokens is cut into several segments.
 constexpr int64_t kMaxPassRows = 512;
-static_assert(kMaxPassRows % 8 == 0, "a segment padded to whole tiles still fits a pass");
+// Vector tiles pad to 4 or 8 tokens, AMX tiles to at most 16 per group (amx_tiling): a segment of ≤ kMaxPassRows
+// pairs padded to whole tiles still fits a pass.
+static_assert(kMaxPassRows % 16 == 0, "a segment padded to whole tiles still fits a pass");
 // Output columns per unit of the weighted sum (512 bytes of fp32).
 constexpr int64_t kReduceCols = 128;
 
