@@ -8,7 +8,8 @@ Loads MODEL once with SLOTS expert cache slots, and for each policy and batch si
 512-token random prompt, 4 sampled warm-up tokens (graph capture, compiles), then 16 sampled decode
 tokens timed without the profiler (with the executor's own split of the driving thread's time:
 device wait, CPU wait, host parts; the worker's queue and compute time of the CPU sets) and 16 more
-under cProfile. SWITCH_INTERVAL=seconds sets the GIL switch interval first. Writes OUT_DIR/profile-offload.json
+under cProfile. SWITCH_INTERVAL=seconds sets the GIL switch interval first; CPU_THREADS the CPU
+sets' threads (default 15). Writes OUT_DIR/profile-offload.json
 and one text profile per run (functions by own time, then by cumulative time).
 """
 
@@ -46,10 +47,12 @@ def main() -> None:
         sys.setswitchinterval(float(os.environ["SWITCH_INTERVAL"]))
     out.mkdir(parents=True, exist_ok=True)
     engine = Engine(EngineConfig(model=model, backend="tandem", device="cuda", expert_policy=policies[0],
-                                 expert_cache_slots=slots, max_batch=4, max_context=1024, cpu_threads=15))
+                                 expert_cache_slots=slots, max_batch=4, max_context=1024,
+                                 cpu_threads=int(os.environ.get("CPU_THREADS", 15))))
     vocab = engine.info()["vocab_size"]
     gen = torch.Generator().manual_seed(0)
-    record = {"model": model, "slots": slots, "runs": []}
+    record = {"model": model, "slots": slots, "cpu_threads": engine.config.cpu_threads,
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "runs": []}
     try:
         for policy in policies:
             if engine.info()["expert_policy"] != policy:

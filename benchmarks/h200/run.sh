@@ -78,6 +78,8 @@
 #                                    #   bench experts 2K bs=4
 #   bash benchmarks/h200/run.sh AV   # (not yet run) bench experts 2K bs 1 and 4 from one prefill, policies taking
 #                                    #   turns three times: the median ratio, robust to the host's slow spells
+#   bash benchmarks/h200/run.sh AW   # host topology; expert kernel DRAM vs in-cache roof (profile_roof.py); adaptive
+#                                    #   pieces (L16) with 15 and 12 CPU-set threads and OMP_WAIT_POLICY=PASSIVE, alternated
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -516,6 +518,17 @@ fi
 if [ "$phase" = AV ]; then  # not yet run
   bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
     --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = AW ]; then
+  step host topology
+  { lscpu; nproc; } 2>&1 | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\)|L[123]|NUMA|Flags)" | cut -c1-300 | tee -a "$log"
+  step expert kernel: DRAM against in-cache roof
+  timeout 200 python3 benchmarks/h200/profile_roof.py "$out/profile-roof.json" 2>&1 | tee -a "$log"
+  for round in 1 2; do
+    profile_pieces t15-$round
+    (export CPU_THREADS=12; profile_pieces t12-$round)
+    (export OMP_WAIT_POLICY=PASSIVE; profile_pieces passive-$round)
+  done
 fi
 if [ "$phase" = AL ]; then
   kv_tests

@@ -40,9 +40,9 @@ from engine.sched.expert_cost import ExpertCostModel
 
 OFFLOAD_POLICIES = ("adaptive", "on-demand", "static", "cpu-only")
 # The driving thread's host work in `run` after the layer's sync, in order (seconds in `host_split`):
-# routing bookkeeping and LRU lookup; the plan; fills and the CPU set's hand-off; the GPU set's
-# launches; prefetches; then (layers with a CPU set) the result's return and merge.
-HOST_PARTS = ("lookup", "plan", "fill", "gpu_set", "prefetch", "merge")
+# routing bookkeeping and LRU lookup; the plan; the CPU set's preparation and hand-off; the fills; the
+# GPU set's launches; prefetches; then (layers with a CPU set) the result's return and merge.
+HOST_PARTS = ("lookup", "plan", "cpu_set", "fill", "gpu_set", "prefetch", "merge")
 log = logging.getLogger("tandem")
 CPU_CORRECTION_WINDOW = 32  # CPU sets measured per update of the cost model's CPU correction
 
@@ -206,6 +206,7 @@ class OffloadedExperts(ExpertExecutor):
                                        out=self._result_buffer(x_h.shape))
             job = self._workers.submit(self._cpu_set, compute, submitted=time.perf_counter())
             self.cpu_executed += len(plan.cpu)
+        marks.append(time.perf_counter())
         fill_slots = self._fill(layer, plan.fill)
         marks.append(time.perf_counter())
         gpu_experts = hits + plan.fill
