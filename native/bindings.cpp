@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common.h"
+#include "moe_worker.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -67,23 +68,25 @@ void expert_ffn_py(uintptr_t x, int x_dtype, int64_t n_tokens, int64_t hidden, i
   expert_ffn(p, threads);
 }
 
-void moe_ffn_py(uintptr_t x, int x_dtype, int64_t n_rows, int64_t hidden, int64_t inter, int64_t x_stride, int w_dtype,
-                const py::array_t<int64_t, py::array::c_style>& experts,
-                const py::array_t<int64_t, py::array::c_style>& tokens,
-                const py::array_t<float, py::array::c_style>& weights, uintptr_t out, int64_t out_stride,
-                int threads) {
+// One MoE layer's CPU set as the kernels take it, checked here once so that no bad row number or
+// count reaches their pointer arithmetic. n_rows == 0 is returned as is (nothing to compute).
+MoeProblem checked_moe(uintptr_t x, int x_dtype, int64_t n_rows, int64_t hidden, int64_t inter, int64_t x_stride,
+                       int w_dtype, const py::array_t<int64_t, py::array::c_style>& experts,
+                       const py::array_t<int64_t, py::array::c_style>& tokens,
+                       const py::array_t<float, py::array::c_style>& weights, uintptr_t out, int64_t out_stride) {
   require(n_rows >= 0 && hidden > 0 && inter > 0, "n_rows ≥ 0, hidden and inter > 0");
   require(hidden % 16 == 0 && inter % 16 == 0, "hidden and inter must be multiples of 16");
   require(x_stride >= hidden && out_stride >= hidden, "row strides must cover a row");
   require(experts.ndim() == 2 && experts.shape(1) == 5, "experts must be an int64 table (J, 5)");
   require(tokens.ndim() == 1 && weights.ndim() == 1 && tokens.shape(0) == weights.shape(0),
           "tokens and weights must be 1-D and of one length");
-  if (n_rows == 0) return;
-  require(x && out, "null pointer");
   const int64_t n_experts = experts.shape(0), pairs = tokens.shape(0);
   const auto* table = reinterpret_cast<const MoeExpert*>(experts.data());
   const int64_t* token_ids = tokens.data();
-  // Checked here, once, so that no bad row number or count reaches the kernels' pointer arithmetic.
+  MoeProblem p{reinterpret_cast<const void*>(x), dtype_of(x_dtype), n_rows, hidden, inter, x_stride, dtype_of(w_dtype),
+               table, n_experts, token_ids, weights.data(), reinterpret_cast<float*>(out), out_stride};
+  if (n_rows == 0) return p;
+  require(x && out, "null pointer");
   int64_t total = 0;
   for (int64_t j = 0; j < n_experts; ++j) {
     const MoeExpert& e = table[j];
@@ -94,10 +97,30 @@ void moe_ffn_py(uintptr_t x, int x_dtype, int64_t n_rows, int64_t hidden, int64_
   }
   require(total == pairs, "the experts' pair counts must add up to the length of tokens");
   for (int64_t i = 0; i < pairs; ++i) require(token_ids[i] >= 0 && token_ids[i] < n_rows, "token index out of range");
-  MoeProblem p{reinterpret_cast<const void*>(x), dtype_of(x_dtype), n_rows, hidden, inter, x_stride, dtype_of(w_dtype),
-               table, n_experts, token_ids, weights.data(), reinterpret_cast<float*>(out), out_stride};
+  return p;
+}
+
+void moe_ffn_py(uintptr_t x, int x_dtype, int64_t n_rows, int64_t hidden, int64_t inter, int64_t x_stride, int w_dtype,
+                const py::array_t<int64_t, py::array::c_style>& experts,
+                const py::array_t<int64_t, py::array::c_style>& tokens,
+                const py::array_t<float, py::array::c_style>& weights, uintptr_t out, int64_t out_stride,
+                int threads) {
+  const MoeProblem p = checked_moe(x, x_dtype, n_rows, hidden, inter, x_stride, w_dtype, experts, tokens, weights,
+                                   out, out_stride);
+  if (n_rows == 0) return;
   py::gil_scoped_release release;
   moe_ffn(p, threads);
+}
+
+void moe_submit_py(MoeWorker& worker, uintptr_t x, int x_dtype, int64_t n_rows, int64_t hidden, int64_t inter,
+                   int64_t x_stride, int w_dtype, const py::array_t<int64_t, py::array::c_style>& experts,
+                   const py::array_t<int64_t, py::array::c_style>& tokens,
+                   const py::array_t<float, py::array::c_style>& weights, uintptr_t out, int64_t out_stride,
+                   int threads) {
+  require(n_rows > 0, "a CPU set handed to the worker has rows");
+  worker.submit(checked_moe(x, x_dtype, n_rows, hidden, inter, x_stride, w_dtype, experts, tokens, weights, out,
+                            out_stride),
+                threads);
 }
 
 // The file of the OpenMP runtime this module's calls bind to ("" if unknown or without OpenMP). The
@@ -146,6 +169,19 @@ PYBIND11_MODULE(_native, m) {
         "One MoE layer's experts: out (n_rows, H) fp32 = Σ_pairs weight · expert(x[token]). experts: int64 "
         "(J, 5) rows (gate_up ptr, down ptr, gate_up row stride, down row stride, pairs); expert j's pairs "
         "follow expert j − 1's in tokens (int64) and weights (fp32).");
+  py::class_<MoeWorker>(m, "MoeWorker",
+                        "A native thread that runs one MoE layer's CPU set at a time (moe_ffn) beside the "
+                        "caller; no Python runs on it. The caller keeps the operands alive until `wait` returns.")
+      .def(py::init<>())
+      .def("submit", &moe_submit_py, py::arg("x"), py::arg("x_dtype"), py::arg("n_rows"), py::arg("hidden"),
+           py::arg("inter"), py::arg("x_stride"), py::arg("w_dtype"), py::arg("experts").noconvert(),
+           py::arg("tokens").noconvert(), py::arg("weights").noconvert(), py::arg("out"), py::arg("out_stride"),
+           py::arg("threads"), "Start moe_ffn's arguments on the worker (the previous set must be collected).")
+      .def("wait", [](MoeWorker& w) {
+        py::gil_scoped_release release;
+        return w.wait();
+      }, "Block (without the GIL) until the set is done → (queue seconds, compute seconds).")
+      .def_property_readonly("pending", &MoeWorker::pending, "A set was submitted and not yet collected.");
   m.def("stream_read", [](uintptr_t data, size_t n_bytes, int threads) {
     py::gil_scoped_release release;
     return stream_read(reinterpret_cast<const void*>(data), n_bytes, threads);

@@ -80,6 +80,10 @@
 #                                    #   turns three times: the median ratio, robust to the host's slow spells
 #   bash benchmarks/h200/run.sh AW   # host topology; expert kernel DRAM vs in-cache roof (profile_roof.py); adaptive
 #                                    #   pieces (L16) with 15 and 12 CPU-set threads and OMP_WAIT_POLICY=PASSIVE, alternated
+#   bash benchmarks/h200/run.sh AX   # CPU sets on a native worker thread, built from the store's addresses, planned and
+#                                    #   started before the bookkeeping: tests; adaptive pieces (L16) against .ab-before/
+#                                    #   (engine/experts/{offload,cpu_set,store}.py, engine/sched/expert_cost.py and
+#                                    #   engine/kernels/experts_cpu.py as at commit c958607), alternated twice; AV's bench
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -529,6 +533,19 @@ if [ "$phase" = AW ]; then
     (export CPU_THREADS=12; profile_pieces t12-$round)
     (export OMP_WAIT_POLICY=PASSIVE; profile_pieces passive-$round)
   done
+fi
+if [ "$phase" = AX ]; then
+  step tests: offloaded experts on CUDA, native expert kernels
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_experts_cpu.py tests/experts/test_expert_executor.py \
+    tests/experts/test_expert_store.py >> "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  for round in 1 2; do
+    profile_pieces worker-$round
+    ab_swap; profile_pieces before-$round; ab_restore
+  done
+  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
+    --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = AL ]; then
   kv_tests

@@ -1,13 +1,17 @@
-"""A layer's CPU set: its operands, and the kernel that computes it.
+"""A layer's CPU set: its operands, the kernel that computes it, and the thread that runs it.
 
-The driving thread groups the operands (`cpu_set_inputs`) and prepares the call (`prepare`, from
-`default_cpu_moe` or `per_expert_moe`); the worker thread only runs the prepared compute. With the
-native extension that is one call with the GIL released (experts_cpu.prepare_moe): a worker that runs
-Python would contend for the GIL with the driving thread's host work (phases AR–AU in
-benchmarks/RESULTS.md).
+The driving thread prepares the set: with the native extension straight from the store's block
+addresses (`native_cpu_set`: a table built by a few numpy calls, no tensor view per expert), else
+from per-expert views (`cpu_set_inputs`, then `prepare` from `default_cpu_moe` or `per_expert_moe`).
+`CpuSetRunner` runs it beside the driving thread: a set that is one native call goes to the native
+worker thread (no Python there, so no GIL changes hands: phases AR–AW in benchmarks/RESULTS.md),
+anything else to a Python worker thread.
 """
 
 from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -61,3 +65,84 @@ def cpu_set_inputs(store: ExpertStore, layer: int, experts: list[int], ids_h: np
     w_flat = w_h.reshape(-1).float().numpy()  # (N·k,)
     pairs = [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
     return [store.expert(layer, e) for e in experts], [p // k for p in pairs], [w_flat[p] for p in pairs]
+
+
+def native_cpu_set(store: ExpertStore, layer: int, experts: list[int], ids_h: np.ndarray, w_h: torch.Tensor,
+                   x_h: torch.Tensor, out: torch.Tensor):
+    """The CPU set as one native call built from the store's block addresses → experts_cpu.PreparedMoe,
+    or None where the native kernel does not take it (then use cpu_set_inputs and a prepare).
+    ids_h (N, k): the layer's routing; w_h (N, k) its weights; x_h (N, H) on the host."""
+    try:
+        from engine.kernels import experts_cpu
+    except ImportError:
+        return None
+    k = ids_h.shape[1]
+    flat = ids_h.ravel()  # (N·k,) expert of each (token, choice) pair
+    chosen = np.array(sorted(experts), dtype=np.int64)  # (J,) distinct, ascending: the order the pairs come in
+    on_cpu = np.zeros(store.n_experts, dtype=bool)
+    on_cpu[chosen] = True
+    pairs = np.flatnonzero(on_cpu[flat])
+    pairs = pairs[np.argsort(flat[pairs], kind="stable")]  # the CPU set's pairs grouped by expert
+    table = store.moe_table(layer, chosen)  # (J, 5) int64
+    table[:, 4] = np.bincount(flat[pairs], minlength=store.n_experts)[chosen]  # pairs per expert
+    weights = np.ascontiguousarray(w_h.reshape(-1).float().numpy()[pairs])  # (pairs,) fp32
+    return experts_cpu.prepare_moe_table(x_h, table, pairs // k, weights, store.expert_ffn, store.dtype, out=out)
+
+
+class CpuSetRunner:
+    """Runs one layer's CPU set at a time beside the driving thread and hands back (out, seconds from
+    submit to start, seconds computing)."""
+
+    def __init__(self, native_worker: bool = True):
+        self._native = None
+        if native_worker:
+            try:
+                from engine.kernels import experts_cpu
+            except ImportError:
+                pass
+            else:
+                self._native = experts_cpu.MoeWorker.create()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-cpu-experts")
+        self._pending: Future | None = None
+        self._on_native = False
+
+    @property
+    def native(self) -> bool:
+        """Whether sets that are one native call run on the native worker thread."""
+        return self._native is not None
+
+    def submit(self, prepared) -> None:
+        """prepared: a PreparedMoe, or any callable computing the set → out (N, H) fp32. A set a failed
+        layer left uncollected is waited for and dropped first."""
+        if self._on_native or self._pending is not None:
+            try:
+                self.result()
+            except Exception:  # that layer has reported its failure already
+                pass
+        if self._native is not None and getattr(prepared, "one_native_call", False):
+            self._native.submit(prepared)
+            self._on_native = True
+        else:
+            self._pending = self._pool.submit(_run_in_worker, prepared, time.perf_counter())
+            self._on_native = False
+
+    def result(self) -> tuple[torch.Tensor, float, float]:
+        if self._on_native:
+            self._on_native = False
+            return self._native.wait()
+        future, self._pending = self._pending, None
+        return future.result()
+
+    def close(self) -> None:
+        if self._native is not None:
+            self._native.close()
+            self._native = None
+        self._pool.shutdown(wait=True)
+
+
+def _run_in_worker(compute, submitted: float) -> tuple[torch.Tensor, float, float]:
+    """In the Python worker thread: the prepared set → (out, queue seconds, compute seconds)."""
+    with torch.inference_mode():  # grad mode is per thread
+        t0 = time.perf_counter()
+        out = compute()  # (N, H) fp32
+        return out, t0 - submitted, time.perf_counter() - t0

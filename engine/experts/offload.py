@@ -21,13 +21,12 @@ import logging
 import time
 from collections import deque
 from dataclasses import replace
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from engine.experts.cache import ExpertCache
-from engine.experts.cpu_set import cpu_set_inputs, default_cpu_moe, per_expert_moe
+from engine.experts.cpu_set import CpuSetRunner, cpu_set_inputs, default_cpu_moe, native_cpu_set, per_expert_moe
 from engine.experts.executor import ExpertExecutor
 from engine.experts.planner import MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
@@ -40,9 +39,10 @@ from engine.sched.expert_cost import ExpertCostModel
 
 OFFLOAD_POLICIES = ("adaptive", "on-demand", "static", "cpu-only")
 # The driving thread's host work in `run` after the layer's sync, in order (seconds in `host_split`):
-# routing bookkeeping and LRU lookup; the plan; the CPU set's preparation and hand-off; the fills; the
-# GPU set's launches; prefetches; then (layers with a CPU set) the result's return and merge.
-HOST_PARTS = ("lookup", "plan", "cpu_set", "fill", "gpu_set", "prefetch", "merge")
+# LRU lookup; the plan; the CPU set's preparation and hand-off; the fills; the GPU set's launches;
+# prefetches; bookkeeping nothing above waits for (prediction scores, the trace); then (layers with a
+# CPU set) the result's return and merge.
+HOST_PARTS = ("lookup", "plan", "cpu_set", "fill", "gpu_set", "prefetch", "bookkeeping", "merge")
 log = logging.getLogger("tandem")
 CPU_CORRECTION_WINDOW = 32  # CPU sets measured per update of the cost model's CPU correction
 
@@ -67,7 +67,7 @@ class OffloadedExperts(ExpertExecutor):
         self.hot_source: str | None = None  # what warmed the cache: a hot-table path or "even-spread"
         self._first_layer = store.layers[0]
         self._sweep_start = self._prev_sweep_start = 0  # LRU clock at the start of this / the last forward
-        self._workers = ThreadPoolExecutor(1, thread_name_prefix="tandem-cpu-experts")
+        self._cpu_runner = CpuSetRunner()
         self._window: deque[tuple[int, int]] = deque(maxlen=window)  # (hits, lookups) per layer step
         self.cpu_executed = self.uncached_misses = self.h2d_bytes = 0
         self.cpu_s = 0.0  # worker time computing CPU sets
@@ -178,11 +178,7 @@ class OffloadedExperts(ExpertExecutor):
         marks = [time.perf_counter()]  # host work after the sync, per part (see `host_split`)
         host = host_t.numpy()
         ids_h = host[:N]
-        if self.predictor is not None:
-            self.predictor.score(layer, ids_h)
-            self.predictor.remember(layer, host[N:] if predicted else None)
         counts = np.bincount(ids_h.ravel(), minlength=self.store.n_experts)  # tokens per expert
-        self.trace.add(layer, counts)
         active = np.flatnonzero(counts).tolist()
         if lru is not None:
             hits, hit_slots, misses = lru.lookup(layer, active)
@@ -197,14 +193,19 @@ class OffloadedExperts(ExpertExecutor):
         plan = self.planner.plan(N, misses, counts[misses].tolist(), len(hits), int(counts[hits].sum()),
                                  capacity, self.predictor.hit_rate() if self.predictor else None)
         marks.append(time.perf_counter())
-        # The CPU set is the longest part of a bs=4 layer step (phase AQ): it is prepared here and
-        # handed over before the fills are issued, so the worker only computes (the native call drops
-        # the GIL at once) and starts without waiting for this thread's Python.
-        job = None
-        if plan.cpu:
-            compute = self.cpu_prepare(x_h, *cpu_set_inputs(self.store, layer, plan.cpu, ids_h, w_h),
-                                       out=self._result_buffer(x_h.shape))
-            job = self._workers.submit(self._cpu_set, compute, submitted=time.perf_counter())
+        # The CPU set is the longest part of a bs=4 layer step (phases AQ, AW): it is prepared here and
+        # handed over before the fills are issued and before any bookkeeping, so it starts as early as
+        # the plan allows; its worker only computes.
+        on_cpu = bool(plan.cpu)
+        if on_cpu:
+            buf = self._result_buffer(x_h.shape)
+            prepared = None
+            if self.cpu_ffn is None:  # the default kernel: one native call built from the store's addresses
+                prepared = native_cpu_set(self.store, layer, plan.cpu, ids_h, w_h, x_h,
+                                          buf if buf is not None else torch.empty(x_h.shape, dtype=torch.float32))
+            if prepared is None:
+                prepared = self.cpu_prepare(x_h, *cpu_set_inputs(self.store, layer, plan.cpu, ids_h, w_h), out=buf)
+            self._cpu_runner.submit(prepared)
             self.cpu_executed += len(plan.cpu)
         marks.append(time.perf_counter())
         fill_slots = self._fill(layer, plan.fill)
@@ -215,16 +216,23 @@ class OffloadedExperts(ExpertExecutor):
             result = None
         else:
             result = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts],
-                                   stream, out=out if job is None else None) if gpu_experts else None
+                                   stream, out=None if on_cpu else out) if gpu_experts else None
         marks.append(time.perf_counter())
         if plan.prefetch and predicted and self.cache is not None:
             self._prefetch(layer, host[N:], plan.prefetch)
         if lru is not None:
             lru.unlock()
         marks.append(time.perf_counter())
+        self.trace.add(layer, counts)
+        if self.predictor is not None:
+            self.predictor.score(layer, ids_h)
+            self.predictor.remember(layer, host[N:] if predicted else None)
+        marks.append(time.perf_counter())
         merged_from = marks[-1]
-        if job is not None:
-            cpu_out, seconds = job.result()
+        if on_cpu:
+            cpu_out, queue_s, seconds = self._cpu_runner.result()
+            self.cpu_queue_s += queue_s  # submit → start: the worker's wake-up
+            self.cpu_s += seconds
             merged_from = time.perf_counter()
             self.cpu_wait_s += merged_from - marks[-1]  # the wait is not host work
             self._observe_cpu(phase, plan.t_cpu_ms, 1e3 * seconds)
@@ -315,17 +323,6 @@ class OffloadedExperts(ExpertExecutor):
         pairs = torch.empty_like(y).index_copy_(0, perm, y)  # back to (token, choice) order
         return pairs.view(N, k, -1).sum(1).to(x.dtype)  # (N, H)
 
-    def _cpu_set(self, compute, submitted: float) -> tuple[torch.Tensor, float]:
-        """In the worker thread: Σ over the CPU-side experts (prepared by `cpu_prepare`), computed in
-        place from their store blocks → ((N, H) fp32, seconds)."""
-        with torch.inference_mode():  # grad mode is per thread
-            t0 = time.perf_counter()
-            self.cpu_queue_s += t0 - submitted  # submit → start: the worker's wake-up and its wait for the GIL
-            out = compute()  # (N, H) fp32
-            seconds = time.perf_counter() - t0
-            self.cpu_s += seconds
-        return out, seconds
-
     def _result_buffer(self, shape) -> torch.Tensor | None:
         """A pinned (N, H) fp32 buffer per decode size for the CPU set's result, so it returns to the
         GPU by an async copy; reused after the next layer's sync has seen that copy done. Larger
@@ -400,6 +397,6 @@ class OffloadedExperts(ExpertExecutor):
             self.cache.synchronize()  # no copy may still read the store
         if self.zero_copy is not None:  # nor a kernel reading it in place
             torch.cuda.synchronize(self.device)
-        self._workers.shutdown(wait=True)
+        self._cpu_runner.close()
         if release_store:
             self.store.close()

@@ -48,6 +48,7 @@ class ExpertStore:
         # Views made once per block: the decode path asks for a dozen per layer step, ~5 µs each to make.
         self._block_views: dict[int, torch.Tensor] = {}
         self._expert_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._moe_rows: np.ndarray | None = None  # (L, E, 5) int64, see moe_table
         self.pinned = False
         self._finalizer = None
         if pin and torch.cuda.is_available() and self.blocks.numel():
@@ -125,6 +126,22 @@ class ExpertStore:
             views = self._expert_views[index] = (block[:self._split].view(2 * self.expert_ffn, self.hidden),
                                                  block[self._split:].view(self.hidden, self.expert_ffn))
         return views
+
+    def moe_table(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Rows of the native moe_ffn table for these experts, (J, 5) int64 (a new array): gate_up
+        address, down address, their row strides in elements (H, I), and 0 pairs for the caller to
+        fill. Read from a table of every expert made at the first call (the blocks never move), so a
+        decode layer's CPU set costs one indexing here, not a tensor view per expert."""
+        if self._moe_rows is None:
+            first = self.blocks.data_ptr() + np.maximum(self.block_of, 0) * self.block_bytes  # (L, E)
+            rows = np.zeros(self.block_of.shape + (5,), dtype=np.int64)
+            rows[..., 0] = first
+            rows[..., 1] = first + self._split * self.blocks.element_size()
+            rows[..., 2] = self.hidden
+            rows[..., 3] = self.expert_ffn
+            rows[self.block_of < 0] = 0  # layers without routed experts: no address at all
+            self._moe_rows = rows
+        return self._moe_rows[layer, experts]
 
     @property
     def block_bytes(self) -> int:

@@ -22,8 +22,6 @@ next to the GPU-driving one). Experts with more tokens than native_max_tokens go
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
@@ -113,10 +111,11 @@ def moe_ffn(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = 
 
 
 def prepare_moe(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = None,
-                out: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+                out: torch.Tensor | None = None) -> "PreparedMoe":
     """moe_ffn in two halves: the checks and the native call's tables now, on this thread; the compute
-    when the returned function is called (from a worker: the native call holds the GIL only to start,
-    so a worker that only computes does not contend with the thread that prepared it)."""
+    when the returned PreparedMoe is called (from a worker: the native call holds the GIL only to
+    start, so a worker that only computes does not contend with the thread that prepared it), or
+    handed to a MoeWorker."""
     if not isinstance(x, torch.Tensor) or not x.is_cpu or x.dtype not in _DTYPES or x.dim() != 2:
         raise KernelInputError(f"x must be a 2-D fp32/bf16/fp16 CPU tensor, got "
                                f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
@@ -130,7 +129,7 @@ def prepare_moe(x: torch.Tensor, experts, tokens, weights, *, threads: int | Non
           or not out.is_cpu or out.stride(1) != 1):
         raise KernelInputError(f"out must be a CPU float32 tensor of shape {(N, H)} with unit stride per row")
     if J == 0:
-        return out.zero_
+        return PreparedMoe(out, None, [], x, experts, [], [], None)
     first = experts[0][0]  # experts[0]'s gate_up sets the shapes and dtype every expert must have
     two_i, w_dtype = (first.shape[0], first.dtype) if isinstance(first, torch.Tensor) else (0, None)
     inter = two_i // 2
@@ -180,20 +179,95 @@ def prepare_moe(x: torch.Tensor, experts, tokens, weights, *, threads: int | Non
         native_args = (x.data_ptr(), code[x.dtype], N, H, inter, x.stride(0), code[w_dtype], table, flat_tok, flat_w,
                        out.data_ptr(), out.stride(0), threads or native.threads())
     on_torch = [j for j in range(J) if not on_native[j] and tok[j].size]  # the reference kernel per expert
+    return PreparedMoe(out, native_args, on_torch, x, experts, tok, wts, w_dtype)
 
-    def compute() -> torch.Tensor:
-        if native_args is not None:
-            nat.moe_ffn(*native_args)  # x, table and pair arrays stay alive in this closure
+
+def prepare_moe_table(x: torch.Tensor, table: np.ndarray, tokens: np.ndarray, weights: np.ndarray, inter: int,
+                      w_dtype: torch.dtype, *, out: torch.Tensor, threads: int | None = None) -> "PreparedMoe | None":
+    """prepare_moe for experts given as the native call's table: int64 (J, 5) rows (gate_up address,
+    down address, their row strides in elements, pairs), with the pairs grouped by expert in `tokens`
+    (int64) and `weights` (fp32). For a caller that owns the weights' memory (the expert store) and
+    builds the table without a tensor view per expert. None when the native kernel does not take
+    this set (no extension, shapes it does not cover, an expert above native_max_tokens): then use
+    prepare_moe. The native binding checks the table, counts and token rows."""
+    nat = native.module()
+    if (nat is None or x.dim() != 2 or not x.is_cpu or x.dtype not in _DTYPES or x.stride(1) != 1
+            or w_dtype not in _DTYPES or table.ndim != 2 or table.shape[1] != 5 or not len(table)
+            or int(table[:, 4].max()) > _native_max_tokens):
+        return None
+    N, H = x.shape
+    if H % 16 or inter % 16:
+        return None
+    if out.shape != (N, H) or out.dtype != torch.float32 or not out.is_cpu or out.stride(1) != 1:
+        raise KernelInputError(f"out must be a CPU float32 tensor of shape {(N, H)} with unit stride per row")
+    code = native.DTYPE_CODES
+    args = (x.data_ptr(), code[x.dtype], N, H, inter, x.stride(0), code[w_dtype], table, tokens, weights,
+            out.data_ptr(), out.stride(0), threads or native.threads())
+    return PreparedMoe(out, args, [], x, None, [], [], w_dtype)
+
+
+class PreparedMoe:
+    """One MoE layer's CPU set, checked and built (prepare_moe, prepare_moe_table); calling it computes
+    the set on the calling thread and returns `out` (N, H) fp32. `one_native_call`: the whole set is
+    one native call, which `MoeWorker` can run on a thread with no Python on it."""
+
+    def __init__(self, out, native_args, on_torch, x, experts, tokens, weights, w_dtype):
+        self.out, self.native_args = out, native_args  # the args hold x, the table and the pair arrays alive
+        self._on_torch, self._x, self._experts = on_torch, x, experts
+        self._tokens, self._weights, self._w_dtype = tokens, weights, w_dtype
+
+    @property
+    def one_native_call(self) -> bool:
+        return self.native_args is not None and not self._on_torch
+
+    def __call__(self) -> torch.Tensor:
+        if self.native_args is not None:
+            native.module().moe_ffn(*self.native_args)
         else:
-            out.zero_()
-        for j in on_torch:
-            gate_up, down = experts[j]
-            idx = torch.from_numpy(tok[j])
-            y = expert_ffn_torch(x[idx].to(w_dtype), gate_up, down).float()  # (n, H)
-            out.index_add_(0, idx, y * torch.from_numpy(wts[j]).unsqueeze(1))
-        return out
+            self.out.zero_()
+        self.add_torch_part()
+        return self.out
 
-    return compute
+    def add_torch_part(self) -> None:
+        """Experts above native_max_tokens, through the reference kernel, added into out."""
+        for j in self._on_torch:
+            gate_up, down = self._experts[j]
+            idx = torch.from_numpy(self._tokens[j])
+            y = expert_ffn_torch(self._x[idx].to(self._w_dtype), gate_up, down).float()  # (n, H)
+            self.out.index_add_(0, idx, y * torch.from_numpy(self._weights[j]).unsqueeze(1))
+
+
+class MoeWorker:
+    """The native worker thread (native/moe_worker.h): runs a PreparedMoe that is one native call with
+    no Python on its thread, so handing it over and collecting it moves no GIL. `create()` is None
+    without the extension."""
+
+    def __init__(self, worker):
+        self._worker, self._job = worker, None
+
+    @classmethod
+    def create(cls) -> "MoeWorker | None":
+        nat = native.module()
+        return cls(nat.MoeWorker()) if nat is not None and hasattr(nat, "MoeWorker") else None
+
+    def submit(self, prepared: PreparedMoe) -> None:
+        if not prepared.one_native_call:
+            raise ValueError("the native worker runs sets that are one native call (PreparedMoe.one_native_call)")
+        self._worker.submit(*prepared.native_args)
+        self._job = prepared  # keeps x, the table and the pair arrays alive while the worker reads them
+
+    def wait(self) -> tuple[torch.Tensor, float, float]:
+        """→ (out, seconds from submit to start, seconds computing)."""
+        try:
+            queue_s, compute_s = self._worker.wait()
+        finally:
+            job, self._job = self._job, None
+        return job.out, queue_s, compute_s
+
+    def close(self) -> None:
+        if self._job is not None:  # the worker may still read the job's arrays
+            self.wait()
+        self._worker = None
 
 
 def __getattr__(name: str):

@@ -115,20 +115,38 @@ class ExpertCostModel:
         miss_tokens_desc: tokens per missed expert, heaviest first; capacity: slots free for fills.
         Returns (q, T_G, T_C).
         """
+        # The loop inlines fills_ms, gpu_ms and cpu_ms (same arithmetic): it runs on the driving thread
+        # before each decode layer's CPU set can start, where method calls per q cost ~30 µs a layer.
         m = len(miss_tokens_desc)
         total = sum(miss_tokens_desc)
-        best = None
+        per_ms = BYTES_PER_MS_PER_GBPS
+        t_one_fill = self.expert_bytes / (self.pcie_gbps * per_ms)
+        gpu_expert_ms = self.expert_bytes / (self.gpu_gbps * per_ms)
+        gpu_token_ms = self.flops_per_token / (self.gpu_tflops * FLOP_PER_MS_PER_TFLOPS)
+        cpu_token_ms = self.flops_per_token / (self.cpu_tflops * FLOP_PER_MS_PER_TFLOPS)
+        beside_rate = self.cpu_beside_fills_gbps * per_ms  # bytes/ms while fills stream
+        alone_rate = self.cpu_alone_gbps * per_ms
+        best_span = best_q = best_gpu = best_cpu = None
         filled_tokens = 0
         for q in range(0, min(m, max(capacity, 0)) + 1):
             if q:
                 filled_tokens += miss_tokens_desc[q - 1]
-            t_fill = self.fills_ms(q)
-            t_gpu = t_fill + self.gpu_ms(n_hits + q, hit_tokens + filled_tokens)
-            t_cpu = self.cpu_ms(m - q, total - filled_tokens, t_fill)
+            t_fill = self.fill_latency_ms + q * t_one_fill if q else 0.0
+            n_gpu = n_hits + q
+            t_gpu = t_fill + (self.gpu_launch_ms + n_gpu * gpu_expert_ms
+                              + (hit_tokens + filled_tokens) * gpu_token_ms if n_gpu else 0.0)
+            n_cpu = m - q
+            if n_cpu:
+                stream = n_cpu * self.expert_bytes
+                beside = beside_rate * t_fill
+                t_stream = stream / beside_rate if stream <= beside else t_fill + (stream - beside) / alone_rate
+                t_cpu = self.cpu_correction * (t_stream + self.cpu_overhead_ms + (total - filled_tokens) * cpu_token_ms)
+            else:
+                t_cpu = 0.0
             span = max(t_gpu, t_cpu)
-            if best is None or span <= best[0] + 1e-12:
-                best = (span, q, t_gpu, t_cpu)
-        return best[1], best[2], best[3]
+            if best_span is None or span <= best_span + 1e-12:
+                best_span, best_q, best_gpu, best_cpu = span, q, t_gpu, t_cpu
+        return best_q, best_gpu, best_cpu
 
     def prefetch_depth(self, idle_ms: float, hit_rate: float, aggressive: bool) -> int:
         """How many predicted experts to prefetch into an idle link window of idle_ms.

@@ -61,11 +61,15 @@ def test_split_matches_brute_force_over_random_cases():
     for _ in range(200):
         c = costs(host_gbps=rng.uniform(0.5, 3.0), cpu_gbps=rng.uniform(0.2, 2.0), pcie_gbps=rng.uniform(0.5, 2.0),
                   flops_per_token=rng.choice([0.0, 1e6]), cpu_tflops=0.01, gpu_launch_ms=rng.uniform(0, 0.5),
-                  cpu_overhead_ms=rng.uniform(0, 0.5), fill_latency_ms=rng.uniform(0, 0.2))
+                  cpu_overhead_ms=rng.uniform(0, 0.5), fill_latency_ms=rng.uniform(0, 0.2),
+                  cpu_correction=rng.uniform(0.5, 2.0))
         tokens = sorted((rng.randint(1, 60) for _ in range(rng.randint(0, 9))), reverse=True)
         n_hits = rng.randint(0, 4)
         cap = rng.randint(0, 10)
-        assert c.best_split(tokens, n_hits, n_hits * 3, cap)[0] == brute_force(c, tokens, n_hits, n_hits * 3, cap)
+        q, t_gpu, t_cpu = c.best_split(tokens, n_hits, n_hits * 3, cap)
+        assert q == brute_force(c, tokens, n_hits, n_hits * 3, cap)
+        # the split's inlined arithmetic is the model's: the same two times as layer_ms
+        assert (t_gpu, t_cpu) == pytest.approx(c.layer_ms(n_hits, n_hits * 3, tokens[:q], tokens[q:]), rel=1e-12)
 
 
 def test_capacity_caps_the_fills():

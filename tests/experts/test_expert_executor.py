@@ -273,14 +273,16 @@ def test_host_split_accounts_the_run_time(model):
 def test_cpu_set_queue_time_is_timed_apart_from_its_compute(model, monkeypatch):
     """A CPU set's wait in the worker queue (submit → start) is its own figure: a worker that starts
     late shows up there, not in cpu_expert_s."""
-    ex = make("cpu-only", model, 0)
-    real = ex._cpu_set
+    from engine.experts import cpu_set as cpu_set_mod
 
-    def late_start(*args, **kwargs):
+    ex = make("cpu-only", model, 0)  # the tiny experts (I = 8) take the Python worker
+    real = cpu_set_mod._run_in_worker
+
+    def late_start(compute, submitted):
         time.sleep(0.02)  # stands in for a busy worker: the start is late, the compute is not longer
-        return real(*args, **kwargs)
+        return real(compute, submitted)
 
-    monkeypatch.setattr(ex, "_cpu_set", late_start)
+    monkeypatch.setattr(cpu_set_mod, "_run_in_worker", late_start)
     before = ex.telemetry()
     forward_passes(ex, model, "cpu", n_passes=1, n_tokens=2, seed=5)
     tel = ex.telemetry()
@@ -288,6 +290,35 @@ def test_cpu_set_queue_time_is_timed_apart_from_its_compute(model, monkeypatch):
     assert sets > 0
     assert tel["cpu_queue_s"] - before["cpu_queue_s"] >= 0.02 * L * 0.9  # one late start per layer
     assert tel["cpu_expert_s"] - before["cpu_expert_s"] < tel["cpu_queue_s"] - before["cpu_queue_s"]
+    ex.close()
+
+
+@pytest.mark.parametrize("policy", ["cpu-only", "adaptive"])
+def test_native_cpu_sets_run_on_the_native_worker_and_equal_resident(policy):
+    """Experts the native kernel takes (bf16, H and I multiples of 16) go to the CPU as one call built
+    from the store's block addresses and run on the native worker thread; outputs equal resident
+    execution, and the worker's queue and compute time are reported."""
+    from engine.kernels import native
+
+    if native.module() is None:
+        pytest.skip("needs the native extension")
+    Lb, Eb, Hb, Ib = 2, 8, 64, 32
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    gate_up = [(torch.randn(Eb, 2 * Ib, Hb, generator=g) / Hb**0.5).bfloat16() for _ in range(Lb)]
+    down = [(torch.randn(Eb, Hb, Ib, generator=g) / Ib**0.5).bfloat16() for _ in range(Lb)]
+    routers = [torch.randn(Eb, Hb, generator=g) for _ in range(Lb)]
+    store = ExpertStore.from_layers(gate_up, down, dtype=torch.bfloat16)
+    ex = OffloadedExperts(policy, store, device=torch.device("cpu"), n_slots=3, max_decode_tokens=4, costs=QWEN3_COSTS)
+    assert ex._cpu_runner.native
+    for _ in range(3):
+        x = torch.randn(4, Hb, generator=g).bfloat16()
+        for layer in range(Lb):
+            w, ids = softmax_topk(x.float() @ routers[layer].T, K, True)
+            out = ex.run(layer, x, ids, w.bfloat16())
+            ref = moe_experts(x.float(), ids, w, gate_up[layer].float(), down[layer].float())
+            torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    tel = ex.telemetry()
+    assert tel["cpu_executed"] > 0 and tel["cpu_expert_s"] > 0 and tel["cpu_queue_s"] >= 0
     ex.close()
 
 

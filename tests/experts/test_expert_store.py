@@ -89,3 +89,21 @@ def test_store_is_pinned_exactly_and_unpinned_on_close():
     assert torch.equal(slot.cpu(), store.block(0, 1))
     store.close()
     assert not store.pinned and not store.blocks.is_pinned()
+
+
+def test_moe_table_rows_point_at_each_experts_views():
+    """The native call's table rows for a layer's experts hold the addresses and row strides of the
+    same gate_up and down views `expert` hands out, aliased blocks included, and are a fresh array
+    the caller may fill."""
+    gu0, dn0 = layer_tensors(0)
+    shared_gu, shared_dn = gu0[1:2].expand(E, 2 * I, H), dn0[1:2].expand(E, H, I)  # layer 2: one block for all
+    store = ExpertStore.from_layers([gu0, None, shared_gu], [dn0, None, shared_dn], dtype=torch.bfloat16)
+    for layer in (0, 2):
+        experts = np.array([3, 0, 2], dtype=np.int64)
+        table = store.moe_table(layer, experts)
+        assert table.shape == (3, 5) and table.dtype == np.int64
+        for row, e in zip(table, experts):
+            g, d = store.expert(layer, int(e))
+            assert row.tolist() == [g.data_ptr(), d.data_ptr(), g.stride(0), d.stride(0), 0]
+        table[:, 4] = 7
+        assert (store.moe_table(layer, experts)[:, 4] == 0).all()

@@ -287,3 +287,41 @@ def test_prepared_moe_checks_now_and_computes_later_on_another_thread(kernel_mod
     check_moe(y, x, experts, tokens, w, torch.bfloat16)
     with pytest.raises(KernelInputError, match="2 tokens but 3 weights"):
         experts_cpu.prepare_moe(x, experts[:1], [np.array([0, 1])], [np.ones(3, np.float32)])
+
+
+def test_native_worker_runs_prepared_sets_and_refuses_misuse():
+    """MoeWorker runs a prepared set on its own thread: the result equals moe_ffn's; a second submit
+    before the first is collected, a wait without a submit, a set that is not one native call and a
+    bad table are refused with clear errors, and the worker stays usable after each."""
+    from engine.kernels import native
+
+    if native.module() is None:
+        pytest.skip("needs the native extension")
+    worker = experts_cpu.MoeWorker.create()
+    H, I, N = 64, 32, 6
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    experts = [weights(H, I, torch.bfloat16) for _ in range(4)]
+    tokens, w = routing(N, [2, 1, 6, 3], gen)
+    x = torch.randn(N, H).bfloat16()
+    for _ in range(3):  # the thread serves set after set
+        out = torch.full((N, H), math.nan)
+        prepared = experts_cpu.prepare_moe(x, experts, tokens, w, out=out, threads=2)
+        assert prepared.one_native_call
+        worker.submit(prepared)
+        with pytest.raises(RuntimeError, match="not been collected"):
+            worker.submit(prepared)
+        y, queue_s, compute_s = worker.wait()
+        assert y is out and queue_s >= 0 and compute_s > 0
+        check_moe(y, x, experts, tokens, w, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="no CPU set was submitted"):
+        worker.wait()
+    torch_only = experts_cpu.prepare_moe(x.float(), [weights(H, I - 8, torch.float32)], tokens[:1], w[:1])
+    assert not torch_only.one_native_call  # I = 24: not a multiple of 16, so the torch kernel
+    with pytest.raises(ValueError, match="one native call"):
+        worker.submit(torch_only)
+    bad = experts_cpu.prepare_moe(x, experts, tokens, w, out=torch.empty(N, H), threads=2)
+    bad.native_args[7][0, 4] += 1  # one pair more than tokens holds
+    with pytest.raises(ValueError, match="pair counts must add up"):
+        worker.submit(bad)
+    worker.submit(experts_cpu.prepare_moe(x, experts, tokens, w, out=torch.empty(N, H), threads=2))
+    worker.close()  # collects the set still running before the thread goes

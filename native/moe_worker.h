@@ -1,0 +1,113 @@
+// A thread of the module's own that runs one MoE layer's CPU set (moe_ffn) at a time, beside the
+// Python thread that drives the GPU. The driving thread hands a set over (`submit`) and collects it
+// (`wait`, without the GIL); the worker never runs Python, so no GIL changes hands between the two.
+// With a Python worker thread, the set waited 0.09–0.17 ms per layer step on the H200 host between
+// its submit and its start (cpu_queue_s, benchmarks/RESULTS.md phases AQ and AW): the worker had to
+// take the GIL from the driving thread, which was busy issuing the layer's fills.
+// The thread is the master of its own OpenMP team, as the Python worker thread was.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "common.h"
+
+namespace tandem {
+
+class MoeWorker {
+ public:
+  MoeWorker() : thread_([this] { loop(); }) {}
+  MoeWorker(const MoeWorker&) = delete;
+  MoeWorker& operator=(const MoeWorker&) = delete;
+
+  // A set still queued is dropped; one running is finished first (its operands are the caller's, who
+  // keeps them alive until `wait` returns or this object is gone).
+  ~MoeWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+
+  // Start p on the worker. One set at a time: the previous one must have been collected.
+  void submit(const MoeProblem& p, int threads) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (state_ != State::idle) throw std::logic_error("the previous CPU set has not been collected (wait)");
+      problem_ = p;
+      threads_ = threads;
+      submitted_ = Clock::now();
+      error_.clear();
+      state_ = State::queued;
+    }
+    wake_.notify_one();
+  }
+
+  // Block until the submitted set is done → (seconds from submit to start, seconds computing);
+  // rethrows what the compute threw.
+  std::pair<double, double> wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (state_ == State::idle) throw std::logic_error("no CPU set was submitted");
+    done_.wait(lock, [this] { return state_ == State::done; });
+    state_ = State::idle;
+    if (!error_.empty()) throw std::runtime_error(error_);
+    return {queue_s_, compute_s_};
+  }
+
+  bool pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return state_ != State::idle;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  enum class State { idle, queued, running, done };
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      wake_.wait(lock, [this] { return stop_ || state_ == State::queued; });
+      if (stop_) return;
+      state_ = State::running;
+      const MoeProblem p = problem_;
+      const int threads = threads_;
+      lock.unlock();
+      const Clock::time_point start = Clock::now();
+      std::string error;
+      try {
+        moe_ffn(p, threads);
+      } catch (const std::exception& e) {
+        error = e.what();
+      } catch (...) {
+        error = "unknown error in the CPU expert set";
+      }
+      const Clock::time_point end = Clock::now();
+      lock.lock();
+      queue_s_ = std::chrono::duration<double>(start - submitted_).count();
+      compute_s_ = std::chrono::duration<double>(end - start).count();
+      error_ = std::move(error);
+      state_ = State::done;
+      done_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  State state_ = State::idle;
+  bool stop_ = false;
+  MoeProblem problem_{};
+  int threads_ = 0;
+  Clock::time_point submitted_;
+  double queue_s_ = 0, compute_s_ = 0;
+  std::string error_;
+  std::thread thread_;  // last: starts once every member above is constructed
+};
+
+}  // namespace tandem
