@@ -84,6 +84,11 @@
 #                                    #   started before the bookkeeping: tests; adaptive pieces (L16) against .ab-before/
 #                                    #   (engine/experts/{offload,cpu_set,store}.py, engine/sched/expert_cost.py and
 #                                    #   engine/kernels/experts_cpu.py as at commit c958607), alternated twice; AV's bench
+#   bash benchmarks/h200/run.sh AY   # graph pieces: prefetches issued after the next piece's launch: tests; adaptive pieces
+#                                    #   (L16) against .ab-before/ (engine/experts/{offload,planner}.py and
+#                                    #   engine/runtime/decode_graph.py as at commit a793c39), alternated twice; bench
+#                                    #   experts 2K bs=4 from one prefill, three rounds
+#   bash benchmarks/h200/run.sh AZ   # bench experts 32K, bs 1 and 4, from one prefill each (the 32K rows)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -546,6 +551,22 @@ if [ "$phase" = AX ]; then
   done
   bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
     --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = AY ]; then
+  step tests: offloaded experts and decode graphs on CUDA
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/models/test_decode_graph.py tests/experts/test_expert_executor.py \
+    >> "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  for round in 1 2; do
+    profile_pieces deferred-$round
+    ab_swap; profile_pieces before-$round; ab_restore
+  done
+  bench_experts 2k-shared-bs4-rounds --batch-sizes 4 --contexts 2048 --shared-prefill --rounds 3 \
+    --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = AZ ]; then
+  bench_experts 32k-shared --batch-sizes 1,4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = AL ]; then
   kv_tests

@@ -47,7 +47,8 @@ def _phase(before: dict, after: dict, seconds: float, tokens: int) -> dict:
     d = {k: (after[k] or 0) - (before[k] or 0) for k in ("hits", "misses", "fills", "cpu_executed", "evictions",
                                                           "prefetch_issued", "prefetch_used", "prefetch_wasted",
                                                           "h2d_bytes", "cpu_expert_s", "cpu_wait_s", "device_wait_s",
-                                                          "run_s")}
+                                                          "run_s", "cpu_queue_s")}
+    split_before, split_after = before.get("host_split_s") or {}, after.get("host_split_s") or {}
     lookups = d["hits"] + d["misses"]
     return {"tok_s": round(tokens / seconds, 3) if seconds > 0 else None, "tokens": tokens,
             "seconds": round(seconds, 4), "hit_rate": round(d["hits"] / lookups, 4) if lookups else None,
@@ -57,7 +58,9 @@ def _phase(before: dict, after: dict, seconds: float, tokens: int) -> dict:
                                  "prefetch_wasted")},
             "cpu_expert_s": round(d["cpu_expert_s"], 4), "cpu_wait_s": round(d["cpu_wait_s"], 4),
             # the GPU-driving thread inside the executor: waiting for the device, for the CPU, the rest host work
-            "device_wait_s": round(d["device_wait_s"], 4), "run_s": round(d["run_s"], 4)}
+            "device_wait_s": round(d["device_wait_s"], 4), "run_s": round(d["run_s"], 4),
+            "cpu_queue_s": round(d["cpu_queue_s"], 4),  # the CPU sets' submit → start
+            "host_split_s": {k: round(v - split_before.get(k, 0.0), 4) for k, v in split_after.items()}}
 
 
 def _prefill(engine, prompts: list[list[int]], tag: str):

@@ -153,6 +153,10 @@ def test_bench_records_every_policy_and_phase(engine, reference):
             assert p["tok_s"] > 0 and p["tokens"] > 0 and p["hit_rate"] is not None and p["pcie_gbps"] >= 0
         if row["policy"] == "cpu-only":
             assert row["decode"]["hit_rate"] == 0.0 and row["decode"]["cpu_executed"] > 0
+        # the driving thread's host work per part, and the CPU sets' queue, as deltas of the phase
+        split = row["decode"]["host_split_s"]
+        assert "lookup" in split and "merge" in split and all(v >= 0 for v in split.values())
+        assert row["decode"]["cpu_queue_s"] >= 0 and sum(split.values()) <= row["decode"]["run_s"] + 1e-3
         assert row["decode"]["tokens"] == 3 * row["batch"]
     assert set(rec["adaptive_vs_best_baseline_decode"]) == {"ctx8-bs1", "ctx8-bs2"}
     assert rec["results"][-1]["predictor"]["scored_layers"] > 0
