@@ -84,6 +84,7 @@
 #                                    #   started before the bookkeeping: tests; adaptive pieces (L16) against .ab-before/
 #                                    #   (engine/experts/{offload,cpu_set,store}.py, engine/sched/expert_cost.py and
 #                                    #   engine/kernels/experts_cpu.py as at commit c958607), alternated twice; AV's bench
+#   (AY: at commit a78e5f7, prefetches issued after the next piece's launch; reverted: no gain measured)
 #   bash benchmarks/h200/run.sh AY   # graph pieces: prefetches issued after the next piece's launch: tests; adaptive pieces
 #                                    #   (L16) against .ab-before/ (engine/experts/{offload,planner}.py and
 #                                    #   engine/runtime/decode_graph.py as at commit a793c39), alternated twice; bench

@@ -8,9 +8,7 @@ One MoE layer (`run`), in order:
 3. The CPU set is prepared (engine/experts/cpu_set.py) and starts in a worker thread, computing in
    place from the store.
 4. The GPU side — hits and fills — runs as one grouped computation over the slot pool.
-5. Predicted next-layer misses are prefetched into free or stale slots while the link is idle. In
-   graph pieces that is later: right after the next piece is launched (`issue_deferred`), when the
-   CPU set is done and DRAM and the link would otherwise idle while the device runs the piece.
+5. Predicted next-layer misses are prefetched into free or stale slots while the link is idle.
 6. The CPU part joins and is added. The sum does not depend on which side computed what.
 
 With the compute device a CPU (`simulate_hybrid`), "slots" are host tensors and copies are
@@ -86,11 +84,6 @@ class OffloadedExperts(ExpertExecutor):
         self._cpu_ratios = {phase: deque(maxlen=CPU_CORRECTION_WINDOW) for phase in self._phase_costs}
         self.zero_copy: ZeroCopyDecode | None = None  # the whole-step graph's device table (adaptive, CUDA)
         self.zero_copy_off: str | None = None  # why there is none
-        # Graph pieces: (layer, predicted ids, depth, when the run deferred it) of the prefetch left for
-        # `issue_deferred`; this layer's LRU entries stay locked until then.
-        self._deferred: tuple | None = None
-        self._deferred_issued_at: float | None = None  # when the last deferred prefetch went out
-        self.prefetch_window_ms: float | None = None  # measured: from that issue to the next layer's fills
         self._opened = False
         if n_slots is not None:
             self.open_cache(n_slots)
@@ -164,7 +157,6 @@ class OffloadedExperts(ExpertExecutor):
         set's sum (or zeros) into cpu_buf; `gpu_side` computes the rest, in the next graph piece.
         Returns None then."""
         N, k = ids.shape
-        self.issue_deferred()  # a caller that did not (eager steps) still gets the last layer's prefetch
         if N == 0:
             return torch.zeros_like(x) if out is None else out.zero_()
         t_start = time.perf_counter()
@@ -198,10 +190,8 @@ class OffloadedExperts(ExpertExecutor):
         marks.append(time.perf_counter())
         phase = self.planner.phase(N)
         self.planner.costs = self._phase_costs[phase]
-        deferring = cpu_buf is not None and self.cache is not None
         plan = self.planner.plan(N, misses, counts[misses].tolist(), len(hits), int(counts[hits].sum()),
-                                 capacity, self.predictor.hit_rate() if self.predictor else None,
-                                 link_window_ms=self.prefetch_window_ms if deferring else None)
+                                 capacity, self.predictor.hit_rate() if self.predictor else None)
         marks.append(time.perf_counter())
         # The CPU set is the longest part of a bs=4 layer step (phases AQ, AW): it is prepared here and
         # handed over before the fills are issued and before any bookkeeping, so it starts as early as
@@ -218,11 +208,6 @@ class OffloadedExperts(ExpertExecutor):
             self._cpu_runner.submit(prepared)
             self.cpu_executed += len(plan.cpu)
         marks.append(time.perf_counter())
-        if self._deferred_issued_at is not None:  # the window the last deferred prefetch had on the link
-            window = 1e3 * (marks[-1] - self._deferred_issued_at)
-            self.prefetch_window_ms = window if self.prefetch_window_ms is None else \
-                0.9 * self.prefetch_window_ms + 0.1 * window
-            self._deferred_issued_at = None
         fill_slots = self._fill(layer, plan.fill)
         marks.append(time.perf_counter())
         gpu_experts = hits + plan.fill
@@ -233,13 +218,10 @@ class OffloadedExperts(ExpertExecutor):
             result = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts],
                                    stream, out=None if on_cpu else out) if gpu_experts else None
         marks.append(time.perf_counter())
-        if deferring:
-            self._deferred = (layer, host[N:].copy() if predicted else None, plan.prefetch)
-        else:
-            if plan.prefetch and predicted and self.cache is not None:
-                self._prefetch(layer, host[N:], plan.prefetch)
-            if lru is not None:
-                lru.unlock()
+        if plan.prefetch and predicted and self.cache is not None:
+            self._prefetch(layer, host[N:], plan.prefetch)
+        if lru is not None:
+            lru.unlock()
         marks.append(time.perf_counter())
         self.trace.add(layer, counts)
         if self.predictor is not None:
@@ -270,23 +252,6 @@ class OffloadedExperts(ExpertExecutor):
             self.host_split[part] += b - (merged_from if part == "merge" else a)
         self.run_s += end - t_start
         return result
-
-    def issue_deferred(self) -> None:
-        """The prefetch a graph-pieces layer left (see `run`), then that layer's LRU entries unlocked.
-        Called right after the next piece is launched: its GPU side reads the layer's slots, which
-        stay locked, and every earlier piece finished before that layer's sync."""
-        if self._deferred is None:
-            return
-        t0 = time.perf_counter()
-        layer, predicted, depth = self._deferred
-        self._deferred = None
-        if depth and predicted is not None:
-            self._prefetch(layer, predicted, depth)
-            self._deferred_issued_at = time.perf_counter()
-        self.cache.lru.unlock()
-        spent = time.perf_counter() - t0
-        self.host_split["prefetch"] += spent
-        self.run_s += spent
 
     def _observe_cpu(self, phase: str, modelled_ms: float, measured_ms: float) -> None:
         """Track measured / modelled CPU-set time per phase and hand the median of the last window
@@ -419,7 +384,7 @@ class OffloadedExperts(ExpertExecutor):
             "cpu_kernel": self.cpu_kernel, "gpu_kernel": grouped_impl(self.device, self.store.dtype),
             "h2d_bytes": h2d, "h2d_gbps": (h2d - b0) / (now - t0) / 1e9 if now > t0 else None,
             "cpu_expert_s": self.cpu_s, "cpu_queue_s": self.cpu_queue_s, "cpu_wait_s": self.cpu_wait_s,
-            "hot_table": self.hot_source, "prefetch_window_ms": self.prefetch_window_ms,
+            "hot_table": self.hot_source,
             "cpu_correction": {phase: c.cpu_correction for phase, c in self._phase_costs.items()},
             "device_wait_s": self.device_wait_s, "run_s": self.run_s,
             "host_split_s": dict(self.host_split),
@@ -428,7 +393,6 @@ class OffloadedExperts(ExpertExecutor):
         }
 
     def close(self, release_store: bool = True) -> None:
-        self.issue_deferred()
         if self.cache is not None:
             self.cache.synchronize()  # no copy may still read the store
         if self.zero_copy is not None:  # nor a kernel reading it in place

@@ -57,12 +57,9 @@ class MissPlanner:
         return "prefill" if n_tokens > self.max_decode_tokens else "decode"
 
     def plan(self, n_tokens: int, misses: list[int], miss_tokens: list[int], n_hits: int, hit_tokens: int,
-             capacity: int, predictor_hit_rate: float | None = None,
-             link_window_ms: float | None = None) -> LayerPlan:
+             capacity: int, predictor_hit_rate: float | None = None) -> LayerPlan:
         """misses / miss_tokens: missed experts and their routed tokens; capacity: slots fills may
-        take without evicting this layer's hits; link_window_ms: when the prefetch is issued after
-        the layer (graph pieces), the measured time it has on the link before the next layer's
-        fills, instead of the modelled idle time after this layer's fills."""
+        take without evicting this layer's hits."""
         phase = self.phase(n_tokens)
         order = sorted(range(len(misses)), key=lambda i: (-miss_tokens[i], misses[i]))
         ranked = [misses[i] for i in order]
@@ -75,8 +72,7 @@ class MissPlanner:
             t_gpu, t_cpu = self.costs.layer_ms(n_hits, hit_tokens, ranked_tokens[:q], ranked_tokens[q:])
         plan = LayerPlan(phase, ranked[:q], ranked[q:], 0, t_gpu, t_cpu)
         if self.prefetches:
-            idle = link_window_ms if link_window_ms is not None else \
-                max(t_gpu, t_cpu) - self.costs.fills_ms(q) + self.costs.attn_ms
+            idle = max(t_gpu, t_cpu) - self.costs.fills_ms(q) + self.costs.attn_ms
             rate = 0.5 if predictor_hit_rate is None else predictor_hit_rate
             plan.prefetch = self.costs.prefetch_depth(idle, rate, aggressive=phase == "prefill")
         return plan

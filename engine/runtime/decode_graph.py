@@ -188,8 +188,6 @@ class DecodeGraphs:
                 self.zero_copy.leave()
         for piece in pieces:
             piece.graph.replay()
-            if self.cut:  # the last cut layer's prefetch, while the device runs this piece
-                self.experts.issue_deferred()
             if piece.layer is not None:  # the host places and runs this layer's experts, eagerly
                 self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed, out=piece.out,
                                  cpu_buf=piece.cpu_buf)

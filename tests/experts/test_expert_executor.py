@@ -322,34 +322,6 @@ def test_native_cpu_sets_run_on_the_native_worker_and_equal_resident(policy):
     ex.close()
 
 
-def test_graph_pieces_defer_the_prefetch_until_the_next_piece_is_launched(model):
-    """With cpu_buf (graph pieces) the layer's prefetch waits for `issue_deferred`, and the layer's
-    LRU entries stay locked until then (the next piece reads their slots); the next run issues a
-    prefetch left pending; the window it had on the link is measured for the next plans."""
-    gate_up, down, routers = model
-    ex = make("adaptive", model, L * E, warm=False)  # free slots: predicted misses can be prefetched
-    lru = ex.cache.lru
-    g = torch.Generator().manual_seed(7)
-    issued_later = 0
-    for step in range(6):
-        x = torch.randn(3, H, generator=g)
-        for layer in range(L):
-            w, ids = softmax_topk(x @ routers[layer].T, K, True)
-            before = lru.prefetches
-            ex.run(layer, x, ids, w, cpu_buf=torch.zeros(3, H))
-            assert lru.prefetches == before and lru.locked  # nothing prefetched yet; the layer's slots held
-            ex.issue_deferred()
-            issued_later += lru.prefetches - before
-            assert not lru.locked
-            x = x + 0.3 * torch.randn(3, H, generator=g)
-    assert issued_later > 0 and ex.prefetch_window_ms is not None and ex.prefetch_window_ms >= 0
-    ex.run(0, x, ids, w, cpu_buf=torch.zeros(3, H))
-    assert lru.locked
-    ex.run(1, x, ids, w)  # an eager layer after a piece: the pending prefetch goes first
-    assert not lru.locked and ex._deferred is None
-    ex.close()
-
-
 @pytest.mark.parametrize("policy", OFFLOAD_POLICIES)
 def test_host_half_then_gpu_side_equals_the_whole_run(model, policy):
     """Graph pieces split a decode layer: `run(..., cpu_buf=)` places the experts, publishes the slot
