@@ -9,6 +9,9 @@ per token count and thread count:
 Where `hot` is not much faster than `fresh`, DRAM is not what limits the kernel.
 
     python3 benchmarks/h200/profile_roof.py OUT.json
+
+ROOF_THREADS and ROOF_TOKENS (comma lists) narrow the sweep; TANDEM_AMX_MIN_TOKENS=1 puts every
+token count on the AMX tiles (amx-bf16 hosts).
 """
 import itertools
 import json
@@ -21,7 +24,8 @@ from engine.hw.timing import time_cpu
 from engine.kernels import experts_cpu, native
 
 H, I, RING = 2048, 768, 40
-TOKENS, THREADS = (1, 2, 4, 5, 8, 12, 16), (1, 8, 15)
+TOKENS = tuple(int(t) for t in os.environ.get("ROOF_TOKENS", "1,2,4,5,8,12,16").split(","))
+THREADS = tuple(int(t) for t in os.environ.get("ROOF_THREADS", "1,8,15").split(","))
 
 
 def main(path: str) -> None:
@@ -30,7 +34,7 @@ def main(path: str) -> None:
     down = torch.empty(RING, H, I, dtype=torch.bfloat16).uniform_(-0.05, 0.05)
     nbytes = 3 * H * I * 2
     ring = itertools.count()
-    record = {"isa": native.isa(), "H": H, "I": I, "ring": RING, "cpu_count": os.cpu_count(), "points": []}
+    record = {"isa": native.isa(), "amx_min_tokens": native.module().amx_min_tokens(), "H": H, "I": I, "ring": RING, "cpu_count": os.cpu_count(), "points": []}
     for threads in THREADS:
         torch.set_num_threads(threads)
         for n in TOKENS:

@@ -90,6 +90,7 @@
 #                                    #   engine/runtime/decode_graph.py as at commit a793c39), alternated twice; bench
 #                                    #   experts 2K bs=4 from one prefill, three rounds
 #   bash benchmarks/h200/run.sh AZ   # bench experts 32K, bs 1 and 4, from one prefill each (the 32K rows)
+#   bash benchmarks/h200/run.sh BA   # expert kernel on AMX tiles at every token count: DRAM against in-cache roof
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -568,6 +569,14 @@ if [ "$phase" = AY ]; then
 fi
 if [ "$phase" = AZ ]; then
   bench_experts 32k-shared --batch-sizes 1,4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = BA ]; then
+  step expert kernel on AMX tiles from 1 token: DRAM against in-cache roof
+  TANDEM_AMX_MIN_TOKENS=1 ROOF_THREADS=15 ROOF_TOKENS=1,2,4,5,8,12,16 timeout 200 \
+    python3 benchmarks/h200/profile_roof.py "$out/profile-roof-amx.json" 2>&1 | tee -a "$log"
+  step the same on the vector tiles below 9 tokens
+  ROOF_THREADS=15 ROOF_TOKENS=1,4,5,8 timeout 200 python3 benchmarks/h200/profile_roof.py "$out/profile-roof.json" \
+    2>&1 | tee -a "$log"
 fi
 if [ "$phase" = AL ]; then
   kv_tests
