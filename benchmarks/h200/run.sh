@@ -91,6 +91,8 @@
 #                                    #   experts 2K bs=4 from one prefill, three rounds
 #   bash benchmarks/h200/run.sh AZ   # bench experts 32K, bs 1 and 4, from one prefill each (the 32K rows)
 #   bash benchmarks/h200/run.sh BA   # expert kernel on AMX tiles at every token count: DRAM against in-cache roof
+#   bash benchmarks/h200/run.sh BB   # AMX tiles prefetching the next block row by row: expert kernel tests; AMX roof (every
+#                                    #   token count) new, before (.ab-before/native/amx_experts.h as at commit 2c0b5a1), new
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -577,6 +579,19 @@ if [ "$phase" = BA ]; then
   step the same on the vector tiles below 9 tokens
   ROOF_THREADS=15 ROOF_TOKENS=1,4,5,8 timeout 200 python3 benchmarks/h200/profile_roof.py "$out/profile-roof.json" \
     2>&1 | tee -a "$log"
+fi
+if [ "$phase" = BB ]; then
+  step tests: native expert kernels, AMX included
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_experts_cpu.py > "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  amx_roof() {
+    step AMX roof, $1
+    TANDEM_AMX_MIN_TOKENS=1 ROOF_THREADS=15 ROOF_TOKENS=1,4,5,8,12,16 timeout 120 \
+      python3 benchmarks/h200/profile_roof.py "$out/profile-roof-amx-$1.json" 2>&1 | tee -a "$log"
+  }
+  amx_roof new-1
+  ab_swap; python3 setup.py -q build_ext --inplace --force >>"$log" 2>&1; amx_roof before
+  ab_restore; python3 setup.py -q build_ext --inplace --force >>"$log" 2>&1; amx_roof new-2
 fi
 if [ "$phase" = AL ]; then
   kv_tests
