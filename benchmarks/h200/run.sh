@@ -92,7 +92,7 @@
 #   bash benchmarks/h200/run.sh AZ   # bench experts 32K, bs 1 and 4, from one prefill each (the 32K rows)
 #   bash benchmarks/h200/run.sh BA   # expert kernel on AMX tiles at every token count: DRAM against in-cache roof
 #   bash benchmarks/h200/run.sh BB   # AMX tiles prefetching the next block row by row: expert kernel tests; AMX roof (every
-#                                    #   token count) new, before (.ab-before/native/amx_experts.h as at commit 2c0b5a1), new
+#                                    #   token count) new, before (.ab-before/native/amx_experts.h as at commit 0a5127c), new
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
