@@ -93,6 +93,7 @@
 #   bash benchmarks/h200/run.sh BA   # expert kernel on AMX tiles at every token count: DRAM against in-cache roof
 #   bash benchmarks/h200/run.sh BB   # AMX tiles prefetching the next block row by row: expert kernel tests; AMX roof (every
 #                                    #   token count) new, before (.ab-before/native/amx_experts.h as at commit 0a5127c), new
+#   bash benchmarks/h200/run.sh BC   # profile_amx.py after BB: vector against AMX tiles, alternated, one host
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -592,6 +593,10 @@ if [ "$phase" = BB ]; then
   amx_roof new-1
   ab_swap; python3 setup.py -q build_ext --inplace --force >>"$log" 2>&1; amx_roof before
   ab_restore; python3 setup.py -q build_ext --inplace --force >>"$log" 2>&1; amx_roof new-2
+fi
+if [ "$phase" = BC ]; then
+  step expert kernel: vector against AMX tiles, alternated three times
+  timeout 150 python3 benchmarks/h200/profile_amx.py "$out/profile-amx.json" 2>&1 | tee -a "$log"
 fi
 if [ "$phase" = AL ]; then
   kv_tests
