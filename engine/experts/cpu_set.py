@@ -93,22 +93,15 @@ class CpuSetRunner:
     """Runs one layer's CPU set at a time beside the driving thread and hands back (out, seconds from
     submit to start, seconds computing)."""
 
-    def __init__(self, native_worker: bool = True):
-        self._native = None
-        if native_worker:
-            try:
-                from engine.kernels import experts_cpu
-            except ImportError:
-                pass
-            else:
-                self._native = experts_cpu.MoeWorker.create()
+    def __init__(self):
+        self._native = None  # experts_cpu.MoeWorker: its thread starts with the first set of one native call
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-cpu-experts")
         self._pending: Future | None = None
         self._on_native = False
 
     @property
     def native(self) -> bool:
-        """Whether sets that are one native call run on the native worker thread."""
+        """Whether the native worker thread has started (a set of one native call has run there)."""
         return self._native is not None
 
     def submit(self, prepared) -> None:
@@ -119,7 +112,12 @@ class CpuSetRunner:
                 self.result()
             except Exception:  # that layer has reported its failure already
                 pass
-        if self._native is not None and getattr(prepared, "one_native_call", False):
+        one_call = getattr(prepared, "one_native_call", False)
+        if one_call and self._native is None:
+            from engine.kernels import experts_cpu  # a PreparedMoe comes from there: it imports
+
+            self._native = experts_cpu.MoeWorker.create()
+        if one_call and self._native is not None:
             self._native.submit(prepared)
             self._on_native = True
         else:
