@@ -100,7 +100,7 @@ ExpertTiling amx_tiling(const ExpertProblem& P) {
   if (expert_activation_dtype(P) != DType::bf16 || n < amx_min_tokens()) return expert_tiling(P);
   const int64_t groups = (n + kAmxMaxTokens - 1) / kAmxMaxTokens, N = (n + groups - 1) / groups;
   // A row is read from DRAM once per call and re-read from L2 per further pass of two groups.
-  return {int(N), true, groups * N, kAmxMaxRows, 8 + 2 * ((groups + 1) / 2 - 1)};
+  return {int(N), true, groups * N, kAmxMaxRows, 8 + 2 * ((groups + 1) / 2 - 1), int(N)};
 }
 
 // Pair (element 2p, 2p + 1) of token t's row at 32-bit word p·N of its group's column (t mod N).

@@ -128,6 +128,8 @@ struct ExpertTiling {
   int64_t n_pad;         // tokens padded to whole tiles
   int64_t rows_per_unit; // weight rows per scheduling unit: one tile's rows
   int64_t row_cost;      // work of one weight row, for balancing threads across experts (moe_ffn)
+  int last_tile_tokens;  // tokens of the last group's tiles: tokens_per_tile, or fewer (vector tiles
+                         // at 5 and 6 tokens: a 4-token group and a 1- or 2-token one; experts_kernel.h)
 };
 
 // The kernels of one instruction set. Threading lives in dispatch.cpp; these run one piece of work

@@ -44,11 +44,12 @@ inline void convert_row_from(const void* src, DType in, typename Elem<Out>::type
 }
 
 // Tokens [t_begin, t_end) of the padded activation scratch xs (n_pad × H, tile-interleaved for
-// TB tokens per tile); padding tokens are zero.
+// TB tokens per tile, from token t_first on: a narrower last group starts there); padding tokens
+// are zero.
 template <class AT, int TB>
-void prepare_x_tokens(const ExpertProblem& P, AT* xs, int64_t t_begin, int64_t t_end) {
+void prepare_x_tokens(const ExpertProblem& P, AT* xs, int64_t t_begin, int64_t t_end, int64_t t_first = 0) {
   if constexpr (Simd::W % TB != 0) {  // the layout of the kernel that expert_stage falls back to
-    return prepare_x_tokens<AT, 1>(P, xs, t_begin, t_end);
+    return prepare_x_tokens<AT, 1>(P, xs, t_begin, t_end, t_first);
   }
   constexpr DType Out = sizeof(AT) == 2 ? DType::bf16 : DType::f32;
   constexpr int64_t step = Out == DType::bf16 ? 2 * Simd::W : Simd::W;  // as the kernels step
@@ -56,7 +57,7 @@ void prepare_x_tokens(const ExpertProblem& P, AT* xs, int64_t t_begin, int64_t t
   for (int64_t t = t_begin; t < t_end; ++t) {
     const char* src = static_cast<const char*>(P.x) + t * P.x_stride * int64_t(dtype_size(P.x_dtype));
     for (int64_t k = 0; k < H; k += step) {
-      AT* dst = xs + act_index<TB, step>(t, k, H);
+      AT* dst = xs + t_first * H + act_index<TB, step>(t - t_first, k, H);
       if (t < P.n_tokens) convert_row_from<Out>(src + k * int64_t(dtype_size(P.x_dtype)), P.x_dtype, dst, step);
       else for (int64_t d = 0; d < step; ++d) dst[d] = AT(0);
     }
@@ -64,27 +65,40 @@ void prepare_x_tokens(const ExpertProblem& P, AT* xs, int64_t t_begin, int64_t t
 }
 
 template <class AT>
-void prepare_x_as(const ExpertProblem& P, AT* xs, int tokens_per_tile, int64_t t_begin, int64_t t_end) {
-  switch (tokens_per_tile) {
-    case 1: return prepare_x_tokens<AT, 1>(P, xs, t_begin, t_end);
-    case 4: return prepare_x_tokens<AT, 4>(P, xs, t_begin, t_end);
-    default: return prepare_x_tokens<AT, 8>(P, xs, t_begin, t_end);
+void prepare_x_as(const ExpertProblem& P, AT* xs, const ExpertTiling& T, int64_t t_begin, int64_t t_end) {
+  const int64_t last = T.n_pad - T.last_tile_tokens;  // the last group's first token
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    if (T.last_tile_tokens != T.tokens_per_tile && t >= last) {  // a narrower last group
+      if (T.last_tile_tokens == 1) prepare_x_tokens<AT, 1>(P, xs, t, t + 1, last);
+      else prepare_x_tokens<AT, 2>(P, xs, t, t + 1, last);
+      continue;
+    }
+    switch (T.tokens_per_tile) {
+      case 1: prepare_x_tokens<AT, 1>(P, xs, t, t + 1); break;
+      case 4: prepare_x_tokens<AT, 4>(P, xs, t, t + 1); break;
+      default: prepare_x_tokens<AT, 8>(P, xs, t, t + 1);
+    }
   }
 }
 
-// The vector tiles' plan for P.n_tokens tokens (see expert_tile_tokens in common.h).
+// The vector tiles' plan for P.n_tokens tokens (see expert_tile_tokens in common.h). 5 and 6 tokens:
+// a 4-token group and a 1- or 2-token one in the same pass (dot_groups), not two 4-token groups: at
+// 5–8 tokens the tiles are bound by their dot products on the H200 host (benchmarks/RESULTS.md, phase
+// AW: from L2 only 6–11% faster than from DRAM), and padding 5 tokens to 8 did 8 per weight vector.
 ExpertTiling expert_tiling(const ExpertProblem& P) {
   const int tpt = expert_tile_tokens(P.n_tokens, Simd::W);
-  const int64_t n_pad = (P.n_tokens + tpt - 1) / tpt * tpt;
+  const int64_t n = P.n_tokens;
+  const int last = tpt == 4 && (n == 5 || n == 6) ? int(n - 4) : tpt;
+  const int64_t n_pad = last != tpt ? n : (n + tpt - 1) / tpt * tpt;
   // Memory-bound up to ~8 tokens per weight row, then the dot products grow with the tokens.
-  return {tpt, false, n_pad, expert_tile_rows(Simd::W, tpt), std::max<int64_t>(8, n_pad)};
+  return {tpt, false, n_pad, expert_tile_rows(Simd::W, tpt), std::max<int64_t>(8, n_pad), last};
 }
 
 void expert_prepare_x(const ExpertProblem& P, void* xs, const ExpertTiling& T, int64_t t_begin, int64_t t_end) {
   if (expert_activation_dtype(P) == DType::bf16)
-    prepare_x_as(P, static_cast<uint16_t*>(xs), T.tokens_per_tile, t_begin, t_end);
+    prepare_x_as(P, static_cast<uint16_t*>(xs), T, t_begin, t_end);
   else
-    prepare_x_as(P, static_cast<float*>(xs), T.tokens_per_tile, t_begin, t_end);
+    prepare_x_as(P, static_cast<float*>(xs), T, t_begin, t_end);
 }
 
 // Weights are prefetched this far ahead of their use: a thread's rows are one contiguous run, but
@@ -121,7 +135,7 @@ template <class WT> TANDEM_ALWAYS_INLINE void prefetch_ahead(const WT* row, int6
 // kPrefetchRows: the rows (bit r: row r) this call prefetches for; see dot_groups.
 // Always inlined: out of line, the call passes the row pointers and the result through memory, and
 // measured ~5% slower per tile.
-template <DType WD, bool DP, int RB, int TB, unsigned kPrefetchRows = ~0u>
+template <DType WD, bool DP, int RB, int TB, unsigned kPrefetchRows = ~0u, bool kRowsTogether = (TB >= 4)>
 TANDEM_ALWAYS_INLINE Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act, int64_t k0, int64_t k1, int64_t next) {
   static_assert(RB * TB <= Simd::W, "a tile fits one vector of results (unused lanes stay zero)");
   constexpr int64_t step = DP ? 2 * Simd::W : Simd::W;  // elements per vector of weights
@@ -132,7 +146,7 @@ TANDEM_ALWAYS_INLINE Simd::V dot_tile(const typename Elem<WD>::type* const* w, c
   Simd::V acc[Simd::W];
 #pragma GCC unroll 16
   for (int i = 0; i < Simd::W; ++i) acc[i] = Simd::zero();
-  if constexpr (TB >= 4) {
+  if constexpr (kRowsTogether) {
     for (int64_t k = k0; k < k1; k += step) {
       for (int r = 0; r < RB; ++r)
         if ((kPrefetchRows >> r) & 1u) prefetch_ahead(w[r], k, k1, w[r] + next);
@@ -216,7 +230,8 @@ inline Simd::V swiglu(Simd::V g, Simd::V u) {
 // neutral on Zen 4, whose hardware prefetchers already cover this path (dropping every software
 // prefetch here changed nothing there); meant for cores whose bandwidth is bounded by the misses they
 // keep in flight and whose prefetchers stop at each 4 KiB row (see kWeightPrefetchBytes).
-template <DType WD, bool DP, int RB, int TB, int GP>
+// TT: the second group's tokens per tile (TB, or fewer for a narrower last group).
+template <DType WD, bool DP, int RB, int TB, int GP, int TT = TB>
 TANDEM_ALWAYS_INLINE void dot_groups(Simd::V* acc, const typename Elem<WD>::type* const* w, const void* act,
                                      int64_t group_elems, int ng, int64_t k0, int64_t k1, int64_t next) {
   static_assert(GP == 1 || GP == 2, "one or two token groups per pass");
@@ -226,7 +241,7 @@ TANDEM_ALWAYS_INLINE void dot_groups(Simd::V* acc, const typename Elem<WD>::type
     if (ng == 2) {
       constexpr unsigned kEvenRows = 0x5555u, kOddRows = 0xaaaau;
       acc[0] = Simd::add(acc[0], dot_tile<WD, DP, RB, TB, kEvenRows>(w, a, k0, k1, next));
-      acc[1] = Simd::add(acc[1], dot_tile<WD, DP, RB, TB, kOddRows>(w, a + group_elems, k0, k1, next));
+      acc[1] = Simd::add(acc[1], dot_tile<WD, DP, RB, TT, kOddRows, true>(w, a + group_elems, k0, k1, next));
       return;
     }
   }
@@ -237,7 +252,7 @@ TANDEM_ALWAYS_INLINE void dot_groups(Simd::V* acc, const typename Elem<WD>::type
 // Stage 1, rows [j0, j1) of the intermediate: h[t][j] = silu(gate_j · x_t) · (up_j · x_t).
 // Order of reading within a block: for each K chunk, for each tile: its gate rows (for each token
 // group of the pass, the first from DRAM, the others from L1), then its up rows the same way.
-template <DType WD, bool DP, int TB, int GP>
+template <DType WD, bool DP, int TB, int GP, int TT>
 void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad, int64_t j0, int64_t j1) {
   constexpr int W = Simd::W, RB = expert_tile_rows(W, TB);
   using WT = typename Elem<WD>::type;
@@ -250,7 +265,7 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
   for (int64_t jb = j0; jb < j1; jb += kBlockTiles * RB) {
     const int nb = int(std::min<int64_t>(kBlockTiles, (j1 - jb) / RB));
     for (int64_t t0 = 0; t0 < n_pad; t0 += GP * TB) {  // a pass: up to GP groups of TB tokens
-      const int ng = int(std::min<int64_t>(GP, (n_pad - t0) / TB));
+      const int ng = int(std::min<int64_t>(GP, (n_pad - t0 + TB - 1) / TB));  // the last may be narrower (TT)
       const AT* a = static_cast<const AT*>(xs) + t0 * H;  // group gi: tokens t0 + gi·TB …, TB·H elements
       Simd::V g[kBlockTiles][GP], u[kBlockTiles][GP];  // per tile and group: lane r·TB + t
       for (int b = 0; b < nb; ++b)
@@ -269,17 +284,19 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
           const int64_t up_next = b + 1 < nb ? (RB - I) * S + k0
                                   : k1 < H    ? (-I - b * RB) * S + k1
                                               : (RB - I) * S;
-          dot_groups<WD, DP, RB, TB, GP>(g[b], gate, a, TB * H, ng, k0, k1, I * S + k0);
-          dot_groups<WD, DP, RB, TB, GP>(u[b], up, a, TB * H, ng, k0, k1, up_next);
+          dot_groups<WD, DP, RB, TB, GP, TT>(g[b], gate, a, TB * H, ng, k0, k1, I * S + k0);
+          dot_groups<WD, DP, RB, TB, GP, TT>(u[b], up, a, TB * H, ng, k0, k1, up_next);
         }
       }
       for (int b = 0; b < nb; ++b)
         for (int gi = 0; gi < ng; ++gi) {
           Simd::store(hs, swiglu(g[b][gi], u[b][gi]));
+          const int wg = gi == 1 ? TT : TB;  // the group's tokens per tile: lane r·wg + t
+          AT* group = static_cast<AT*>(h) + (t0 + gi * TB) * I;  // its tile-interleaved rows start here
           for (int r = 0; r < RB; ++r)
-            for (int t = 0; t < TB; ++t)
-              static_cast<AT*>(h)[act_index<TB, step>(t0 + gi * TB + t, jb + b * RB + r, I)] =
-                  from_f32<DP ? DType::bf16 : DType::f32>(hs[r * TB + t]);
+            for (int t = 0; t < wg; ++t)
+              group[wg == TB ? act_index<TB, step>(t, jb + b * RB + r, I) : act_index<TT, step>(t, jb + b * RB + r, I)] =
+                  from_f32<DP ? DType::bf16 : DType::f32>(hs[r * wg + t]);
         }
     }
   }
@@ -296,7 +313,7 @@ inline void store_run(void* y, DType d, int64_t i, const float* src, int64_t n) 
 }
 
 // Stage 2, rows [r0, r1) of the output: y[t][r] = down_r · h_t, written in y's dtype.
-template <DType WD, bool DP, int TB, int GP>
+template <DType WD, bool DP, int TB, int GP, int TT>
 void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0, int64_t r1) {
   constexpr int W = Simd::W, RB = expert_tile_rows(W, TB);
   using WT = typename Elem<WD>::type;
@@ -310,7 +327,7 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
   for (int64_t rb = r0; rb < r1; rb += kBlockTiles * RB) {
     const int nb = int(std::min<int64_t>(kBlockTiles, (r1 - rb) / RB));
     for (int64_t t0 = 0; t0 < n_pad; t0 += GP * TB) {  // a pass: up to GP groups of TB tokens
-      const int ng = int(std::min<int64_t>(GP, (n_pad - t0) / TB));
+      const int ng = int(std::min<int64_t>(GP, (n_pad - t0 + TB - 1) / TB));  // the last may be narrower (TT)
       const AT* a = static_cast<const AT*>(h) + t0 * I;
       Simd::V acc[kBlockTiles][GP];
       for (int b = 0; b < nb; ++b)
@@ -321,16 +338,17 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
           const WT* rows[RB];
           for (int i = 0; i < RB; ++i) rows[i] = dn + (rb + b * RB + i) * S;
           const int64_t next = b + 1 < nb ? RB * S + k0 : k1 < I ? -b * RB * S + k1 : RB * S;
-          dot_groups<WD, DP, RB, TB, GP>(acc[b], rows, a, TB * I, ng, k0, k1, next);
+          dot_groups<WD, DP, RB, TB, GP, TT>(acc[b], rows, a, TB * I, ng, k0, k1, next);
         }
       }
       // Per token, the block's nb·RB outputs as one run (lanes r·TB + t of each tile → row b·RB + r).
       for (int gi = 0; gi < ng; ++gi) {
         const int64_t tg = t0 + gi * TB;  // the group's first token
+        const int wg = gi == 1 ? TT : TB;  // its tokens per tile: lane r·wg + t
         for (int b = 0; b < nb; ++b) Simd::store(y + b * W, acc[b][gi]);
-        for (int t = 0; t < TB && tg + t < P.n_tokens; ++t) {
+        for (int t = 0; t < wg && tg + t < P.n_tokens; ++t) {
           for (int b = 0; b < nb; ++b)
-            for (int r = 0; r < RB; ++r) run[b * RB + r] = y[b * W + r * TB + t];
+            for (int r = 0; r < RB; ++r) run[b * RB + r] = y[b * W + r * wg + t];
           store_run(P.y, P.y_dtype, (tg + t) * P.y_stride + rb, run, nb * RB);
         }
       }
@@ -338,26 +356,26 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
   }
 }
 
-// One (stage, tokens per tile, groups per pass) instantiation per weight dtype; TB ≤ W is
-// guaranteed by dispatch (and by expert_stage below).
-template <bool kDown, int TB, int GP>
+// One (stage, tokens per tile, groups per pass, last group's tokens per tile) instantiation per weight
+// dtype; TB ≤ W is guaranteed by dispatch (and by expert_stage below).
+template <bool kDown, int TB, int GP, int TT = TB>
 void expert_stage_groups(const ExpertProblem& P, const void* in, void* h, int64_t n_pad, int64_t b, int64_t e) {
   if (expert_activation_dtype(P) == DType::bf16) {
-    if constexpr (kDown) down_rows<DType::bf16, true, TB, GP>(P, in, n_pad, b, e);
-    else gate_up_rows<DType::bf16, true, TB, GP>(P, in, h, n_pad, b, e);
+    if constexpr (kDown) down_rows<DType::bf16, true, TB, GP, TT>(P, in, n_pad, b, e);
+    else gate_up_rows<DType::bf16, true, TB, GP, TT>(P, in, h, n_pad, b, e);
   } else {
     switch (P.w_dtype) {
       case DType::f32:
-        if constexpr (kDown) down_rows<DType::f32, false, TB, GP>(P, in, n_pad, b, e);
-        else gate_up_rows<DType::f32, false, TB, GP>(P, in, h, n_pad, b, e);
+        if constexpr (kDown) down_rows<DType::f32, false, TB, GP, TT>(P, in, n_pad, b, e);
+        else gate_up_rows<DType::f32, false, TB, GP, TT>(P, in, h, n_pad, b, e);
         break;
       case DType::bf16:
-        if constexpr (kDown) down_rows<DType::bf16, false, TB, GP>(P, in, n_pad, b, e);
-        else gate_up_rows<DType::bf16, false, TB, GP>(P, in, h, n_pad, b, e);
+        if constexpr (kDown) down_rows<DType::bf16, false, TB, GP, TT>(P, in, n_pad, b, e);
+        else gate_up_rows<DType::bf16, false, TB, GP, TT>(P, in, h, n_pad, b, e);
         break;
       default:
-        if constexpr (kDown) down_rows<DType::f16, false, TB, GP>(P, in, n_pad, b, e);
-        else gate_up_rows<DType::f16, false, TB, GP>(P, in, h, n_pad, b, e);
+        if constexpr (kDown) down_rows<DType::f16, false, TB, GP, TT>(P, in, n_pad, b, e);
+        else gate_up_rows<DType::f16, false, TB, GP, TT>(P, in, h, n_pad, b, e);
     }
   }
 }
@@ -369,11 +387,14 @@ void expert_stage_groups(const ExpertProblem& P, const void* in, void* h, int64_
 constexpr int kPassGroups = 2;
 
 template <bool kDown, int TB>
-void expert_stage(const ExpertProblem& P, const void* in, void* h, int64_t n_pad, int64_t b, int64_t e) {
+void expert_stage(const ExpertProblem& P, const void* in, void* h, const ExpertTiling& T, int64_t b, int64_t e) {
+  const int64_t n_pad = T.n_pad;
   if constexpr (Simd::W % TB != 0) {
-    expert_stage<kDown, 1>(P, in, h, n_pad, b, e);
+    expert_stage<kDown, 1>(P, in, h, T, b, e);
   } else if constexpr (TB == 4) {
-    if (n_pad >= kPassGroups * TB) expert_stage_groups<kDown, TB, kPassGroups>(P, in, h, n_pad, b, e);
+    if (T.last_tile_tokens == 1) expert_stage_groups<kDown, TB, kPassGroups, 1>(P, in, h, n_pad, b, e);
+    else if (T.last_tile_tokens == 2) expert_stage_groups<kDown, TB, kPassGroups, 2>(P, in, h, n_pad, b, e);
+    else if (n_pad >= kPassGroups * TB) expert_stage_groups<kDown, TB, kPassGroups>(P, in, h, n_pad, b, e);
     else expert_stage_groups<kDown, TB, 1>(P, in, h, n_pad, b, e);
   } else {
     expert_stage_groups<kDown, TB, 1>(P, in, h, n_pad, b, e);
@@ -382,19 +403,17 @@ void expert_stage(const ExpertProblem& P, const void* in, void* h, int64_t n_pad
 
 void expert_gate_up(const ExpertProblem& P, const void* xs, void* h, const ExpertTiling& T, int64_t row_begin,
                     int64_t row_end) {
-  const int64_t n_pad = T.n_pad;
   switch (T.tokens_per_tile) {
-    case 1: return expert_stage<false, 1>(P, xs, h, n_pad, row_begin, row_end);
-    case 4: return expert_stage<false, 4>(P, xs, h, n_pad, row_begin, row_end);
-    default: return expert_stage<false, 8>(P, xs, h, n_pad, row_begin, row_end);
+    case 1: return expert_stage<false, 1>(P, xs, h, T, row_begin, row_end);
+    case 4: return expert_stage<false, 4>(P, xs, h, T, row_begin, row_end);
+    default: return expert_stage<false, 8>(P, xs, h, T, row_begin, row_end);
   }
 }
 
 void expert_down(const ExpertProblem& P, const void* h, const ExpertTiling& T, int64_t row_begin, int64_t row_end) {
-  const int64_t n_pad = T.n_pad;
   switch (T.tokens_per_tile) {
-    case 1: return expert_stage<true, 1>(P, h, nullptr, n_pad, row_begin, row_end);
-    case 4: return expert_stage<true, 4>(P, h, nullptr, n_pad, row_begin, row_end);
-    default: return expert_stage<true, 8>(P, h, nullptr, n_pad, row_begin, row_end);
+    case 1: return expert_stage<true, 1>(P, h, nullptr, T, row_begin, row_end);
+    case 4: return expert_stage<true, 4>(P, h, nullptr, T, row_begin, row_end);
+    default: return expert_stage<true, 8>(P, h, nullptr, T, row_begin, row_end);
   }
 }

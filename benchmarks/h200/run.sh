@@ -94,6 +94,9 @@
 #   bash benchmarks/h200/run.sh BB   # AMX tiles prefetching the next block row by row: expert kernel tests; AMX roof (every
 #                                    #   token count) new, before (.ab-before/native/amx_experts.h as at commit 0a5127c), new
 #   bash benchmarks/h200/run.sh BC   # profile_amx.py after BB: vector against AMX tiles, alternated, one host
+#   bash benchmarks/h200/run.sh BD   # vector tiles with a 1- or 2-token last group at 5 and 6 tokens: expert kernel tests;
+#                                    #   roof new, then before (.ab-before/native/{experts_kernel,common,amx_experts}.h as at
+#                                    #   commit 3f38f1d) on one host
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -597,6 +600,17 @@ fi
 if [ "$phase" = BC ]; then
   step expert kernel: vector against AMX tiles, alternated three times
   timeout 150 python3 benchmarks/h200/profile_amx.py "$out/profile-amx.json" 2>&1 | tee -a "$log"
+fi
+if [ "$phase" = BD ]; then
+  step tests: native expert kernels
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_experts_cpu.py > "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -4 | tee -a "$log"
+  step roof, narrow last group
+  ROOF_THREADS=15 ROOF_TOKENS=4,5,6,8 timeout 60 python3 benchmarks/h200/profile_roof.py "$out/profile-roof-new.json" 2>&1 | tee -a "$log"
+  ab_swap; python3 setup.py -q build_ext --inplace --force >>"$log" 2>&1
+  step roof, before
+  ROOF_THREADS=15 ROOF_TOKENS=4,5,6,8 timeout 60 python3 benchmarks/h200/profile_roof.py "$out/profile-roof-before.json" 2>&1 | tee -a "$log"
+  ab_restore
 fi
 if [ "$phase" = AL ]; then
   kv_tests
