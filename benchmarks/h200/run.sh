@@ -611,6 +611,8 @@ if [ "$phase" = BD ]; then
   step roof, before
   ROOF_THREADS=15 ROOF_TOKENS=4,5,6,8 timeout 60 python3 benchmarks/h200/profile_roof.py "$out/profile-roof-before.json" 2>&1 | tee -a "$log"
   ab_restore
+  # A second A/B followed on the same machine, in the other order (before, then new), rebuilt each
+  # time: profile-roof-before-2.json and profile-roof-new-2.json.
 fi
 if [ "$phase" = AL ]; then
   kv_tests
