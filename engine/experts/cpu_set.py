@@ -73,8 +73,10 @@ def native_cpu_set(store: ExpertStore, layer: int, experts: list[int], ids_h: np
     or None where the native kernel does not take it (then use cpu_set_inputs and a prepare).
     ids_h (N, k): the layer's routing; w_h (N, k) its weights; x_h (N, H) on the host."""
     try:
-        from engine.kernels import experts_cpu
+        from engine.kernels import experts_cpu, native
     except ImportError:
+        return None
+    if native.module() is None:  # before the numpy work: without the extension every layer falls back
         return None
     k = ids_h.shape[1]
     flat = ids_h.ravel()  # (N·k,) expert of each (token, choice) pair
