@@ -225,10 +225,10 @@ class PreparedMoe:
             native.module().moe_ffn(*self.native_args)
         else:
             self.out.zero_()
-        self.add_torch_part()
+        self._add_torch_part()
         return self.out
 
-    def add_torch_part(self) -> None:
+    def _add_torch_part(self) -> None:
         """Experts above native_max_tokens, through the reference kernel, added into out."""
         for j in self._on_torch:
             gate_up, down = self._experts[j]
