@@ -2,7 +2,7 @@
 
     python3 benchmarks/h200/profile_offload.py MODEL SLOTS OUT_DIR [policies] [form]
 
-form (adaptive only): "graph" or "pieces" forces that decode form instead of the measured choice.
+form (adaptive only): "graph", "graph-cpu" or "pieces" forces that decode form instead of the measured choice.
 
 Loads MODEL once with SLOTS expert cache slots, and for each policy and batch size 1 and 4: a
 512-token random prompt, 4 sampled warm-up tokens (graph capture, compiles), then 16 sampled decode
@@ -88,7 +88,8 @@ def main() -> None:
                 (out / f"profile-{policy}-bs{bs}.txt").write_text(text.getvalue())
                 run = {"policy": policy, "batch": bs, "tok_s": round(16 * bs / plain, 2), "decode_s": round(plain, 4),
                        "tok_s_profiled": round(16 * bs / profiled, 2), "hit_rate": engine.stats().experts.get("hit_rate"),
-                       "executor": spent, "cuda_graphs": engine.info()["cuda_graphs"]}
+                       "executor": spent, "cuda_graphs": engine.info()["cuda_graphs"],
+                       "zero_copy": engine.stats().experts.get("zero_copy")}
                 record["runs"].append(run)
                 print(json.dumps(run), flush=True)
                 for s in sessions:

@@ -97,6 +97,8 @@
 #   bash benchmarks/h200/run.sh BD   # vector tiles with a 1- or 2-token last group at 5 and 6 tokens: expert kernel tests;
 #                                    #   roof new, then before (.ab-before/native/{experts_kernel,common,amx_experts}.h as at
 #                                    #   commit 3f38f1d) on one host
+#   bash benchmarks/h200/run.sh BE   # CPU experts from host nodes of the one-graph step: CUDA tests; adaptive (L16) with
+#                                    #   each decode form forced, 737 slots, then graph and graph-cpu with 300 slots
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -613,6 +615,20 @@ if [ "$phase" = BD ]; then
   ab_restore
   # A second A/B followed on the same machine, in the other order (before, then new), rebuilt each
   # time: profile-roof-before-2.json and profile-roof-new-2.json.
+fi
+profile_form() {  # $1: slots, $2: form; adaptive on L16, bs 1 and 4 (json only)
+  step profile offloaded decode, L16, $1 slots: adaptive, $2 forced
+  timeout 200 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 "$1" "/tmp/profile-$1-$2" adaptive "$2" \
+    2>>"$log" | cut -c1-400 | tee -a "$log"
+  cp "/tmp/profile-$1-$2/profile-offload.json" "$out/profile-offload-$1-$2.json"
+}
+if [ "$phase" = BE ]; then
+  step tests: host-node CPU experts, zero-copy decode, decode graphs, moe_decode on CUDA
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/experts/test_graph_cpu.py tests/experts/test_zero_copy.py \
+    tests/models/test_decode_graph.py tests/kernels/test_moe_decode_gpu.py > "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  for form in graph graph-cpu pieces; do profile_form 737 $form; done
+  for form in graph graph-cpu; do profile_form 300 $form; done
 fi
 if [ "$phase" = AL ]; then
   kv_tests
