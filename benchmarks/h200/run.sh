@@ -99,6 +99,8 @@
 #                                    #   commit 3f38f1d) on one host
 #   bash benchmarks/h200/run.sh BE   # CPU experts from host nodes of the one-graph step: CUDA tests; adaptive (L16) with
 #                                    #   each decode form forced, 737 slots, then graph and graph-cpu with 300 slots
+#   bash benchmarks/h200/run.sh BF   # zero-copy tests; a host node's round trip in a graph and one CPU expert called
+#                                    #   directly or from a host node (profile_host_node.py): 15 threads, OMP_WAIT_POLICY=ACTIVE, 8 threads
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -629,6 +631,17 @@ if [ "$phase" = BE ]; then
   grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
   for form in graph graph-cpu pieces; do profile_form 737 $form; done
   for form in graph graph-cpu; do profile_form 300 $form; done
+fi
+if [ "$phase" = BF ]; then
+  step tests: zero-copy decode with host nodes
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/experts/test_zero_copy.py > "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -4 | tee -a "$log"
+  step host node and CPU expert costs, 15 threads
+  timeout 150 python3 benchmarks/h200/profile_host_node.py "$out/host-node-15.json" 2>&1 | tee -a "$log"
+  step the same, OMP_WAIT_POLICY=ACTIVE
+  OMP_WAIT_POLICY=ACTIVE timeout 150 python3 benchmarks/h200/profile_host_node.py "$out/host-node-15-active.json" 2>&1 | tee -a "$log"
+  step the same, 8 threads
+  THREADS=8 timeout 150 python3 benchmarks/h200/profile_host_node.py "$out/host-node-8.json" 2>&1 | tee -a "$log"
 fi
 if [ "$phase" = AL ]; then
   kv_tests

@@ -64,6 +64,8 @@ def unavailable_reason(store, device: torch.device) -> str | None:
         return "the native extension is not built"
     if store.dtype not in DTYPE_CODES:
         return f"no native kernel for {store.dtype}"
+    if store.hidden % 16 or store.expert_ffn % 16:
+        return "the native expert kernel takes hidden and expert sizes in multiples of 16"
     if _launch_host_func() is None:
         return "the CUDA driver has no cuLaunchHostFunc"
     return None

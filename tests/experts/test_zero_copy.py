@@ -15,11 +15,12 @@ from engine.experts.zero_copy import PROBE_STEPS, REPROBE_EVERY, ModeChooser, Ze
 from engine.kernels.experts_torch import moe_experts  # noqa: E402
 
 L, E, H, I, K = 3, 6, 24, 16, 2
+H_CPU = 32  # the native CPU kernels take multiples of 16
 # the kernels run compiled on CUDA tensors, or interpreted on CPU tensors where there is no GPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _model(seed=0):
+def _model(seed=0, H=H):
     g = torch.Generator().manual_seed(seed)
     gate_up = [torch.randn(E, 2 * I, H, generator=g) / H**0.5 for _ in range(L)]
     down = [torch.randn(E, H, I, generator=g) / I**0.5 for _ in range(L)]
@@ -48,7 +49,8 @@ def _check_table(zc, cache, store):
 
 def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, cpu_share=None):
     """cpu_share: run the misses' split with host nodes (graph_cpu.py), this share to the CPU."""
-    gate_up, down = _model()
+    H = H_CPU if cpu_share is not None else globals()["H"]
+    gate_up, down = _model(H=H)
     store = ExpertStore.from_layers(gate_up, down, dtype=torch.float32, pin=DEVICE == "cuda")
     cache = ExpertCache(n_slots, H, I, torch.float32, torch.device(DEVICE))
     window = []
