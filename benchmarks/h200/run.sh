@@ -101,6 +101,8 @@
 #                                    #   each decode form forced, 737 slots, then graph and graph-cpu with 300 slots
 #   bash benchmarks/h200/run.sh BF   # zero-copy tests; a host node's round trip in a graph and one CPU expert called
 #                                    #   directly or from a host node (profile_host_node.py): 15 threads, OMP_WAIT_POLICY=ACTIVE, 8 threads
+#   bash benchmarks/h200/run.sh BG   # graph-cpu with the GPU's experts queued before the join: adaptive (L16) graph-cpu
+#                                    #   and graph forced, 737 and 300 slots; graph-cpu at 300 slots with 12 threads
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -618,11 +620,12 @@ if [ "$phase" = BD ]; then
   # A second A/B followed on the same machine, in the other order (before, then new), rebuilt each
   # time: profile-roof-before-2.json and profile-roof-new-2.json.
 fi
-profile_form() {  # $1: slots, $2: form; adaptive on L16, bs 1 and 4 (json only)
-  step profile offloaded decode, L16, $1 slots: adaptive, $2 forced
-  timeout 200 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 "$1" "/tmp/profile-$1-$2" adaptive "$2" \
+profile_form() {  # $1: slots, $2: form, $3: record tag (optional); adaptive on L16, bs 1 and 4 (json only)
+  local name="$1-$2${3:+-$3}"
+  step profile offloaded decode, L16, $1 slots: adaptive, $2 forced ${3:-}
+  timeout 200 python3 benchmarks/h200/profile_offload.py synthetic:qwen3-30b-a3b-L16 "$1" "/tmp/profile-$name" adaptive "$2" \
     2>>"$log" | cut -c1-400 | tee -a "$log"
-  cp "/tmp/profile-$1-$2/profile-offload.json" "$out/profile-offload-$1-$2.json"
+  cp "/tmp/profile-$name/profile-offload.json" "$out/profile-offload-$name.json"
 }
 if [ "$phase" = BE ]; then
   step tests: host-node CPU experts, zero-copy decode, decode graphs, moe_decode on CUDA
@@ -642,6 +645,10 @@ if [ "$phase" = BF ]; then
   OMP_WAIT_POLICY=ACTIVE timeout 150 python3 benchmarks/h200/profile_host_node.py "$out/host-node-15-active.json" 2>&1 | tee -a "$log"
   step the same, 8 threads
   THREADS=8 timeout 150 python3 benchmarks/h200/profile_host_node.py "$out/host-node-8.json" 2>&1 | tee -a "$log"
+fi
+if [ "$phase" = BG ]; then
+  for slots in 737 300; do profile_form $slots graph-cpu; profile_form $slots graph; done
+  CPU_THREADS=12 profile_form 300 graph-cpu threads12
 fi
 if [ "$phase" = AL ]; then
   kv_tests

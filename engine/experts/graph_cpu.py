@@ -12,6 +12,9 @@ Here the split is made on the device and the CPU set runs from the graph itself.
     side stream:                                       └─ x, pairs → pinned; host node;     │
                                                           cpu_out ← pinned ─────────────────┘
 
+The GPU's experts must be queued between the fork and the join: joined first, they would wait for
+the CPU instead of running beside it.
+
 The host node (cuLaunchHostFunc, captured like any stream operation) calls the native HostMoe on
 the driver's callback thread: one moe_ffn over the pairs the split sent to the CPU, into a pinned
 fp32 buffer. No Python runs there, so the replay needs neither the GIL nor the driving thread.
@@ -113,16 +116,15 @@ class GraphCpuSet:
         return cpu_gbps / (cpu_gbps + link_gbps)
 
     # -- inside the graph -------------------------------------------------------------------------
-    def run(self, layer: int, x: torch.Tensor, cpu_ids: torch.Tensor, cpu_weights: torch.Tensor) -> torch.Tensor:
-        """Queue the layer's CPU set on the side stream, forked from and joined back into the current
-        stream → (N, H) fp32 on the device, valid on the current stream after this call.
-        x (N, H); cpu_ids, cpu_weights (N·k,) from split_misses."""
+    def fork(self, layer: int, x: torch.Tensor, cpu_ids: torch.Tensor, cpu_weights: torch.Tensor) -> None:
+        """Queue the layer's CPU set on the side stream, forked from the current stream: the caller
+        queues the GPU's experts next, then `join`s. x (N, H); cpu_ids, cpu_weights (N·k,) from
+        split_misses."""
         N = x.shape[0]
-        host_moe = self._native_for(cpu_ids.shape[0] // max(N, 1))
         if x.dtype != self.store.dtype:
             raise TypeError(f"the CPU experts take {self.store.dtype} hidden states (got {x.dtype})")
-        main = torch.cuda.current_stream(self.device)
-        self.side.wait_stream(main)
+        host_moe = self._native_for(cpu_ids.shape[0] // max(N, 1))
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
             self.x_host[:N].copy_(x, non_blocking=True)
             self.pairs_host[:cpu_ids.shape[0]].copy_(cpu_ids, non_blocking=True)
@@ -131,7 +133,10 @@ class GraphCpuSet:
             if status != 0:
                 raise RuntimeError(f"cuLaunchHostFunc failed (CUresult {status})")
             self.out[:N].copy_(self.out_host[:N], non_blocking=True)
-        main.wait_stream(self.side)
+
+    def join(self, N: int) -> torch.Tensor:
+        """The current stream waits for the CPU set → its sum (N, H) fp32 on the device."""
+        torch.cuda.current_stream(self.device).wait_stream(self.side)
         return self.out[:N]
 
     # -- between replays --------------------------------------------------------------------------

@@ -103,15 +103,15 @@ class ZeroCopyDecode:
         if with_cpu:
             gpu_ids, spare, cpu_ids, cpu_weights = moe_decode_gpu.split_misses(
                 ids, weights, offsets, self.spares, self.counter, self.cpu.share, self.pool_numel)
-            cpu_out = self.cpu.run(layer, x, cpu_ids, cpu_weights)  # (N, H) fp32, joined into this stream
+            self.cpu.fork(layer, x, cpu_ids, cpu_weights)  # the CPU set starts beside the GPU's experts
         else:
-            gpu_ids, cpu_out = ids, None
+            gpu_ids = ids
             spare = moe_decode_gpu.claim_free_slots(ids, offsets, self.spares, self.counter, self.pool_numel)  # (N·k,)
         self.log[layer, :N * k].copy_(ids.reshape(-1))
         self.claims[layer, :N * k].copy_(spare)
         out = moe_decode_gpu.moe_decode(x, gpu_ids, weights, self.cache.gate_up, self.cache.down,
                                         offsets=offsets, spare=spare)
-        return out if cpu_out is None else out.add_(cpu_out)
+        return out.add_(self.cpu.join(N)) if with_cpu else out  # (N, H) + (N, H) fp32 from the host node
 
     # -- between replays --------------------------------------------------------------------------
     def before_step(self, stream=None) -> None:
