@@ -103,6 +103,9 @@
 #                                    #   directly or from a host node (profile_host_node.py): 15 threads, OMP_WAIT_POLICY=ACTIVE, 8 threads
 #   bash benchmarks/h200/run.sh BG   # graph-cpu with the GPU's experts queued before the join: adaptive (L16) graph-cpu
 #                                    #   and graph forced, 737 and 300 slots; graph-cpu at 300 slots with 12 threads
+#   bash benchmarks/h200/run.sh BH   # host nodes with 4 cores left free: bench experts 32K, bs 1 and 4, from one prefill
+#                                    #   each (AZ's command; the chooser now times graph, graph-cpu and pieces)
+#   bash benchmarks/h200/run.sh BI   # bench experts 2K, bs 1 and 4, policies taking turns three times (AX's command)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -649,6 +652,13 @@ fi
 if [ "$phase" = BG ]; then
   for slots in 737 300; do profile_form $slots graph-cpu; profile_form $slots graph; done
   CPU_THREADS=12 profile_form 300 graph-cpu threads12
+fi
+if [ "$phase" = BH ]; then
+  bench_experts 32k-shared --batch-sizes 1,4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = BI ]; then
+  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
+    --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = AL ]; then
   kv_tests

@@ -39,6 +39,10 @@ log = logging.getLogger("tandem")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the native module's codes
 LINK_GBPS = 43.0  # the expert kernel reading missed experts in place over PCIe on the H200 (RESULTS.md, phase V)
 RATE_MEMORY = 0.8  # weight of the old CPU rate in its running average, per step
+# Cores the host nodes' thread team leaves free: the driving thread spins in its device wait and the
+# CUDA driver has threads of its own. On the 16-core H200 host 15 threads read 10–22 GB/s from host
+# nodes, 12 threads 50–61 GB/s (RESULTS.md, phase BG): one preempted thread stalls the team's barriers.
+SPARE_CORES = 4
 
 
 def _launch_host_func():
@@ -55,6 +59,13 @@ def _launch_host_func():
         fn.restype = ctypes.c_int
         return fn
     return None
+
+
+def host_node_threads() -> int:
+    """The host nodes' team: the CPU kernels' thread count, short of SPARE_CORES free cores."""
+    from engine.kernels import native
+
+    return max(1, min(native.threads(), native.available_cores() - SPARE_CORES))
 
 
 def unavailable_reason(store, device: torch.device) -> str | None:
@@ -104,7 +115,7 @@ class GraphCpuSet:
             self.native = native.module().HostMoe(
                 self.x_host.data_ptr(), code, self.pairs_host.data_ptr(), self.weights_host.data_ptr(),
                 self.out_host.data_ptr(), self.max_tokens, top_k, self.store.hidden, self.store.expert_ffn, code,
-                self.table.ctypes.data, self.store.n_layers, self.store.n_experts, native.threads())
+                self.table.ctypes.data, self.store.n_layers, self.store.n_experts, host_node_threads())
             self.top_k = top_k
         elif top_k != self.top_k:
             raise ValueError(f"the CPU experts were set up for top-{self.top_k} routing (got top-{top_k})")
@@ -141,10 +152,8 @@ class GraphCpuSet:
 
     # -- between replays --------------------------------------------------------------------------
     def before_replay(self) -> None:
-        from engine.kernels import native
-
         if self.native is not None:
-            self.native.set_threads(native.threads())  # the CPU kernels' thread count, which the user may change
+            self.native.set_threads(host_node_threads())  # follows the CPU kernels' count, which the user may change
 
     def after_replay(self) -> None:
         """Read the host nodes' counters (the replay has finished), raise what they failed with, and
@@ -164,7 +173,7 @@ class GraphCpuSet:
             self.share.fill_(self.share_for(self.cpu_gbps))
 
     def telemetry(self) -> dict:
-        return {"cpu_calls": self.calls, "cpu_experts": self.experts, "cpu_pairs": self.pairs,
+        return {"cpu_threads": host_node_threads(), "cpu_calls": self.calls, "cpu_experts": self.experts, "cpu_pairs": self.pairs,
                 "cpu_s": round(self.compute_s, 4), "cpu_gbps": round(self.cpu_gbps, 2),
                 "cpu_share": round(self.share_for(self.cpu_gbps), 3)}
 
