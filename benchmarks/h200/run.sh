@@ -106,6 +106,8 @@
 #   bash benchmarks/h200/run.sh BH   # host nodes with 4 cores left free: bench experts 32K, bs 1 and 4, from one prefill
 #                                    #   each (AZ's command; the chooser now times graph, graph-cpu and pieces)
 #   bash benchmarks/h200/run.sh BI   # bench experts 2K, bs 1 and 4, policies taking turns three times (AX's command)
+#   bash benchmarks/h200/run.sh BJ   # graph-cpu sending the most-token misses to the CPU: adaptive (L16) graph-cpu and
+#                                    #   pieces forced, 300 and 737 slots
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -659,6 +661,9 @@ fi
 if [ "$phase" = BI ]; then
   bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
     --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = BJ ]; then
+  for slots in 300 737; do profile_form $slots graph-cpu; profile_form $slots pieces; done
 fi
 if [ "$phase" = AL ]; then
   kv_tests

@@ -143,7 +143,9 @@ if triton is not None:
         is_first = outside & (first == p)
         n_missed = tl.sum(is_first.to(tl.int32), 0)  # distinct experts read from the store
         n_cpu = (n_missed.to(tl.float32) * tl.load(share_ptr) + 0.5).to(tl.int32)
-        key = tokens * BLOCK + first  # fewest tokens first (PDScope: cold experts to the CPU), then order
+        # Most tokens first, then order: the GPU reads a store expert over PCIe once per pair (each
+        # pair's programs read its rows), the CPU once for all its tokens.
+        key = (BLOCK - tokens) * BLOCK + first
         rank = tl.sum((is_first[None, :] & (key[None, :] < key[:, None])).to(tl.int32), 1)
         to_cpu = outside & (rank < n_cpu)
         link = outside & ~to_cpu  # read over PCIe by the GPU, and kept in a free slot
@@ -190,7 +192,7 @@ SPLIT_MAX_PAIRS = 64  # one program holds a layer's (pair × pair) comparisons: 
 def split_misses(ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, spares: torch.Tensor,
                  counter: torch.Tensor, share: torch.Tensor, pool_numel: int):
     """A layer's pairs split three ways, on the device: hits stay in their slots; of the distinct
-    experts read from the host store, round(share · n) with the fewest tokens go to the CPU and the
+    experts read from the host store, round(share · n) with the most tokens go to the CPU and the
     rest are read over PCIe by the GPU, each pair of those claiming a free slot as claim_free_slots
     does. ids, weights (N, k); share (1,) fp32 → gpu_ids (N, k) int64 (−1 where the CPU computes),
     spare (N·k,) int64 (a slot offset, −1 for none, −2 for a CPU pair), cpu_ids (N·k,) int64 (the

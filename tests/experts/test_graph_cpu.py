@@ -90,7 +90,7 @@ def test_nothing_listed_writes_zeros():
 
 
 def _split_reference(ids, offsets, spares, counter0, share, pool_numel):
-    """The split as plain Python: the misses' distinct experts, fewest tokens first (then first pair),
+    """The split as plain Python: the misses' distinct experts, most tokens first (then first pair),
     round(share · n) of them to the CPU; the rest claim the list's next free slots in pair order."""
     flat = ids.reshape(-1).tolist()
     outside = [0 <= e < len(offsets) and not (0 <= offsets[e] < pool_numel) for e in flat]
@@ -99,7 +99,7 @@ def _split_reference(ids, offsets, spares, counter0, share, pool_numel):
         if outside[p] and e not in [x for x, _ in experts]:
             experts.append((e, p))
     tokens = {e: sum(1 for q, f in enumerate(flat) if f == e and outside[q]) for e, _ in experts}
-    ranked = sorted(experts, key=lambda ep: (tokens[ep[0]], ep[1]))
+    ranked = sorted(experts, key=lambda ep: (-tokens[ep[0]], ep[1]))
     n_cpu = int(len(experts) * share + 0.5)
     cpu = {e for e, _ in ranked[:n_cpu]}
     gpu_ids, spare, cpu_ids, c = [], [], [], counter0
