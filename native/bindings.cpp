@@ -5,13 +5,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "common.h"
-#include "host_moe.h"
 #include "moe_worker.h"
 
 #if defined(_OPENMP)
@@ -125,19 +123,6 @@ void moe_submit_py(MoeWorker& worker, uintptr_t x, int x_dtype, int64_t n_rows, 
                 threads);
 }
 
-std::unique_ptr<HostMoe> make_host_moe(uintptr_t x, int x_dtype, uintptr_t pairs, uintptr_t weights, uintptr_t out,
-                                       int64_t max_rows, int64_t top_k, int64_t hidden, int64_t inter, int w_dtype,
-                                       uintptr_t table, int64_t n_layers, int64_t n_experts, int threads) {
-  require(max_rows >= 1 && top_k >= 1 && n_layers >= 1 && n_experts >= 1, "sizes must be ≥ 1");
-  require(hidden > 0 && inter > 0 && hidden % 16 == 0 && inter % 16 == 0,
-          "hidden and inter must be positive multiples of 16");
-  require(x && pairs && weights && out && table, "null pointer");
-  return std::make_unique<HostMoe>(reinterpret_cast<const void*>(x), dtype_of(x_dtype),
-                                   reinterpret_cast<const int64_t*>(pairs), reinterpret_cast<const float*>(weights),
-                                   reinterpret_cast<float*>(out), max_rows, top_k, hidden, inter, dtype_of(w_dtype),
-                                   reinterpret_cast<const MoeExpert*>(table), n_layers, n_experts, threads);
-}
-
 // The file of the OpenMP runtime this module's calls bind to ("" if unknown or without OpenMP). The
 // dynamic linker binds them to the first runtime in the global scope, which is torch's (it loads its
 // libgomp RTLD_GLOBAL) even when the module was linked against another copy under another name.
@@ -197,32 +182,6 @@ PYBIND11_MODULE(_native, m) {
         return w.wait();
       }, "Block (without the GIL) until the set is done → (queue seconds, compute seconds).")
       .def_property_readonly("pending", &MoeWorker::pending, "A set was submitted and not yet collected.");
-  py::class_<HostMoe>(m, "HostMoe",
-                      "A decode graph's CPU experts: host nodes call `entry_address` with a `call_address` "
-                      "(layer, rows); it runs the pairs listed in the pinned buffers as one moe_ffn. The caller "
-                      "keeps every buffer and the table alive while a graph that calls it exists.")
-      .def(py::init(&make_host_moe), py::arg("x"), py::arg("x_dtype"), py::arg("pairs"), py::arg("weights"),
-           py::arg("out"), py::arg("max_rows"), py::arg("top_k"), py::arg("hidden"), py::arg("inter"),
-           py::arg("w_dtype"), py::arg("table"), py::arg("n_layers"), py::arg("n_experts"), py::arg("threads"))
-      .def_property_readonly_static("entry_address", [](py::object) {
-        return reinterpret_cast<uintptr_t>(&HostMoe::entry);
-      }, "Address of the host-node function, void(void* user_data).")
-      .def("call_address", [](HostMoe& h, int64_t layer, int64_t n_rows) {
-        return reinterpret_cast<uintptr_t>(h.call(layer, n_rows));
-      }, py::arg("layer"), py::arg("n_rows"), "User data of a host node for (layer, n_rows).")
-      .def("run", [](HostMoe& h, int64_t layer, int64_t n_rows) {
-        HostMoe::Call* c = h.call(layer, n_rows);
-        py::gil_scoped_release release;
-        HostMoe::entry(c);
-      }, py::arg("layer"), py::arg("n_rows"), "Run a layer's listed pairs now, as a host node would.")
-      .def("set_threads", &HostMoe::set_threads, py::arg("n"), "Threads of the calls from now on.")
-      .def("take", [](HostMoe& h) {
-        const auto [s, error] = h.take();
-        py::dict d;
-        d["calls"] = s.calls, d["experts"] = s.experts, d["pairs"] = s.pairs, d["compute_s"] = s.compute_s;
-        d["error"] = error;
-        return d;
-      }, "Counters since the last take (calls, experts, pairs, compute_s) and the first error (\"\" if none).");
   m.def("stream_read", [](uintptr_t data, size_t n_bytes, int threads) {
     py::gil_scoped_release release;
     return stream_read(reinterpret_cast<const void*>(data), n_bytes, threads);

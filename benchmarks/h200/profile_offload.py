@@ -2,7 +2,7 @@
 
     python3 benchmarks/h200/profile_offload.py MODEL SLOTS OUT_DIR [policies] [form]
 
-form (adaptive only): "graph", "graph-cpu" or "pieces" forces that decode form instead of the measured choice.
+form (adaptive only): "graph" or "pieces" forces that decode form instead of the measured choice.
 
 Loads MODEL once with SLOTS expert cache slots, and for each policy and batch size 1 and 4: a
 512-token random prompt, 4 sampled warm-up tokens (graph capture, compiles), then 16 sampled decode

@@ -97,17 +97,20 @@
 #   bash benchmarks/h200/run.sh BD   # vector tiles with a 1- or 2-token last group at 5 and 6 tokens: expert kernel tests;
 #                                    #   roof new, then before (.ab-before/native/{experts_kernel,common,amx_experts}.h as at
 #                                    #   commit 3f38f1d) on one host
-#   bash benchmarks/h200/run.sh BE   # CPU experts from host nodes of the one-graph step: CUDA tests; adaptive (L16) with
-#                                    #   each decode form forced, 737 slots, then graph and graph-cpu with 300 slots
+#   (BE–BJ: a third decode form, "graph-cpu", at commits bca3134..a87ae26: the one graph with part of each layer's
+#   misses computed on the CPU by captured host nodes. Reverted: it beat neither of the other forms; RESULTS.md.)
+#   bash benchmarks/h200/run.sh BE   # CUDA tests; adaptive (L16) with each decode form forced, 737 slots, then graph and
+#                                    #   graph-cpu with 300 slots
 #   bash benchmarks/h200/run.sh BF   # zero-copy tests; a host node's round trip in a graph and one CPU expert called
-#                                    #   directly or from a host node (profile_host_node.py): 15 threads, OMP_WAIT_POLICY=ACTIVE, 8 threads
-#   bash benchmarks/h200/run.sh BG   # graph-cpu with the GPU's experts queued before the join: adaptive (L16) graph-cpu
-#                                    #   and graph forced, 737 and 300 slots; graph-cpu at 300 slots with 12 threads
+#                                    #   directly or from a host node (profile_host_node.py, at a87ae26): 15 threads,
+#                                    #   OMP_WAIT_POLICY=ACTIVE, 8 threads
+#   bash benchmarks/h200/run.sh BG   # the GPU's experts queued before the join: graph-cpu and graph forced (L16), 737 and
+#                                    #   300 slots; graph-cpu at 300 slots with 12 threads
 #   bash benchmarks/h200/run.sh BH   # host nodes with 4 cores left free: bench experts 32K, bs 1 and 4, from one prefill
-#                                    #   each (AZ's command; the chooser now times graph, graph-cpu and pieces)
+#                                    #   each (AZ's command; the chooser timed graph, graph-cpu and pieces)
 #   bash benchmarks/h200/run.sh BI   # bench experts 2K, bs 1 and 4, policies taking turns three times (AX's command)
-#   bash benchmarks/h200/run.sh BJ   # graph-cpu sending the most-token misses to the CPU: adaptive (L16) graph-cpu and
-#                                    #   pieces forced, 300 and 737 slots
+#   bash benchmarks/h200/run.sh BJ   # graph-cpu sending the most-token misses to the CPU: graph-cpu and pieces forced
+#                                    #   (L16), 300 and 737 slots
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.

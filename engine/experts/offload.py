@@ -31,8 +31,6 @@ from engine.experts.executor import ExpertExecutor
 from engine.experts.planner import MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
-from engine.experts import graph_cpu
-from engine.experts.graph_cpu import GraphCpuSet
 from engine.experts.zero_copy import ZeroCopyDecode
 from engine.kernels import moe_decode_gpu
 from engine.kernels.cuda_streams import indexed
@@ -86,7 +84,6 @@ class OffloadedExperts(ExpertExecutor):
         self._cpu_ratios = {phase: deque(maxlen=CPU_CORRECTION_WINDOW) for phase in self._phase_costs}
         self.zero_copy: ZeroCopyDecode | None = None  # the whole-step graph's device table (adaptive, CUDA)
         self.zero_copy_off: str | None = None  # why there is none
-        self.graph_cpu_off: str | None = None  # why the one graph has no CPU experts
         self._opened = False
         if n_slots is not None:
             self.open_cache(n_slots)
@@ -119,20 +116,13 @@ class OffloadedExperts(ExpertExecutor):
         elif not self.store.pinned:
             self.zero_copy_off = "the host store is not pinned"
         else:
-            max_tokens = min(self.planner.max_decode_tokens, moe_decode_gpu.MAX_TOKENS)
             try:
-                self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device, max_tokens,
-                                                window=self._window, cpu=self._graph_cpu(max_tokens))
+                self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device,
+                                                min(self.planner.max_decode_tokens, moe_decode_gpu.MAX_TOKENS),
+                                                window=self._window)
             except RuntimeError as e:  # the driver cannot map the store
                 self.zero_copy_off = str(e)
                 log.warning("decode steps with offloaded experts stay in pieces: %s", e)
-
-    def _graph_cpu(self, max_tokens: int) -> GraphCpuSet | None:
-        """The one-graph step's CPU experts (graph_cpu.py), where the native kernels and the driver allow."""
-        self.graph_cpu_off = graph_cpu.unavailable_reason(self.store, self.device)
-        if self.graph_cpu_off is not None:
-            return None
-        return GraphCpuSet(self.store, max_tokens, self.device, self.costs.cpu_alone_gbps)
 
     def attach_predictor(self, predictor: GateLookahead) -> None:
         self.predictor = predictor
@@ -382,13 +372,10 @@ class OffloadedExperts(ExpertExecutor):
         if self.zero_copy is not None:
             h2d += (self.zero_copy.fills + self.zero_copy.zero_copy_experts) * self.store.block_bytes
         self._rate_mark = (now, h2d)
-        in_graph = self.zero_copy.cpu if self.zero_copy is not None else None  # host nodes' CPU experts
-        cpu_executed = self.cpu_executed + (in_graph.experts if in_graph is not None else 0)
-        cpu_s = self.cpu_s + (in_graph.compute_s if in_graph is not None else 0.0)
         c = lambda name: getattr(lru, name) if lru is not None else 0  # noqa: E731
         return {
             "policy": self.policy, "hits": c("hits"), "misses": c("misses") + self.uncached_misses,
-            "fills": c("fills"), "cpu_executed": cpu_executed, "evictions": c("evictions"),
+            "fills": c("fills"), "cpu_executed": self.cpu_executed, "evictions": c("evictions"),
             "prefetch_issued": c("prefetches"), "prefetch_used": c("prefetch_used"),
             "prefetch_wasted": c("prefetch_wasted"), "hit_rate": self.hit_rate(),
             "slots": self.cache.n_slots if self.cache is not None else 0,
@@ -396,14 +383,13 @@ class OffloadedExperts(ExpertExecutor):
             "store_bytes": self.store.nbytes, "store_pinned": self.store.pinned, "bytes": 0,
             "cpu_kernel": self.cpu_kernel, "gpu_kernel": grouped_impl(self.device, self.store.dtype),
             "h2d_bytes": h2d, "h2d_gbps": (h2d - b0) / (now - t0) / 1e9 if now > t0 else None,
-            "cpu_expert_s": cpu_s, "cpu_queue_s": self.cpu_queue_s, "cpu_wait_s": self.cpu_wait_s,
+            "cpu_expert_s": self.cpu_s, "cpu_queue_s": self.cpu_queue_s, "cpu_wait_s": self.cpu_wait_s,
             "hot_table": self.hot_source,
             "cpu_correction": {phase: c.cpu_correction for phase, c in self._phase_costs.items()},
             "device_wait_s": self.device_wait_s, "run_s": self.run_s,
             "host_split_s": dict(self.host_split),
             "predictor": self.predictor.accuracy() if self.predictor is not None else None,
-            "zero_copy": ({**self.zero_copy.telemetry(), "cpu_off": self.graph_cpu_off} if self.zero_copy is not None
-                          else {"off": self.zero_copy_off}),
+            "zero_copy": self.zero_copy.telemetry() if self.zero_copy is not None else {"off": self.zero_copy_off},
         }
 
     def close(self, release_store: bool = True) -> None:

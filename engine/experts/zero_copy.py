@@ -48,9 +48,8 @@ SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for th
 
 
 class ZeroCopyDecode:
-    def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None, cpu=None):
-        """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate); cpu: a
-        graph_cpu.GraphCpuSet for the form whose misses split between the link and the CPU."""
+    def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None):
+        """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate)."""
         self.store, self.cache, self.lru, self.device = store, cache, cache.lru, indexed(device)
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
@@ -79,19 +78,15 @@ class ZeroCopyDecode:
         self._log_ready = None  # CUDA event after the last replay's log copy
         self._logged_tokens = 0  # B of the logs awaiting their reading
         self.stale = True  # the LRU changed outside this path: rebuild the table before a replay
-        self.cpu = cpu
         self.zero_copy_experts = self.fills = self.steps = 0  # experts read over PCIe; kept in a slot
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if self.device.type == "cuda" else t
 
     # -- inside the graph -------------------------------------------------------------------------
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            with_cpu: bool = False) -> torch.Tensor:
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Device work only (captured): log the routing, claim free slots for the pairs read from the
-        store, compute every routed expert where the table says it is. x (N, H), ids (N, k) → (N, H).
-        with_cpu: a share of the experts read from the store runs on the CPU instead, from a host node
-        of the graph (graph_cpu.py); they take no slot."""
+        store, compute every routed expert where the table says it is. x (N, H), ids (N, k) → (N, H)."""
         N, k = ids.shape
         if self.log is None:  # the first call is a warm-up, outside any capture
             L = self.store.n_layers
@@ -100,18 +95,11 @@ class ZeroCopyDecode:
             self.log_host, self.claims_host = (self._host(torch.empty_like(t, device="cpu"))
                                                for t in (self.log, self.claims))
         offsets = self.table[layer]  # (E,)
-        if with_cpu:
-            gpu_ids, spare, cpu_ids, cpu_weights = moe_decode_gpu.split_misses(
-                ids, weights, offsets, self.spares, self.counter, self.cpu.share, self.pool_numel)
-            self.cpu.fork(layer, x, cpu_ids, cpu_weights)  # the CPU set starts beside the GPU's experts
-        else:
-            gpu_ids = ids
-            spare = moe_decode_gpu.claim_free_slots(ids, offsets, self.spares, self.counter, self.pool_numel)  # (N·k,)
+        spare = moe_decode_gpu.claim_free_slots(ids, offsets, self.spares, self.counter, self.pool_numel)  # (N·k,)
         self.log[layer, :N * k].copy_(ids.reshape(-1))
         self.claims[layer, :N * k].copy_(spare)
-        out = moe_decode_gpu.moe_decode(x, gpu_ids, weights, self.cache.gate_up, self.cache.down,
-                                        offsets=offsets, spare=spare)
-        return out.add_(self.cpu.join(N)) if with_cpu else out  # (N, H) + (N, H) fp32 from the host node
+        return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
+                                         offsets=offsets, spare=spare)
 
     # -- between replays --------------------------------------------------------------------------
     def before_step(self, stream=None) -> None:
@@ -121,8 +109,6 @@ class ZeroCopyDecode:
         if self.stale:
             self._rebuild(stream)
         self._list_spares()
-        if self.cpu is not None:
-            self.cpu.before_replay()
         # From pinned pages, in stream order before the replay; the host writes them next after the
         # next log wait, by which time these copies have run.
         self.table.copy_(self.mirror, non_blocking=True)
@@ -156,8 +142,6 @@ class ZeroCopyDecode:
             n = self._logged_tokens
             k = self.log.shape[1] // self.max_tokens
             self._account(self.log_host[:, :n * k].numpy().reshape(-1, n, k), self.claims_host[:, :n * k].numpy())
-            if self.cpu is not None:
-                self.cpu.after_replay()
 
     def _account(self, log: np.ndarray, claims: np.ndarray) -> None:
         """log (L, B, k) and claims (L, B·k) of a finished replay: LRU hits refreshed, misses counted,
@@ -176,10 +160,7 @@ class ZeroCopyDecode:
                 self.window.append((int(hits_per_layer[layer]), int(active_per_layer[layer])))
         n_missed = int((active & ~hit).sum())
         lru.misses += n_missed
-        on_cpu = np.zeros_like(active)  # (L, E) experts a host node computed (claim -2)
-        rows, pairs = np.nonzero(claims == -2)
-        on_cpu[rows, ids[rows, pairs]] = True
-        self.zero_copy_experts += n_missed - int(on_cpu.sum())
+        self.zero_copy_experts += n_missed
         mirror = self.mirror.numpy()
         for layer, pair in zip(*np.nonzero(claims >= 0)):
             offset = int(claims[layer, pair])
@@ -223,7 +204,7 @@ class ZeroCopyDecode:
     def telemetry(self) -> dict:
         return {"graph_steps": self.steps, "zero_copy_experts": self.zero_copy_experts,
                 "zero_copy_bytes": self.zero_copy_experts * self.store.block_bytes, "graph_fills": self.fills,
-                "free_slots_listed": len(self.spare_slots), **(self.cpu.telemetry() if self.cpu is not None else {})}
+                "free_slots_listed": len(self.spare_slots)}
 
 
 class _Done:
@@ -237,13 +218,13 @@ class _Done:
 
 
 class ModeChooser:
-    """Per batch size, which step form to run: time PROBE_STEPS steps of each, interleaved so that all
-    see the cache as it warms, keep the fastest by median step time, and time them all again every
-    REPROBE_EVERY steps. Forms: "graph" (misses over the link), "graph-cpu" (misses split between the
-    link and host nodes, graph_cpu.py), "pieces" (the planner's split, a host hand-off per layer)."""
+    """Per batch size, which step form to run: time PROBE_STEPS steps of each, the two interleaved so
+    that both see the cache as it warms, keep the faster by median step time, and time both again
+    every REPROBE_EVERY steps."""
 
-    def __init__(self, forms: tuple[str, ...] = ("graph", "pieces")):
-        self.FORMS = tuple(forms)
+    FORMS = ("graph", "pieces")
+
+    def __init__(self):
         self.samples = defaultdict(list)  # (B, form) → step durations of the current probe, s
         self.measured: dict[tuple[int, str], float] = {}  # (B, form) → median ms at the last choice
         self.choice: dict[int, str] = {}
@@ -258,7 +239,7 @@ class ModeChooser:
             return self.choice[B]
         counts = {f: len(self.samples[(B, f)]) for f in self.FORMS}
         if min(counts.values()) < PROBE_STEPS:
-            return min(self.FORMS, key=counts.get)  # the form with fewest samples (ties: the first)
+            return min(self.FORMS, key=counts.get)  # the form with fewer samples (ties: the graph)
         medians = {f: float(np.median(self.samples[(B, f)])) for f in self.FORMS}
         for f in self.FORMS:
             self.measured[(B, f)] = round(1e3 * medians[f], 3)

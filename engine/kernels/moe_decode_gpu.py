@@ -127,41 +127,6 @@ if triton is not None:
         tl.store(spare_of_pair_ptr + p, tl.where(ok, sp, -1))
 
     @triton.jit
-    def _split_kernel(ids_ptr, offs_ptr, spares_ptr, counter_ptr, share_ptr, wts_ptr, gpu_ids_ptr, spare_of_pair_ptr,
-                      cpu_ids_ptr, cpu_wts_ptr, P, E, pool_numel, n_spares, BLOCK: tl.constexpr):
-        # One program sees every pair of the layer (P ≤ BLOCK = 64): rows p, columns q of (BLOCK, BLOCK).
-        p = tl.arange(0, BLOCK)
-        ok = p < P
-        e = tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int64)
-        valid = ok & (e >= 0) & (e < E)
-        off = tl.load(offs_ptr + tl.where(valid, e, 0), mask=valid, other=0)
-        outside = valid & ((off < 0) | (off >= pool_numel))  # read from the host store
-        q = p[None, :]
-        same = (e[:, None] == e[None, :]) & outside[:, None] & outside[None, :]  # (BLOCK, BLOCK)
-        tokens = tl.sum(same.to(tl.int32), 1)  # tokens routed to the pair's expert
-        first = tl.min(tl.where(same, q, BLOCK), 1)  # the expert's first pair
-        is_first = outside & (first == p)
-        n_missed = tl.sum(is_first.to(tl.int32), 0)  # distinct experts read from the store
-        n_cpu = (n_missed.to(tl.float32) * tl.load(share_ptr) + 0.5).to(tl.int32)
-        # Most tokens first, then order: the GPU reads a store expert over PCIe once per pair (each
-        # pair's programs read its rows), the CPU once for all its tokens.
-        key = (BLOCK - tokens) * BLOCK + first
-        rank = tl.sum((is_first[None, :] & (key[None, :] < key[:, None])).to(tl.int32), 1)
-        to_cpu = outside & (rank < n_cpu)
-        link = outside & ~to_cpu  # read over PCIe by the GPU, and kept in a free slot
-        before = tl.sum((link[None, :] & (q < p[:, None])).to(tl.int32), 1)  # link pairs ahead of p
-        c0 = tl.load(counter_ptr)
-        c = c0 + before
-        claim = link & (c < n_spares)
-        sp = tl.load(spares_ptr + tl.where(claim, c, 0), mask=claim, other=-1)
-        tl.store(counter_ptr, c0 + tl.sum(link.to(tl.int32), 0))
-        tl.store(gpu_ids_ptr + p, tl.where(to_cpu, -1, e), mask=ok)
-        tl.store(spare_of_pair_ptr + p, tl.where(to_cpu, -2, tl.where(claim, sp, -1)), mask=ok)
-        tl.store(cpu_ids_ptr + p, tl.where(to_cpu, e, -1), mask=ok)
-        w = tl.load(wts_ptr + p, mask=ok, other=0.0).to(tl.float32)
-        tl.store(cpu_wts_ptr + p, tl.where(to_cpu, w, 0.0), mask=ok)
-
-    @triton.jit
     def _sum_choices_kernel(y_ptr, out_ptr, H, top_k, BLOCK: tl.constexpr):
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -184,31 +149,6 @@ def claim_free_slots(ids: torch.Tensor, offsets: torch.Tensor, spares: torch.Ten
         _claim_kernel[(P,)](ids.contiguous(), offsets, spares, counter, spare_of_pair, offsets.shape[0],
                             pool_numel, spares.shape[0])
     return spare_of_pair
-
-
-SPLIT_MAX_PAIRS = 64  # one program holds a layer's (pair × pair) comparisons: 8 tokens × top-8
-
-
-def split_misses(ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, spares: torch.Tensor,
-                 counter: torch.Tensor, share: torch.Tensor, pool_numel: int):
-    """A layer's pairs split three ways, on the device: hits stay in their slots; of the distinct
-    experts read from the host store, round(share · n) with the most tokens go to the CPU and the
-    rest are read over PCIe by the GPU, each pair of those claiming a free slot as claim_free_slots
-    does. ids, weights (N, k); share (1,) fp32 → gpu_ids (N, k) int64 (−1 where the CPU computes),
-    spare (N·k,) int64 (a slot offset, −1 for none, −2 for a CPU pair), cpu_ids (N·k,) int64 (the
-    expert, −1 for the rest), cpu_weights (N·k,) fp32."""
-    P = ids.numel()
-    if P > SPLIT_MAX_PAIRS:
-        raise ValueError(f"split_misses takes at most {SPLIT_MAX_PAIRS} pairs (got {P})")
-    gpu_ids = torch.empty(ids.shape, dtype=torch.int64, device=ids.device)
-    spare = torch.empty(P, dtype=torch.int64, device=ids.device)
-    cpu_ids = torch.empty(P, dtype=torch.int64, device=ids.device)
-    cpu_weights = torch.empty(P, dtype=torch.float32, device=ids.device)
-    if P:
-        _split_kernel[(1,)](ids.contiguous(), offsets, spares, counter, share, weights.contiguous(), gpu_ids, spare,
-                            cpu_ids, cpu_weights, P, offsets.shape[0], pool_numel, spares.shape[0],
-                            BLOCK=SPLIT_MAX_PAIRS)
-    return gpu_ids, spare, cpu_ids, cpu_weights
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

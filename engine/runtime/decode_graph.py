@@ -135,11 +135,11 @@ class _InGraph(ExpertExecutor):
 
     policy = "in-graph"
 
-    def __init__(self, zero_copy, with_cpu: bool):
-        self.zero_copy, self.with_cpu = zero_copy, with_cpu
+    def __init__(self, zero_copy):
+        self.zero_copy = zero_copy
 
     def run(self, layer, x, ids, weights):
-        return self.zero_copy.run(layer, x, ids, weights, with_cpu=self.with_cpu)
+        return self.zero_copy.run(layer, x, ids, weights)
 
     def telemetry(self) -> dict:
         return {}
@@ -159,10 +159,7 @@ class DecodeGraphs:
         self._moe = [layer.mlp for layer in model.model.layers if getattr(layer.mlp, "experts", None) is experts] \
             if self.cut else []
         self.zero_copy = getattr(experts, "zero_copy", None) if self.cut else None
-        self.chooser = None
-        if self.zero_copy is not None:
-            self.chooser = ModeChooser(("graph", "graph-cpu", "pieces") if self.zero_copy.cpu is not None
-                                       else ("graph", "pieces"))
+        self.chooser = ModeChooser() if self.zero_copy is not None else None
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """tokens (B, 1) on the host, positions (B, 1) from kv.begin_step → logits (B, V) fp32, or None
@@ -184,9 +181,8 @@ class DecodeGraphs:
         if self.chooser is not None:
             self.chooser.started(B, form)
         pieces, logits = entry
-        one_graph = form in ("graph", "graph-cpu")
         if self.zero_copy is not None:
-            if one_graph:
+            if form == "graph":
                 self.zero_copy.before_step()
             else:
                 self.zero_copy.leave()
@@ -195,7 +191,7 @@ class DecodeGraphs:
             if piece.layer is not None:  # the host places and runs this layer's experts, eagerly
                 self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed, out=piece.out,
                                  cpu_buf=piece.cpu_buf)
-        if self.zero_copy is not None and one_graph:
+        if self.zero_copy is not None and form == "graph":
             self.zero_copy.after_step(B)
         self.replays += 1
         if isinstance(self.experts, ResidentExperts):  # the counter Python would have bumped
@@ -203,11 +199,10 @@ class DecodeGraphs:
         return logits.clone()  # the graph's output buffer is overwritten by the next replay
 
     def _capture(self, B: int, positions: torch.Tensor, form: str):
-        """form: "graph" (one graph; offloaded experts through the device table), "graph-cpu" (the
-        same, some misses on the CPU from host nodes) or "pieces" (cut at each offloaded MoE layer)."""
+        """form: "graph" (one graph; offloaded experts through the device table) or "pieces" (cut at
+        each offloaded MoE layer)."""
         tokens = self.tokens[:B]
-        one_graph = self.cut and form in ("graph", "graph-cpu")
-        in_graph = _InGraph(self.zero_copy, form == "graph-cpu") if one_graph else None
+        in_graph = _InGraph(self.zero_copy) if self.cut and form == "graph" else None
         if in_graph is not None:
             self.zero_copy.before_step()  # a valid table for the warm-up
         side = torch.cuda.Stream(self.device)

@@ -15,12 +15,11 @@ from engine.experts.zero_copy import PROBE_STEPS, REPROBE_EVERY, ModeChooser, Ze
 from engine.kernels.experts_torch import moe_experts  # noqa: E402
 
 L, E, H, I, K = 3, 6, 24, 16, 2
-H_CPU = 32  # the native CPU kernels take multiples of 16
 # the kernels run compiled on CUDA tensors, or interpreted on CPU tensors where there is no GPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _model(seed=0, H=H):
+def _model(seed=0):
     g = torch.Generator().manual_seed(seed)
     gate_up = [torch.randn(E, 2 * I, H, generator=g) / H**0.5 for _ in range(L)]
     down = [torch.randn(E, H, I, generator=g) / I**0.5 for _ in range(L)]
@@ -47,21 +46,12 @@ def _check_table(zc, cache, store):
     assert (listed[len(zc.spare_slots):] == -1).all()
 
 
-def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, cpu_share=None):
-    """cpu_share: run the misses' split with host nodes (graph_cpu.py), this share to the CPU."""
-    H = H_CPU if cpu_share is not None else globals()["H"]
-    gate_up, down = _model(H=H)
+def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False):
+    gate_up, down = _model()
     store = ExpertStore.from_layers(gate_up, down, dtype=torch.float32, pin=DEVICE == "cuda")
     cache = ExpertCache(n_slots, H, I, torch.float32, torch.device(DEVICE))
     window = []
-    cpu = None
-    if cpu_share is not None:
-        from engine.experts.graph_cpu import GraphCpuSet
-
-        cpu = GraphCpuSet(store, 4, torch.device(DEVICE), cpu_gbps=40.0)
-        cpu.share_for = lambda *_: cpu_share  # held, not learned from the host nodes' timings
-        cpu.share.fill_(cpu_share)
-    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, window=window, cpu=cpu)
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, window=window)
     g = torch.Generator().manual_seed(seed)
     routing = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n_tokens)]) for _ in range(L)]
     used_per_step = []
@@ -76,7 +66,7 @@ def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, cpu_share=No
             ids = routing[layer] if same_routing else \
                 torch.stack([torch.randperm(3 if step % 4 else E, generator=g)[:K] for _ in range(n_tokens)])
             w = torch.softmax(torch.randn(n_tokens, K, generator=g), -1)
-            out = zc.run(layer, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), with_cpu=cpu is not None)
+            out = zc.run(layer, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))
             ref = moe_experts(x.double(), ids, w.double(), gate_up[layer].double(), down[layer].double())
             torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-4)
             used |= {(layer, int(e)) for e in ids.unique()}
@@ -99,19 +89,6 @@ def test_outputs_equal_resident_while_the_cache_changes(n_slots):
     assert t["graph_fills"] == lru.fills > 0 and len(lru) <= n_slots
     assert sum(n for _, n in window) == lookups and sum(h for h, _ in window) == lru.hits
     assert lru.hits > 0 or n_slots == 1
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="host nodes need CUDA")
-@pytest.mark.parametrize("share", [0.5, 1.0])
-def test_misses_split_with_host_nodes_equal_resident(share):
-    """Part of the misses run on the CPU from host nodes: outputs unchanged, those experts take no
-    slot, and every miss was read over the link or computed by the CPU."""
-    zc, store, cache, window, used = _decode(4, steps=9, cpu_share=share)
-    lru, t = cache.lru, zc.telemetry()
-    assert t["cpu_experts"] > 0 and t["cpu_calls"] == 9 * L
-    assert t["zero_copy_experts"] + t["cpu_experts"] == lru.misses
-    if share == 1.0:  # everything missed ran on the CPU: nothing was kept
-        assert t["graph_fills"] == 0 and t["zero_copy_experts"] == 0
 
 
 def test_a_missed_expert_hits_from_the_slot_it_filled():

@@ -153,9 +153,8 @@ def test_offloaded_experts_replay_in_pieces(policy, slots, tmp_path):
     assert tel["pieces_per_step"] == {1: n_layers + 1, 2: n_layers + 1}
     experts = graphed.stats().experts
     assert experts["hits"] + experts["misses"] > 0
-    if policy == "adaptive":  # the chooser times every form, the whole-step graph first (misses read in place)
+    if policy == "adaptive":  # the chooser times both forms, the whole-step graph first (misses read in place)
         assert experts["zero_copy"]["graph_steps"] > 0 and experts["zero_copy"]["zero_copy_experts"] > 0
-        assert experts["zero_copy"]["cpu_off"] is None and experts["zero_copy"]["cpu_calls"] > 0  # host nodes ran
     else:
         assert "off" in experts["zero_copy"]
     assert got == expected
