@@ -111,6 +111,8 @@
 #   bash benchmarks/h200/run.sh BI   # bench experts 2K, bs 1 and 4, policies taking turns three times (AX's command)
 #   bash benchmarks/h200/run.sh BJ   # graph-cpu sending the most-token misses to the CPU: graph-cpu and pieces forced
 #                                    #   (L16), 300 and 737 slots
+#   bash benchmarks/h200/run.sh BK   # adaptive pieces (L16, 737 slots) with OMP_WAIT_POLICY unset and ACTIVE, alternated
+#                                    #   twice (the second pair ACTIVE first)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -667,6 +669,13 @@ if [ "$phase" = BI ]; then
 fi
 if [ "$phase" = BJ ]; then
   for slots in 300 737; do profile_form $slots graph-cpu; profile_form $slots pieces; done
+fi
+if [ "$phase" = BK ]; then
+  for v in default ACTIVE ACTIVE default; do
+    if [ $v = ACTIVE ]; then export OMP_WAIT_POLICY=ACTIVE; else unset OMP_WAIT_POLICY; fi
+    profile_form 737 pieces "$v-$((++bk_run))"
+  done
+  unset OMP_WAIT_POLICY
 fi
 if [ "$phase" = AL ]; then
   kv_tests
