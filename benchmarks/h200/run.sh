@@ -113,6 +113,8 @@
 #                                    #   (L16), 300 and 737 slots
 #   bash benchmarks/h200/run.sh BK   # adaptive pieces (L16, 737 slots) with OMP_WAIT_POLICY unset and ACTIVE, alternated
 #                                    #   twice (the second pair ACTIVE first)
+#   bash benchmarks/h200/run.sh BL   # (not yet run) expert kernel at 4–8 tokens: the avx512 table's fp32 FMA tiles against
+#                                    #   the avx512bf16 table's VDPBF16PS tiles, 1 and 15 threads, alternated twice
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -676,6 +678,15 @@ if [ "$phase" = BK ]; then
     profile_form 737 pieces "$v-$((++bk_run))"
   done
   unset OMP_WAIT_POLICY
+fi
+if [ "$phase" = BL ]; then
+  for round in 1 2; do
+    for isa in avx512bf16 avx512; do
+      step expert kernel roof, $isa table, round $round
+      TANDEM_NATIVE_ISA=$isa ROOF_THREADS=1,15 ROOF_TOKENS=4,5,6,8 timeout 120 \
+        python3 benchmarks/h200/profile_roof.py "$out/profile-roof-$isa-$round.json" 2>&1 | tee -a "$log"
+    done
+  done
 fi
 if [ "$phase" = AL ]; then
   kv_tests
