@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 
@@ -70,17 +71,35 @@ class SlotLRU:
             if ent is None:
                 misses.append(e)
                 continue
-            self.entries.move_to_end(key)
-            ent.tick = self._tick()
-            if ent.prefetched:
-                ent.prefetched = False
-                self.prefetch_used += 1
+            self._use(key, ent)
             self.locked.add(key)
             hits.append(e)
             slots.append(ent.slot)
         self.hits += len(hits)
         self.misses += len(misses)
         return hits, slots, misses
+
+    def refresh(self, keys: list[Key]) -> None:
+        """Hits that already happened, in the order they were used (the one-graph step reports a whole
+        step's at once): recency refreshed and counted, nothing locked. Every key must be cached."""
+        entries, clock = self.entries, self.clock
+        for key in keys:  # _use, inlined: ~400 keys a step at bs=1 on Qwen3-30B-A3B
+            ent = entries[key]
+            entries.move_to_end(key)
+            clock += 1
+            ent.tick = clock
+            if ent.prefetched:
+                ent.prefetched = False
+                self.prefetch_used += 1
+        self.clock = clock
+        self.hits += len(keys)
+
+    def _use(self, key: Key, ent: _Entry) -> None:
+        self.entries.move_to_end(key)
+        ent.tick = self._tick()
+        if ent.prefetched:
+            ent.prefetched = False
+            self.prefetch_used += 1
 
     def admit(self, layer: int, expert: int) -> tuple[int, Key | None]:
         """A fill for this layer: a free slot, else the least recently used unlocked entry's.
@@ -141,7 +160,10 @@ class SlotLRU:
         while len(slots) < n and self.free:
             slots.append(self.free.pop())
         if len(slots) < n:
-            for key in [k for k in self.entries if k not in self.locked][:n - len(slots)]:
+            # Only as far into the LRU order as needed: a full list of the unlocked entries cost ~0.4 ms
+            # per call at 2,202 slots, on the host between two one-graph steps.
+            oldest = islice((k for k in self.entries if k not in self.locked), n - len(slots))
+            for key in list(oldest):  # listed first: eviction changes the dict
                 slots.append(self._evict(key))
                 evicted.append(key)
         return slots, evicted

@@ -153,25 +153,31 @@ class ZeroCopyDecode:
         counts = np.bincount(flat[ids.ravel() >= 0], minlength=L * E).reshape(L, E)  # tokens per (layer, expert)
         active = counts > 0
         hit = active & (self.mirror.numpy() != self.host_offsets)  # entries that pointed to a slot
-        hits_per_layer, active_per_layer = hit.sum(1), active.sum(1)
-        for layer in np.flatnonzero(active_per_layer).tolist():
-            lru.lookup(layer, np.flatnonzero(hit[layer]).tolist())  # refresh recency
-            if self.window is not None:
+        hit_layers, hit_experts = np.nonzero(hit)  # layer-major: the order the replay used them in
+        lru.refresh(list(zip(hit_layers.tolist(), hit_experts.tolist())))
+        if self.window is not None:
+            hits_per_layer, active_per_layer = hit.sum(1), active.sum(1)
+            for layer in np.flatnonzero(active_per_layer).tolist():
                 self.window.append((int(hits_per_layer[layer]), int(active_per_layer[layer])))
         n_missed = int((active & ~hit).sum())
         lru.misses += n_missed
         self.zero_copy_experts += n_missed
-        mirror = self.mirror.numpy()
-        for layer, pair in zip(*np.nonzero(claims >= 0)):
-            offset = int(claims[layer, pair])
-            key = (int(layer), int(ids[layer, pair]))
-            if key in lru:  # two tokens missed the same expert: one copy is kept, the other slot stays listed
-                continue
+        layers, pairs = np.nonzero(claims >= 0)  # pairs that filled a slot, layer-major
+        experts = ids[layers, pairs]
+        # Two tokens that missed the same expert each filled a slot: the first copy is kept, the other
+        # slot stays listed.
+        _, first = np.unique(layers * E + experts, return_index=True)
+        first.sort()  # admitted in the order the replay filled them
+        layers, experts, offsets = layers[first], experts[first], claims[layers[first], pairs[first]]
+        mirror, kept = self.mirror.numpy(), set()
+        for layer, e, offset in zip(layers.tolist(), experts.tolist(), offsets.tolist()):
             slot = offset // self.slot_numel
-            lru.admit_into(*key, slot)
-            mirror[key] = offset
-            self.spare_slots.remove(slot)
-            self.fills += 1
+            lru.admit_into(layer, e, slot)
+            mirror[layer, e] = offset
+            kept.add(slot)
+        if kept:
+            self.spare_slots = [s for s in self.spare_slots if s not in kept]
+        self.fills += len(kept)
         lru.unlock()
         outside = int(counts[active & ~hit].sum())  # pairs read from the store
         self._wanted = min(self.max_spares, math.ceil(1.25 * outside) + 4)

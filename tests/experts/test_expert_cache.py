@@ -71,6 +71,31 @@ def test_prefetch_takes_only_free_or_stale_slots_and_counts_use_and_waste():
     assert lru.prefetches == 2
 
 
+def test_refresh_counts_hits_in_the_order_given_and_locks_nothing():
+    """The one-graph step reports a whole step's hits at once (zero_copy._account)."""
+    lru = SlotLRU(4)
+    step(lru, 0, [1, 2, 3])
+    assert lru.admit_prefetch(1, 5, stale_before=0, protect=set()) == 3
+    lru.refresh([(1, 5), (0, 1)])
+    assert lru.order() == [(0, 2), (0, 3), (1, 5), (0, 1)]
+    assert lru.entries[(0, 1)].tick == lru.clock and lru.entries[(1, 5)].tick == lru.clock - 1
+    assert (lru.hits, lru.prefetch_used, lru.locked) == (2, 1, set())
+    with pytest.raises(KeyError):
+        lru.refresh([(2, 2)])  # not cached: the caller's table and the LRU disagree
+
+
+def test_taking_slots_evicts_the_least_recently_used_unlocked_entries():
+    lru = SlotLRU(4)
+    step(lru, 0, [0, 1, 2, 3])
+    lru.lookup(0, [0])  # (0,0) is locked and most recent now
+    slots, evicted = lru.take_slots(2)
+    assert evicted == [(0, 1), (0, 2)] and slots == [1, 2]
+    assert lru.take_slots(5) == ([3], [(0, 3)])  # only the locked entry is left
+    lru.unlock()
+    lru.give_back(slots)
+    assert sorted(lru.free) == [1, 2] and lru.order() == [(0, 0)]
+
+
 def test_warm_placement_fills_free_slots_only():
     lru = SlotLRU(2)
     assert [lru.place(0, e) for e in range(3)] == [0, 1, None]
