@@ -64,26 +64,26 @@ class SlotLRU:
 
     def lookup(self, layer: int, experts: list[int]) -> tuple[list[int], list[int], list[int]]:
         """Hits refresh recency and are locked for this layer → (hit experts, their slots, misses)."""
-        hits, slots, misses = [], [], []
+        hits, slots, misses, keys = [], [], [], []
         for e in experts:
-            key = (layer, e)
-            ent = self.entries.get(key)
+            ent = self.entries.get((layer, e))
             if ent is None:
                 misses.append(e)
                 continue
-            self._use(key, ent)
-            self.locked.add(key)
             hits.append(e)
             slots.append(ent.slot)
-        self.hits += len(hits)
+            keys.append((layer, e))
+        self.refresh(keys)
+        self.locked.update(keys)
         self.misses += len(misses)
         return hits, slots, misses
 
     def refresh(self, keys: list[Key]) -> None:
-        """Hits that already happened, in the order they were used (the one-graph step reports a whole
-        step's at once): recency refreshed and counted, nothing locked. Every key must be cached."""
+        """Hits in the order they were used: recency refreshed and counted, nothing locked. The
+        one-graph step reports a whole step's hits at once (~400 at bs=1 on Qwen3-30B-A3B); every key
+        must be cached."""
         entries, clock = self.entries, self.clock
-        for key in keys:  # _use, inlined: ~400 keys a step at bs=1 on Qwen3-30B-A3B
+        for key in keys:
             ent = entries[key]
             entries.move_to_end(key)
             clock += 1
@@ -93,13 +93,6 @@ class SlotLRU:
                 self.prefetch_used += 1
         self.clock = clock
         self.hits += len(keys)
-
-    def _use(self, key: Key, ent: _Entry) -> None:
-        self.entries.move_to_end(key)
-        ent.tick = self._tick()
-        if ent.prefetched:
-            ent.prefetched = False
-            self.prefetch_used += 1
 
     def admit(self, layer: int, expert: int) -> tuple[int, Key | None]:
         """A fill for this layer: a free slot, else the least recently used unlocked entry's.
@@ -160,8 +153,8 @@ class SlotLRU:
         while len(slots) < n and self.free:
             slots.append(self.free.pop())
         if len(slots) < n:
-            # Only as far into the LRU order as needed: a full list of the unlocked entries cost ~0.4 ms
-            # per call at 2,202 slots, on the host between two one-graph steps.
+            # Only as far into the LRU order as needed: listing every unlocked entry took ~0.4 ms a call
+            # at 2,202 slots (development machine, cProfile), between two one-graph steps.
             oldest = islice((k for k in self.entries if k not in self.locked), n - len(slots))
             for key in list(oldest):  # listed first: eviction changes the dict
                 slots.append(self._evict(key))
