@@ -6,7 +6,7 @@ for the next step. The GPU waits for it at every step, so it is timed on its own
 
 Qwen3-30B-A3B's routing shape (48 layers, 128 experts, top-8, one sequence) over a tiny expert size
 (the host work does not depend on it). The replay is stood in for by its two logs: each layer routes
-mostly within 40 "popular" experts of its own (about 0.9 hits at 2,202 slots), and each pair read
+mostly within 40 "popular" experts of its own (about 0.95 hits at 2,202 slots), and each pair read
 from the store claims the next listed free slot, as the graph's claim kernel would. Prints the median
 and 90th percentile of `before_step` over the steps after the first 10.
 """

@@ -178,7 +178,6 @@ class ZeroCopyDecode:
         if kept:
             self.spare_slots = [s for s in self.spare_slots if s not in kept]
         self.fills += len(kept)
-        lru.unlock()
         outside = int(counts[active & ~hit].sum())  # pairs read from the store
         self._wanted = min(self.max_spares, math.ceil(1.25 * outside) + 4)
 
