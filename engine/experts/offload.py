@@ -161,7 +161,9 @@ class OffloadedExperts(ExpertExecutor):
             return torch.zeros_like(x) if out is None else out.zero_()
         t_start = time.perf_counter()
         if self.zero_copy is not None:
-            self.zero_copy.stale = True  # this path admits and evicts behind the device table
+            # This path admits and evicts behind the device table: a graph step's log still pending is
+            # read first, against the LRU it was recorded with (its hits may be evicted here).
+            self.zero_copy.leave()
         lru = self.cache.lru if self.cache is not None else None
         if layer == self._first_layer:  # a new forward pass begins
             self._prev_sweep_start, self._sweep_start = self._sweep_start, (lru.clock if lru else 0)

@@ -145,3 +145,35 @@ def test_mode_chooser_times_both_forms_interleaved_then_keeps_the_faster():
     assert ch.choice[1] == "pieces"
     ch.discard()
     assert ch.started(1, "pieces", now + 5.0) is None  # a capture in between is not a step
+
+
+def test_an_eager_layer_after_a_graph_step_reads_its_log_first():
+    """A prefill or an eager step right after a graph replay changes the LRU (fills evict) while the
+    replay's log is still unread: the log must be read first, or its hits may name evicted experts
+    (KeyError at the next replay, seen on the H200 in a bench's second round)."""
+    from engine.experts.offload import OffloadedExperts
+
+    gate_up, down = _model()
+    store = ExpertStore.from_layers(gate_up, down, dtype=torch.float32, pin=DEVICE == "cuda")
+    # on-demand: every eager miss is filled, so eager layers evict; the device table is attached by hand
+    # (OffloadedExperts opens one only for adaptive on CUDA)
+    ex = OffloadedExperts("on-demand", store, device=torch.device(DEVICE), n_slots=12, max_decode_tokens=4)
+    zc = ex.zero_copy = ZeroCopyDecode(store, ex.cache, torch.device(DEVICE), max_tokens=4)
+    g = torch.Generator().manual_seed(3)
+    for step in range(6):
+        zc.before_step()
+        for layer in range(L):  # a graph step: the same two experts each layer, which then hit
+            ids = torch.tensor([[0, 1], [1, 0]])
+            x, w = torch.randn(2, H, generator=g), torch.full((2, K), 0.5)
+            zc.run(layer, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))
+        zc.after_step(2)
+        for layer in range(L):  # eager layers on other experts: their fills evict the graph's hits
+            ids = torch.tensor([[2 + step % 4, 3], [4, 5]])
+            x, w = torch.randn(2, H, generator=g), torch.full((2, K), 0.5)
+            out = ex.run(layer, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))
+            ref = moe_experts(x.double(), ids, w.double(), gate_up[layer].double(), down[layer].double())
+            torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-4)
+    zc.before_step()
+    _check_slots(zc, ex.cache)
+    _check_table(zc, ex.cache, store)
+    assert ex.cache.lru.hits > 0 and zc.telemetry()["graph_steps"] == 6
