@@ -113,8 +113,10 @@
 #                                    #   (L16), 300 and 737 slots
 #   bash benchmarks/h200/run.sh BK   # adaptive pieces (L16, 737 slots) with OMP_WAIT_POLICY unset and ACTIVE, alternated
 #                                    #   twice (the second pair ACTIVE first)
-#   bash benchmarks/h200/run.sh BL   # (not yet run) expert kernel at 4–8 tokens: the avx512 table's fp32 FMA tiles against
+#   bash benchmarks/h200/run.sh BL   # expert kernel at 4–8 tokens: the avx512 table's fp32 FMA tiles against
 #                                    #   the avx512bf16 table's VDPBF16PS tiles, 1 and 15 threads, alternated twice
+#   bash benchmarks/h200/run.sh BM   # the GPU side of a cut layer launched before the CPU wait: CUDA tests; L16 pieces
+#                                    #   alternated with .ab-before/ (the files before, untracked) twice; BI's bench
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -687,6 +689,19 @@ if [ "$phase" = BL ]; then
         python3 benchmarks/h200/profile_roof.py "$out/profile-roof-$isa-$round.json" 2>&1 | tee -a "$log"
     done
   done
+fi
+if [ "$phase" = BM ]; then
+  step tests: offloaded experts, zero-copy decode and decode graphs on CUDA
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/models/test_decode_graph.py tests/experts/test_zero_copy.py \
+    tests/experts/test_expert_executor.py >> "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  for round in 1 2; do
+    profile_pieces early-$round
+    ab_swap; profile_pieces before-$round; ab_restore
+  done
+  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
+    --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = AL ]; then
   kv_tests

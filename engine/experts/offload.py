@@ -150,12 +150,14 @@ class OffloadedExperts(ExpertExecutor):
         return ids if predicted is None else torch.cat([ids, predicted.to(ids.dtype)])
 
     def run(self, layer, x, ids, weights, routed: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            cpu_buf: torch.Tensor | None = None):
+            cpu_buf: torch.Tensor | None = None, between=None):
         """routed: `lookahead(layer, x, ids)` when the caller computed it already (graph pieces); out:
         a buffer (N, H) to write the result into (a piece's fixed input) instead of a new tensor.
         cpu_buf (N, H) fp32: the host half only — the layer's slot map goes to the device and the CPU
-        set's sum (or zeros) into cpu_buf; `gpu_side` computes the rest, in the next graph piece.
-        Returns None then."""
+        set's sum (or zeros) into cpu_buf; `gpu_side` computes the rest on the device. Returns None
+        then. between: called once the map is published and before the CPU set is waited for (the
+        caller launches the captured `gpu_side` there, so the device computes the cached experts while
+        the CPU computes its set)."""
         N, k = ids.shape
         if N == 0:
             return torch.zeros_like(x) if out is None else out.zero_()
@@ -215,6 +217,8 @@ class OffloadedExperts(ExpertExecutor):
         gpu_experts = hits + plan.fill
         if cpu_buf is not None:  # the next graph piece reads the map
             self._publish_map(gpu_experts, hit_slots + fill_slots, stream)
+            if between is not None:
+                between()
             result = None
         else:
             result = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts],
@@ -281,14 +285,15 @@ class OffloadedExperts(ExpertExecutor):
         """Whether a graph piece can hold this layer's GPU side (`gpu_side`): a few tokens on CUDA."""
         return self.device.type == "cuda" and moe_decode_gpu.available(x)
 
-    def gpu_side(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cpu_buf: torch.Tensor):
-        """The device half of a decode layer whose host half ran as `run(..., cpu_buf=)`: the experts
-        the published map puts in slots, plus the CPU set's sum. Device work only (captured)."""
-        if self.cache is None:  # cpu-only: everything came from the CPU
-            return cpu_buf.to(x.dtype)
+    def gpu_side(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        """The device half of a decode layer whose host half runs as `run(..., cpu_buf=)`: the experts
+        the published map puts in slots → (N, H) in x's dtype, to which the caller adds the CPU set's
+        sum; None without cache slots (cpu-only: the CPU computes everything). Device work only
+        (captured)."""
+        if self.cache is None:
+            return None
         slot_ids = self._map_dev[ids]  # (N, k) slot, or the sentinel (skipped) for CPU pairs
-        return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down) + \
-            cpu_buf.to(x.dtype)
+        return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down)
 
     def _publish_map(self, experts: list[int], slots: list[int], stream=None) -> None:
         """This layer's expert → slot map on the device (the sentinel for the rest), and the compute

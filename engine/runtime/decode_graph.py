@@ -14,9 +14,10 @@ Offloaded experts also decide on the host, per layer (LRU lookup, fills, a CPU s
 is captured in pieces: one graph from each MoE layer's routing to the next (attention, norms, router,
 residuals), cut where the layer hands its tokens to the experts. A replay runs the pieces in order and,
 at each cut, the executor's host half on the captured inputs (x, ids, weights at fixed addresses): it
-places the experts, publishes the layer's slot map and writes the CPU set's sum into a fixed buffer;
-the next piece begins with the GPU side over the slots (up to 8 tokens; larger batches run the
-executor whole between pieces, writing a fixed output buffer).
+places the experts, publishes the layer's slot map, launches the layer's GPU side over the slots (a
+small graph of its own, so the device computes the cached experts while the CPU computes its set)
+and writes the CPU set's sum into a fixed buffer, which the next piece adds (up to 8 tokens; larger
+batches run the executor whole between pieces, writing a fixed output buffer).
 
 Offloaded experts with a device table (`adaptive` on a GPU, engine/experts/zero_copy.py) can also
 run the whole step as one graph: each layer's kernel finds its experts in cache slots or reads them
@@ -76,14 +77,16 @@ class _Piece:
     weights: torch.Tensor | None = None  # (B, k)
     routed: torch.Tensor | None = None  # (B or 2B, k) routing and the next layer's prediction (lookahead)
     out: torch.Tensor | None = None  # (B, H) the experts' sum, written by the host, read by the next piece
-    cpu_buf: torch.Tensor | None = None  # (B, H) fp32 instead: the CPU set's sum; the next piece runs the GPU side
+    cpu_buf: torch.Tensor | None = None  # (B, H) fp32 instead: the CPU set's sum, which the next piece adds
+    gpu_graph: torch.cuda.CUDAGraph | None = None  # the layer's GPU side over the slots, replayed by the host
+    # half once the slot map is published, while the CPU set runs (its sum is read by the next piece)
 
 
 class _Cut(ExpertExecutor):
     """Stands in for offloaded experts while a step is captured: ends the piece that routed this
-    layer (and predicted the next one's routing) and starts the next piece, which begins with the
-    layer's GPU side over the slots plus a fixed buffer for the CPU set's sum (a few tokens), or reads
-    a fixed buffer the host fills with the whole experts' sum."""
+    layer (and predicted the next one's routing), captures the layer's GPU side over the slots as a
+    graph of its own, and starts the next piece, which adds a fixed buffer for the CPU set's sum (a
+    few tokens); or the next piece reads a fixed buffer the host fills with the whole experts' sum."""
 
     policy = "capture-cut"
 
@@ -113,7 +116,7 @@ class _Cut(ExpertExecutor):
 
     def run(self, layer, x, ids, weights):
         routed = self.experts.lookahead(layer, x, ids)  # captured: the prediction costs no launch later
-        device_side = self.experts.device_side_ok(x)  # the GPU side goes into the next piece
+        device_side = self.experts.device_side_ok(x)  # the GPU side is captured here, not run by the host
         self.end(layer=layer, x=x, ids=ids, weights=weights, routed=routed)
         with torch.cuda.stream(self.home):  # outside any capture, owned by the replaying stream
             # the host writes it between replays
@@ -123,7 +126,14 @@ class _Cut(ExpertExecutor):
             self.pieces[-1].out = buf
             return buf
         self.pieces[-1].cpu_buf = buf
-        return self.experts.gpu_side(x, ids, weights, buf)
+        on_slots = self.experts.gpu_side(x, ids, weights)  # (B, H) or None (cpu-only)
+        if on_slots is None:
+            return buf.to(x.dtype)
+        gpu_graph, self.graph = self.graph, None
+        gpu_graph.capture_end()
+        self.pieces[-1].gpu_graph = gpu_graph  # its own graph: the host half replays it before its CPU wait
+        self.begin()
+        return on_slots + buf.to(x.dtype)
 
     def telemetry(self) -> dict:
         return {}
@@ -190,7 +200,8 @@ class DecodeGraphs:
             piece.graph.replay()
             if piece.layer is not None:  # the host places and runs this layer's experts, eagerly
                 self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed, out=piece.out,
-                                 cpu_buf=piece.cpu_buf)
+                                 cpu_buf=piece.cpu_buf,
+                                 between=piece.gpu_graph.replay if piece.gpu_graph is not None else None)
         if self.zero_copy is not None and form == "graph":
             self.zero_copy.after_step(B)
         self.replays += 1

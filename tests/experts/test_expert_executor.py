@@ -326,8 +326,9 @@ def test_native_cpu_sets_run_on_the_native_worker_and_equal_resident(policy):
 @pytest.mark.parametrize("policy", OFFLOAD_POLICIES)
 def test_host_half_then_gpu_side_equals_the_whole_run(model, policy):
     """Graph pieces split a decode layer: `run(..., cpu_buf=)` places the experts, publishes the slot
-    map and leaves the CPU set's sum in cpu_buf; `gpu_side` (captured in the next piece) adds the
-    slots' part. Together they equal resident execution, with fills, evictions and CPU sets (4 slots)."""
+    map, calls `between` (where the captured `gpu_side` is launched, before the CPU set is waited for)
+    and leaves the CPU set's sum in cpu_buf. The slots' part computed in `between` plus cpu_buf equals
+    resident execution, with fills, evictions and CPU sets (4 slots)."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # gpu_side's kernels: compiled, or interpreted
     gate_up, down, routers = model
@@ -339,8 +340,11 @@ def test_host_half_then_gpu_side_equals_the_whole_run(model, policy):
             w, ids = softmax_topk(x @ routers[layer].T, K, True)
             xd, idsd, wd = x.to(device), ids.to(device), w.to(device)
             cpu_buf = torch.full((3, H), float("nan"), device=device)
-            assert ex.run(layer, xd, idsd, wd, cpu_buf=cpu_buf) is None
-            out = ex.gpu_side(xd, idsd, wd, cpu_buf)
+            on_slots = []
+            assert ex.run(layer, xd, idsd, wd, cpu_buf=cpu_buf,
+                          between=lambda: on_slots.append(ex.gpu_side(xd, idsd, wd))) is None
+            assert len(on_slots) == 1 and (on_slots[0] is None) == (policy == "cpu-only")
+            out = cpu_buf.to(xd.dtype) if on_slots[0] is None else on_slots[0] + cpu_buf.to(xd.dtype)
             torch.testing.assert_close(out.cpu(), moe_experts(x, ids, w, gate_up[layer], down[layer]),
                                        atol=2e-5, rtol=1e-5)
             x = x + 0.3 * torch.randn(3, H, generator=g)
