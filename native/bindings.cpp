@@ -123,6 +123,28 @@ void moe_submit_py(MoeWorker& worker, uintptr_t x, int x_dtype, int64_t n_rows, 
                 threads);
 }
 
+// A layer's CPU set from its routing (routed_set.h): grouped here in C++ into the worker's own
+// buffers, then started on the worker. rows (E, 5): the layer's table rows of every expert; chosen:
+// the experts the CPU computes; ids (n_rows, top_k) the routing; route_weights: the address of its
+// weights, (n_rows, top_k) contiguous, in route_dtype.
+void moe_submit_routed_py(MoeWorker& worker, uintptr_t x, int x_dtype, int64_t n_rows, int64_t hidden, int64_t inter,
+                          int64_t x_stride, int w_dtype, const py::array_t<int64_t, py::array::c_style>& rows,
+                          const py::array_t<int64_t, py::array::c_style>& chosen,
+                          const py::array_t<int64_t, py::array::c_style>& ids, uintptr_t route_weights,
+                          int route_dtype, uintptr_t out, int64_t out_stride, int threads) {
+  require(rows.ndim() == 2 && rows.shape(1) == 5, "rows must be an int64 table (E, 5)");
+  require(chosen.ndim() == 1, "chosen must be 1-D");
+  require(ids.ndim() == 2 && ids.shape(0) == n_rows, "ids must be (n_rows, top_k)");
+  // before the buffers are touched: a pending set may still be reading them
+  if (worker.pending()) throw std::logic_error("the previous CPU set has not been collected (wait)");
+  const MoeProblem p = build_routed_set(
+      reinterpret_cast<const void*>(x), dtype_of(x_dtype), n_rows, hidden, inter, x_stride, dtype_of(w_dtype),
+      reinterpret_cast<const MoeExpert*>(rows.data()), rows.shape(0), chosen.data(), chosen.shape(0), ids.data(),
+      ids.shape(1), reinterpret_cast<const void*>(route_weights), dtype_of(route_dtype),
+      reinterpret_cast<float*>(out), out_stride, worker.routed_buffers());
+  worker.submit(p, threads);
+}
+
 // The file of the OpenMP runtime this module's calls bind to ("" if unknown or without OpenMP). The
 // dynamic linker binds them to the first runtime in the global scope, which is torch's (it loads its
 // libgomp RTLD_GLOBAL) even when the module was linked against another copy under another name.
@@ -177,6 +199,12 @@ PYBIND11_MODULE(_native, m) {
            py::arg("inter"), py::arg("x_stride"), py::arg("w_dtype"), py::arg("experts").noconvert(),
            py::arg("tokens").noconvert(), py::arg("weights").noconvert(), py::arg("out"), py::arg("out_stride"),
            py::arg("threads"), "Start moe_ffn's arguments on the worker (the previous set must be collected).")
+      .def("submit_routed", &moe_submit_routed_py, py::arg("x"), py::arg("x_dtype"), py::arg("n_rows"),
+           py::arg("hidden"), py::arg("inter"), py::arg("x_stride"), py::arg("w_dtype"), py::arg("rows").noconvert(),
+           py::arg("chosen").noconvert(), py::arg("ids").noconvert(), py::arg("route_weights"),
+           py::arg("route_dtype"), py::arg("out"), py::arg("out_stride"), py::arg("threads"),
+           "Build a layer's CPU set from its routing (the chosen experts' pairs, grouped as moe_ffn takes "
+           "them) in the worker's buffers and start it.")
       .def("wait", [](MoeWorker& w) {
         py::gil_scoped_release release;
         return w.wait();

@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "common.h"
+#include "routed_set.h"
 
 namespace tandem {
 
@@ -66,6 +67,10 @@ class MoeWorker {
     return state_ != State::idle;
   }
 
+  // Where a set built from the layer's routing lives (routed_set.h): the caller fills it only while
+  // nothing is pending, and the worker reads it until the set is collected.
+  RoutedSetBuffers& routed_buffers() { return routed_; }
+
  private:
   using Clock = std::chrono::steady_clock;
   enum class State { idle, queued, running, done };
@@ -107,6 +112,7 @@ class MoeWorker {
   Clock::time_point submitted_;
   double queue_s_ = 0, compute_s_ = 0;
   std::string error_;
+  RoutedSetBuffers routed_;
   std::thread thread_;  // last: starts once every member above is constructed
 };
 

@@ -117,6 +117,10 @@
 #                                    #   the avx512bf16 table's VDPBF16PS tiles, 1 and 15 threads, alternated twice
 #   bash benchmarks/h200/run.sh BM   # the GPU side of a cut layer launched before the CPU wait: CUDA tests; L16 pieces
 #                                    #   alternated with .ab-before/ (the files before, untracked) twice; BI's bench
+#   bash benchmarks/h200/run.sh BN   # after BM: L16 pieces with its cProfile texts; bench experts 32K bs 1 and 4 (AZ's)
+#   bash benchmarks/h200/run.sh BO   # CPU sets grouped in C++ from the routing: tests; L16 pieces alternated with
+#                                    #   .ab-before/ (offload.py as at 5cf02a8, untracked) twice; BI's bench
+#   bash benchmarks/h200/run.sh BP   # BI's bench again, after the chooser's margin for the one graph
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -702,6 +706,28 @@ if [ "$phase" = BM ]; then
   done
   bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
     --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = BO ]; then
+  step tests: offloaded experts, decode graphs on CUDA, CPU expert kernels
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/models/test_decode_graph.py tests/experts/test_expert_executor.py \
+    tests/kernels/test_experts_cpu.py >> "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  for round in 1 2; do
+    profile_pieces routed-$round
+    ab_swap; profile_pieces before-$round; ab_restore
+  done
+  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
+    --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = BP ]; then
+  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
+    --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = BN ]; then
+  profile_pieces diag
+  cp /tmp/profile-diag/profile-adaptive-bs*.txt "$out/"
+  bench_experts 32k-shared --batch-sizes 1,4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = AL ]; then
   kv_tests

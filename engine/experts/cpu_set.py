@@ -1,8 +1,10 @@
 """A layer's CPU set: its operands, the kernel that computes it, and the thread that runs it.
 
-The driving thread prepares the set: with the native extension straight from the store's block
-addresses (`native_cpu_set`: a table built by a few numpy calls, no tensor view per expert), else
-from per-expert views (`cpu_set_inputs`, then `prepare` from `default_cpu_moe` or `per_expert_moe`).
+The driving thread prepares the set: at decode sizes as the layer's routing, which the extension
+groups in C++ on its way to the native worker (`routed_cpu_set`); else with the native extension
+straight from the store's block addresses (`native_cpu_set`: a table built by a few numpy calls, no
+tensor view per expert); else from per-expert views (`cpu_set_inputs`, then `prepare` from
+`default_cpu_moe` or `per_expert_moe`).
 `CpuSetRunner` runs it beside the driving thread: a set that is one native call goes to the native
 worker thread (no Python there, so no GIL changes hands: phases AR–AW in benchmarks/RESULTS.md),
 anything else to a Python worker thread.
@@ -89,6 +91,20 @@ def native_cpu_set(store: ExpertStore, layer: int, experts: list[int], ids_h: np
     table[:, 4] = np.bincount(flat[pairs], minlength=store.n_experts)[chosen]  # pairs per expert
     weights = np.ascontiguousarray(w_h.reshape(-1).float().numpy()[pairs])  # (pairs,) fp32
     return experts_cpu.prepare_moe_table(x_h, table, pairs // k, weights, store.expert_ffn, store.dtype, out=out)
+
+
+def routed_cpu_set(store: ExpertStore, layer: int, experts: list[int], ids_h: np.ndarray, w_h: torch.Tensor,
+                   x_h: torch.Tensor, out: torch.Tensor):
+    """The CPU set handed to the native worker as the layer's routing: the extension groups the pairs
+    in C++, so the driving thread does no numpy work before the set starts → experts_cpu.RoutedMoe, or
+    None where that path does not take it (then `native_cpu_set`). Same result, bit for bit."""
+    try:
+        from engine.kernels import experts_cpu
+    except ImportError:
+        return None
+    return experts_cpu.prepare_routed(x_h, store.moe_rows(layer), np.asarray(experts, dtype=np.int64),
+                                      np.ascontiguousarray(ids_h, dtype=np.int64), w_h, store.expert_ffn,
+                                      store.dtype, out=out)
 
 
 class CpuSetRunner:

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from engine.experts.cache import ExpertCache
-from engine.experts.cpu_set import CpuSetRunner, cpu_set_inputs, default_cpu_moe, native_cpu_set, per_expert_moe
+from engine.experts.cpu_set import (CpuSetRunner, cpu_set_inputs, default_cpu_moe, native_cpu_set, per_expert_moe,
+                                    routed_cpu_set)
 from engine.experts.executor import ExpertExecutor
 from engine.experts.planner import MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
@@ -205,8 +206,9 @@ class OffloadedExperts(ExpertExecutor):
             buf = self._result_buffer(x_h.shape)
             prepared = None
             if self.cpu_ffn is None:  # the default kernel: one native call built from the store's addresses
-                prepared = native_cpu_set(self.store, layer, plan.cpu, ids_h, w_h, x_h,
-                                          buf if buf is not None else torch.empty(x_h.shape, dtype=torch.float32))
+                buf = buf if buf is not None else torch.empty(x_h.shape, dtype=torch.float32)
+                prepared = routed_cpu_set(self.store, layer, plan.cpu, ids_h, w_h, x_h, buf) or \
+                    native_cpu_set(self.store, layer, plan.cpu, ids_h, w_h, x_h, buf)
             if prepared is None:
                 prepared = self.cpu_prepare(x_h, *cpu_set_inputs(self.store, layer, plan.cpu, ids_h, w_h), out=buf)
             self._cpu_runner.submit(prepared)

@@ -132,6 +132,11 @@ class ExpertStore:
         address, down address, their row strides in elements (H, I), and 0 pairs for the caller to
         fill. Read from a table of every expert made at the first call (the blocks never move), so a
         decode layer's CPU set costs one indexing here, not a tensor view per expert."""
+        return self.moe_rows(layer)[experts]
+
+    def moe_rows(self, layer: int) -> np.ndarray:
+        """The layer's rows of that table for every expert, (E, 5) int64, C-contiguous (a view: do not
+        write). Rows of experts the store does not serve are all zero."""
         if self._moe_rows is None:
             first = self.blocks.data_ptr() + np.maximum(self.block_of, 0) * self.block_bytes  # (L, E)
             rows = np.zeros(self.block_of.shape + (5,), dtype=np.int64)
@@ -141,7 +146,7 @@ class ExpertStore:
             rows[..., 3] = self.expert_ffn
             rows[self.block_of < 0] = 0  # layers without routed experts: no address at all
             self._moe_rows = rows
-        return self._moe_rows[layer, experts]
+        return self._moe_rows[layer]
 
     @property
     def block_bytes(self) -> int:

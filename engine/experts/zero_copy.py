@@ -45,6 +45,13 @@ from engine.kernels.cuda_streams import indexed
 PROBE_STEPS = 6  # steps timed per form before choosing (the first after a switch is not timed)
 REPROBE_EVERY = 256  # steps after which the form not in use is timed again
 SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for the next step's misses
+# Pieces must probe this much faster to be chosen over the one graph. The probe runs while the cache
+# warms, which flatters pieces: the graph reads every miss over the link, pieces split misses with the
+# CPU, so the graph gains most as hits rise. On the H200 (2K, bs=1, 48 layers, phase BO) a probe of
+# 22.1 ms for pieces against 24.1 for the graph chose pieces, which then decoded at 18.8 ms a step
+# while the graph ran 12.2 in the other rounds. Where pieces is far faster (bs=4: 65–72 against
+# 128–135 ms) the margin changes nothing.
+GRAPH_MARGIN = 1.15
 
 
 class ZeroCopyDecode:
@@ -224,8 +231,8 @@ class _Done:
 
 class ModeChooser:
     """Per batch size, which step form to run: time PROBE_STEPS steps of each, the two interleaved so
-    that both see the cache as it warms, keep the faster by median step time, and time both again
-    every REPROBE_EVERY steps."""
+    that both see the cache as it warms, keep the faster by median step time (pieces by more than
+    GRAPH_MARGIN), and time both again every REPROBE_EVERY steps."""
 
     FORMS = ("graph", "pieces")
 
@@ -249,7 +256,7 @@ class ModeChooser:
         for f in self.FORMS:
             self.measured[(B, f)] = round(1e3 * medians[f], 3)
             self.samples[(B, f)].clear()
-        self.choice[B] = min(self.FORMS, key=medians.get)
+        self.choice[B] = "pieces" if medians["pieces"] * GRAPH_MARGIN < medians["graph"] else "graph"
         self.since_choice[B] = 0
         return self.choice[B]
 

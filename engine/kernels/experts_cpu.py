@@ -206,6 +206,33 @@ def prepare_moe_table(x: torch.Tensor, table: np.ndarray, tokens: np.ndarray, we
     return PreparedMoe(out, args, [], x, None, [], [], w_dtype)
 
 
+def prepare_routed(x: torch.Tensor, rows: np.ndarray, chosen: np.ndarray, ids: np.ndarray, route_weights: torch.Tensor,
+                   inter: int, w_dtype: torch.dtype, *, out: torch.Tensor,
+                   threads: int | None = None) -> "RoutedMoe | None":
+    """A decode layer's CPU set for the native worker, given as the layer's routing: rows (E, 5) int64,
+    the table rows of every expert of the layer (addresses, strides); chosen (J,) int64, the experts
+    the CPU computes; ids (N, k) int64 and route_weights (N, k) the routing. The worker's module groups
+    the pairs in C++ (native/routed_set.h) instead of numpy here; the result equals prepare_moe_table's
+    bit for bit. None where that path does not take the set (no extension or worker, shapes it does
+    not cover, more tokens than native_max_tokens): then use prepare_moe_table."""
+    nat = native.module()
+    if (nat is None or not hasattr(nat, "MoeWorker") or not hasattr(nat.MoeWorker, "submit_routed")
+            or x.dim() != 2 or not x.is_cpu or x.dtype not in _DTYPES or x.stride(1) != 1
+            or w_dtype not in _DTYPES or route_weights.dtype not in _DTYPES or not route_weights.is_cpu):
+        return None
+    N, H = x.shape
+    if H % 16 or inter % 16 or N > _native_max_tokens or not len(chosen) or ids.shape[0] != N:
+        return None  # an expert has at most N pairs (top-k choices are distinct): N bounds its tokens
+    if out.shape != (N, H) or out.dtype != torch.float32 or not out.is_cpu or out.stride(1) != 1:
+        raise KernelInputError(f"out must be a CPU float32 tensor of shape {(N, H)} with unit stride per row")
+    route_weights = route_weights.contiguous()  # (N, k), read through its address
+    code = native.DTYPE_CODES
+    args = (x.data_ptr(), code[x.dtype], N, H, inter, x.stride(0), code[w_dtype], rows, chosen, ids,
+            route_weights.data_ptr(), code[route_weights.dtype], out.data_ptr(), out.stride(0),
+            threads or native.threads())
+    return RoutedMoe(out, args, x, route_weights)
+
+
 class PreparedMoe:
     """One MoE layer's CPU set, checked and built (prepare_moe, prepare_moe_table); calling it computes
     the set on the calling thread and returns `out` (N, H) fp32. `one_native_call`: the whole set is
@@ -237,6 +264,20 @@ class PreparedMoe:
             self.out.index_add_(0, idx, y * torch.from_numpy(self._weights[j]).unsqueeze(1))
 
 
+class RoutedMoe:
+    """A CPU set given as the layer's routing (prepare_routed): one native call that only the native
+    worker runs (`MoeWorker.submit` hands it over with `submit_routed`)."""
+
+    one_native_call = True
+
+    def __init__(self, out, routed_args, x, route_weights):
+        self.out, self.routed_args = out, routed_args
+        self._keep = (x, route_weights)  # read through their addresses until the worker is done
+
+    def __call__(self) -> torch.Tensor:
+        raise RuntimeError("a routed CPU set runs on the native worker (MoeWorker.submit)")
+
+
 class MoeWorker:
     """The native worker thread (native/moe_worker.h): runs a PreparedMoe that is one native call with
     no Python on its thread, so handing it over and collecting it moves no GIL. `create()` is None
@@ -250,10 +291,13 @@ class MoeWorker:
         nat = native.module()
         return cls(nat.MoeWorker()) if nat is not None and hasattr(nat, "MoeWorker") else None
 
-    def submit(self, prepared: PreparedMoe) -> None:
+    def submit(self, prepared: "PreparedMoe | RoutedMoe") -> None:
         if not prepared.one_native_call:
             raise ValueError("the native worker runs sets that are one native call (PreparedMoe.one_native_call)")
-        self._worker.submit(*prepared.native_args)
+        if isinstance(prepared, RoutedMoe):
+            self._worker.submit_routed(*prepared.routed_args)
+        else:
+            self._worker.submit(*prepared.native_args)
         self._job = prepared  # keeps x, the table and the pair arrays alive while the worker reads them
 
     def wait(self) -> tuple[torch.Tensor, float, float]:

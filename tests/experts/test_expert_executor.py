@@ -3,6 +3,7 @@
 Runs in simulated mode (the "GPU" is the CPU) here and on the GPU where CUDA exists.
 """
 
+import math
 import time
 
 import numpy as np
@@ -360,3 +361,72 @@ def test_stats_say_why_the_whole_step_graph_is_off(model):
     if torch.cuda.is_available():
         tel = make("adaptive", model, 4, "cuda").telemetry()["zero_copy"]
         assert tel["graph_steps"] == 0 and tel["zero_copy_experts"] == 0
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_routed_cpu_set_equals_the_numpy_built_one_bit_for_bit(w_dtype):
+    """A decode layer's CPU set handed over as the routing (`routed_cpu_set`: grouped in C++ by the
+    extension) computes exactly what the table built with numpy (`native_cpu_set`) computes, for any
+    routing, any subset of its experts and routing weights in every dtype."""
+    from engine.experts.cpu_set import native_cpu_set, routed_cpu_set
+    from engine.kernels import experts_cpu, native
+
+    if native.module() is None:
+        pytest.skip("needs the native extension")
+    Lb, Eb, Hb, Ib, Kb = 2, 16, 64, 32, 4
+    seed = int(torch.randint(0, 2**31, ()))
+    g, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    store = ExpertStore.empty(Lb, [0, 1], Eb, Hb, Ib, torch.bfloat16)
+    store.blocks.normal_(generator=g)
+    worker = experts_cpu.MoeWorker.create()
+    for N in (1, 3, 4, 8):
+        for layer in range(Lb):
+            ids = np.stack([rng.choice(Eb, Kb, replace=False) for _ in range(N)]).astype(np.int64)  # (N, K)
+            active = np.unique(ids)
+            chosen = rng.permutation(active)[:max(1, len(active) // 2)].tolist()  # any order
+            w = torch.softmax(torch.randn(N, Kb, generator=g), -1).to(w_dtype)
+            x = torch.randn(N, Hb, generator=g).bfloat16()
+            want = native_cpu_set(store, layer, chosen, ids, w, x, torch.full((N, Hb), math.nan))
+            routed = routed_cpu_set(store, layer, chosen, ids, w, x, torch.full((N, Hb), math.nan))
+            assert routed is not None and routed.one_native_call
+            for prepared in (want, routed):
+                worker.submit(prepared)
+                worker.wait()
+            assert torch.equal(routed.out, want.out)
+    worker.close()
+
+
+def test_routed_cpu_set_refuses_what_it_cannot_index():
+    """Experts out of range, twice, or not in the store, and routing ids out of range are refused
+    with clear errors before anything runs, and the worker stays usable; more tokens than the native
+    kernel takes leaves the set to the other paths (None)."""
+    from engine.experts.cpu_set import routed_cpu_set
+    from engine.kernels import experts_cpu, native
+
+    if native.module() is None:
+        pytest.skip("needs the native extension")
+    Eb, Hb, Ib = 8, 64, 32
+    store = ExpertStore.empty(3, [0, 2], Eb, Hb, Ib, torch.bfloat16)  # layer 1 has no routed experts
+    store.blocks.normal_()
+    worker = experts_cpu.MoeWorker.create()
+    ids = np.array([[0, 1], [2, 1]], dtype=np.int64)
+    x, w = torch.randn(2, Hb).bfloat16(), torch.full((2, 2), 0.5)
+
+    def submit(layer, chosen, ids):
+        worker.submit(routed_cpu_set(store, layer, chosen, ids, w, x, torch.empty(2, Hb)))
+
+    for layer, chosen, bad_ids, match in ((0, [8], ids, "chosen expert is out of range"),
+                                          (0, [1, 1], ids, "distinct"),
+                                          (1, [1], ids, "no weights in the store"),
+                                          (0, [1], np.array([[0, 9], [2, 1]]), "routed expert id is out of range")):
+        with pytest.raises(ValueError, match=match):
+            submit(layer, chosen, bad_ids)
+    submit(2, [2], ids)
+    with pytest.raises(RuntimeError, match="not been collected"):
+        submit(2, [2], ids)
+    out, _, _ = worker.wait()
+    assert out[0].eq(0).all() and out[1].abs().sum() > 0  # only token 1 chose expert 2
+    many = experts_cpu.native_max_tokens() + 1
+    assert routed_cpu_set(store, 0, [0], np.zeros((many, 2), dtype=np.int64), torch.ones(many, 2),
+                          torch.randn(many, Hb).bfloat16(), torch.empty(many, Hb)) is None
+    worker.close()

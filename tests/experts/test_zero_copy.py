@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from engine.experts.cache import ExpertCache  # noqa: E402
 from engine.experts.store import ExpertStore  # noqa: E402
-from engine.experts.zero_copy import PROBE_STEPS, REPROBE_EVERY, ModeChooser, ZeroCopyDecode  # noqa: E402
+from engine.experts.zero_copy import GRAPH_MARGIN, PROBE_STEPS, REPROBE_EVERY, ModeChooser, ZeroCopyDecode  # noqa: E402
 from engine.kernels.experts_torch import moe_experts  # noqa: E402
 
 L, E, H, I, K = 3, 6, 24, 16, 2
@@ -145,6 +145,20 @@ def test_mode_chooser_times_both_forms_interleaved_then_keeps_the_faster():
     assert ch.choice[1] == "pieces"
     ch.discard()
     assert ch.started(1, "pieces", now + 5.0) is None  # a capture in between is not a step
+
+
+@pytest.mark.parametrize("pieces_ms, chosen", [(9.0, "graph"), (8.0, "pieces")])
+def test_mode_chooser_keeps_the_graph_unless_pieces_wins_by_the_margin(pieces_ms, chosen):
+    """The probe runs on a warming cache, which flatters pieces: pieces must be more than GRAPH_MARGIN
+    faster to be chosen (10 ms against 9 keeps the graph, against 8 takes pieces)."""
+    assert 10.0 / 9.0 < GRAPH_MARGIN < 10.0 / 8.0
+    ch, now = ModeChooser(), 0.0
+    cost = {"graph": 0.010, "pieces": pieces_ms / 1e3}
+    for _ in range(2 * PROBE_STEPS + 3):
+        form = ch.form(1)
+        ch.started(1, form, now)
+        now += cost[form]
+    assert ch.choice[1] == chosen
 
 
 def test_an_eager_layer_after_a_graph_step_reads_its_log_first():
