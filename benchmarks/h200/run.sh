@@ -530,6 +530,22 @@ ab_swap() {  # put the tree of files under .ab-before/ in place; the files repla
 ab_restore() {
   (cd /tmp/ab-saved && find . -type f) | while read -r f; do cp "/tmp/ab-saved/$f" "$f"; done
 }
+ab_pieces() {  # $1: the change's name; L16 pieces with the change, then with .ab-before/, twice
+  for round in 1 2; do
+    profile_pieces "$1-$round"
+    ab_swap; profile_pieces before-$round; ab_restore
+  done
+}
+experts_cuda_tests() {  # $@: test files run whole after the CUDA-marked tests of tests/experts
+  step tests: offloaded experts on CUDA, then "$@"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider "$@" >> "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+}
+bench_2k_rounds() {  # bench experts 2K, bs 1 and 4, the policies taking turns three times (phase AX's command)
+  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
+    --policies on-demand,cpu-only,adaptive
+}
 if [ "$phase" = AS ]; then
   step tests: offloaded experts, hybrid KV, decode graphs on CUDA
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts tests/kv/test_kv_inplace.py \
@@ -544,21 +560,14 @@ if [ "$phase" = AT ]; then
   step tests: offloaded experts on CUDA
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
   tail -2 "$out/pytest.log" | tee -a "$log"
-  for round in 1 2; do
-    profile_pieces final-$round
-    ab_swap; profile_pieces before-$round; ab_restore
-  done
+  ab_pieces final
 fi
 if [ "$phase" = AU ]; then
-  for round in 1 2; do
-    profile_pieces prepared-$round
-    ab_swap; profile_pieces before-$round; ab_restore
-  done
+  ab_pieces prepared
   bench_experts 2k-shared-bs4 --batch-sizes 4 --contexts 2048 --shared-prefill --policies on-demand,adaptive
 fi
 if [ "$phase" = AV ]; then  # not yet run
-  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
-    --policies on-demand,cpu-only,adaptive
+  bench_2k_rounds
 fi
 if [ "$phase" = AW ]; then
   step host topology
@@ -572,28 +581,13 @@ if [ "$phase" = AW ]; then
   done
 fi
 if [ "$phase" = AX ]; then
-  step tests: offloaded experts on CUDA, native expert kernels
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_experts_cpu.py tests/experts/test_expert_executor.py \
-    tests/experts/test_expert_store.py >> "$out/pytest.log" 2>&1
-  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
-  for round in 1 2; do
-    profile_pieces worker-$round
-    ab_swap; profile_pieces before-$round; ab_restore
-  done
-  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
-    --policies on-demand,cpu-only,adaptive
+  experts_cuda_tests tests/kernels/test_experts_cpu.py tests/experts/test_expert_executor.py tests/experts/test_expert_store.py
+  ab_pieces worker
+  bench_2k_rounds
 fi
 if [ "$phase" = AY ]; then
-  step tests: offloaded experts and decode graphs on CUDA
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/models/test_decode_graph.py tests/experts/test_expert_executor.py \
-    >> "$out/pytest.log" 2>&1
-  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
-  for round in 1 2; do
-    profile_pieces deferred-$round
-    ab_swap; profile_pieces before-$round; ab_restore
-  done
+  experts_cuda_tests tests/models/test_decode_graph.py tests/experts/test_expert_executor.py
+  ab_pieces deferred
   bench_experts 2k-shared-bs4-rounds --batch-sizes 4 --contexts 2048 --shared-prefill --rounds 3 \
     --policies on-demand,cpu-only,adaptive
 fi
@@ -672,8 +666,7 @@ if [ "$phase" = BH ]; then
   bench_experts 32k-shared --batch-sizes 1,4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = BI ]; then
-  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
-    --policies on-demand,cpu-only,adaptive
+  bench_2k_rounds
 fi
 if [ "$phase" = BJ ]; then
   for slots in 300 737; do profile_form $slots graph-cpu; profile_form $slots pieces; done
@@ -695,34 +688,17 @@ if [ "$phase" = BL ]; then
   done
 fi
 if [ "$phase" = BM ]; then
-  step tests: offloaded experts, zero-copy decode and decode graphs on CUDA
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/models/test_decode_graph.py tests/experts/test_zero_copy.py \
-    tests/experts/test_expert_executor.py >> "$out/pytest.log" 2>&1
-  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
-  for round in 1 2; do
-    profile_pieces early-$round
-    ab_swap; profile_pieces before-$round; ab_restore
-  done
-  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
-    --policies on-demand,cpu-only,adaptive
+  experts_cuda_tests tests/models/test_decode_graph.py tests/experts/test_zero_copy.py tests/experts/test_expert_executor.py
+  ab_pieces early
+  bench_2k_rounds
 fi
 if [ "$phase" = BO ]; then
-  step tests: offloaded experts, decode graphs on CUDA, CPU expert kernels
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts > "$out/pytest.log" 2>&1
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/models/test_decode_graph.py tests/experts/test_expert_executor.py \
-    tests/kernels/test_experts_cpu.py >> "$out/pytest.log" 2>&1
-  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
-  for round in 1 2; do
-    profile_pieces routed-$round
-    ab_swap; profile_pieces before-$round; ab_restore
-  done
-  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
-    --policies on-demand,cpu-only,adaptive
+  experts_cuda_tests tests/models/test_decode_graph.py tests/experts/test_expert_executor.py tests/kernels/test_experts_cpu.py
+  ab_pieces routed
+  bench_2k_rounds
 fi
 if [ "$phase" = BP ]; then
-  bench_experts 2k-shared-rounds --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 3 \
-    --policies on-demand,cpu-only,adaptive
+  bench_2k_rounds
 fi
 if [ "$phase" = BN ]; then
   profile_pieces diag
