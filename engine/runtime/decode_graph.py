@@ -32,6 +32,7 @@ algorithms), then is captured and replayed: K, V of that step are written twice 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +166,8 @@ class DecodeGraphs:
         self.pool = None  # resident experts: one pool for every batch size (one graph each)
         self.failed: str | None = None  # set when a capture failed: every later step runs eagerly
         self.replays = 0
+        self.launch_s = 0.0  # host seconds in the step's replay calls (the pieces' launches; the layers'
+        # GPU-side graphs are launched inside the executor's host half and timed there)
         self.cut = isinstance(experts, OffloadedExperts)
         self._moe = [layer.mlp for layer in model.model.layers if getattr(layer.mlp, "experts", None) is experts] \
             if self.cut else []
@@ -197,7 +200,9 @@ class DecodeGraphs:
             else:
                 self.zero_copy.leave()
         for piece in pieces:
+            t0 = time.perf_counter()
             piece.graph.replay()
+            self.launch_s += time.perf_counter() - t0
             if piece.layer is not None:  # the host places and runs this layer's experts, eagerly
                 self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed, out=piece.out,
                                  cpu_buf=piece.cpu_buf,
@@ -264,6 +269,7 @@ class DecodeGraphs:
     def telemetry(self) -> dict:
         pieces = {B: len(p) for (B, form), (p, _) in self.steps.items() if form == "pieces"}
         return {"captured_batches": sorted({B for B, _ in self.steps}), "replays": self.replays,
+                "launch_host_s": round(self.launch_s, 4),
                 "failed": self.failed, **({"pieces_per_step": pieces} if self.cut else {}),
                 **(self.chooser.telemetry() if self.chooser is not None else {})}
 

@@ -82,6 +82,7 @@ def test_graph_decode_equals_eager_decode(family, tmp_path):
     got = [_batch(graphed), graphed.generate_ids(PROMPT, 12)]
     tel = graphed.info()["cuda_graphs"]
     assert tel["failed"] is None and tel["captured_batches"] == [1, 2] and tel["replays"] >= 2 * 10
+    assert tel["launch_host_s"] > 0  # the replays' host time is measured
     assert got == expected
     graphed.close()
 
@@ -150,6 +151,7 @@ def test_offloaded_experts_replay_in_pieces(policy, slots, tmp_path):
     tel = graphed.info()["cuda_graphs"]
     n_layers = graphed.backend.parts.args.n_layers
     assert tel["failed"] is None and tel["captured_batches"] == [1, 2] and tel["replays"] >= 2 * 10
+    assert tel["launch_host_s"] > 0  # the replays' host time is measured
     assert tel["pieces_per_step"] == {1: n_layers + 1, 2: n_layers + 1}
     experts = graphed.stats().experts
     assert experts["hits"] + experts["misses"] > 0
