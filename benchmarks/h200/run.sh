@@ -121,6 +121,8 @@
 #   bash benchmarks/h200/run.sh BO   # CPU sets grouped in C++ from the routing: tests; L16 pieces alternated with
 #                                    #   .ab-before/ (offload.py as at 5cf02a8, untracked) twice; BI's bench
 #   bash benchmarks/h200/run.sh BP   # BI's bench again, after the chooser's margin for the one graph
+#   bash benchmarks/h200/run.sh BQ   # (not yet run) where pieces lose at bs=1 with a thrashing cache (32K-like): L16 at
+#                                    #   300 slots, pieces and graph forced, bs=1 cProfile texts; bench experts 32K bs=1
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -699,6 +701,13 @@ if [ "$phase" = BO ]; then
 fi
 if [ "$phase" = BP ]; then
   bench_2k_rounds
+fi
+if [ "$phase" = BQ ]; then
+  for form in pieces graph; do
+    profile_form 300 $form
+    cp "/tmp/profile-300-$form/profile-adaptive-bs1.txt" "$out/profile-300-$form-bs1.txt"
+  done
+  bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = BN ]; then
   profile_pieces diag
