@@ -24,6 +24,8 @@ struct RoutedSetBuffers {
   std::vector<int64_t> tokens;   // (pairs,) token row of each pair, grouped by expert
   std::vector<float> weights;    // (pairs,) routing weight of each pair, fp32
   std::vector<int64_t> index_of; // (E,) position of an expert among the chosen, or -1
+  std::vector<int64_t> order;    // (J,) the chosen experts, ascending
+  std::vector<int64_t> next;     // (J,) where each expert's next pair goes
 };
 
 // rows: (n_experts, 5) the layer's table rows for every expert (addresses, strides; pairs ignored);
@@ -43,7 +45,8 @@ inline MoeProblem build_routed_set(const void* x, DType x_dtype, int64_t n_rows,
   require(x_stride >= hidden && out_stride >= hidden, "row strides must cover a row");
   require(x && out && rows && chosen && ids && route_w, "null pointer");
   buf.index_of.assign(size_t(n_experts), -1);
-  std::vector<int64_t> order(chosen, chosen + n_chosen);
+  std::vector<int64_t>& order = buf.order;  // every buffer is reused: no allocation once sizes settle
+  order.assign(chosen, chosen + n_chosen);
   std::sort(order.begin(), order.end());
   buf.table.resize(size_t(n_chosen));
   for (int64_t j = 0; j < n_chosen; ++j) {
@@ -63,7 +66,8 @@ inline MoeProblem build_routed_set(const void* x, DType x_dtype, int64_t n_rows,
     const int64_t j = buf.index_of[size_t(ids[p])];
     if (j >= 0) ++buf.table[size_t(j)].n_pairs;
   }
-  std::vector<int64_t> next(size_t(n_chosen), 0);  // write position of each expert's next pair
+  std::vector<int64_t>& next = buf.next;
+  next.assign(size_t(n_chosen), 0);
   int64_t total = 0;
   for (int64_t j = 0; j < n_chosen; ++j) {
     next[size_t(j)] = total;
