@@ -198,6 +198,12 @@ def compute_failure(e: Exception, device: torch.device) -> TandemError:
         return ComputeError(f"the GPU reported an error while generating ({detail})",
                             "the reply was stopped and your chat is kept; try again. If it happens again, "
                             "restart Tandem (a GPU fault can leave the device unusable) and check the driver")
+    if isinstance(e, (LookupError, AssertionError, AttributeError, TypeError, NameError)):
+        # Tandem's own bookkeeping, not a kernel: switching kernels would not help (the H200 bench met a
+        # KeyError from the expert cache's accounting, phase BI, and was told to try TANDEM_NATIVE=0)
+        return ComputeError(f"an internal error stopped the reply ({detail})",
+                            "the reply was stopped and your chat is kept; try again. If it happens again, "
+                            "restart Tandem and report the log (it holds the traceback)")
     return ComputeError(f"a compute kernel failed while generating ({detail})",
                         "the reply was stopped and your chat is kept; try again. If it happens again, restart "
                         "Tandem with TANDEM_NATIVE=0 (the torch kernels) and report the log")

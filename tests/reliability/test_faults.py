@@ -141,6 +141,7 @@ def _fail_on_call(monkeypatch, module, name: str, n: int, error: Exception) -> d
     ("cpu", "attend_blocks", RuntimeError("injected CPU kernel fault"), ("compute kernel failed", "injected")),
     ("gpu", "attend_dense", RuntimeError("CUDA error: an illegal memory access was encountered"),
      ("GPU reported an error", "illegal memory access")),
+    ("cpu", "attend_blocks", KeyError((3, 12)), ("internal error", "KeyError: (3, 12)")),
 ])
 def test_compute_failure_mid_decode(folder, monkeypatch, side, name, error, words):
     """A kernel raises in the middle of a decode step: the reply ends with a ComputeError (or an
@@ -159,6 +160,7 @@ def test_compute_failure_mid_decode(folder, monkeypatch, side, name, error, word
     assert calls["n"] == 10
     assert_explained(e.value, *words)
     assert "try again" in e.value.remedy
+    assert ("TANDEM_NATIVE=0" in e.value.remedy) == ("compute kernel failed" in words)  # kernels only
     monkeypatch.undo()
     assert engine.generate_ids(PROMPT, 40) == before
     assert engine.generate_ids(PROMPT, 40, greedy=True) == before  # the failed session's KV was dropped
