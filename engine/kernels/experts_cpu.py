@@ -272,7 +272,8 @@ class RoutedMoe:
 
     def __init__(self, out, routed_args, x, route_weights):
         self.out, self.routed_args = out, routed_args
-        self._keep = (x, route_weights)  # read through their addresses until the worker is done
+        # read through their addresses: x until the worker is done, the weights until the submit copies them
+        self._keep = (x, route_weights)
 
     def __call__(self) -> torch.Tensor:
         raise RuntimeError("a routed CPU set runs on the native worker (MoeWorker.submit)")

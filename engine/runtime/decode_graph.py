@@ -194,11 +194,8 @@ class DecodeGraphs:
         if self.chooser is not None:
             self.chooser.started(B, form)
         pieces, logits = entry
-        if self.zero_copy is not None:
-            if form == "graph":
-                self.zero_copy.before_step()
-            else:
-                self.zero_copy.leave()
+        if self.zero_copy is not None and form == "graph":
+            self.zero_copy.before_step()  # (a pieces step's host halves settle the table themselves: leave)
         for piece in pieces:
             t0 = time.perf_counter()
             piece.graph.replay()
