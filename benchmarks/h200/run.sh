@@ -121,8 +121,15 @@
 #   bash benchmarks/h200/run.sh BO   # CPU sets grouped in C++ from the routing: tests; L16 pieces alternated with
 #                                    #   .ab-before/ (offload.py as at 5cf02a8, untracked) twice; BI's bench
 #   bash benchmarks/h200/run.sh BP   # BI's bench again, after the chooser's margin for the one graph
-#   bash benchmarks/h200/run.sh BQ   # (not yet run) where pieces lose at bs=1 with a thrashing cache (32K-like): L16 at
+#   bash benchmarks/h200/run.sh BQ   # where pieces lose at bs=1 with a thrashing cache (32K-like): L16 at
 #                                    #   300 slots, pieces and graph forced, bs=1 cProfile texts; bench experts 32K bs=1
+#   bash benchmarks/h200/run.sh BR   # next-layer prefetch inside the one graph: CUDA tests; L16 737 slots graph forced,
+#                                    #   alternated with .ab-before/ twice; 300 slots; bench experts 32K bs=1
+#   bash benchmarks/h200/run.sh BS   # prefetch depth 1, 2, 4 per token, forked after the layer's experts: L16 graph
+#                                    #   forced at 737 slots alternated with .ab-before/ twice; 300 slots depth 2 and before
+#   bash benchmarks/h200/run.sh BT   # 48 layers, bs=1: 2K rounds with prefetch depth 2, then with .ab-before/; 32K depth 2
+#   bash benchmarks/h200/run.sh BU   # the same 2K and 32K bs=1 runs with every predicted expert prefetched (depth 8)
+#   bash benchmarks/h200/run.sh BV   # BU again after the copy kernel became a fixed grid of 4 programs per SM; depth 4 too
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -701,6 +708,50 @@ if [ "$phase" = BO ]; then
 fi
 if [ "$phase" = BP ]; then
   bench_2k_rounds
+fi
+prefetch_depth() {  # $1: PREFETCH_PER_TOKEN for the runs that follow (edits zero_copy.py in this copy only)
+  sed -i "s/^PREFETCH_PER_TOKEN = .*/PREFETCH_PER_TOKEN = $1/" engine/experts/zero_copy.py
+}
+if [ "$phase" = BV ]; then
+  for depth in 8 4; do
+    prefetch_depth $depth
+    bench_experts 2k-bs1-depth$depth --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
+  done
+  prefetch_depth 8
+  bench_experts 32k-bs1-depth8 --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,adaptive
+fi
+if [ "$phase" = BU ]; then
+  prefetch_depth 8
+  bench_experts 2k-bs1-depth8 --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
+  bench_experts 32k-bs1-depth8 --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,adaptive
+fi
+if [ "$phase" = BT ]; then
+  prefetch_depth 2
+  bench_experts 2k-bs1-depth2 --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
+  ab_swap; bench_experts 2k-bs1-before --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
+  ab_restore
+  bench_experts 32k-bs1-depth2 --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,adaptive
+fi
+if [ "$phase" = BS ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/experts/test_zero_copy.py tests/models/test_decode_graph.py \
+    > "$out/pytest.log" 2>&1; tail -1 "$out/pytest.log" | tee -a "$log"
+  for round in 1 2; do
+    for depth in 1 2 4; do prefetch_depth $depth; profile_form 737 graph depth$depth-$round; done
+    ab_swap; profile_form 737 graph before-$round; ab_restore
+  done
+  prefetch_depth 2; profile_form 300 graph depth2
+  ab_swap; profile_form 300 graph before; ab_restore
+  tar czf "$out/profiles.tgz" -C "$out" $(cd "$out" && ls profile-offload-*.json) && rm "$out"/profile-offload-*.json
+fi
+if [ "$phase" = BR ]; then
+  experts_cuda_tests tests/experts/test_zero_copy.py tests/models/test_decode_graph.py tests/kernels/test_moe_decode_gpu.py
+  for round in 1 2; do
+    profile_form 737 graph prefetch-$round
+    ab_swap; profile_form 737 graph before-$round; ab_restore
+  done
+  profile_form 300 graph prefetch
+  bench_experts 32k-bs1-shared --batch-sizes 1 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
+  tar czf "$out/profiles.tgz" -C "$out" $(cd "$out" && ls profile-offload-*.json) && rm "$out"/profile-offload-*.json
 fi
 if [ "$phase" = BQ ]; then
   for form in pieces graph; do
