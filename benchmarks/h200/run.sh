@@ -123,6 +123,7 @@
 #   bash benchmarks/h200/run.sh BP   # BI's bench again, after the chooser's margin for the one graph
 #   bash benchmarks/h200/run.sh BQ   # where pieces lose at bs=1 with a thrashing cache (32K-like): L16 at
 #                                    #   300 slots, pieces and graph forced, bs=1 cProfile texts; bench experts 32K bs=1
+#   BR–BV ran at commit e118384 (in-graph prefetch, reverted after them: RESULTS.md); they need its files.
 #   bash benchmarks/h200/run.sh BR   # next-layer prefetch inside the one graph: CUDA tests; L16 737 slots graph forced,
 #                                    #   alternated with .ab-before/ twice; 300 slots; bench experts 32K bs=1
 #   bash benchmarks/h200/run.sh BS   # prefetch depth 1, 2, 4 per token, forked after the layer's experts: L16 graph
@@ -709,7 +710,7 @@ fi
 if [ "$phase" = BP ]; then
   bench_2k_rounds
 fi
-prefetch_depth() {  # $1: PREFETCH_PER_TOKEN for the runs that follow (edits zero_copy.py in this copy only)
+prefetch_depth() {  # $1: PREFETCH_PER_TOKEN for the runs that follow (edits zero_copy.py in this copy only; e118384)
   sed -i "s/^PREFETCH_PER_TOKEN = .*/PREFETCH_PER_TOKEN = $1/" engine/experts/zero_copy.py
 }
 if [ "$phase" = BV ]; then

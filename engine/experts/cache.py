@@ -161,17 +161,13 @@ class SlotLRU:
                 evicted.append(key)
         return slots, evicted
 
-    def admit_into(self, layer: int, expert: int, slot: int, prefetched: bool = False) -> None:
-        """A fill (or a prefetch) that landed in a slot the caller took with `take_slots`: a new, most
-        recent entry."""
+    def admit_into(self, layer: int, expert: int, slot: int) -> None:
+        """A fill that landed in a slot the caller took with `take_slots`: a new, most recent entry."""
         key = (layer, expert)
         if key in self.entries:
             raise KeyError(f"expert {key} is cached already")
-        self.entries[key] = _Entry(slot, self._tick(), prefetched=prefetched)
-        if prefetched:
-            self.prefetches += 1
-        else:
-            self.fills += 1
+        self.entries[key] = _Entry(slot, self._tick())
+        self.fills += 1
 
     def give_back(self, slots: list[int]) -> None:
         self.free.extend(slots)

@@ -127,8 +127,6 @@ class OffloadedExperts(ExpertExecutor):
 
     def attach_predictor(self, predictor: GateLookahead) -> None:
         self.predictor = predictor
-        if self.zero_copy is not None:
-            self.zero_copy.attach_predictor(predictor)
 
     def warm(self, keys: list[tuple[int, int]], source: str) -> int:
         """Place (layer, expert) pairs into free slots at load (hot table / static placement)."""
@@ -381,7 +379,7 @@ class OffloadedExperts(ExpertExecutor):
         t0, b0 = self._rate_mark
         h2d = self.h2d_bytes  # copies into slots, plus the whole-step graph's fills and in-place PCIe reads
         if self.zero_copy is not None:
-            h2d += self.zero_copy.link_blocks * self.store.block_bytes  # in-place reads (which fill) and prefetches
+            h2d += self.zero_copy.link_blocks * self.store.block_bytes  # in-place reads; their fills add none
         self._rate_mark = (now, h2d)
         c = lambda name: getattr(lru, name) if lru is not None else 0  # noqa: E731
         return {

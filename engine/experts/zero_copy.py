@@ -22,12 +22,6 @@ is one graph; the cache follows one step behind, on the host, between replays:
    to the store at once.
 4. The changed table and list go to the device on the compute stream, ahead of the next replay.
 
-With a predictor attached, each MoE layer also starts the next layer's prefetch on a side stream of
-the graph (engine/kernels/prefetch_gpu.py): the predicted experts still in the store claim free slots
-from the same list, their entries point there at once, and the GPU copies them while this layer
-computes; the next layer joins the side stream before it reads its entries. Its log tells the host
-which slots to admit (as prefetches: used or wasted, like the pieces form's).
-
 No replay reads a listed slot (no entry points to it) and no slot is listed while an entry points to
 it, so a slot is never written while read. A step run the other way (pieces, eager prefill) changes
 the LRU behind the table's back; the table is then rebuilt from the LRU before the next graph replay.
@@ -38,7 +32,6 @@ the planner's CPU split) measured faster, and re-measures the other now and then
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import defaultdict
@@ -46,7 +39,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from engine.kernels import moe_decode_gpu, prefetch_gpu
+from engine.kernels import moe_decode_gpu
 from engine.kernels.cuda_streams import indexed
 
 PROBE_STEPS = 6  # steps timed per form before choosing (the first after a switch is not timed)
@@ -59,10 +52,6 @@ SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for th
 # while the graph ran 12.2 in the other rounds. Where pieces is far faster (bs=4: 65–72 against
 # 128–135 ms) the margin changes nothing.
 GRAPH_MARGIN = 1.15
-# Experts per token, likeliest first, that the one graph prefetches for the next layer. At bs=1 on the
-# H200 the link carries most of a step (L16, 737 slots: 7.5 of 12 ms); all k predicted experts doubled
-# as many blocks over it as they saved (phase BR), so only the likeliest are worth the link's time.
-PREFETCH_PER_TOKEN = 2
 
 
 class ZeroCopyDecode:
@@ -90,12 +79,6 @@ class ZeroCopyDecode:
         self.spare_list = self._host(torch.full((self.max_spares,), -1, dtype=torch.int64))
         self.spares = self.spare_list.to(self.device, copy=True)  # (S,) offsets of free slots, -1 past the end
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # free slots claimed this step
-        self.predictor = None  # GateLookahead: the next layer's experts, prefetched on a side stream
-        self.prefetch_log = self.prefetch_log_host = None  # (L, E) slot offset a prefetch filled, or -1
-        self._prefetch_buffers = None
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._joins: set[int] = set()  # layers whose prefetch runs on the side stream (while capturing)
-        self._held: dict[tuple[int, int], tuple] = {}  # (layer, B) → tensors a captured prefetch reads
         self.spare_slots: list[int] = []  # slots held out of the LRU for the next step's misses
         self._wanted = min(self.max_spares, 2 * L)  # list length before a step has been seen
         self.log = self.claims = self.log_host = self.claims_host = None  # made at the first run
@@ -103,64 +86,28 @@ class ZeroCopyDecode:
         self._logged_tokens = 0  # B of the logs awaiting their reading
         self.stale = True  # the LRU changed outside this path: rebuild the table before a replay
         self.zero_copy_experts = self.fills = self.steps = 0  # experts read over PCIe; kept in a slot
-        self.prefetches = 0  # experts a prefetch copied into a slot
-        self.link_blocks = 0  # expert blocks read over PCIe: one per pair read in place, one per prefetch
+        self.link_blocks = 0  # expert blocks read over PCIe: one per (token, choice) pair read in place
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if self.device.type == "cuda" else t
 
     # -- inside the graph -------------------------------------------------------------------------
-    def attach_predictor(self, predictor) -> None:
-        self.predictor = predictor
-
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Device work only (captured): log the routing, claim free slots for the pairs read from the
-        store, start the next layer's prefetch, compute every routed expert where the table says it
-        is. x (N, H), ids (N, k) → (N, H)."""
+        store, compute every routed expert where the table says it is. x (N, H), ids (N, k) → (N, H)."""
         N, k = ids.shape
         if self.log is None:  # the first call is a warm-up, outside any capture
-            self._allocate_logs(k)
-        if layer in self._joins:  # this layer's prefetch (started by the layer before) has landed
-            self._joins.discard(layer)
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            L = self.store.n_layers
+            self.log = torch.full((L, self.max_tokens * k), -1, dtype=torch.int64, device=self.device)  # (L, B·k)
+            self.claims = torch.full_like(self.log, -1)  # (L, B·k) offset of the slot each pair filled, or -1
+            self.log_host, self.claims_host = (self._host(torch.empty_like(t, device="cpu"))
+                                               for t in (self.log, self.claims))
         offsets = self.table[layer]  # (E,)
         spare = moe_decode_gpu.claim_free_slots(ids, offsets, self.spares, self.counter, self.pool_numel)  # (N·k,)
         self.log[layer, :N * k].copy_(ids.reshape(-1))
         self.claims[layer, :N * k].copy_(spare)
-        out = moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
-                                        offsets=offsets, spare=spare)
-        self._prefetch_next(layer, x)
-        return out
-
-    def _allocate_logs(self, k: int) -> None:
-        L, E = self.store.n_layers, self.store.n_experts
-        self.log = torch.full((L, self.max_tokens * k), -1, dtype=torch.int64, device=self.device)  # (L, B·k)
-        self.claims = torch.full_like(self.log, -1)  # (L, B·k) offset of the slot each pair filled, or -1
-        self.prefetch_log = torch.full((L, E), -1, dtype=torch.int64, device=self.device)  # rows of prefetched layers
-        self.log_host, self.claims_host, self.prefetch_log_host = (
-            self._host(torch.empty_like(t, device="cpu")) for t in (self.log, self.claims, self.prefetch_log))
-        self._prefetch_buffers = prefetch_gpu.PrefetchBuffers(min(self.max_tokens * k, E), self.device)
-
-    def _prefetch_next(self, layer: int, x: torch.Tensor) -> None:
-        """Predict the next MoE layer's experts from this layer's input and copy the uncached ones among
-        each token's PREFETCH_PER_TOKEN likeliest into free slots (a side stream on the GPU, in line on
-        the CPU). The side stream forks after this layer's experts: its claims follow theirs in the
-        counter's order, and its copies use the link while the next layer's attention leaves it idle."""
-        nxt = self.predictor.next_of.get(layer) if self.predictor is not None else None
-        if nxt is None or PREFETCH_PER_TOKEN <= 0:
-            return
-        cuda = self._side is not None
-        if cuda:
-            self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side) if cuda else contextlib.nullcontext():  # the simulated GPU: in line
-            predicted = self.predictor.propose(layer, x)[:, :PREFETCH_PER_TOKEN]  # (N, m) likeliest first
-            prefetch_gpu.prefetch(predicted, self.table[nxt], self.spares, self.counter, self.prefetch_log[nxt],
-                                  self.cache.pool, self._prefetch_buffers)
-        if cuda:
-            self._joins.add(nxt)
-            # The side stream reads x after the main stream has moved on: held here, x's memory is not
-            # handed to a later tensor of the same capture (nor its prediction's).
-            self._held[(layer, x.shape[0])] = (x, predicted)
+        return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
+                                         offsets=offsets, spare=spare)
 
     # -- between replays --------------------------------------------------------------------------
     def before_step(self, stream=None) -> None:
@@ -180,7 +127,6 @@ class ZeroCopyDecode:
         """Queue the logs' copy to the host behind the replay just launched."""
         self.log_host.copy_(self.log, non_blocking=True)
         self.claims_host.copy_(self.claims, non_blocking=True)
-        self.prefetch_log_host.copy_(self.prefetch_log, non_blocking=True)
         if self.device.type == "cuda":
             self._log_ready = torch.cuda.Event()
             self._log_ready.record()
@@ -203,23 +149,13 @@ class ZeroCopyDecode:
             self._log_ready = None
             n = self._logged_tokens
             k = self.log.shape[1] // self.max_tokens
-            self._account(self.log_host[:, :n * k].numpy().reshape(-1, n, k), self.claims_host[:, :n * k].numpy(),
-                          self.prefetch_log_host.numpy())
+            self._account(self.log_host[:, :n * k].numpy().reshape(-1, n, k), self.claims_host[:, :n * k].numpy())
 
-    def _account(self, log: np.ndarray, claims: np.ndarray, prefetched: np.ndarray) -> None:
-        """log (L, B, k), claims (L, B·k) and prefetched (L, E) of a finished replay: prefetched experts
-        admitted into their slots, LRU hits refreshed (a used prefetch is a hit), misses counted,
+    def _account(self, log: np.ndarray, claims: np.ndarray) -> None:
+        """log (L, B, k) and claims (L, B·k) of a finished replay: LRU hits refreshed, misses counted,
         missed experts admitted into the slots they filled."""
         lru, E = self.lru, self.store.n_experts
         L = log.shape[0]
-        mirror, kept = self.mirror.numpy(), set()
-        pf_layers, pf_experts = np.nonzero(prefetched >= 0)  # copied during the replay, ahead of their layer
-        for layer, e in zip(pf_layers.tolist(), pf_experts.tolist()):
-            offset = int(prefetched[layer, e])
-            lru.admit_into(layer, e, offset // self.slot_numel, prefetched=True)
-            mirror[layer, e] = offset
-            kept.add(offset // self.slot_numel)
-        self.prefetches += len(pf_layers)
         ids = log.reshape(L, -1)  # (L, B·k)
         flat = (np.arange(L)[:, None] * E + ids).ravel()
         counts = np.bincount(flat[ids.ravel() >= 0], minlength=L * E).reshape(L, E)  # tokens per (layer, expert)
@@ -241,6 +177,7 @@ class ZeroCopyDecode:
         _, first = np.unique(layers * E + experts, return_index=True)
         first.sort()  # admitted in the order the replay filled them
         layers, experts, offsets = layers[first], experts[first], claims[layers[first], pairs[first]]
+        mirror, kept = self.mirror.numpy(), set()
         for layer, e, offset in zip(layers.tolist(), experts.tolist(), offsets.tolist()):
             slot = offset // self.slot_numel
             lru.admit_into(layer, e, slot)
@@ -248,10 +185,10 @@ class ZeroCopyDecode:
             kept.add(slot)
         if kept:
             self.spare_slots = [s for s in self.spare_slots if s not in kept]
-        self.fills += len(kept) - len(pf_layers)
+        self.fills += len(kept)
         outside = int(counts[active & ~hit].sum())  # pairs read from the store
-        self.link_blocks += outside + len(pf_layers)
-        self._wanted = min(self.max_spares, math.ceil(1.25 * (outside + len(pf_layers))) + 4)
+        self.link_blocks += outside  # (a pair's fill writes what it read: nothing more crosses the link)
+        self._wanted = min(self.max_spares, math.ceil(1.25 * outside) + 4)
 
     def _list_spares(self) -> None:
         """Top the list of free slots up to about the last step's misses (evicting LRU entries, whose
@@ -281,8 +218,7 @@ class ZeroCopyDecode:
     def telemetry(self) -> dict:
         return {"graph_steps": self.steps, "zero_copy_experts": self.zero_copy_experts,
                 "link_bytes": self.link_blocks * self.store.block_bytes, "graph_fills": self.fills,
-                "graph_prefetches": self.prefetches, "free_slots_listed": len(self.spare_slots),
-                "prefetch": self.predictor is not None}
+                "free_slots_listed": len(self.spare_slots)}
 
 
 class _Done:
