@@ -3,6 +3,7 @@ reproduces its choices."""
 
 from collections import Counter
 
+import pytest
 import torch
 
 from engine.runtime.sampling import Sampler, SamplingParams
@@ -31,3 +32,31 @@ def test_a_seed_reproduces_the_draws():
     logits = torch.randn(151936, generator=torch.Generator().manual_seed(0))
     a, b = Sampler(SamplingParams(seed=7)), Sampler(SamplingParams(seed=7))
     assert [a(logits, []) for _ in range(20)] == [b(logits, []) for _ in range(20)]
+
+
+def test_top_p_keeps_the_nucleus_and_the_callers_logits_are_unchanged():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0])  # softmax ≈ .24 .09 .03 .01 .64
+    before = logits.clone()
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.8, top_k=4, repetition_penalty=1.3, seed=5))
+    drawn = {sampler(logits, [0, 4]) for _ in range(300)}
+    # penalised: 2 → 1.54, 3 → 2.31 (seen tokens 0 and 4); the 0.8 nucleus is then {4, 0, 1}
+    assert drawn == {0, 1, 4}
+    assert torch.equal(logits, before)
+
+
+def test_repetition_penalty_turns_greedy_away_from_a_seen_token():
+    logits = torch.tensor([1.0, 1.2, -0.5])
+    greedy = Sampler(SamplingParams(greedy=True, repetition_penalty=1.5))
+    assert greedy(logits, []) == 1 and greedy(logits, [1]) == 0  # 1.2 / 1.5 = 0.8 < 1.0
+    assert greedy.uses_history and not Sampler(SamplingParams()).uses_history
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_a_seed_draws_what_it_draws_on_the_cpu():
+    logits = torch.randn(151936, generator=torch.Generator().manual_seed(1))
+    params = dict(temperature=0.8, top_p=0.95, top_k=50, seed=11)
+    on_cpu = [Sampler(SamplingParams(**params))(logits, []) for _ in range(3)]
+    gpu = Sampler(SamplingParams(**params)), Sampler(SamplingParams(**params))
+    assert [gpu[0](logits.cuda(), []) for _ in range(3)] == [gpu[1](logits, []) for _ in range(3)]
+    assert on_cpu[0] == Sampler(SamplingParams(**params))(logits.cuda(), [])

@@ -131,6 +131,8 @@
 #   bash benchmarks/h200/run.sh BT   # 48 layers, bs=1: 2K rounds with prefetch depth 2, then with .ab-before/; 32K depth 2
 #   bash benchmarks/h200/run.sh BU   # the same 2K and 32K bs=1 runs with every predicted expert prefetched (depth 8)
 #   bash benchmarks/h200/run.sh BV   # BU again after the copy kernel became a fixed grid of 4 programs per SM; depth 4 too
+#   bash benchmarks/h200/run.sh BW   # sampling where the logits are: sampler tests; L16 737 slots graph forced, then
+#                                    #   with .ab-before/ (sampling on the host)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -713,6 +715,11 @@ fi
 prefetch_depth() {  # $1: PREFETCH_PER_TOKEN for the runs that follow (edits zero_copy.py in this copy only; e118384)
   sed -i "s/^PREFETCH_PER_TOKEN = .*/PREFETCH_PER_TOKEN = $1/" engine/experts/zero_copy.py
 }
+if [ "$phase" = BW ]; then
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py 2>&1 | tail -1 | tee "$out/pytest.log"
+  profile_form 737 graph gpu-sampling
+  ab_swap; profile_form 737 graph before; ab_restore
+fi
 if [ "$phase" = BV ]; then
   for depth in 8 4; do
     prefetch_depth $depth

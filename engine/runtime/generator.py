@@ -170,7 +170,8 @@ class Generator:
         return logits
 
     def _accept(self, r: SeqRun, logits: torch.Tensor) -> None:
-        token = r.sampler(logits, r.prompt + r.generated)
+        # the whole sequence only where it is read: a 32K prompt's list costs a copy every token
+        token = r.sampler(logits, r.prompt + r.generated if r.sampler.uses_history else [])
         r.generated.append(token)
         if r.stream is not None:
             delta = r.stream.add(token) if token not in r.eos else ""
