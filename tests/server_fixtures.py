@@ -5,6 +5,8 @@ tests/server and tests/app through tests/conftest.py."""
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
 import pytest
 
@@ -35,8 +37,10 @@ def llamacpp_server(tmp_path_factory):
 
     key, port = launch.new_api_key(), launch.free_port()
     log = tmp_path_factory.mktemp("llamacpp") / "llama-server.log"
-    argv = ["llama_cpp.server", "--model", str(smollm2_gguf()), "--host", "127.0.0.1", "--port", str(port),
+    argv = ["tests.llamacpp_server", "--model", str(smollm2_gguf()), "--host", "127.0.0.1", "--port", str(port),
             "--api_key", key, "--n_ctx", "2048", "--n_threads", "2", "--model_alias", "smollm2-135m"]
-    server = launch.start(argv, port, key, str(log))
+    root = str(Path(__file__).resolve().parents[1])  # `tests.llamacpp_server` from any working directory
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    server = launch.start(argv, port, key, str(log), env={"PYTHONPATH": path})
     yield server
     server.stop()

@@ -61,3 +61,20 @@ def test_auto_picks_llamacpp_only_for_plain_gguf_on_cpu():
     assert choose_backend(EngineConfig(model="/models/m.gguf", backend="tandem")) == "tandem"
     assert choose_backend(EngineConfig(model="builtin:smollm2-135m", device="cpu")) == "tandem"
     assert choose_backend(EngineConfig(model="/models/folder", device="cpu")) == "tandem"
+
+
+def test_the_amx_guard_turns_extra_buffers_off_only_inside_and_only_with_amx():
+    """llama.cpp's AMX repacking crashed decode on an AMX machine (segfault in llama_decode); the
+    backend loads models inside `amx_repack_off`, which restores llama-cpp-python afterwards."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from engine.backends.llamacpp import amx_repack_off
+    from engine.hw.probe import cpu_flags
+
+    low = llama_cpp.llama_cpp
+    before = low.llama_model_default_params
+    if not hasattr(before(), "use_extra_bufts"):
+        pytest.skip("this llama-cpp-python has no use_extra_bufts")
+    with amx_repack_off(llama_cpp):
+        inside = low.llama_model_default_params().use_extra_bufts
+    assert inside is ("amx_tile" not in cpu_flags())
+    assert low.llama_model_default_params is before and before().use_extra_bufts

@@ -9,6 +9,7 @@ switching chats prefills again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -38,6 +39,37 @@ def gguf_path_for(model: str) -> Path:
     return path
 
 
+_PARAMS_LOCK = threading.Lock()  # the guard below swaps a module attribute of llama-cpp-python
+
+
+@contextlib.contextmanager
+def amx_repack_off(llama_cpp):
+    """Models loaded inside this block skip llama.cpp's extra weight buffers (repacked layouts) on a
+    CPU with AMX. There, llama-cpp-python 0.3.36 repacks Q4_1 weights for AMX tiles at load and then
+    crashes the process in llama_decode (segmentation fault; the built-in SmolLM2 file, on a 2-core
+    Sapphire Rapids-class machine, 2026-11-30). Llama() has no parameter for it, so the defaults it
+    asks for are adjusted while the block runs. Elsewhere nothing changes: repacking is faster there."""
+    low = llama_cpp.llama_cpp
+    default = low.llama_model_default_params
+    from engine.hw.probe import cpu_flags
+
+    if "amx_tile" not in cpu_flags() or not hasattr(default(), "use_extra_bufts"):
+        yield
+        return
+
+    def without_extra_buffers():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    with _PARAMS_LOCK:
+        low.llama_model_default_params = without_extra_buffers
+        try:
+            yield
+        finally:
+            low.llama_model_default_params = default
+
+
 class LlamaCppBackend:
     name = "llamacpp"
 
@@ -58,8 +90,10 @@ class LlamaCppBackend:
         self.path = gguf_path_for(config.model)
         self.threads = config.cpu_threads or os.cpu_count() or 1
         try:
-            self.llm = llama_cpp.Llama(model_path=str(self.path), n_threads=self.threads, n_threads_batch=self.threads,
-                                       n_ctx=config.max_context or 4096, n_gpu_layers=0, verbose=False)
+            with amx_repack_off(llama_cpp):
+                self.llm = llama_cpp.Llama(model_path=str(self.path), n_threads=self.threads,
+                                           n_threads_batch=self.threads, n_ctx=config.max_context or 4096,
+                                           n_gpu_layers=0, verbose=False)
         except ValueError as e:
             raise ModelFileError(f"llama.cpp could not load {self.path} ({e})",
                                  "the file is truncated, corrupt or of an architecture llama.cpp lacks") from e

@@ -27,6 +27,11 @@ def mark_unavailable(section: dict, field: str, reason: str) -> None:
     section.setdefault("unavailable", {})[field] = reason
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it is not readable)."""
+    return set(_read_cpuinfo().get("flags", "").split())
+
+
 def _read_cpuinfo() -> dict[str, str]:
     """The first processor block of /proc/cpuinfo as key → value ({} where there is none)."""
     try:
