@@ -377,7 +377,7 @@ class OffloadedExperts(ExpertExecutor):
         lru = self.cache.lru if self.cache is not None else None
         now = time.perf_counter()
         t0, b0 = self._rate_mark
-        h2d = self.h2d_bytes  # copies into slots, plus the whole-step graph's fills and in-place PCIe reads
+        h2d = self.h2d_bytes  # copies into slots, plus the whole-step graph's in-place PCIe reads
         if self.zero_copy is not None:
             h2d += self.zero_copy.link_blocks * self.store.block_bytes  # in-place reads; their fills add none
         self._rate_mark = (now, h2d)
