@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import ConfigError, ContextOverflowError, ModelFileError
+from engine.hw.probe import cpu_flags
 from engine.models import builtin
 from engine.runtime.chat import eos_ids, load_tokenizer, render_chat
 from engine.runtime.requests import GenerationRequest, GenerationResult, prompt_ids_of
@@ -51,8 +52,6 @@ def amx_repack_off(llama_cpp):
     asks for are adjusted while the block runs. Elsewhere nothing changes: repacking is faster there."""
     low = llama_cpp.llama_cpp
     default = low.llama_model_default_params
-    from engine.hw.probe import cpu_flags
-
     if "amx_tile" not in cpu_flags() or not hasattr(default(), "use_extra_bufts"):
         yield
         return
