@@ -133,6 +133,20 @@
 #   bash benchmarks/h200/run.sh BV   # BU again after the copy kernel became a fixed grid of 4 programs per SM; depth 4 too
 #   bash benchmarks/h200/run.sh BW   # sampling where the logits are: sampler tests; L16 737 slots graph forced, then
 #                                    #   with .ab-before/ (sampling on the host)
+#   bash benchmarks/h200/run.sh BX   # expert kernel at 4–8 tokens, AMX tiles from 5 tokens against the vector tiles,
+#                                    #   alternated three times; the GPU's timeline of a 48-layer 2K bs=1 decode step
+#                                    #   (profile_step_timeline.py) for adaptive and on-demand; BI's bench after BW
+#   bash benchmarks/h200/run.sh BY   # the host's cores and threads (lscpu); expert kernel at 6, 8, 12 tokens on 4–15
+#                                    #   threads, AMX tiles from 5 tokens against the vector tiles, OpenMP threads
+#                                    #   unbound and spread over cores, twice
+#   bash benchmarks/h200/run.sh BZ   # fewer kernels a decode layer (one q/k/v GEMM + one norm/RoPE kernel, residual add
+#                                    #   fused with the next norm, attention output in the model dtype, the zero-copy
+#                                    #   logs written by the claim kernel): CUDA tests; BX's timeline, then with
+#                                    #   .ab-before/ (the files before, untracked); BI's bench; 2K bs=1 rounds before
+#   bash benchmarks/h200/run.sh CA   # BZ's change A/B on one host: resident L16 bench e2e at 2K, bs 1 and 4, and 2K bs=1
+#                                    #   rounds (on-demand, adaptive), each new / before / new
+#   bash benchmarks/h200/run.sh CB   # after the chooser's probe runs: BI's bench (2K, bs 1 and 4, three rounds) and AZ's
+#                                    #   (32K, bs 1 and 4, from one prefill each)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -719,6 +733,65 @@ if [ "$phase" = BW ]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py 2>&1 | tail -1 | tee "$out/pytest.log"
   profile_form 737 graph gpu-sampling
   ab_swap; profile_form 737 graph before; ab_restore
+fi
+if [ "$phase" = BX ]; then
+  for round in 1 2 3; do
+    for amx in 99 5; do
+      step expert kernel roof, AMX tiles from $amx tokens, round $round
+      TANDEM_AMX_MIN_TOKENS=$amx ROOF_THREADS=1,15 ROOF_TOKENS=4,5,6,7,8 timeout 120 \
+        python3 benchmarks/h200/profile_roof.py "$out/profile-roof-amx$amx-$round.json" 2>&1 | tee -a "$log"
+    done
+  done
+  tar czf "$out/roofs.tgz" -C "$out" $(cd "$out" && ls profile-roof-*.json) && rm "$out"/profile-roof-*.json
+  step GPU timeline of a decode step, 48 layers, 2K, bs=1
+  timeout 300 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" 2>>"$log" | tee -a "$log"
+  bench_2k_rounds
+fi
+if [ "$phase" = CB ]; then
+  bench_2k_rounds
+  bench_experts 32k-shared --batch-sizes 1,4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
+fi
+if [ "$phase" = CA ]; then
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qkv_rope_gpu.py 2>&1 | tail -1 | tee "$out/pytest.log"
+  for v in new before new2; do
+    [ $v = before ] && ab_swap
+    step resident synthetic:qwen3-30b-a3b-L16 bench e2e, $v
+    timeout 150 python3 -m engine.cli bench e2e --model synthetic:qwen3-30b-a3b-L16 --kv-policies resident \
+      --expert-policy resident --batch-sizes 1,4 --contexts 2048 --new-tokens 32 --vram-budget-gb 0 \
+      --json "$out/e2e-resident-L16-$v.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
+    bench_experts 2k-bs1-$v --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
+    [ $v = before ] && ab_restore
+  done
+fi
+if [ "$phase" = BZ ]; then
+  experts_cuda_tests tests/kernels/test_qkv_rope_gpu.py tests/kernels/test_rmsnorm_gpu.py tests/kernels/test_paged_attention.py \
+    tests/kernels/test_moe_decode_gpu.py tests/kv/test_resident_paged.py tests/models/test_decode_graph.py \
+    tests/models/test_cuda_parity.py tests/experts/test_zero_copy.py
+  step GPU timeline of a decode step, 48 layers, 2K, bs=1
+  timeout 200 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" 2>>"$log" | tee -a "$log"
+  ab_swap
+  step the same, before
+  timeout 200 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1-before.json" 2>>"$log" | tee -a "$log"
+  ab_restore
+  bench_2k_rounds
+  ab_swap; bench_experts 2k-bs1-before --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
+  ab_restore
+fi
+if [ "$phase" = BY ]; then
+  step the host CPU topology
+  lscpu | tee -a "$log"; lscpu -e | tee -a "$log"
+  for round in 1 2; do
+    for bind in unbound cores; do
+      for amx in 99 5; do
+        step expert kernel roof, AMX tiles from $amx tokens, threads $bind, round $round
+        if [ $bind = cores ]; then export OMP_PLACES=cores OMP_PROC_BIND=spread; else unset OMP_PLACES OMP_PROC_BIND; fi
+        TANDEM_AMX_MIN_TOKENS=$amx ROOF_THREADS=4,8,12,15 ROOF_TOKENS=6,8,12 timeout 120 \
+          python3 benchmarks/h200/profile_roof.py "$out/profile-roof-amx$amx-$bind-$round.json" 2>&1 | tee -a "$log"
+      done
+    done
+  done
+  unset OMP_PLACES OMP_PROC_BIND
+  tar czf "$out/roofs.tgz" -C "$out" $(cd "$out" && ls profile-roof-*.json) && rm "$out"/profile-roof-*.json
 fi
 if [ "$phase" = BV ]; then
   for depth in 8 4; do

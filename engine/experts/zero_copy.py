@@ -42,7 +42,13 @@ import torch
 from engine.kernels import moe_decode_gpu
 from engine.kernels.cuda_streams import indexed
 
-PROBE_STEPS = 6  # steps timed per form before choosing (the first after a switch is not timed)
+PROBE_STEPS = 4  # steps timed per form before choosing
+# Probed forms take turns in runs of PROBE_RUN steps, and a run's first step is not timed: it pays for
+# the switch (the graph's table rebuilt from the LRU after pieces changed it, once the pieces' copies
+# have landed; the pieces' reading of the graph's last log). Timed step by step in turns, every graph
+# step paid that: on the H200 a probe of 19.6 ms a graph step against 16.9 for pieces chose pieces,
+# which then ran 11.7 ms a step where the graph ran 9.1 (48 layers, 2K, bs=1, phase CA).
+PROBE_RUN = 3
 REPROBE_EVERY = 256  # steps after which the form not in use is timed again
 SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for the next step's misses
 # Pieces must probe this much faster to be chosen over the one graph. The probe runs while the cache
@@ -103,9 +109,10 @@ class ZeroCopyDecode:
             self.log_host, self.claims_host = (self._host(torch.empty_like(t, device="cpu"))
                                                for t in (self.log, self.claims))
         offsets = self.table[layer]  # (E,)
-        spare = moe_decode_gpu.claim_free_slots(ids, offsets, self.spares, self.counter, self.pool_numel)  # (N·k,)
-        self.log[layer, :N * k].copy_(ids.reshape(-1))
-        self.claims[layer, :N * k].copy_(spare)
+        # (N·k,) a free slot's offset per pair read from the store, written into this layer's claims row,
+        # the pairs' expert ids into its log row
+        spare = moe_decode_gpu.claim_free_slots(ids, offsets, self.spares, self.counter, self.pool_numel,
+                                                out=self.claims[layer, :N * k], log=self.log[layer, :N * k])
         return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
                                          offsets=offsets, spare=spare)
 
@@ -232,9 +239,10 @@ class _Done:
 
 
 class ModeChooser:
-    """Per batch size, which step form to run: time PROBE_STEPS steps of each, the two interleaved so
-    that both see the cache as it warms, keep the faster by median step time (pieces by more than
-    GRAPH_MARGIN), and time both again every REPROBE_EVERY steps."""
+    """Per batch size, which step form to run: time PROBE_STEPS steps of each, the two taking turns in
+    short runs so that both see the cache as it warms (a run's first step, after the switch, untimed),
+    keep the faster by median step time (pieces by more than GRAPH_MARGIN), and time both again every
+    REPROBE_EVERY steps."""
 
     FORMS = ("graph", "pieces")
 
@@ -243,7 +251,8 @@ class ModeChooser:
         self.measured: dict[tuple[int, str], float] = {}  # (B, form) → median ms at the last choice
         self.choice: dict[int, str] = {}
         self.since_choice = defaultdict(int)
-        self._last: tuple[int, str, float] | None = None  # (B, form, start) of the step before
+        self._last: tuple[int, str, float, bool] | None = None  # (B, form, start, first of a run) of the step before
+        self._run: dict[int, tuple[str, int]] = {}  # B → (form, steps so far) of the probe's current run
 
     def probing(self, B: int) -> bool:
         return B not in self.choice or self.since_choice[B] >= REPROBE_EVERY
@@ -252,8 +261,15 @@ class ModeChooser:
         if not self.probing(B):
             return self.choice[B]
         counts = {f: len(self.samples[(B, f)]) for f in self.FORMS}
+        run_form, run_steps = self._run.get(B, (None, PROBE_RUN))
+        if run_steps < PROBE_RUN and counts[run_form] < PROBE_STEPS:
+            self._run[B] = (run_form, run_steps + 1)
+            return run_form
         if min(counts.values()) < PROBE_STEPS:
-            return min(self.FORMS, key=counts.get)  # the form with fewer samples (ties: the graph)
+            form = min(self.FORMS, key=counts.get)  # the form with fewer samples (ties: the graph)
+            self._run[B] = (form, 1)
+            return form
+        self._run.pop(B, None)
         medians = {f: float(np.median(self.samples[(B, f)])) for f in self.FORMS}
         for f in self.FORMS:
             self.measured[(B, f)] = round(1e3 * medians[f], 3)
@@ -270,13 +286,14 @@ class ModeChooser:
         """Mark a step's start. The time since the last step's start is that step's duration; while
         probing it counts for that step's form (same batch size only). Returns it, or None."""
         now = time.perf_counter() if now is None else now
-        last, self._last = self._last, (B, form, now)
+        first_of_run = self._run.get(B) == (form, 1)
+        last, self._last = self._last, (B, form, now, first_of_run)
         if B in self.choice:
             self.since_choice[B] += 1
         if last is None or last[0] != B:
             return None
         duration = now - last[2]
-        if self.probing(B):
+        if self.probing(B) and not last[3]:
             self.samples[(B, last[1])].append(duration)
         return duration
 

@@ -115,9 +115,12 @@ if triton is not None:
         tl.store(y_ptr + p * H + rows, (y * w).to(dtype), mask=store_ok)  # weighted in the model dtype
 
     @triton.jit
-    def _claim_kernel(ids_ptr, offs_ptr, spares_ptr, counter_ptr, spare_of_pair_ptr, E, pool_numel, n_spares):
+    def _claim_kernel(ids_ptr, offs_ptr, spares_ptr, counter_ptr, spare_of_pair_ptr, log_ptr, E, pool_numel, n_spares,
+                      LOG: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         e = tl.load(ids_ptr + p).to(tl.int64)
+        if LOG:
+            tl.store(log_ptr + p, e)
         valid = (e >= 0) & (e < E)
         off = tl.load(offs_ptr + tl.where(valid, e, 0))
         outside = valid & ((off < 0) | (off >= pool_numel))  # the expert is not in a slot of the pool
@@ -138,16 +141,22 @@ if triton is not None:
 
 
 def claim_free_slots(ids: torch.Tensor, offsets: torch.Tensor, spares: torch.Tensor, counter: torch.Tensor,
-                     pool_numel: int) -> torch.Tensor:
+                     pool_numel: int, out: torch.Tensor | None = None, log: torch.Tensor | None = None) -> torch.Tensor:
     """For each (token, choice) pair whose expert's offset lies outside the pool (read from the host
     store), the next entry of `spares` (element offsets of free slots; -1 past the list's end), in the
     order an atomic counter hands them out → (N·k,) int64 spare offset per pair, -1 for the rest.
-    counter (1,) int32 is the number handed out so far (reset by the caller between steps)."""
+    counter (1,) int32 is the number handed out so far (reset by the caller between steps).
+    out (N·k,) int64, optional: written instead of a new tensor. log (N·k,) int64, optional: each pair's
+    expert id is written there too. The zero-copy decode keeps both per layer for the host; written
+    here, they cost no copy kernels of their own (two a layer, ~2 µs each in a graph on the H200)."""
     P = ids.numel()
-    spare_of_pair = torch.empty(P, dtype=torch.int64, device=ids.device)
+    spare_of_pair = torch.empty(P, dtype=torch.int64, device=ids.device) if out is None else out
+    for t in (spare_of_pair, log):
+        assert t is None or (t.numel() == P and t.dtype == torch.int64 and t.is_contiguous()), "(N·k,) int64, contiguous"
     if P:
-        _claim_kernel[(P,)](ids.contiguous(), offsets, spares, counter, spare_of_pair, offsets.shape[0],
-                            pool_numel, spares.shape[0])
+        _claim_kernel[(P,)](ids.contiguous(), offsets, spares, counter, spare_of_pair,
+                            spare_of_pair if log is None else log, offsets.shape[0], pool_numel, spares.shape[0],
+                            LOG=log is not None)
     return spare_of_pair
 
 

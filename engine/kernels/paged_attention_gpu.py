@@ -113,7 +113,7 @@ if triton is not None:
         o = tl.load(o_part_ptr + (bh * n_splits + s)[:, None] * HS + d[None, :],
                     mask=s_ok[:, None], other=0.0)  # (S, HS)
         merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-        tl.store(o_ptr + bh * HS + d, merged)
+        tl.store(o_ptr + bh * HS + d, merged.to(o_ptr.dtype.element_ty))  # fp32, or the model dtype (out)
         tl.store(lse_ptr + bh, tl.where(total > 0, safe_top + tl.log(total), float("-inf")))
 
 
@@ -141,9 +141,12 @@ def scratch_for(batch: int, n_heads: int, head_dim: int, splits: int, device: to
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                  lengths: torch.Tensor, block_size: int, scale: float, n_splits: int,
-                 window: int | None = None, scratch: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """scratch: `scratch_for(B, nh, hs, n_splits, device)`, reused across calls. Nothing here reads a
-    device value back, so the call can be captured in a CUDA graph."""
+                 window: int | None = None, scratch: tuple | None = None,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """scratch: `scratch_for(B, nh, hs, n_splits, device)`, reused across calls. out (B, nh, hs),
+    optional, contiguous, any float dtype: the merge writes the output there, rounded once (instead of
+    the scratch's fp32 output and a cast kernel after it). Nothing here reads a device value back, so
+    the call can be captured in a CUDA graph."""
     B, nh, hs = q.shape
     n_kv = k_pool.shape[1]
     G = nh // n_kv
@@ -160,6 +163,9 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         window if window is not None else 2**30, splits, nh,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), HS=hs, BLOCK=BLOCK_N, PRECISION=precision,
         num_stages=2)  # two stages beat three in the sweep (less shared memory, more programs resident)
+    if out is not None:
+        assert out.shape == (B, nh, hs) and out.is_contiguous(), "out: (B, nh, hs), contiguous"
+        o = out
     _merge_kernel[(B * nh,)](o_part, lse_part, o, lse, splits,
                              HS=hs, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
     return o, lse

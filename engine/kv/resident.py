@@ -152,8 +152,9 @@ class ResidentKV(KVBackend):
                 self._scratch[B] = (splits, scratch)
             o, _ = paged_attention_gpu.paged_decode(
                 q[:, :, 0], self.k[layer], self.v[layer], table, keys, self.block_size,
-                hs ** -0.5, splits, window=self.window, scratch=scratch)  # (B, nh, hs) fp32
-            return o.to(q.dtype).unsqueeze(2)  # (B, nh, 1, hs)
+                hs ** -0.5, splits, window=self.window, scratch=scratch,
+                out=q.new_empty(B, q.shape[1], hs))  # (B, nh, hs) in q's dtype
+            return o.unsqueeze(2)  # (B, nh, 1, hs)
         if read is None:
             if mask is not None:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

@@ -64,6 +64,8 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
                              "the file does not match its declared architecture")
     placed = {name: _place(tensors[name], device, dtype) for name in expected}
     model.load_state_dict(placed, assign=True, strict=True)
+    for layer in model.model.layers:
+        layer.self_attn.fuse_qkv()  # q, k, v projected by one GEMM (views: no memory added)
     if args.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(args.max_position, device, dtype)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import rmsnorm_gpu, rope_gpu, route_gpu
+from engine.kernels import qkv_rope_gpu, rmsnorm_gpu, rope_gpu, route_gpu
 
 
 @dataclass
@@ -75,6 +75,13 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + r, this norm of it): one kernel on the GPU."""
+        if rmsnorm_gpu.available(x, self.weight) and r.is_contiguous() and r.dtype == x.dtype:
+            return rmsnorm_gpu.add_rms_norm(x, r, self.weight, self.eps)
+        h = x + r
+        return h, self(h)
+
 
 def rope_tables(head_dim: int, theta: float, n_pos: int, device, dtype, inv_freq: torch.Tensor | None = None,
                 attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +124,46 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(k_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # set by fuse_qkv; buffers, so that a later .to() moves them too (outside the state dict)
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse_qkv(self) -> None:
+        """Lay q_proj, k_proj and v_proj's weights (and biases) out as one tensor, the three parameters
+        becoming views of it: no memory added, and a GPU decode step projects with one GEMM.
+        OLMoE's whole-projection norms and clipping keep the three projections."""
+        if self.norm_all_heads or self.clip_qkv is not None:
+            return
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        sizes = [p.out_features for p in projections]
+        weight = torch.cat([p.weight.detach() for p in projections])  # ((nh + 2·n_kv)·hs, dim)
+        bias = torch.cat([p.bias.detach() for p in projections]) if self.q_proj.bias is not None else None
+        for i, (p, part) in enumerate(zip(projections, weight.split(sizes))):
+            p.weight = nn.Parameter(part, requires_grad=False)
+            if bias is not None:
+                p.bias = nn.Parameter(bias.split(sizes)[i], requires_grad=False)
+        self.qkv_weight, self.qkv_bias = weight, bias
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
+        B, T, _ = x.shape
+        if self.qkv_weight is not None and qkv_rope_gpu.available(x, cos):
+            q, k, v = self._qkv_fused(x, cos, sin)
+        else:
+            q, k, v = self._qkv(x, cos, sin)
+        y = kv.attend(self.layer_idx, q, k, v)  # (B, nh, T, hs): stores k, v, attends over the past
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def _qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Two kernels: one GEMM, then norms and RoPE (engine/kernels/qkv_rope_gpu.py)."""
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (B, T, (nh + 2·n_kv)·hs)
+        if self.q_norm is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        else:
+            norms = (None, None, 0.0)
+        q, k, v = qkv_rope_gpu.qk_norm_rope(qkv, self.n_heads, self.n_kv_heads, cos, sin, *norms)
+        return (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs), (B, n_kv, T, hs) ×2
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, nh·hs), (B, T, n_kv·hs) ×2
         if self.q_norm is not None and self.norm_all_heads:  # OLMoE: one norm over every head at once
@@ -132,12 +177,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope_gpu.available(q, cos) and k.is_contiguous():  # one kernel each, the same rounding
             q, k = rope_gpu.rope(q, cos, sin), rope_gpu.rope(k, cos, sin)
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        else:
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = kv.attend(self.layer_idx, q, k, v)  # (B, nh, T, hs): stores k, v, attends over the past
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+            return (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class FeedForward(nn.Module):
@@ -201,8 +243,9 @@ class Block(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, kv)
+        h, h_normed = self.post_attention_layernorm.add_forward(x, a)  # h = x + a, and its norm
+        return h + self.mlp(h_normed)
 
 
 class Decoder(nn.Module):

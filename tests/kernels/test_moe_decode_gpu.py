@@ -136,3 +136,27 @@ def test_pairs_read_from_outside_the_pool_claim_free_slots_and_copy_their_expert
     for p, off in claimed.items():
         assert torch.equal(pool[off // P_el], blocks[int(ids.reshape(-1)[p])])
     assert torch.equal(pool[2], torch.zeros(P_el, device=device))  # not listed: untouched
+
+
+def test_claim_free_slots_writes_into_given_rows_and_logs_the_pairs_experts():
+    """With out and log, the claims land in the caller's row (no new tensor) and each pair's expert id
+    in its log row; entries past the pairs stay as they were."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    E, P_el, N, k = 6, 10, 2, 3
+    ids = torch.randint(0, E, (N, k), generator=gen).to(device)
+    offsets = torch.full((E,), -7 * P_el, dtype=torch.int64, device=device)  # every expert outside the pool
+    offsets[int(ids[0, 0])] = P_el  # one in slot 1
+    spares = torch.tensor([4 * P_el, 2 * P_el, -1, -1, -1, -1, -1], device=device)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    claims = torch.full((2, N * k + 2), -5, dtype=torch.int64, device=device)  # (layers, pairs + 2)
+    log = torch.full_like(claims, -5)
+    got = moe_decode_gpu.claim_free_slots(ids, offsets, spares, counter, 50 * P_el,
+                                          out=claims[1, :N * k], log=log[1, :N * k])
+    assert got.data_ptr() == claims[1].data_ptr()
+    assert log[1, :N * k].tolist() == ids.reshape(-1).tolist()
+    outside = [p for p, e in enumerate(ids.reshape(-1).tolist()) if e != int(ids[0, 0])]
+    claimed = sorted(int(s) for s in claims[1, :N * k].tolist() if s >= 0)
+    assert claimed == [2 * P_el, 4 * P_el][:len(outside)]
+    assert (claims[0] == -5).all() and (log[0] == -5).all() and (claims[1, N * k:] == -5).all()
+    assert (log[1, N * k:] == -5).all()

@@ -116,3 +116,19 @@ def test_paged_decode_takes_int64_indices(paged):
     ref_o, ref_lse = _reference(q, k, v, table, lens, 16, 0.25)
     assert torch.allclose(o.cpu().double(), ref_o, rtol=1e-5, atol=1e-5)
     assert torch.allclose(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_writes_into_out_and_leaves_the_scratch_output_alone(paged):
+    """With out, the merge writes the output there (the caller's dtype; here fp32 and fp64, which the
+    interpreter casts faithfully) and not into the scratch's own output buffer."""
+    mod, device = paged
+    q, k, v, table, lens = _pool_case([77, 20], 2, 4, 32, 16, torch.float32, device, seed=17)
+    scratch = mod.scratch_for(2, 8, 32, 3, device)
+    scratch[2].fill_(float("nan"))
+    ref_o, _ = _reference(q, k, v, table, lens, 16, 0.2)
+    for dtype in (torch.float32, torch.float64):
+        out = torch.full((2, 8, 32), float("nan"), dtype=dtype, device=device)
+        o, _ = mod.paged_decode(q, k, v, table, lens, 16, 0.2, 3, scratch=scratch, out=out)
+        assert o is out and not torch.isnan(out).any()
+        assert torch.allclose(out.cpu().double(), ref_o, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(scratch[2]).all()

@@ -1,0 +1,97 @@
+"""q, k and v out of one fused projection, with per-head RMSNorm and RoPE on q and k, as one GPU kernel.
+
+A decode layer ran three projections, then q_norm, k_norm, rope(q) and rope(k): seven kernels where
+the work is a few hundred KB. Inside a CUDA graph on the H200 each kernel boundary costs about 2 µs
+besides the work (48-layer decode step, 2K, bs=1: 8.4 ms of kernels in an 11.7 ms step,
+benchmarks/h200/2026-11-30-BX/timeline-2k-bs1.json). Here the projection is one GEMM over the
+concatenated weights (`Attention.fuse_qkv`) and this kernel does the rest: two kernels a layer.
+
+The rounding is the reference's (engine/models/common.py): the norm normalises in fp32, rounds to the
+activations' dtype and multiplies by the weight in that dtype; RoPE rounds x·cos and rotate_half(x)·sin
+to the dtype and adds them, as engine/kernels/rope_gpu.py does.
+
+    qk_norm_rope(qkv, n_heads, n_kv_heads, cos, sin, q_weight, k_weight, eps) -> q, k, v
+        qkv (B, T, (nh + 2·n_kv)·hs) contiguous, q first, then k, then v; cos, sin (B, 1, T, hs)
+        contiguous; q_weight, k_weight (hs,) or None (no norm) → q (B, T, nh, hs), k, v (B, T, n_kv, hs)
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def available(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Compiled on CUDA only (the interpreter runs it in tests when asked explicitly)."""
+    return (triton is not None and qkv.is_cuda and qkv.is_contiguous() and cos.is_contiguous()
+            and qkv.dtype == cos.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _heads(src_ptr, dst_ptr, w_ptr, cos_ptr, sin_ptr, row, src_row, n_heads, hs, half, eps,
+               NORM: tl.constexpr, ROPE: tl.constexpr, HEADS: tl.constexpr, HS: tl.constexpr):
+        """One token's n_heads heads of hs: src (row stride src_row) → dst (contiguous heads)."""
+        h = tl.arange(0, HEADS)
+        d = tl.arange(0, HS)
+        ok = (h < n_heads)[:, None] & (d < hs)[None, :]
+        src = src_ptr + row * src_row + h[:, None] * hs
+        x = tl.load(src + d[None, :], mask=ok, other=0.0)  # (HEADS, HS)
+        dtype = x.dtype
+        if ROPE:
+            partner = tl.where(d < half, d + half, d - half)  # rotate_half: (−x₂, x₁)
+            xr = tl.load(src + partner[None, :], mask=ok, other=0.0)
+        if NORM:  # per head over hs; the partner's element is normalised by its own head's factor
+            xf = x.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(xf * xf, 1) / hs + eps)  # (HEADS,)
+            w = tl.load(w_ptr + d, mask=d < hs, other=0.0).to(tl.float32)
+            x = ((xf * inv[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype)
+            if ROPE:
+                wr = tl.load(w_ptr + partner, mask=d < hs, other=0.0).to(tl.float32)
+                xr = ((xr.to(tl.float32) * inv[:, None]).to(dtype).to(tl.float32) * wr[None, :]).to(dtype)
+        if ROPE:
+            sign = tl.where(d < half, -1.0, 1.0)
+            c = tl.load(cos_ptr + row * hs + d, mask=d < hs, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + row * hs + d, mask=d < hs, other=0.0).to(tl.float32)
+            a = (x.to(tl.float32) * c[None, :]).to(dtype).to(tl.float32)
+            b = (xr.to(tl.float32) * sign[None, :] * s[None, :]).to(dtype).to(tl.float32)
+            x = (a + b).to(dtype)
+        tl.store(dst_ptr + row * n_heads * hs + h[:, None] * hs + d[None, :], x, mask=ok)
+
+    @triton.jit
+    def _qkv_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, n_heads, n_kv, hs, eps,
+                    NORM: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one token: b · T + t
+        src_row = (n_heads + 2 * n_kv) * hs
+        half = hs // 2
+        _heads(qkv_ptr, q_ptr, qw_ptr, cos_ptr, sin_ptr, row, src_row, n_heads, hs, half, eps,
+               NORM, True, Q_HEADS, HS)
+        _heads(qkv_ptr + n_heads * hs, k_ptr, kw_ptr, cos_ptr, sin_ptr, row, src_row, n_kv, hs, half, eps,
+               NORM, True, KV_HEADS, HS)
+        _heads(qkv_ptr + (n_heads + n_kv) * hs, v_ptr, kw_ptr, cos_ptr, sin_ptr, row, src_row, n_kv, hs, half,
+               eps, False, False, KV_HEADS, HS)
+
+
+def qk_norm_rope(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float):
+    B, T, width = qkv.shape
+    hs = width // (n_heads + 2 * n_kv_heads)
+    assert width == (n_heads + 2 * n_kv_heads) * hs and hs % 2 == 0, "qkv: (B, T, (nh + 2·n_kv)·hs)"
+    assert cos.shape == (B, 1, T, hs) and sin.shape == cos.shape and qkv.is_contiguous() and cos.is_contiguous()
+    norm = q_weight is not None
+    assert norm == (k_weight is not None) and (not norm or q_weight.shape == k_weight.shape == (hs,))
+    q = qkv.new_empty(B, T, n_heads, hs)
+    k = qkv.new_empty(B, T, n_kv_heads, hs)
+    v = qkv.new_empty(B, T, n_kv_heads, hs)
+    if B * T:
+        qw, kw = (q_weight, k_weight) if norm else (cos, cos)  # any pointer stands in when unused
+        _qkv_kernel[(B * T,)](qkv, q, k, v, qw, kw, cos, sin, n_heads, n_kv_heads, hs, eps, NORM=norm,
+                              Q_HEADS=triton.next_power_of_2(n_heads),
+                              KV_HEADS=triton.next_power_of_2(n_kv_heads), HS=triton.next_power_of_2(hs))
+    return q, k, v
