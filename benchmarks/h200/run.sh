@@ -146,7 +146,9 @@
 #   bash benchmarks/h200/run.sh CA   # BZ's change A/B on one host: resident L16 bench e2e at 2K, bs 1 and 4, and 2K bs=1
 #                                    #   rounds (on-demand, adaptive), each new / before / new
 #   bash benchmarks/h200/run.sh CB   # after the chooser's probe runs: BI's bench (2K, bs 1 and 4, three rounds) and AZ's
-#                                    #   (32K, bs 1 and 4, from one prefill each)
+#                                    #   (32K, bs 1 and 4, from one prefill each); ran at beac3d8, whose bench warm-up
+#                                    #   was shorter than the probe (fixed after it)
+#   bash benchmarks/h200/run.sh CC   # one probe run per form (9 steps, tried and reverted): BI's bench at bs=1 only
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -746,6 +748,9 @@ if [ "$phase" = BX ]; then
   step GPU timeline of a decode step, 48 layers, 2K, bs=1
   timeout 300 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" 2>>"$log" | tee -a "$log"
   bench_2k_rounds
+fi
+if [ "$phase" = CC ]; then
+  bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = CB ]; then
   bench_2k_rounds

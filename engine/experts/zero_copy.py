@@ -49,6 +49,9 @@ PROBE_STEPS = 4  # steps timed per form before choosing
 # step paid that: on the H200 a probe of 19.6 ms a graph step against 16.9 for pieces chose pieces,
 # which then ran 11.7 ms a step where the graph ran 9.1 (48 layers, 2K, bs=1, phase CA).
 PROBE_RUN = 3
+# Decode steps a probe takes: PROBE_STEPS timed per form in runs of PROBE_RUN − 1 timed steps, and one
+# more step while the last sample is pending (a step is timed at the next one's start).
+PROBE_LENGTH = 2 * PROBE_RUN * math.ceil(PROBE_STEPS / (PROBE_RUN - 1)) + 1
 REPROBE_EVERY = 256  # steps after which the form not in use is timed again
 SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for the next step's misses
 # Pieces must probe this much faster to be chosen over the one graph. The probe runs while the cache
