@@ -1,10 +1,11 @@
 """q, k and v out of one fused projection, with per-head RMSNorm and RoPE on q and k, as one GPU kernel.
 
 A decode layer ran three projections, then q_norm, k_norm, rope(q) and rope(k): seven kernels where
-the work is a few hundred KB. Inside a CUDA graph on the H200 each kernel boundary costs about 2 µs
-besides the work (48-layer decode step, 2K, bs=1: 8.4 ms of kernels in an 11.7 ms step,
-benchmarks/h200/2026-11-30-BX/timeline-2k-bs1.json). Here the projection is one GEMM over the
-concatenated weights (`Attention.fuse_qkv`) and this kernel does the rest: two kernels a layer.
+the work is a few hundred KB, so each costs about its launch. Here the projection is one GEMM over the
+concatenated weights (`Attention.fuse_qkv`) and this kernel does the rest: two kernels a layer. With the
+other fusions of that change (28 → 18 kernels a layer) a 48-layer decode step at 2K, bs=1, took about
+1 ms less on the H200, and resident decode of 16 layers ran 17% faster (benchmarks/RESULTS.md,
+phases BZ and CA).
 
 The rounding is the reference's (engine/models/common.py): the norm normalises in fp32, rounds to the
 activations' dtype and multiplies by the weight in that dtype; RoPE rounds x·cos and rotate_half(x)·sin
