@@ -59,6 +59,7 @@ def summarise(intervals, steps: int, wall_s: float) -> dict:
             "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 3),
             "gpu_span_ms_per_step": round(span / 1e3 / steps, 3),
             "gpu_idle_share_of_wall": round(1 - busy / 1e3 / (wall_s * 1e3), 3) if wall_s else None,
+            "kernels_and_copies_per_step": round(len(intervals) / steps, 1),
             "top": [{"name": n[:120], "ms_per_step": round(sum(d) / 1e3 / steps, 4), "calls_per_step": len(d) / steps,
                      "mean_us": round(sum(d) / len(d), 2)} for n, d in top]}
 
