@@ -9,7 +9,7 @@ phases BZ and CA).
 
 The rounding is the reference's (engine/models/common.py): the norm normalises in fp32, rounds to the
 activations' dtype and multiplies by the weight in that dtype; RoPE rounds x·cos and rotate_half(x)·sin
-to the dtype and adds them, as engine/kernels/rope_gpu.py does.
+to the dtype and adds them; both are rope_gpu.rope_heads, which rope() uses too.
 
     qk_norm_rope(qkv, n_heads, n_kv_heads, cos, sin, q_weight, k_weight, eps) -> q, k, v
         qkv (B, T, (nh + 2·n_kv)·hs) contiguous, q first, then k, then v; cos, sin (B, 1, T, hs)
@@ -23,6 +23,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from engine.kernels.rope_gpu import rope_heads  # the per-head norm and rotation, shared with rope()
 except ImportError:
     triton = None
 
@@ -36,47 +38,15 @@ def available(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _heads(src_ptr, dst_ptr, w_ptr, cos_ptr, sin_ptr, row, src_row, n_heads, hs, half, eps,
-               NORM: tl.constexpr, ROPE: tl.constexpr, HEADS: tl.constexpr, HS: tl.constexpr):
-        """One token's n_heads heads of hs: src (row stride src_row) → dst (contiguous heads)."""
-        h = tl.arange(0, HEADS)
-        d = tl.arange(0, HS)
-        ok = (h < n_heads)[:, None] & (d < hs)[None, :]
-        src = src_ptr + row * src_row + h[:, None] * hs
-        x = tl.load(src + d[None, :], mask=ok, other=0.0)  # (HEADS, HS)
-        dtype = x.dtype
-        if ROPE:
-            partner = tl.where(d < half, d + half, d - half)  # rotate_half: (−x₂, x₁)
-            xr = tl.load(src + partner[None, :], mask=ok, other=0.0)
-        if NORM:  # per head over hs; the partner's element is normalised by its own head's factor
-            xf = x.to(tl.float32)
-            inv = tl.rsqrt(tl.sum(xf * xf, 1) / hs + eps)  # (HEADS,)
-            w = tl.load(w_ptr + d, mask=d < hs, other=0.0).to(tl.float32)
-            x = ((xf * inv[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype)
-            if ROPE:
-                wr = tl.load(w_ptr + partner, mask=d < hs, other=0.0).to(tl.float32)
-                xr = ((xr.to(tl.float32) * inv[:, None]).to(dtype).to(tl.float32) * wr[None, :]).to(dtype)
-        if ROPE:
-            sign = tl.where(d < half, -1.0, 1.0)
-            c = tl.load(cos_ptr + row * hs + d, mask=d < hs, other=0.0).to(tl.float32)
-            s = tl.load(sin_ptr + row * hs + d, mask=d < hs, other=0.0).to(tl.float32)
-            a = (x.to(tl.float32) * c[None, :]).to(dtype).to(tl.float32)
-            b = (xr.to(tl.float32) * sign[None, :] * s[None, :]).to(dtype).to(tl.float32)
-            x = (a + b).to(dtype)
-        tl.store(dst_ptr + row * n_heads * hs + h[:, None] * hs + d[None, :], x, mask=ok)
-
-    @triton.jit
     def _qkv_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, n_heads, n_kv, hs, eps,
                     NORM: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # one token: b · T + t
         src_row = (n_heads + 2 * n_kv) * hs
-        half = hs // 2
-        _heads(qkv_ptr, q_ptr, qw_ptr, cos_ptr, sin_ptr, row, src_row, n_heads, hs, half, eps,
-               NORM, True, Q_HEADS, HS)
-        _heads(qkv_ptr + n_heads * hs, k_ptr, kw_ptr, cos_ptr, sin_ptr, row, src_row, n_kv, hs, half, eps,
-               NORM, True, KV_HEADS, HS)
-        _heads(qkv_ptr + (n_heads + n_kv) * hs, v_ptr, kw_ptr, cos_ptr, sin_ptr, row, src_row, n_kv, hs, half,
-               eps, False, False, KV_HEADS, HS)
+        rope_heads(qkv_ptr, q_ptr, qw_ptr, cos_ptr, sin_ptr, row, src_row, n_heads, hs, eps, NORM, True, Q_HEADS, HS)
+        rope_heads(qkv_ptr + n_heads * hs, k_ptr, kw_ptr, cos_ptr, sin_ptr, row, src_row, n_kv, hs, eps,
+                   NORM, True, KV_HEADS, HS)
+        rope_heads(qkv_ptr + (n_heads + n_kv) * hs, v_ptr, kw_ptr, cos_ptr, sin_ptr, row, src_row, n_kv, hs, eps,
+                   False, False, KV_HEADS, HS)  # v: copied out as it is
 
 
 def qk_norm_rope(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,

@@ -31,30 +31,19 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, n, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+        """y = rms_norm(x), or with ADD: h = x + r (rounded as x + r is) and y = rms_norm(h)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
         x = tl.load(x_ptr + row * n + cols, mask=ok, other=0.0)
+        if ADD:
+            r = tl.load(r_ptr + row * n + cols, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(h_ptr + row * n + cols, x, mask=ok)
         xf = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)
         normed = (xf * inv).to(x.dtype).to(tl.float32)  # the reference rounds before the weight
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * n + cols, (normed * w).to(x.dtype), mask=ok)
-
-
-    @triton.jit
-    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < n
-        x = tl.load(x_ptr + row * n + cols, mask=ok, other=0.0)
-        r = tl.load(r_ptr + row * n + cols, mask=ok, other=0.0)
-        h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual sum, rounded as x + r is
-        tl.store(h_ptr + row * n + cols, h, mask=ok)
-        hf = h.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(hf * hf, 0) / n + eps)
-        normed = (hf * inv).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * n + cols, (normed * w).to(x.dtype), mask=ok)
 
@@ -66,7 +55,7 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
     h, y = torch.empty_like(x), torch.empty_like(x)
     rows = x.numel() // n if n else 0
     if rows:
-        _add_rms_norm_kernel[(rows,)](x, r, weight, h, y, n, eps, BLOCK=triton.next_power_of_2(n))
+        _rms_norm_kernel[(rows,)](x, r, weight, h, y, n, eps, ADD=True, BLOCK=triton.next_power_of_2(n))
     return h, y
 
 
@@ -76,5 +65,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x)
     rows = x.numel() // n if n else 0
     if rows:
-        _rms_norm_kernel[(rows,)](x, weight, y, n, eps, BLOCK=triton.next_power_of_2(n))
+        _rms_norm_kernel[(rows,)](x, x, weight, y, y, n, eps, ADD=False, BLOCK=triton.next_power_of_2(n))
     return y

@@ -28,23 +28,43 @@ def available(x: torch.Tensor, cos: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_heads, hs, half,
-                     HEADS: tl.constexpr, HS: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # one token: b · T + t
+    def rope_heads(src_ptr, dst_ptr, w_ptr, cos_ptr, sin_ptr, row, src_row, n_heads, hs, eps,
+                   NORM: tl.constexpr, ROPE: tl.constexpr, HEADS: tl.constexpr, HS: tl.constexpr):
+        """One token's n_heads heads of hs, from src (row stride src_row elements) to dst (contiguous
+        heads): with NORM each head RMS-normalised over hs with weight w (the reference's rounding,
+        engine/kernels/rmsnorm_gpu.py), then with ROPE rotated. Also used by qkv_rope_gpu."""
         h = tl.arange(0, HEADS)
         d = tl.arange(0, HS)
         ok = (h < n_heads)[:, None] & (d < hs)[None, :]
-        base = row * n_heads * hs
-        x = tl.load(x_ptr + base + h[:, None] * hs + d[None, :], mask=ok, other=0.0)  # (HEADS, HS)
-        partner = tl.where(d < half, d + half, d - half)  # rotate_half: (−x₂, x₁)
-        xr = tl.load(x_ptr + base + h[:, None] * hs + partner[None, :], mask=ok, other=0.0)
-        sign = tl.where(d < half, -1.0, 1.0)
-        c = tl.load(cos_ptr + row * hs + d, mask=d < hs, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + row * hs + d, mask=d < hs, other=0.0).to(tl.float32)
+        src = src_ptr + row * src_row + h[:, None] * hs
+        x = tl.load(src + d[None, :], mask=ok, other=0.0)  # (HEADS, HS)
         dtype = x.dtype
-        a = (x.to(tl.float32) * c[None, :]).to(dtype).to(tl.float32)
-        b = (xr.to(tl.float32) * sign[None, :] * s[None, :]).to(dtype).to(tl.float32)
-        tl.store(y_ptr + base + h[:, None] * hs + d[None, :], (a + b).to(dtype), mask=ok)
+        half = hs // 2
+        if ROPE:
+            partner = tl.where(d < half, d + half, d - half)  # rotate_half: (−x₂, x₁)
+            xr = tl.load(src + partner[None, :], mask=ok, other=0.0)
+        if NORM:  # per head over hs; the partner's element is normalised by its own head's factor
+            xf = x.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(xf * xf, 1) / hs + eps)  # (HEADS,)
+            w = tl.load(w_ptr + d, mask=d < hs, other=0.0).to(tl.float32)
+            x = ((xf * inv[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype)
+            if ROPE:
+                wr = tl.load(w_ptr + partner, mask=d < hs, other=0.0).to(tl.float32)
+                xr = ((xr.to(tl.float32) * inv[:, None]).to(dtype).to(tl.float32) * wr[None, :]).to(dtype)
+        if ROPE:
+            sign = tl.where(d < half, -1.0, 1.0)
+            c = tl.load(cos_ptr + row * hs + d, mask=d < hs, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + row * hs + d, mask=d < hs, other=0.0).to(tl.float32)
+            a = (x.to(tl.float32) * c[None, :]).to(dtype).to(tl.float32)
+            b = (xr.to(tl.float32) * sign[None, :] * s[None, :]).to(dtype).to(tl.float32)
+            x = (a + b).to(dtype)
+        tl.store(dst_ptr + row * n_heads * hs + h[:, None] * hs + d[None, :], x, mask=ok)
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_heads, hs, HEADS: tl.constexpr, HS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one token: b · T + t
+        rope_heads(x_ptr, y_ptr, cos_ptr, cos_ptr, sin_ptr, row, n_heads * hs, n_heads, hs, 0.0,
+                   False, True, HEADS, HS)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -52,6 +72,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     assert cos.shape == (B, 1, T, hs) and sin.shape == cos.shape
     y = torch.empty_like(x)
     if B * T:
-        _rope_kernel[(B * T,)](x, cos, sin, y, n_heads, hs, hs // 2,
-                               HEADS=triton.next_power_of_2(n_heads), HS=triton.next_power_of_2(hs))
+        _rope_kernel[(B * T,)](x, cos, sin, y, n_heads, hs, HEADS=triton.next_power_of_2(n_heads), HS=triton.next_power_of_2(hs))
     return y

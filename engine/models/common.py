@@ -138,10 +138,11 @@ class Attention(nn.Module):
         sizes = [p.out_features for p in projections]
         weight = torch.cat([p.weight.detach() for p in projections])  # ((nh + 2·n_kv)·hs, dim)
         bias = torch.cat([p.bias.detach() for p in projections]) if self.q_proj.bias is not None else None
-        for i, (p, part) in enumerate(zip(projections, weight.split(sizes))):
-            p.weight = nn.Parameter(part, requires_grad=False)
-            if bias is not None:
-                p.bias = nn.Parameter(bias.split(sizes)[i], requires_grad=False)
+        bias_parts = bias.split(sizes) if bias is not None else (None,) * 3
+        for p, w_part, b_part in zip(projections, weight.split(sizes), bias_parts):
+            p.weight = nn.Parameter(w_part, requires_grad=False)
+            if b_part is not None:
+                p.bias = nn.Parameter(b_part, requires_grad=False)
         self.qkv_weight, self.qkv_bias = weight, bias
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
