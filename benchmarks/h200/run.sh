@@ -149,6 +149,9 @@
 #                                    #   (32K, bs 1 and 4, from one prefill each); ran at beac3d8, whose bench warm-up
 #                                    #   was shorter than the probe (fixed after it)
 #   bash benchmarks/h200/run.sh CC   # one probe run per form (9 steps, tried and reverted): BI's bench at bs=1 only
+#   bash benchmarks/h200/run.sh CD   # the merged RMSNorm/RoPE kernels compiled; CB again with the warm-up covering the probe
+#   bash benchmarks/h200/run.sh CE   # the CPU share inside the decode graph (host nodes): tests on CUDA; 32K bs=1 with
+#                                    #   916 slots and 2K bs=1, on-demand and adaptive, two rounds each
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -748,6 +751,23 @@ if [ "$phase" = BX ]; then
   step GPU timeline of a decode step, 48 layers, 2K, bs=1
   timeout 300 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" 2>>"$log" | tee -a "$log"
   bench_2k_rounds
+fi
+if [ "$phase" = CE ]; then
+  step tests: the CPU share inside the decode graph, on CUDA
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/experts/test_graph_cpu_set.py tests/experts/test_zero_copy.py \
+    tests/kernels/test_moe_decode_gpu.py tests/models/test_decode_graph.py > "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
+    --policies on-demand,adaptive
+  bench_experts 2k-bs1 --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 2 --policies on-demand,adaptive
+fi
+if [ "$phase" = CD ]; then
+  step tests: the merged RMSNorm and RoPE kernels compiled
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qkv_rope_gpu.py tests/kernels/test_rmsnorm_gpu.py \
+    tests/kernels/test_rope_route_gpu.py > "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  bench_2k_rounds
+  bench_experts 32k-shared --batch-sizes 1,4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = CC ]; then
   bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,cpu-only,adaptive
