@@ -45,7 +45,7 @@ native = Pybind11Extension(
     include_dirs=["native"],
     depends=[f"native/{h}" for h in ("common.h", "convert.h", "simd_avx512.h", "simd_avx2.h", "simd_scalar.h",
                                      "attention_kernel.h", "experts_kernel.h", "amx_experts.h", "moe_worker.h",
-                                     "routed_set.h", "graph_cpu_set.h")],
+                                     "routed_set.h")],
     cxx_std=17,
     optional=True,
 )

@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "common.h"
-#include "graph_cpu_set.h"
 #include "moe_worker.h"
 
 #if defined(_OPENMP)
@@ -146,30 +145,6 @@ void moe_submit_routed_py(MoeWorker& worker, uintptr_t x, int x_dtype, int64_t n
   worker.submit(p, threads);
 }
 
-// A decode graph's CPU set of one (layer, batch size), its pointers fixed for every replay → the job's
-// address, the user data of the graph's host node (graph_cpu_set.h). rows (E, 5): the layer's table
-// rows of every expert; x, ids, route_w, out: pinned buffers the graph copies into and out of.
-uintptr_t add_graph_job(GraphCpuSets& sets, const py::array_t<int64_t, py::array::c_style>& rows, uintptr_t x,
-                        int x_dtype, int w_dtype, int route_dtype, int64_t n_rows, int64_t hidden, int64_t inter,
-                        int64_t top_k, uintptr_t ids, uintptr_t route_w, uintptr_t out, int threads) {
-  require(rows.ndim() == 2 && rows.shape(1) == 5 && rows.shape(0) > 0, "rows must be an int64 table (E, 5)");
-  require(n_rows > 0 && top_k > 0 && hidden > 0 && inter > 0, "n_rows, top_k, hidden and inter must be > 0");
-  require(hidden % 16 == 0 && inter % 16 == 0, "hidden and inter must be multiples of 16");
-  require(x && ids && route_w && out, "null pointer");
-  const auto* table = reinterpret_cast<const MoeExpert*>(rows.data());
-  sets.jobs.emplace_back();
-  GraphCpuJob& job = sets.jobs.back();
-  job.owner = &sets;
-  job.rows.assign(table, table + rows.shape(0));
-  job.x = reinterpret_cast<const void*>(x);
-  job.x_dtype = dtype_of(x_dtype), job.w_dtype = dtype_of(w_dtype), job.route_dtype = dtype_of(route_dtype);
-  job.n_rows = n_rows, job.hidden = hidden, job.inter = inter, job.top_k = top_k;
-  job.ids = reinterpret_cast<const int64_t*>(ids);
-  job.route_w = reinterpret_cast<const void*>(route_w);
-  job.out = reinterpret_cast<float*>(out);
-  job.threads = threads;
-  return reinterpret_cast<uintptr_t>(&job);
-}
 // The file of the OpenMP runtime this module's calls bind to ("" if unknown or without OpenMP). The
 // dynamic linker binds them to the first runtime in the global scope, which is torch's (it loads its
 // libgomp RTLD_GLOBAL) even when the module was linked against another copy under another name.
@@ -235,33 +210,6 @@ PYBIND11_MODULE(_native, m) {
         return w.wait();
       }, "Block (without the GIL) until the set is done → (queue seconds, compute seconds).")
       .def_property_readonly("pending", &MoeWorker::pending, "A set was submitted and not yet collected.");
-  py::class_<GraphCpuSets>(m, "GraphCpuSets",
-                           "The CPU sets a decode graph's host nodes run: one job per (layer, batch size), kept "
-                           "for the owner's life; counters and the first failure since the last take_error.")
-      .def(py::init<>())
-      .def("add_job", &add_graph_job, py::arg("rows").noconvert(), py::arg("x"), py::arg("x_dtype"),
-           py::arg("w_dtype"), py::arg("route_dtype"), py::arg("n_rows"), py::arg("hidden"), py::arg("inter"),
-           py::arg("top_k"), py::arg("ids"), py::arg("route_w"), py::arg("out"), py::arg("threads"),
-           "A job with its pointers fixed → its address (the host node's user data).")
-      .def("run", [](GraphCpuSets& sets, uintptr_t job) {
-        bool known = false;
-        for (GraphCpuJob& j : sets.jobs) known |= reinterpret_cast<uintptr_t>(&j) == job;
-        require(known, "not a job of these sets");
-        py::gil_scoped_release release;
-        tandem_graph_cpu_job(reinterpret_cast<void*>(job));
-      }, py::arg("job"), "Run a job on this thread, as the host node would.")
-      .def("take_error", [](GraphCpuSets& sets) {
-        std::lock_guard<std::mutex> lock(sets.mu);
-        std::string e;
-        e.swap(sets.error);
-        return e;
-      }, "The first failure since the last call (\"\" if none); clears it.")
-      .def("counters", [](GraphCpuSets& sets) {
-        std::lock_guard<std::mutex> lock(sets.mu);
-        return py::make_tuple(sets.sets, sets.experts, sets.pairs, sets.seconds);
-      }, "(sets run, experts, pairs, seconds computing) since creation.")
-      .def_static("host_function", [] { return reinterpret_cast<uintptr_t>(&tandem_graph_cpu_job); },
-                  "The address of the host function (CUhostFn) a graph's host node calls with a job.");
   m.def("stream_read", [](uintptr_t data, size_t n_bytes, int threads) {
     py::gil_scoped_release release;
     return stream_read(reinterpret_cast<const void*>(data), n_bytes, threads);

@@ -31,13 +31,12 @@ struct RoutedSetBuffers {
 // rows: (n_experts, 5) the layer's table rows for every expert (addresses, strides; pairs ignored);
 // chosen: the experts the CPU computes (any order, distinct); ids (n_rows, top_k) the layer's routing;
 // route_w (n_rows, top_k) its weights in route_dtype. Fills buf and returns the problem (its pointers
-// point into buf). Throws std::invalid_argument on anything out of range. skip_negative: an id < 0
-// marks a pair the CPU does not compute (the decode graph's CPU set, graph_cpu_set.h).
+// point into buf). Throws std::invalid_argument on anything out of range.
 inline MoeProblem build_routed_set(const void* x, DType x_dtype, int64_t n_rows, int64_t hidden, int64_t inter,
                                    int64_t x_stride, DType w_dtype, const MoeExpert* rows, int64_t n_experts,
                                    const int64_t* chosen, int64_t n_chosen, const int64_t* ids, int64_t top_k,
                                    const void* route_w, DType route_dtype, float* out, int64_t out_stride,
-                                   RoutedSetBuffers& buf, bool skip_negative = false) {
+                                   RoutedSetBuffers& buf) {
   auto require = [](bool ok, const char* what) {
     if (!ok) throw std::invalid_argument(what);
   };
@@ -63,7 +62,6 @@ inline MoeProblem build_routed_set(const void* x, DType x_dtype, int64_t n_rows,
   }
   const int64_t n_pairs_all = n_rows * top_k;
   for (int64_t p = 0; p < n_pairs_all; ++p) {
-    if (skip_negative && ids[p] < 0) continue;
     require(ids[p] >= 0 && ids[p] < n_experts, "a routed expert id is out of range");
     const int64_t j = buf.index_of[size_t(ids[p])];
     if (j >= 0) ++buf.table[size_t(j)].n_pairs;
@@ -78,7 +76,6 @@ inline MoeProblem build_routed_set(const void* x, DType x_dtype, int64_t n_rows,
   buf.tokens.resize(size_t(total));
   buf.weights.resize(size_t(total));
   for (int64_t p = 0; p < n_pairs_all; ++p) {  // in (token, choice) order: stable within an expert
-    if (skip_negative && ids[p] < 0) continue;
     const int64_t j = buf.index_of[size_t(ids[p])];
     if (j < 0) continue;
     const int64_t at = next[size_t(j)]++;

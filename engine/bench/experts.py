@@ -25,14 +25,14 @@ import statistics
 import time
 
 from engine.bench.common import header
-from engine.experts.zero_copy import GRAPH_FORMS, MAX_PROBE_LENGTH
+from engine.experts.zero_copy import PROBE_LENGTH
 
 # Unmeasured decode steps per policy and batch size before measuring: kernel compiles and graph
-# captures, and for `adaptive` the choice among the step forms: the probe's steps, the prefill step
-# that starts the request and a capture step per form, which the probe does not time.
+# captures, and for `adaptive` the choice between the whole-step graph and pieces: the probe's steps,
+# the prefill step that starts the request and the two capture steps, which the probe does not time.
 # (Sized from the probe: when the probe grew and this did not, pieces steps reached the timed tokens
 # and cost adaptive 10% on the H200, phase CB.)
-WARM_TOKENS = MAX_PROBE_LENGTH + 1 + len(GRAPH_FORMS) + 1
+WARM_TOKENS = PROBE_LENGTH + 3
 
 POLICIES = ("cpu-only", "on-demand", "static", "adaptive")
 ROUTING_NOTE = ("synthetic models route with random routers: expert use is near-uniform, a worst case for any "

@@ -32,7 +32,6 @@ from engine.experts.executor import ExpertExecutor
 from engine.experts.planner import MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
-from engine.experts.graph_cpu_set import GraphCpuSet
 from engine.experts.zero_copy import ZeroCopyDecode
 from engine.kernels import moe_decode_gpu
 from engine.kernels.cuda_streams import indexed
@@ -118,29 +117,13 @@ class OffloadedExperts(ExpertExecutor):
         elif not self.store.pinned:
             self.zero_copy_off = "the host store is not pinned"
         else:
-            max_tokens = min(self.planner.max_decode_tokens, moe_decode_gpu.MAX_TOKENS)
             try:
-                self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device, max_tokens,
-                                                window=self._window, cpu_set=self._graph_cpu_set(max_tokens))
+                self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device,
+                                                min(self.planner.max_decode_tokens, moe_decode_gpu.MAX_TOKENS),
+                                                window=self._window)
             except RuntimeError as e:  # the driver cannot map the store
                 self.zero_copy_off = str(e)
                 log.warning("decode steps with offloaded experts stay in pieces: %s", e)
-
-    def _graph_cpu_set(self, max_tokens: int) -> GraphCpuSet | None:
-        """The native CPU set the one decode graph can run as host nodes, or None (no native module,
-        an injected CPU kernel, or a store it does not take: the graph then reads every miss in place)."""
-        if self.cpu_ffn is not None:
-            return None
-        from engine.kernels import native
-
-        mod = native.module()
-        if mod is None or not hasattr(mod, "GraphCpuSets"):
-            return None
-        try:
-            return GraphCpuSet(mod, self.store, self.device, max_tokens, self._phase_costs["decode"])
-        except ValueError as e:
-            log.info("decode graphs give the CPU no share of the misses: %s", e)
-            return None
 
     def attach_predictor(self, predictor: GateLookahead) -> None:
         self.predictor = predictor

@@ -26,10 +26,8 @@ No replay reads a listed slot (no entry points to it) and no slot is listed whil
 it, so a slot is never written while read. A step run the other way (pieces, eager prefill) changes
 the LRU behind the table's back; the table is then rebuilt from the LRU before the next graph replay.
 
-With a `GraphCpuSet` (graph_cpu_set.py) the graph can also give part of each layer's misses to the
-CPU, run by host nodes inside the graph: the form "graph-cpu". `ModeChooser` keeps, per batch size,
-whichever step form (the one graph, with or without that CPU share, or pieces with the planner's CPU
-split) measured faster, and re-measures the others now and then.
+`ModeChooser` keeps, per batch size, whichever of the two step forms (one graph here, or pieces with
+the planner's CPU split) measured faster, and re-measures the other now and then.
 """
 
 from __future__ import annotations
@@ -51,16 +49,9 @@ PROBE_STEPS = 4  # steps timed per form before choosing
 # step paid that: on the H200 a probe of 19.6 ms a graph step against 16.9 for pieces chose pieces,
 # which then ran 11.7 ms a step where the graph ran 9.1 (48 layers, 2K, bs=1, phase CA).
 PROBE_RUN = 3
-
-
-def probe_length(n_forms: int) -> int:
-    """Decode steps a probe of n forms takes: PROBE_STEPS timed per form in runs of PROBE_RUN − 1 timed
-    steps, and one more step while the last sample is pending (a step is timed at the next one's start)."""
-    return n_forms * PROBE_RUN * math.ceil(PROBE_STEPS / (PROBE_RUN - 1)) + 1
-
-
-GRAPH_FORMS = ("graph", "graph-cpu")  # the step forms that replay one whole graph
-MAX_PROBE_LENGTH = probe_length(len(GRAPH_FORMS) + 1)  # what a bench's warm-up must cover
+# Decode steps a probe takes: PROBE_STEPS timed per form in runs of PROBE_RUN − 1 timed steps, and one
+# more step while the last sample is pending (a step is timed at the next one's start).
+PROBE_LENGTH = 2 * PROBE_RUN * math.ceil(PROBE_STEPS / (PROBE_RUN - 1)) + 1
 REPROBE_EVERY = 256  # steps after which the form not in use is timed again
 SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for the next step's misses
 # Pieces must probe this much faster to be chosen over the one graph. The probe runs while the cache
@@ -70,18 +61,12 @@ SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for th
 # while the graph ran 12.2 in the other rounds. Where pieces is far faster (bs=4: 65–72 against
 # 128–135 ms) the margin changes nothing.
 GRAPH_MARGIN = 1.15
-# The CPU share inside the graph is flattered the same way (more misses while the cache warms, and
-# the experts the CPU computes are not cached), less so: it runs within the graph.
-CPU_GRAPH_MARGIN = 1.05
-MARGINS = {"graph": 1.0, "graph-cpu": CPU_GRAPH_MARGIN, "pieces": GRAPH_MARGIN}
 
 
 class ZeroCopyDecode:
-    def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None, cpu_set=None):
-        """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate);
-        cpu_set: a GraphCpuSet, which makes the form "graph-cpu" possible."""
+    def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None):
+        """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate)."""
         self.store, self.cache, self.lru, self.device = store, cache, cache.lru, indexed(device)
-        self.cpu_set = cpu_set
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
         L = store.n_layers
@@ -108,25 +93,17 @@ class ZeroCopyDecode:
         self.log = self.claims = self.log_host = self.claims_host = None  # made at the first run
         self._log_ready = None  # CUDA event after the last replay's log copy
         self._logged_tokens = 0  # B of the logs awaiting their reading
-        self._logged_cpu = False  # whether that replay gave the CPU a share (its pairs are in cpu_set.ids_host)
         self.stale = True  # the LRU changed outside this path: rebuild the table before a replay
         self.zero_copy_experts = self.fills = self.steps = 0  # experts read over PCIe; kept in a slot
         self.link_blocks = 0  # expert blocks read over PCIe: one per (token, choice) pair read in place
-
-    @property
-    def forms(self) -> tuple[str, ...]:
-        """The step forms a decode step may take with this path."""
-        return ("graph", "graph-cpu", "pieces") if self.cpu_set is not None else ("graph", "pieces")
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if self.device.type == "cuda" else t
 
     # -- inside the graph -------------------------------------------------------------------------
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            cpu: bool = False) -> torch.Tensor:
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Device work only (captured): log the routing, claim free slots for the pairs read from the
-        store, compute every routed expert where the table says it is. x (N, H), ids (N, k) → (N, H).
-        cpu: give the CPU its share of the layer's misses (the form "graph-cpu")."""
+        store, compute every routed expert where the table says it is. x (N, H), ids (N, k) → (N, H)."""
         N, k = ids.shape
         if self.log is None:  # the first call is a warm-up, outside any capture
             L = self.store.n_layers
@@ -137,19 +114,10 @@ class ZeroCopyDecode:
         offsets = self.table[layer]  # (E,)
         # (N·k,) a free slot's offset per pair read from the store, written into this layer's claims row,
         # the pairs' expert ids into its log row
-        cs = self.cpu_set if cpu else None
-        if cs is not None:
-            cs.open(k, x.dtype, weights.dtype)
-        split = None if cs is None else (cs.share, cs.misses[layer:layer + 1], cs.ids[layer, :N * k], cs.gpu_ids[:N * k])
         spare = moe_decode_gpu.claim_free_slots(ids, offsets, self.spares, self.counter, self.pool_numel,
-                                                out=self.claims[layer, :N * k], log=self.log[layer, :N * k], cpu=split)
-        if cs is None:
-            return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
-                                             offsets=offsets, spare=spare)
-        ready = cs.launch(layer, x, weights)  # the CPU's pairs, beside the expert kernels
-        return moe_decode_gpu.moe_decode(x, cs.gpu_ids[:N * k].view(N, k), weights, self.cache.gate_up,
-                                         self.cache.down, offsets=offsets, spare=spare, add=cs.out[:N],
-                                         add_ready=ready)
+                                                out=self.claims[layer, :N * k], log=self.log[layer, :N * k])
+        return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
+                                         offsets=offsets, spare=spare)
 
     # -- between replays --------------------------------------------------------------------------
     def before_step(self, stream=None) -> None:
@@ -164,12 +132,9 @@ class ZeroCopyDecode:
         self.table.copy_(self.mirror, non_blocking=True)
         self.spares.copy_(self.spare_list, non_blocking=True)
         self.counter.zero_()
-        if self.cpu_set is not None:
-            self.cpu_set.update()  # (raises a CPU set's failure in the last replay)
-            self.cpu_set.begin_step()
 
-    def after_step(self, n_tokens: int, cpu: bool = False) -> None:
-        """Queue the logs' copy to the host behind the replay just launched (cpu: a "graph-cpu" one)."""
+    def after_step(self, n_tokens: int) -> None:
+        """Queue the logs' copy to the host behind the replay just launched."""
         self.log_host.copy_(self.log, non_blocking=True)
         self.claims_host.copy_(self.claims, non_blocking=True)
         if self.device.type == "cuda":
@@ -178,7 +143,6 @@ class ZeroCopyDecode:
         else:
             self._log_ready = _Done()
         self._logged_tokens = n_tokens
-        self._logged_cpu = cpu
         self.steps += 1
 
     def leave(self) -> None:
@@ -195,14 +159,11 @@ class ZeroCopyDecode:
             self._log_ready = None
             n = self._logged_tokens
             k = self.log.shape[1] // self.max_tokens
-            cpu_pairs = self.cpu_set.cpu_pairs(n) if self._logged_cpu else None
-            self._account(self.log_host[:, :n * k].numpy().reshape(-1, n, k), self.claims_host[:, :n * k].numpy(),
-                          cpu_pairs)
+            self._account(self.log_host[:, :n * k].numpy().reshape(-1, n, k), self.claims_host[:, :n * k].numpy())
 
-    def _account(self, log: np.ndarray, claims: np.ndarray, cpu_pairs: np.ndarray | None = None) -> None:
+    def _account(self, log: np.ndarray, claims: np.ndarray) -> None:
         """log (L, B, k) and claims (L, B·k) of a finished replay: LRU hits refreshed, misses counted,
-        missed experts admitted into the slots they filled. cpu_pairs (L, B·k): the pairs the CPU
-        computed (expert id, -1 for the rest), which read nothing over the link."""
+        missed experts admitted into the slots they filled."""
         lru, E = self.lru, self.store.n_experts
         L = log.shape[0]
         ids = log.reshape(L, -1)  # (L, B·k)
@@ -218,13 +179,7 @@ class ZeroCopyDecode:
                 self.window.append((int(hits_per_layer[layer]), int(active_per_layer[layer])))
         n_missed = int((active & ~hit).sum())
         lru.misses += n_missed
-        cpu_flat = cpu_only = flat[:0]
-        if cpu_pairs is not None:
-            on_cpu = cpu_pairs >= 0  # (L, B·k)
-            cpu_flat = np.nonzero(on_cpu)[0] * E + cpu_pairs[on_cpu]  # (layer, expert) of each CPU pair
-            in_place = flat[(ids.ravel() >= 0) & ~on_cpu.ravel()]
-            cpu_only = np.setdiff1d(cpu_flat, in_place)  # missed experts the CPU computed every pair of
-        self.zero_copy_experts += n_missed - len(cpu_only)  # experts read over the link
+        self.zero_copy_experts += n_missed
         layers, pairs = np.nonzero(claims >= 0)  # pairs that filled a slot, layer-major
         experts = ids[layers, pairs]
         # Two tokens that missed the same expert each filled a slot: the first copy is kept, the other
@@ -241,7 +196,7 @@ class ZeroCopyDecode:
         if kept:
             self.spare_slots = [s for s in self.spare_slots if s not in kept]
         self.fills += len(kept)
-        outside = int(counts[active & ~hit].sum()) - len(cpu_flat)  # pairs read from the store over the link
+        outside = int(counts[active & ~hit].sum())  # pairs read from the store
         self.link_blocks += outside  # (a pair's fill writes what it read: nothing more crosses the link)
         self._wanted = min(self.max_spares, math.ceil(1.25 * outside) + 4)
 
@@ -273,8 +228,7 @@ class ZeroCopyDecode:
     def telemetry(self) -> dict:
         return {"graph_steps": self.steps, "zero_copy_experts": self.zero_copy_experts,
                 "link_bytes": self.link_blocks * self.store.block_bytes, "graph_fills": self.fills,
-                "free_slots_listed": len(self.spare_slots),
-                **(self.cpu_set.telemetry() if self.cpu_set is not None else {})}
+                "free_slots_listed": len(self.spare_slots)}
 
 
 class _Done:
@@ -288,14 +242,14 @@ class _Done:
 
 
 class ModeChooser:
-    """Per batch size, which step form to run: time PROBE_STEPS steps of each, the forms taking turns in
-    short runs so that all see the cache as it warms (a run's first step, after the switch, untimed),
-    keep the fastest by median step time × its margin (MARGINS), and time all again every
+    """Per batch size, which step form to run: time PROBE_STEPS steps of each, the two taking turns in
+    short runs so that both see the cache as it warms (a run's first step, after the switch, untimed),
+    keep the faster by median step time (pieces by more than GRAPH_MARGIN), and time both again every
     REPROBE_EVERY steps."""
 
-    def __init__(self, forms: tuple[str, ...] = ("graph", "pieces")):
-        self.forms = tuple(forms)
-        self.probe_length = probe_length(len(self.forms))
+    FORMS = ("graph", "pieces")
+
+    def __init__(self):
         self.samples = defaultdict(list)  # (B, form) → step durations of the current probe, s
         self.measured: dict[tuple[int, str], float] = {}  # (B, form) → median ms at the last choice
         self.choice: dict[int, str] = {}
@@ -309,31 +263,23 @@ class ModeChooser:
     def form(self, B: int) -> str:
         if not self.probing(B):
             return self.choice[B]
-        counts = {f: len(self.samples[(B, f)]) for f in self.forms}
+        counts = {f: len(self.samples[(B, f)]) for f in self.FORMS}
         run_form, run_steps = self._run.get(B, (None, PROBE_RUN))
         if run_steps < PROBE_RUN and counts[run_form] < PROBE_STEPS:
             self._run[B] = (run_form, run_steps + 1)
             return run_form
         if min(counts.values()) < PROBE_STEPS:
-            form = min(self.forms, key=counts.get)  # the form with fewest samples (ties: the first)
+            form = min(self.FORMS, key=counts.get)  # the form with fewer samples (ties: the graph)
             self._run[B] = (form, 1)
             return form
         self._run.pop(B, None)
-        medians = {f: float(np.median(self.samples[(B, f)])) for f in self.forms}
-        for f in self.forms:
+        medians = {f: float(np.median(self.samples[(B, f)])) for f in self.FORMS}
+        for f in self.FORMS:
             self.measured[(B, f)] = round(1e3 * medians[f], 3)
             self.samples[(B, f)].clear()
-        self.choice[B] = min(self.forms, key=lambda f: medians[f] * MARGINS.get(f, 1.0))
+        self.choice[B] = "pieces" if medians["pieces"] * GRAPH_MARGIN < medians["graph"] else "graph"
         self.since_choice[B] = 0
         return self.choice[B]
-
-    def drop(self, form: str) -> None:
-        """Never choose or probe `form` again (its capture failed)."""
-        self.forms = tuple(f for f in self.forms if f != form)
-        self.probe_length = probe_length(len(self.forms))
-        for B in [B for B, f in self.choice.items() if f == form]:
-            del self.choice[B]  # probe again among the others
-        self._run = {B: run for B, run in self._run.items() if run[0] != form}
 
     def discard(self) -> None:
         """The step before is not timed (a capture ran since it started)."""

@@ -115,8 +115,8 @@ if triton is not None:
         tl.store(y_ptr + p * H + rows, (y * w).to(dtype), mask=store_ok)  # weighted in the model dtype
 
     @triton.jit
-    def _claim_kernel(ids_ptr, offs_ptr, spares_ptr, counter_ptr, spare_of_pair_ptr, log_ptr, share_ptr, rank_ptr,
-                      cpu_ids_ptr, gpu_ids_ptr, E, pool_numel, n_spares, LOG: tl.constexpr, CPU: tl.constexpr):
+    def _claim_kernel(ids_ptr, offs_ptr, spares_ptr, counter_ptr, spare_of_pair_ptr, log_ptr, E, pool_numel, n_spares,
+                      LOG: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         e = tl.load(ids_ptr + p).to(tl.int64)
         if LOG:
@@ -124,61 +124,45 @@ if triton is not None:
         valid = (e >= 0) & (e < E)
         off = tl.load(offs_ptr + tl.where(valid, e, 0))
         outside = valid & ((off < 0) | (off >= pool_numel))  # the expert is not in a slot of the pool
-        if CPU:  # the layer's r-th miss goes to the CPU where r crosses a multiple of 1/share
-            r = tl.atomic_add(rank_ptr, outside.to(tl.int32)).to(tl.float32)
-            share = tl.load(share_ptr)
-            to_cpu = outside & (tl.floor((r + 1.0) * share) > tl.floor(r * share))
-            outside = outside & ~to_cpu
-            tl.store(cpu_ids_ptr + p, tl.where(to_cpu, e, -1))
-            tl.store(gpu_ids_ptr + p, tl.where(to_cpu, -1, e))
         c = tl.atomic_add(counter_ptr, outside.to(tl.int32))  # this pair's place in the list of free slots (adds 0 for the rest)
         ok = outside & (c < n_spares)
         sp = tl.load(spares_ptr + tl.where(ok, c, 0))
         tl.store(spare_of_pair_ptr + p, tl.where(ok, sp, -1))
 
     @triton.jit
-    def _sum_choices_kernel(y_ptr, add_ptr, out_ptr, H, top_k, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_choices_kernel(y_ptr, out_ptr, H, top_k, BLOCK: tl.constexpr):
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < H
         total = tl.zeros((BLOCK,), tl.float32)
-        if ADD:  # the pairs computed elsewhere (the CPU's), in fp32
-            total += tl.load(add_ptr + t * H + cols, mask=ok, other=0.0)
         for j in range(0, top_k):
             total += tl.load(y_ptr + (t * top_k + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * H + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def claim_free_slots(ids: torch.Tensor, offsets: torch.Tensor, spares: torch.Tensor, counter: torch.Tensor,
-                     pool_numel: int, out: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                     cpu: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     pool_numel: int, out: torch.Tensor | None = None, log: torch.Tensor | None = None) -> torch.Tensor:
     """For each (token, choice) pair whose expert's offset lies outside the pool (read from the host
     store), the next entry of `spares` (element offsets of free slots; -1 past the list's end), in the
     order an atomic counter hands them out → (N·k,) int64 spare offset per pair, -1 for the rest.
     counter (1,) int32 is the number handed out so far (reset by the caller between steps).
     out (N·k,) int64, optional: written instead of a new tensor. log (N·k,) int64, optional: each pair's
     expert id is written there too. The zero-copy decode keeps both per layer for the host; written
-    here, they cost no copy kernels of their own (two a layer, ~2 µs each in a graph on the H200).
-    cpu = (share (1,) fp32, rank (1,) int32, cpu_ids (N·k,) int64, gpu_ids (N·k,) int64), optional:
-    the misses are ranked by the atomic `rank` (reset by the caller between steps) and the r-th goes to
-    the CPU where ⌊(r+1)·share⌋ > ⌊r·share⌋ (engine/experts/graph_cpu_set.py); cpu_ids gets the
-    CPU's pairs' expert ids, gpu_ids the others' (-1 elsewhere in each), and the CPU's pairs claim no
-    slot."""
+    here, they cost no copy kernels of their own (two a layer, ~2 µs each in a graph on the H200)."""
     P = ids.numel()
     spare_of_pair = torch.empty(P, dtype=torch.int64, device=ids.device) if out is None else out
-    share, rank, cpu_ids, gpu_ids = (spare_of_pair,) * 4 if cpu is None else cpu
-    for t in (spare_of_pair, log) + (() if cpu is None else (cpu_ids, gpu_ids)):
+    for t in (spare_of_pair, log):
         assert t is None or (t.numel() == P and t.dtype == torch.int64 and t.is_contiguous()), "(N·k,) int64, contiguous"
     if P:
         _claim_kernel[(P,)](ids.contiguous(), offsets, spares, counter, spare_of_pair,
-                            spare_of_pair if log is None else log, share, rank, cpu_ids, gpu_ids, offsets.shape[0],
-                            pool_numel, spares.shape[0], LOG=log is not None, CPU=cpu is not None)
+                            spare_of_pair if log is None else log, offsets.shape[0], pool_numel, spares.shape[0],
+                            LOG=log is not None)
     return spare_of_pair
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                down: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               spare: torch.Tensor | None = None, add: torch.Tensor | None = None, add_ready=None) -> torch.Tensor:
+               spare: torch.Tensor | None = None) -> torch.Tensor:
     """offsets (E,) int64, optional: expert e starts `offsets[e]` elements past gate_up's (and down's)
     first element instead of at e · stride(0). The offloaded experts pass the pool's views and an
     offset per expert of the layer: into a cache slot, or into the pinned host store, which the
@@ -186,9 +170,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     gate_up and the down view of a block). out (N, H), optional: written instead of a new tensor.
     spare (N·k,) int64, optional (with offsets): pair p also writes the weights it reads to the block
     `spare[p]` elements past the pool's start (a free slot; -1: no copy) — a fill over the same PCIe
-    read that computes with the expert. add (N, H) fp32, optional: added to each token's sum (the
-    pairs the CPU computed); add_ready, optional: a CUDA event the sum waits for first (the CPU side
-    runs while the expert kernels do)."""
+    read that computes with the expert."""
     N, H = x.shape
     k = ids.shape[1]
     I = down.shape[2]
@@ -213,9 +195,5 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     _down_kernel[(P, triton.cdiv(H, 8))](act, down, ids, offs, sp, weights, y, H, I, E, down.stride(0),
                                          down.stride(1), HAS_OFFS=offsets is not None, HAS_SPARE=spare is not None,
                                          BLOCK_R=8, BLOCK_I=min(1024, triton.next_power_of_2(I)))
-    if add_ready is not None:
-        torch.cuda.current_stream(x.device).wait_event(add_ready)
-    assert add is None or (add.shape == (N, H) and add.dtype == torch.float32 and add.is_contiguous())
-    _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, y if add is None else add, out, H, k, ADD=add is not None,
-                                                   BLOCK=1024)
+    _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, out, H, k, BLOCK=1024)
     return out

@@ -21,10 +21,8 @@ batches run the executor whole between pieces, writing a fixed output buffer).
 
 Offloaded experts with a device table (`adaptive` on a GPU, engine/experts/zero_copy.py) can also
 run the whole step as one graph: each layer's kernel finds its experts in cache slots or reads them
-in place from the pinned host store, and the host manages the cache between steps; with the native
-CPU set, the one graph may also give the CPU a share of each layer's misses through host nodes
-(engine/experts/graph_cpu_set.py). A chooser keeps, per batch size, whichever form (one graph, one
-graph with the CPU share, or pieces) measured faster.
+in place from the pinned host store, and the host manages the cache between steps. A chooser keeps,
+per batch size, whichever form (one graph or pieces) measured faster.
 
 The first step of a batch size runs eagerly on a side stream (Triton compiles, cuBLAS picks its
 algorithms), then is captured and replayed: K, V of that step are written twice with the same values
@@ -41,7 +39,7 @@ import torch
 
 from engine.experts.executor import GROUPED_MAX_TOKENS, ExpertExecutor, ResidentExperts
 from engine.experts.offload import OffloadedExperts
-from engine.experts.zero_copy import GRAPH_FORMS, ModeChooser
+from engine.experts.zero_copy import ModeChooser
 from engine.kernels.cuda_capture import GeneratorState
 from engine.kernels.experts_gpu import MAX_GROUPS, uses_grouped_mm
 from engine.kv.resident import ResidentKV
@@ -148,11 +146,11 @@ class _InGraph(ExpertExecutor):
 
     policy = "in-graph"
 
-    def __init__(self, zero_copy, cpu: bool):
-        self.zero_copy, self.cpu = zero_copy, cpu  # cpu: the form "graph-cpu"
+    def __init__(self, zero_copy):
+        self.zero_copy = zero_copy
 
     def run(self, layer, x, ids, weights):
-        return self.zero_copy.run(layer, x, ids, weights, cpu=self.cpu)
+        return self.zero_copy.run(layer, x, ids, weights)
 
     def telemetry(self) -> dict:
         return {}
@@ -167,7 +165,6 @@ class DecodeGraphs:
         self.steps: dict[tuple[int, str], tuple[list[_Piece], torch.Tensor]] = {}  # (B, form) → (pieces, logits (B, V))
         self.pool = None  # resident experts: one pool for every batch size (one graph each)
         self.failed: str | None = None  # set when a capture failed: every later step runs eagerly
-        self.cpu_capture_failed: str | None = None  # why the form "graph-cpu" was dropped
         self.replays = 0
         self.launch_s = 0.0  # host seconds in the step's replay calls (the pieces' launches; the layers'
         # GPU-side graphs are launched inside the executor's host half and timed there)
@@ -175,7 +172,7 @@ class DecodeGraphs:
         self._moe = [layer.mlp for layer in model.model.layers if getattr(layer.mlp, "experts", None) is experts] \
             if self.cut else []
         self.zero_copy = getattr(experts, "zero_copy", None) if self.cut else None
-        self.chooser = ModeChooser(self.zero_copy.forms) if self.zero_copy is not None else None
+        self.chooser = ModeChooser() if self.zero_copy is not None else None
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """tokens (B, 1) on the host, positions (B, 1) from kv.begin_step → logits (B, V) fp32, or None
@@ -197,8 +194,7 @@ class DecodeGraphs:
         if self.chooser is not None:
             self.chooser.started(B, form)
         pieces, logits = entry
-        one_graph = self.zero_copy is not None and form in GRAPH_FORMS
-        if one_graph:
+        if self.zero_copy is not None and form == "graph":
             self.zero_copy.before_step()  # (a pieces step's host halves settle the table themselves: leave)
         for piece in pieces:
             t0 = time.perf_counter()
@@ -208,18 +204,18 @@ class DecodeGraphs:
                 self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed, out=piece.out,
                                  cpu_buf=piece.cpu_buf,
                                  between=piece.gpu_graph.replay if piece.gpu_graph is not None else None)
-        if one_graph:
-            self.zero_copy.after_step(B, cpu=form == "graph-cpu")
+        if self.zero_copy is not None and form == "graph":
+            self.zero_copy.after_step(B)
         self.replays += 1
         if isinstance(self.experts, ResidentExperts):  # the counter Python would have bumped
             self.experts.tokens_routed += B * self.model.args.top_k
         return logits.clone()  # the graph's output buffer is overwritten by the next replay
 
     def _capture(self, B: int, positions: torch.Tensor, form: str):
-        """form: "graph" (one graph; offloaded experts through the device table), "graph-cpu" (the same
-        with a CPU share of the misses run by host nodes) or "pieces" (cut at each offloaded MoE layer)."""
+        """form: "graph" (one graph; offloaded experts through the device table) or "pieces" (cut at
+        each offloaded MoE layer)."""
         tokens = self.tokens[:B]
-        in_graph = _InGraph(self.zero_copy, form == "graph-cpu") if self.cut and form in GRAPH_FORMS else None
+        in_graph = _InGraph(self.zero_copy) if self.cut and form == "graph" else None
         if in_graph is not None:
             self.zero_copy.before_step()  # a valid table for the warm-up
         side = torch.cuda.Stream(self.device)
@@ -255,15 +251,9 @@ class DecodeGraphs:
                 mlp.experts = self.experts
         if failure is not None:
             text = str(failure).strip()
-            reason = f"{type(failure).__name__}: {text.splitlines()[0] if text else ''}"
-            torch.cuda.synchronize(self.device)
-            if form == "graph-cpu":  # the other forms stay
-                log.warning("decode steps give the CPU no share inside the graph: capture failed (%s)", reason)
-                self.chooser.drop(form)
-                self.cpu_capture_failed = reason
-                return None
-            self.failed = reason
+            self.failed = f"{type(failure).__name__}: {text.splitlines()[0] if text else ''}"
             log.warning("decode steps run without CUDA graphs: capture failed (%s)", self.failed)
+            torch.cuda.synchronize(self.device)
             return None
         torch.cuda.current_stream(self.device).wait_stream(side)
         if not self.cut:
@@ -278,7 +268,6 @@ class DecodeGraphs:
         return {"captured_batches": sorted({B for B, _ in self.steps}), "replays": self.replays,
                 "launch_host_s": round(self.launch_s, 4),
                 "failed": self.failed, **({"pieces_per_step": pieces} if self.cut else {}),
-                **({"cpu_capture_failed": self.cpu_capture_failed} if self.cpu_capture_failed else {}),
                 **(self.chooser.telemetry() if self.chooser is not None else {})}
 
     def close(self) -> None:

@@ -11,12 +11,11 @@ pytest.importorskip("triton")
 
 from engine.experts.cache import ExpertCache  # noqa: E402
 from engine.experts.store import ExpertStore  # noqa: E402
-from engine.experts.zero_copy import (GRAPH_MARGIN, PROBE_RUN, PROBE_STEPS, REPROBE_EVERY, probe_length,  # noqa: E402
+from engine.experts.zero_copy import (GRAPH_MARGIN, PROBE_LENGTH, PROBE_RUN, PROBE_STEPS, REPROBE_EVERY,  # noqa: E402
                                       ModeChooser, ZeroCopyDecode)
 from engine.kernels.experts_torch import moe_experts  # noqa: E402
 
 L, E, H, I, K = 3, 6, 24, 16, 2
-PROBE_LENGTH = probe_length(2)  # the probe of a chooser between the graph and pieces
 # the kernels run compiled on CUDA tensors, or interpreted on CPU tensors where there is no GPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
