@@ -7,8 +7,9 @@ for the next step. The GPU waits for it at every step, so it is timed on its own
 Qwen3-30B-A3B's routing shape (48 layers, 128 experts, top-8, one sequence) over a tiny expert size
 (the host work does not depend on it). The replay is stood in for by its two logs: each layer routes
 mostly within 40 "popular" experts of its own (about 0.95 hits at 2,202 slots), and each pair read
-from the store claims the next listed free slot, as the graph's claim kernel would. Prints the median
-and 90th percentile of `before_step` over the steps after the first 10.
+from the store claims the next listed slot, as the graph's claim kernel would, and a claimed slot's
+victim (the cached entry it held) is read from the store from then on. Prints the median and 90th
+percentile of `before_step` over the steps after the first 10.
 """
 
 import sys
@@ -41,7 +42,8 @@ def main() -> None:
         t0 = time.perf_counter()
         zc.before_step()
         times.append(time.perf_counter() - t0)
-        table, spares = zc.table.numpy(), zc.spares.numpy()
+        table, spares, victims = zc.table.numpy(), zc.spares.numpy(), zc.victims.numpy()
+        flat_table, store_offsets = table.reshape(-1), zc.host_table.numpy()
         claimed = 0
         for layer in range(L):  # the replay's logs
             pool = popular[layer] if rng.random() < 0.97 else np.arange(E)
@@ -50,7 +52,11 @@ def main() -> None:
             outside = (offsets < 0) | (offsets >= zc.pool_numel)
             claims = np.full(B * K, -1, dtype=np.int64)
             for p in np.flatnonzero(outside):
-                claims[p] = spares[claimed] if claimed < len(spares) else -1
+                if claimed < len(spares) and spares[claimed] >= 0:
+                    claims[p] = spares[claimed]
+                    victim = victims[claimed]
+                    if victim >= 0:  # its later layers read the store
+                        flat_table[victim] = store_offsets[victim]
                 claimed += 1
             zc.log[layer, :B * K] = torch.from_numpy(ids)
             zc.claims[layer, :B * K] = torch.from_numpy(claims)

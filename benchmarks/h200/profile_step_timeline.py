@@ -7,7 +7,9 @@ random prompt of `context` tokens (default 2048) per sequence, and for each poli
 adaptive,on-demand) decodes 24 warm-up tokens (graph capture, compiles, the decode form's choice, a warm
 cache), then 8 tokens under torch.profiler with CUDA activity. Per policy it writes the wall time a
 step, the GPU's busy time a step (the union of kernel and copy intervals), the idle time that leaves,
-and the kernels and copies by total time a step. Kernels inside CUDA graph replays are recorded too.
+split by gap length (under 5 µs: a graph's kernel-to-kernel launch; 5–50 µs; over 50 µs: the GPU waited
+for the host, e.g. between replays), and the kernels and copies by total time a step. Kernels inside
+CUDA graph replays are recorded too.
 """
 
 import json
@@ -18,9 +20,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine.api import Engine, EngineConfig, GenerationRequest
-from engine.bench.experts import context_needed
+from engine.bench.experts import WARM_TOKENS, context_needed
 
-WARM, TIMED = 24, 8
+WARM, TIMED = WARM_TOKENS + 2, 8
+GAP_BUCKETS_US = (5.0, 50.0)  # idle gaps shorter than the first, up to the second, longer
 
 
 def decode(engine, history: list[list[int]], sessions: list[str], n: int) -> float:
@@ -42,9 +45,14 @@ def device_intervals(prof) -> list[tuple[str, float, float]]:
 
 
 def summarise(intervals, steps: int, wall_s: float) -> dict:
-    busy, end = 0.0, -1.0
-    for _, s, e in intervals:  # union of the intervals
-        if s >= end:
+    busy, end = 0.0, None
+    gaps = [[0, 0.0] for _ in range(len(GAP_BUCKETS_US) + 1)]  # per bucket: (count, µs)
+    for _, s, e in intervals:  # union of the intervals, and the idle gaps between its pieces
+        if end is None or s >= end:
+            if end is not None:
+                bucket = sum(s - end >= b for b in GAP_BUCKETS_US)
+                gaps[bucket][0] += 1
+                gaps[bucket][1] += s - end
             busy += e - s
             end = e
         elif e > end:
@@ -60,6 +68,8 @@ def summarise(intervals, steps: int, wall_s: float) -> dict:
             "gpu_span_ms_per_step": round(span / 1e3 / steps, 3),
             "gpu_idle_share_of_wall": round(1 - busy / 1e3 / (wall_s * 1e3), 3) if wall_s else None,
             "kernels_and_copies_per_step": round(len(intervals) / steps, 1),
+            "idle_gaps_per_step": {name: {"count": round(n / steps, 1), "ms": round(us / 1e3 / steps, 3)}
+                                   for name, (n, us) in zip(("under_5us", "5_to_50us", "over_50us"), gaps)},
             "top": [{"name": n[:120], "ms_per_step": round(sum(d) / 1e3 / steps, 4), "calls_per_step": len(d) / steps,
                      "mean_us": round(sum(d) / len(d), 2)} for n, d in top]}
 

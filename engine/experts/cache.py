@@ -145,21 +145,28 @@ class SlotLRU:
         self.entries[key] = _Entry(slot, self._tick())
         return slot
 
-    def take_slots(self, n: int) -> tuple[list[int], list[Key]]:
-        """Up to n slots out of the LRU's hands: free ones first, then those of the least recently
-        used unlocked entries, which are evicted → (slots, evicted keys). The caller holds the slots
-        until it admits into them (`admit_into`) or gives them back (`give_back`)."""
+    def take_slots(self, n: int, evict: bool = True) -> tuple[list[int], list[Key]]:
+        """Up to n slots out of the LRU's hands: free ones first, then (evict) those of the least
+        recently used unlocked entries, which are evicted → (slots, evicted keys). The caller holds the
+        slots until it admits into them (`admit_into`) or gives them back (`give_back`)."""
         slots, evicted = [], []
         while len(slots) < n and self.free:
             slots.append(self.free.pop())
-        if len(slots) < n:
-            # Only as far into the LRU order as needed: listing every unlocked entry took ~0.4 ms a call
-            # at 2,202 slots (development machine, cProfile), between two one-graph steps.
-            oldest = islice((k for k in self.entries if k not in self.locked), n - len(slots))
-            for key in list(oldest):  # listed first: eviction changes the dict
+        if len(slots) < n and evict:
+            for key in self.oldest(n - len(slots)):
                 slots.append(self._evict(key))
                 evicted.append(key)
         return slots, evicted
+
+    def oldest(self, n: int) -> list[Key]:
+        """The n least recently used unlocked entries, oldest first (left cached)."""
+        # Only as far into the LRU order as needed: listing every unlocked entry took ~0.4 ms a call
+        # at 2,202 slots (development machine, cProfile), between two one-graph steps.
+        return list(islice((k for k in self.entries if k not in self.locked), max(0, n)))
+
+    def evict(self, key: Key) -> int:
+        """Drop a cached entry whose slot the caller has taken over → that slot (counted as an eviction)."""
+        return self._evict(key)
 
     def admit_into(self, layer: int, expert: int, slot: int) -> None:
         """A fill that landed in a slot the caller took with `take_slots`: a new, most recent entry."""

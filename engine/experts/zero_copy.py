@@ -14,17 +14,23 @@ is one graph; the cache follows one step behind, on the host, between replays:
 
 1. The graph logs each MoE layer's routing and each pair's claimed slot; after the replay both come
    to the host.
-2. Before the next replay the host reads them: experts whose entry pointed to a slot were hits
-   (their LRU recency is refreshed); the others were misses, and each missed expert that claimed a
-   slot enters the LRU there, its entry now pointing to that slot (the replay that wrote it is over).
-3. The list of free slots is topped up for the next step — about the last step's misses — from the
-   LRU's free slots, else by evicting its least recently used entries, whose table entries point back
-   to the store at once.
+2. Before the next replay the host reads them: experts whose entry pointed to a slot when their
+   layer ran were hits (their LRU recency is refreshed); the others were misses. A listed slot that
+   was claimed loses its old expert (below), and each missed expert that claimed a slot enters the
+   LRU there, its entry now pointing to that slot (the replay that wrote it is over).
+3. The list of slots for the next step's misses — about the last step's — starts with the LRU's free
+   slots (held out of it) and goes on with the slots of its least recently used entries, which stay
+   cached: each is listed with its victim, the entry it holds.
 4. The changed table and list go to the device on the compute stream, ahead of the next replay.
 
-No replay reads a listed slot (no entry points to it) and no slot is listed while an entry points to
-it, so a slot is never written while read. A step run the other way (pieces, eager prefill) changes
-the LRU behind the table's back; the table is then rebuilt from the LRU before the next graph replay.
+A pair that claims a victim's slot first points the victim's table entry back to the store, in the
+claim kernel, before any expert kernel of its layer reads the table: the victim's later layers in
+the step read it from the store, its earlier ones have finished. So a slot is never written while
+read, and a victim stays cached until a miss really takes its slot. (Evicting the listed entries
+ahead, as a first version did, held ~1.25 × a step's misses of the cache empty: at 32K bs=1 with 916
+slots that was about 190, and the one graph hit 0.61 where on-demand hit 0.66: RESULTS.md, phase CE.)
+A step run the other way (pieces, eager prefill) changes the LRU behind the table's back; the table
+is then rebuilt from the LRU before the next graph replay.
 
 `ModeChooser` keeps, per batch size, whichever of the two step forms (one graph here, or pieces with
 the planner's CPU split) measured faster, and re-measures the other now and then.
@@ -86,9 +92,14 @@ class ZeroCopyDecode:
         self.table = self.mirror.to(self.device, copy=True)  # (L, E) int64, read by the graph
         self.max_spares = max(1, cache.n_slots // SPARE_SHARE)
         self.spare_list = self._host(torch.full((self.max_spares,), -1, dtype=torch.int64))
-        self.spares = self.spare_list.to(self.device, copy=True)  # (S,) offsets of free slots, -1 past the end
-        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # free slots claimed this step
-        self.spare_slots: list[int] = []  # slots held out of the LRU for the next step's misses
+        self.spares = self.spare_list.to(self.device, copy=True)  # (S,) offsets of listed slots, -1 past the end
+        self.victim_list = self._host(torch.full((self.max_spares,), -1, dtype=torch.int64))
+        self.victims = self.victim_list.to(self.device, copy=True)  # (S,) layer · E + expert a listed slot holds, or -1
+        self.host_table = torch.from_numpy(self.host_offsets.reshape(-1).copy()).to(self.device)  # (L·E,) store offsets
+        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # listed slots claimed this step
+        self.spare_slots: list[int] = []  # free slots held out of the LRU for the next step's misses
+        self.victim_keys: list[tuple[int, int]] = []  # cached entries whose slots are listed after them
+        self._victim_of: dict[int, tuple[int, int]] = {}  # listed slot → the entry it holds
         self._wanted = min(self.max_spares, 2 * L)  # list length before a step has been seen
         self.log = self.claims = self.log_host = self.claims_host = None  # made at the first run
         self._log_ready = None  # CUDA event after the last replay's log copy
@@ -115,7 +126,8 @@ class ZeroCopyDecode:
         # (N·k,) a free slot's offset per pair read from the store, written into this layer's claims row,
         # the pairs' expert ids into its log row
         spare = moe_decode_gpu.claim_free_slots(ids, offsets, self.spares, self.counter, self.pool_numel,
-                                                out=self.claims[layer, :N * k], log=self.log[layer, :N * k])
+                                                out=self.claims[layer, :N * k], log=self.log[layer, :N * k],
+                                                evict=(self.victims, self.table.view(-1), self.host_table))
         return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
                                          offsets=offsets, spare=spare)
 
@@ -131,6 +143,7 @@ class ZeroCopyDecode:
         # next log wait, by which time these copies have run.
         self.table.copy_(self.mirror, non_blocking=True)
         self.spares.copy_(self.spare_list, non_blocking=True)
+        self.victims.copy_(self.victim_list, non_blocking=True)
         self.counter.zero_()
 
     def after_step(self, n_tokens: int) -> None:
@@ -150,7 +163,7 @@ class ZeroCopyDecode:
         to the LRU, and rebuild the table from the LRU before the next replay."""
         self._read_log()
         self.lru.give_back(self.spare_slots)
-        self.spare_slots = []
+        self.spare_slots, self.victim_keys, self._victim_of = [], [], {}
         self.stale = True
 
     def _read_log(self) -> None:
@@ -163,14 +176,22 @@ class ZeroCopyDecode:
 
     def _account(self, log: np.ndarray, claims: np.ndarray) -> None:
         """log (L, B, k) and claims (L, B·k) of a finished replay: LRU hits refreshed, misses counted,
-        missed experts admitted into the slots they filled."""
+        victims of claimed slots evicted, missed experts admitted into the slots they filled."""
         lru, E = self.lru, self.store.n_experts
         L = log.shape[0]
         ids = log.reshape(L, -1)  # (L, B·k)
         flat = (np.arange(L)[:, None] * E + ids).ravel()
         counts = np.bincount(flat[ids.ravel() >= 0], minlength=L * E).reshape(L, E)  # tokens per (layer, expert)
         active = counts > 0
-        hit = active & (self.mirror.numpy() != self.host_offsets)  # entries that pointed to a slot
+        mirror = self.mirror.numpy()
+        hit = active & (mirror != self.host_offsets)  # entries that pointed to a slot when the step began
+        claim_layers, claim_pairs = np.nonzero(claims >= 0)  # pairs that claimed a listed slot, layer-major
+        claimed = (claims[claim_layers, claim_pairs] // self.slot_numel).tolist()
+        taken = [(slot, self._victim_of[slot]) for slot in claimed if slot in self._victim_of]
+        for slot, claim_layer in zip(claimed, claim_layers.tolist()):
+            victim = self._victim_of.get(slot)
+            if victim is not None and claim_layer <= victim[0]:  # its layer read it from the store
+                hit[victim] = False
         hit_layers, hit_experts = np.nonzero(hit)  # layer-major: the order the replay used them in
         lru.refresh(list(zip(hit_layers.tolist(), hit_experts.tolist())))
         if self.window is not None:
@@ -180,39 +201,46 @@ class ZeroCopyDecode:
         n_missed = int((active & ~hit).sum())
         lru.misses += n_missed
         self.zero_copy_experts += n_missed
-        layers, pairs = np.nonzero(claims >= 0)  # pairs that filled a slot, layer-major
+        for slot, key in taken:  # a miss wrote over these entries' weights
+            lru.evict(key)
+            mirror[key] = self.host_offsets[key]
+        layers, pairs = claim_layers, claim_pairs
         experts = ids[layers, pairs]
         # Two tokens that missed the same expert each filled a slot: the first copy is kept, the other
-        # slot stays listed.
+        # slot is free (held for the next list).
         _, first = np.unique(layers * E + experts, return_index=True)
         first.sort()  # admitted in the order the replay filled them
         layers, experts, offsets = layers[first], experts[first], claims[layers[first], pairs[first]]
-        mirror, kept = self.mirror.numpy(), set()
+        kept = set()
         for layer, e, offset in zip(layers.tolist(), experts.tolist(), offsets.tolist()):
             slot = offset // self.slot_numel
             lru.admit_into(layer, e, slot)
             mirror[layer, e] = offset
             kept.add(slot)
-        if kept:
-            self.spare_slots = [s for s in self.spare_slots if s not in kept]
+        self.spare_slots = [s for s in self.spare_slots if s not in kept] + \
+            [slot for slot, _ in taken if slot not in kept]
         self.fills += len(kept)
         outside = int(counts[active & ~hit].sum())  # pairs read from the store
         self.link_blocks += outside  # (a pair's fill writes what it read: nothing more crosses the link)
         self._wanted = min(self.max_spares, math.ceil(1.25 * outside) + 4)
 
     def _list_spares(self) -> None:
-        """Top the list of free slots up to about the last step's misses (evicting LRU entries, whose
-        readers go back to the store from the next replay on)."""
+        """List about the last step's misses of slots: free ones (held out of the LRU), then those of
+        the least recently used entries, which stay cached until a miss claims their slot."""
         short = self._wanted - len(self.spare_slots)
         if short > 0:
-            slots, evicted = self.lru.take_slots(short)
-            mirror = self.mirror.numpy()
-            for key in evicted:
-                mirror[key] = self.host_offsets[key]
-            self.spare_slots.extend(slots)
-        listed = self.spare_list.numpy()
+            self.spare_slots.extend(self.lru.take_slots(short, evict=False)[0])
+        entries = self.lru.entries
+        self.victim_keys = self.lru.oldest(self._wanted - len(self.spare_slots))
+        victim_slots = [entries[key].slot for key in self.victim_keys]
+        self._victim_of = dict(zip(victim_slots, self.victim_keys))
+        n_free, n = len(self.spare_slots), len(self.spare_slots) + len(victim_slots)
+        listed, victims = self.spare_list.numpy(), self.victim_list.numpy()
         listed.fill(-1)
-        listed[:len(self.spare_slots)] = np.asarray(self.spare_slots, dtype=np.int64) * self.slot_numel
+        listed[:n] = np.asarray(self.spare_slots + victim_slots, dtype=np.int64) * self.slot_numel
+        victims.fill(-1)
+        E = self.store.n_experts
+        victims[n_free:n] = [layer * E + e for layer, e in self.victim_keys]
 
     def _rebuild(self, stream) -> None:
         """The table from the LRU as it stands, once every copy issued so far has landed."""

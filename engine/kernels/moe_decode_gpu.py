@@ -115,8 +115,8 @@ if triton is not None:
         tl.store(y_ptr + p * H + rows, (y * w).to(dtype), mask=store_ok)  # weighted in the model dtype
 
     @triton.jit
-    def _claim_kernel(ids_ptr, offs_ptr, spares_ptr, counter_ptr, spare_of_pair_ptr, log_ptr, E, pool_numel, n_spares,
-                      LOG: tl.constexpr):
+    def _claim_kernel(ids_ptr, offs_ptr, spares_ptr, counter_ptr, spare_of_pair_ptr, log_ptr, victims_ptr, table_ptr,
+                      host_table_ptr, E, pool_numel, n_spares, LOG: tl.constexpr, EVICT: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         e = tl.load(ids_ptr + p).to(tl.int64)
         if LOG:
@@ -128,6 +128,11 @@ if triton is not None:
         ok = outside & (c < n_spares)
         sp = tl.load(spares_ptr + tl.where(ok, c, 0))
         tl.store(spare_of_pair_ptr + p, tl.where(ok, sp, -1))
+        if EVICT:  # the slot still holds a cached expert: from now on its readers go to the store
+            v = tl.load(victims_ptr + tl.where(ok, c, 0))
+            evict = ok & (v >= 0)
+            v_ok = tl.where(evict, v, 0)
+            tl.store(table_ptr + v_ok, tl.load(host_table_ptr + v_ok), mask=evict)
 
     @triton.jit
     def _sum_choices_kernel(y_ptr, out_ptr, H, top_k, BLOCK: tl.constexpr):
@@ -141,22 +146,30 @@ if triton is not None:
 
 
 def claim_free_slots(ids: torch.Tensor, offsets: torch.Tensor, spares: torch.Tensor, counter: torch.Tensor,
-                     pool_numel: int, out: torch.Tensor | None = None, log: torch.Tensor | None = None) -> torch.Tensor:
+                     pool_numel: int, out: torch.Tensor | None = None, log: torch.Tensor | None = None,
+                     evict: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """For each (token, choice) pair whose expert's offset lies outside the pool (read from the host
     store), the next entry of `spares` (element offsets of free slots; -1 past the list's end), in the
     order an atomic counter hands them out → (N·k,) int64 spare offset per pair, -1 for the rest.
     counter (1,) int32 is the number handed out so far (reset by the caller between steps).
     out (N·k,) int64, optional: written instead of a new tensor. log (N·k,) int64, optional: each pair's
     expert id is written there too. The zero-copy decode keeps both per layer for the host; written
-    here, they cost no copy kernels of their own (two a layer, ~2 µs each in a graph on the H200)."""
+    here, they cost no copy kernels of their own (two a layer, ~2 µs each in a graph on the H200).
+    evict = (victims (S,) int64, table (L·E,) int64, host_table (L·E,) int64), optional: a listed slot may
+    still hold a cached expert, victims[c] its flat (layer · E + expert) index in the offset table
+    (-1: the slot is free); the pair that claims it points that entry back to the store
+    (host_table's value) before any later kernel reads the table, so the victim stays cached until
+    its slot is really taken (engine/experts/zero_copy.py)."""
     P = ids.numel()
     spare_of_pair = torch.empty(P, dtype=torch.int64, device=ids.device) if out is None else out
     for t in (spare_of_pair, log):
         assert t is None or (t.numel() == P and t.dtype == torch.int64 and t.is_contiguous()), "(N·k,) int64, contiguous"
+    victims, table, host_table = (spares,) * 3 if evict is None else evict
+    assert victims.shape == spares.shape and table.shape == host_table.shape and table.is_contiguous()
     if P:
         _claim_kernel[(P,)](ids.contiguous(), offsets, spares, counter, spare_of_pair,
-                            spare_of_pair if log is None else log, offsets.shape[0], pool_numel, spares.shape[0],
-                            LOG=log is not None)
+                            spare_of_pair if log is None else log, victims, table, host_table, offsets.shape[0],
+                            pool_numel, spares.shape[0], LOG=log is not None, EVICT=evict is not None)
     return spare_of_pair
 
 

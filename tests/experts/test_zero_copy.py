@@ -42,9 +42,12 @@ def _check_table(zc, cache, store):
     for (layer, e), ent in cache.lru.entries.items():
         want[layer, e] = ent.slot * zc.slot_numel
     assert (table == want).all()
-    listed = zc.spares.cpu().numpy()
-    assert listed[:len(zc.spare_slots)].tolist() == [s * zc.slot_numel for s in zc.spare_slots]
-    assert (listed[len(zc.spare_slots):] == -1).all()
+    listed, victims = zc.spares.cpu().numpy(), zc.victims.cpu().numpy()
+    slots = zc.spare_slots + [cache.lru.slot_of(key) for key in zc.victim_keys]  # free ones, then cached ones
+    assert listed[:len(slots)].tolist() == [s * zc.slot_numel for s in slots]
+    assert (listed[len(slots):] == -1).all()
+    assert victims[:len(slots)].tolist() == [-1] * len(zc.spare_slots) + [l * E + e for l, e in zc.victim_keys]
+    assert len(set(slots)) == len(slots)
 
 
 def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False):
@@ -214,3 +217,67 @@ def test_an_eager_layer_after_a_graph_step_reads_its_log_first():
     _check_slots(zc, ex.cache)
     _check_table(zc, ex.cache, store)
     assert ex.cache.lru.hits > 0 and zc.telemetry()["graph_steps"] == 6
+
+
+def _full_cache(order):
+    """A cache holding exactly `order` ((layer, expert), least recent first), its slots filled."""
+    gate_up, down = _model()
+    store = ExpertStore.from_layers(gate_up, down, dtype=torch.float32, pin=DEVICE == "cuda")
+    cache = ExpertCache(len(order), H, I, torch.float32, torch.device(DEVICE))
+    for layer, e in order:
+        slot, _ = cache.lru.admit(layer, e)
+        cache.copy_in(slot, store.block(layer, e))
+    cache.lru.unlock()
+    cache.lru.fills = 0
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4)
+    return zc, store, cache, gate_up, down
+
+
+def _graph_step(zc, routing, gate_up, down, seed=0):
+    """One replay's worth of layers with the given routing (layer → (1, k) ids), checked against resident."""
+    g = torch.Generator().manual_seed(seed)
+    for layer, ids in enumerate(routing):
+        x, w = torch.randn(1, H, generator=g), torch.softmax(torch.randn(1, K, generator=g), -1)
+        out = zc.run(layer, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))
+        ref = moe_experts(x.double(), ids, w.double(), gate_up[layer].double(), down[layer].double())
+        torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-4)
+    zc.after_step(1)
+
+
+ORDER = [(2, 0), (2, 2), (0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 3)]  # least recent first
+
+
+def test_listed_slots_keep_their_experts_cached_until_a_miss_claims_them():
+    """A full cache whose entries every step hits: the slots listed for misses are its oldest entries'
+    and stay cached (listing once evicted them ahead: a quarter of a small cache stood empty)."""
+    zc, store, cache, gate_up, down = _full_cache(ORDER)
+    routing = [torch.tensor([[1, 2]]), torch.tensor([[1, 2]]), torch.tensor([[0, 2]])]
+    for step in range(4):
+        zc.before_step()
+        assert zc.victim_keys and not zc.spare_slots  # no free slot: cached entries are listed
+        _check_slots(zc, cache)
+        _check_table(zc, cache, store)
+        _graph_step(zc, routing, gate_up, down, seed=step)
+    zc.before_step()
+    lru = cache.lru
+    assert lru.misses == 0 and lru.evictions == 0 and lru.hits == 4 * 6 and len(lru) == len(ORDER)
+
+
+def test_a_victim_claimed_before_its_layer_is_read_from_the_store_then_replaced():
+    """Layer 0's miss claims the slot of (2, 0), the oldest entry; layer 2 then routes expert 0: it must
+    read the store, not the slot now holding (0, 4), and count as a miss. Its own claim takes the
+    next listed slot, that of (2, 2), which layer 2 also routes (read from the store either way)."""
+    zc, store, cache, gate_up, down = _full_cache(ORDER)
+    zc.before_step()
+    assert zc.victim_keys == [(2, 0), (2, 2)]  # the two listed slots, oldest first
+    slot_20, slot_22 = cache.lru.slot_of((2, 0)), cache.lru.slot_of((2, 2))
+    _graph_step(zc, [torch.tensor([[1, 4]]), torch.tensor([[1, 2]]), torch.tensor([[0, 2]])], gate_up, down)
+    zc.before_step()
+    lru = cache.lru
+    assert lru.hits == 3 and lru.misses == 3  # (0,1), (1,1), (1,2) hit; (0,4), (2,0), (2,2) missed
+    assert lru.slot_of((0, 4)) == slot_20 and lru.slot_of((2, 0)) == slot_22 and (2, 2) not in lru
+    assert lru.evictions == 2 and lru.fills == 2
+    for key in ((0, 4), (2, 0)):
+        assert torch.equal(cache.pool[lru.slot_of(key)].cpu(), store.block(*key))
+    _check_slots(zc, cache)
+    _check_table(zc, cache, store)
