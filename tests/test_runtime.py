@@ -4,9 +4,11 @@ import json
 import threading
 
 import pytest
+import torch
 
 from engine.api import GenerationRequest, StatsSnapshot
 from engine.errors import ContextOverflowError
+from engine.runtime.sampling import Sampler, SamplingParams
 
 QUESTIONS = ["Hi!", "Name three colours of the rainbow, please.",
              "Write two sentences about the history of the city of Rome and its empire."]
@@ -140,3 +142,37 @@ def test_host_pinned_bytes_count_the_kv_staging_buffer():
                                 kv_tel={"bytes": {"kv_pinned": 100, "kv_staging": 50, "kv_unpinned": 7}},
                                 experts_tel=None, vram_budget_bytes=None, model_info={}, profile=None)
     assert snap.host["kv_pinned"] == 150 and snap.host["kv_unpinned"] == 7
+
+
+def test_a_sequence_ending_before_the_others_leaves_its_kv_as_its_session_says(dense_engine):
+    """Decode runs a step ahead of the host: a sequence whose stop string ends it has been fed its last
+    token once more. That KV entry must be cropped, or the session's next turn would reuse it."""
+    gen, kv = dense_engine.backend.generator, dense_engine.backend.parts.kv
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    reqs = [GenerationRequest(messages=ask, max_new_tokens=24, greedy=True, stop=["Paris"], session_id="a"),
+            GenerationRequest(messages=ask, max_new_tokens=24, greedy=True, session_id="b")]
+    first, second = dense_engine.generate_batch(reqs)
+    assert first.finish_reason == "stop" and second.completion_tokens > first.completion_tokens
+    for key, res in (("a", first), ("b", second)):
+        s = gen.sessions[key]
+        prompt = dense_engine.prompt_ids(reqs[0])
+        assert s.cached == prompt + res.token_ids[:-1]  # every token but the last, which no step was fed
+        assert kv.length(s.seq_id) == len(s.cached)
+        dense_engine.end_session(key)
+
+
+def test_decode_tokens_equal_one_step_at_a_time(dense_engine):
+    """The same tokens as sampling each step's token before launching the next (seeded sampling, a
+    repetition penalty reading the history)."""
+    ids = dense_engine.render([{"role": "user", "content": "Say something about rivers."}])
+    piped = dense_engine.generate_ids(ids, 20, greedy=False, temperature=0.9, seed=11, repetition_penalty=1.3)
+    gen = dense_engine.backend.generator
+    sampler = Sampler(SamplingParams(temperature=0.9, seed=11, repetition_penalty=1.3))
+    s = gen.session(None)
+    with torch.inference_mode():
+        out = [sampler(gen._forward([s], torch.tensor([ids]))[0], ids)]
+        while len(out) < len(piped):
+            logits = gen._forward([s], torch.tensor([[out[-1]]]))[0]
+            out.append(sampler(logits, ids + out))
+    gen.kv.free(s.seq_id)
+    assert len(piped) >= 2 and out == piped

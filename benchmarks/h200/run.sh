@@ -155,6 +155,9 @@
 #   bash benchmarks/h200/run.sh CF   # listed slots stay cached until claimed: tests on CUDA; CE's 32K bs=1 with the change and
 #                                    #   before it (.ab-before/: zero_copy.py, cache.py, moe_decode_gpu.py of 5788309);
 #                                    #   2K bs=1 rounds; the 2K bs=1 timeline with idle gaps by length
+#   bash benchmarks/h200/run.sh CG   # decode a step ahead of the host: resident L16 bench e2e at 2K and 2K bs=1 rounds, new /
+#                                    #   before (.ab-before/: generator.py, sampling.py of eb439c8) / new; 32K bs=1 at 916
+#                                    #   slots; the 2K bs=1 timeline
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -754,6 +757,27 @@ if [ "$phase" = BX ]; then
   step GPU timeline of a decode step, 48 layers, 2K, bs=1
   timeout 300 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" 2>>"$log" | tee -a "$log"
   bench_2k_rounds
+fi
+if [ "$phase" = CG ]; then
+  step tests: decode graphs and offloaded experts on CUDA
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/experts/test_zero_copy.py tests/models/test_decode_graph.py \
+    > "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  for v in new before new2; do
+    [ $v = before ] && ab_swap
+    step resident synthetic:qwen3-30b-a3b-L16 bench e2e, $v
+    timeout 150 python3 -m engine.cli bench e2e --model synthetic:qwen3-30b-a3b-L16 --kv-policies resident \
+      --expert-policy resident --batch-sizes 1,4 --contexts 2048 --new-tokens 32 --vram-budget-gb 0 \
+      --json "$out/e2e-resident-L16-$v.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
+    [ $v != new2 ] && bench_experts 2k-bs1-$v --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 2 \
+      --policies on-demand,adaptive
+    [ $v = before ] && ab_restore
+  done
+  bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill \
+    --policies on-demand,adaptive
+  step GPU timeline of a decode step, 48 layers, 2K, bs=1, adaptive, with idle gaps by length
+  timeout 150 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" synthetic:qwen3-30b-a3b \
+    adaptive 2>>"$log" | head -2 | cut -c1-1200 | tee -a "$log"
 fi
 if [ "$phase" = CF ]; then
   step tests: listed slots keep their experts until claimed, on CUDA

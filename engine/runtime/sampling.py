@@ -41,10 +41,14 @@ class Sampler:
         return self.p.repetition_penalty != 1.0
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
-        """logits: (V,) on any device; history: every token of the sequence so far. The arithmetic runs
-        where the logits are and only the chosen id comes back: copying a 152K vocabulary's logits to
-        the host and drawing there took ~1.3 ms a token on the H200 (cProfile of a bs=1 decode step,
-        benchmarks/h200/2026-11-30-BQ). The caller's tensor is not changed."""
+        """logits: (V,) on any device; history: every token of the sequence so far → the chosen id."""
+        return int(self.choose(logits, history))
+
+    def choose(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """The chosen id as a 0-d int64 tensor where the logits are, without waiting for it (the decode
+        loop reads it a step later). The arithmetic runs where the logits are: copying a 152K
+        vocabulary's logits to the host and drawing there took ~1.3 ms a token on the H200 (cProfile of
+        a bs=1 decode step, benchmarks/h200/2026-11-30-BQ). The caller's tensor is not changed."""
         logits = logits.float()  # (V,)
         V, p = logits.numel(), self.p
         if p.repetition_penalty != 1.0 and history:
@@ -53,7 +57,7 @@ class Sampler:
             logits = logits.index_put((seen,), torch.where(vals > 0, vals / p.repetition_penalty,
                                                             vals * p.repetition_penalty))
         if p.greedy or p.temperature == 0:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits)
         logits = logits / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, V)).values[-1]
@@ -69,4 +73,4 @@ class Sampler:
         # the same uniforms on every device.
         cdf = torch.cumsum(torch.softmax(logits, dim=-1).double(), dim=0)  # (V,)
         u = torch.rand(1, generator=self.gen, dtype=torch.float64).to(logits.device) * cdf[-1]
-        return int(torch.searchsorted(cdf, u, right=True).clamp_(max=V - 1))
+        return torch.searchsorted(cdf, u, right=True).clamp_(max=V - 1)[0]
