@@ -158,6 +158,7 @@
 #   bash benchmarks/h200/run.sh CG   # decode a step ahead of the host: resident L16 bench e2e at 2K and 2K bs=1 rounds, new /
 #                                    #   before (.ab-before/: generator.py, sampling.py of eb439c8) / new; 32K bs=1 at 916
 #                                    #   slots; the 2K bs=1 timeline
+#   bash benchmarks/h200/run.sh CH   # after the fix of the graph warm-up's claims (accounted as a step): tests on CUDA; 2K bs=1
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -757,6 +758,13 @@ if [ "$phase" = BX ]; then
   step GPU timeline of a decode step, 48 layers, 2K, bs=1
   timeout 300 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" 2>>"$log" | tee -a "$log"
   bench_2k_rounds
+fi
+if [ "$phase" = CH ]; then
+  step tests: offloaded experts in one graph after the warm-up fix, decode graphs, on CUDA
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/experts/test_zero_copy.py tests/models/test_decode_graph.py \
+    > "$out/pytest.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  bench_experts 2k-bs1 --batch-sizes 1 --contexts 2048 --shared-prefill --policies on-demand,adaptive
 fi
 if [ "$phase" = CG ]; then
   step tests: decode graphs and offloaded experts on CUDA

@@ -104,6 +104,7 @@ class ZeroCopyDecode:
         self.log = self.claims = self.log_host = self.claims_host = None  # made at the first run
         self._log_ready = None  # CUDA event after the last replay's log copy
         self._logged_tokens = 0  # B of the logs awaiting their reading
+        self._unlogged_tokens = 0  # B of device work run since the last after_step (a graph's eager warm-up)
         self.stale = True  # the LRU changed outside this path: rebuild the table before a replay
         self.zero_copy_experts = self.fills = self.steps = 0  # experts read over PCIe; kept in a slot
         self.link_blocks = 0  # expert blocks read over PCIe: one per (token, choice) pair read in place
@@ -116,6 +117,7 @@ class ZeroCopyDecode:
         """Device work only (captured): log the routing, claim free slots for the pairs read from the
         store, compute every routed expert where the table says it is. x (N, H), ids (N, k) → (N, H)."""
         N, k = ids.shape
+        self._unlogged_tokens = max(self._unlogged_tokens, N)
         if self.log is None:  # the first call is a warm-up, outside any capture
             L = self.store.n_layers
             self.log = torch.full((L, self.max_tokens * k), -1, dtype=torch.int64, device=self.device)  # (L, B·k)
@@ -146,8 +148,10 @@ class ZeroCopyDecode:
         self.victims.copy_(self.victim_list, non_blocking=True)
         self.counter.zero_()
 
-    def after_step(self, n_tokens: int) -> None:
-        """Queue the logs' copy to the host behind the replay just launched."""
+    def after_step(self, n_tokens: int, replay: bool = True) -> None:
+        """Queue the logs' copy to the host behind the replay just launched (replay False: behind
+        layers run eagerly, not counted as a graph step)."""
+        self._unlogged_tokens = 0
         self.log_host.copy_(self.log, non_blocking=True)
         self.claims_host.copy_(self.claims, non_blocking=True)
         if self.device.type == "cuda":
@@ -156,7 +160,7 @@ class ZeroCopyDecode:
         else:
             self._log_ready = _Done()
         self._logged_tokens = n_tokens
-        self.steps += 1
+        self.steps += replay
 
     def leave(self) -> None:
         """A step of another form follows: read the last replay's logs now, hand the listed slots back
@@ -167,6 +171,10 @@ class ZeroCopyDecode:
         self.stale = True
 
     def _read_log(self) -> None:
+        if self._unlogged_tokens:  # layers ran eagerly without after_step (the warm-up before a capture)
+            # Their claims took listed slots and wrote other experts' weights over victims: their log
+            # is read as a step's, or the next replay would read those victims from their slots.
+            self.after_step(self._unlogged_tokens, replay=False)
         if self._log_ready is not None:
             self._log_ready.synchronize()  # the last replay has finished: no kernel reads or writes a slot now
             self._log_ready = None

@@ -281,3 +281,23 @@ def test_a_victim_claimed_before_its_layer_is_read_from_the_store_then_replaced(
         assert torch.equal(cache.pool[lru.slot_of(key)].cpu(), store.block(*key))
     _check_slots(zc, cache)
     _check_table(zc, cache, store)
+
+
+def test_layers_run_without_after_step_are_accounted_before_the_next_replay():
+    """A graph's warm-up runs every layer eagerly and no after_step follows (the capture is not run).
+    Its misses claimed listed slots, victims' slots among them, and wrote other weights there: the next
+    step must read those victims from the store, so the warm-up's log is read as a step's first."""
+    zc, store, cache, gate_up, down = _full_cache(ORDER)
+    zc.before_step()
+    assert zc.victim_keys == [(2, 0), (2, 2)]
+    g = torch.Generator().manual_seed(4)
+    for layer, ids in enumerate([torch.tensor([[4, 5]]), torch.tensor([[1, 2]]), torch.tensor([[1, 3]])]):
+        x, w = torch.randn(1, H, generator=g), torch.full((1, K), 0.5)
+        zc.run(layer, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))  # the warm-up: (0,4), (0,5) take both slots
+    steps = zc.steps
+    zc.before_step()  # reads the warm-up's log
+    assert (2, 0) not in cache.lru and (2, 2) not in cache.lru and zc.steps == steps  # not a replay
+    _check_slots(zc, cache)
+    _check_table(zc, cache, store)
+    # layer 2 routes both former victims: read from the store, so the outputs equal resident
+    _graph_step(zc, [torch.tensor([[1, 2]]), torch.tensor([[1, 2]]), torch.tensor([[0, 2]])], gate_up, down)
