@@ -150,7 +150,7 @@
 #                                    #   was shorter than the probe (fixed after it)
 #   bash benchmarks/h200/run.sh CC   # one probe run per form (9 steps, tried and reverted): BI's bench at bs=1 only
 #   bash benchmarks/h200/run.sh CD   # the merged RMSNorm/RoPE kernels compiled; CB again with the warm-up covering the probe
-#   bash benchmarks/h200/run.sh CE   # the CPU share inside the decode graph (host nodes): tests on CUDA; 32K bs=1 with
+#   bash benchmarks/h200/run.sh CE   # (at f977dff, since reverted) the CPU share inside the decode graph: tests; 32K bs=1 with
 #                                    #   916 slots and 2K bs=1, on-demand and adaptive, two rounds each
 #   bash benchmarks/h200/run.sh CF   # listed slots stay cached until claimed: tests on CUDA; CE's 32K bs=1 with the change and
 #                                    #   before it (.ab-before/: zero_copy.py, cache.py, moe_decode_gpu.py of 5788309);
@@ -759,39 +759,44 @@ if [ "$phase" = BX ]; then
   timeout 300 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" 2>>"$log" | tee -a "$log"
   bench_2k_rounds
 fi
-if [ "$phase" = CH ]; then
-  step tests: offloaded experts in one graph after the warm-up fix, decode graphs, on CUDA
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/experts/test_zero_copy.py tests/models/test_decode_graph.py \
-    > "$out/pytest.log" 2>&1
+run_tests() {  # $1: what they test; the rest: pytest's arguments (the full log in $out/pytest.log)
+  local what=$1; shift
+  step tests: "$what"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider "$@" > "$out/pytest.log" 2>&1
   grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+}
+timeline_2k_bs1() {  # the step timeline of adaptive, 48 layers, 2K, bs=1, with the GPU's idle gaps by length
+  step GPU timeline of a decode step, 48 layers, 2K, bs=1, adaptive, with idle gaps by length
+  timeout 150 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" synthetic:qwen3-30b-a3b \
+    adaptive 2>>"$log" | head -2 | cut -c1-1200 | tee -a "$log"
+}
+e2e_resident_l16() {  # $1: the record's name; resident L16 decode at 2K, bs 1 and 4 (phase CA's command)
+  step resident synthetic:qwen3-30b-a3b-L16 bench e2e, $1
+  timeout 150 python3 -m engine.cli bench e2e --model synthetic:qwen3-30b-a3b-L16 --kv-policies resident \
+    --expert-policy resident --batch-sizes 1,4 --contexts 2048 --new-tokens 32 --vram-budget-gb 0 \
+    --json "$out/e2e-resident-L16-$1.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
+}
+if [ "$phase" = CH ]; then
+  run_tests "offloaded experts in one graph after the warm-up fix, decode graphs, on CUDA" \
+    tests/experts/test_zero_copy.py tests/models/test_decode_graph.py
   bench_experts 2k-bs1 --batch-sizes 1 --contexts 2048 --shared-prefill --policies on-demand,adaptive
 fi
 if [ "$phase" = CG ]; then
-  step tests: decode graphs and offloaded experts on CUDA
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/experts/test_zero_copy.py tests/models/test_decode_graph.py \
-    > "$out/pytest.log" 2>&1
-  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  run_tests "decode graphs and offloaded experts on CUDA" tests/experts/test_zero_copy.py tests/models/test_decode_graph.py
   for v in new before new2; do
     [ $v = before ] && ab_swap
-    step resident synthetic:qwen3-30b-a3b-L16 bench e2e, $v
-    timeout 150 python3 -m engine.cli bench e2e --model synthetic:qwen3-30b-a3b-L16 --kv-policies resident \
-      --expert-policy resident --batch-sizes 1,4 --contexts 2048 --new-tokens 32 --vram-budget-gb 0 \
-      --json "$out/e2e-resident-L16-$v.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
+    e2e_resident_l16 $v
     [ $v != new2 ] && bench_experts 2k-bs1-$v --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 2 \
       --policies on-demand,adaptive
     [ $v = before ] && ab_restore
   done
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill \
     --policies on-demand,adaptive
-  step GPU timeline of a decode step, 48 layers, 2K, bs=1, adaptive, with idle gaps by length
-  timeout 150 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" synthetic:qwen3-30b-a3b \
-    adaptive 2>>"$log" | head -2 | cut -c1-1200 | tee -a "$log"
+  timeline_2k_bs1
 fi
 if [ "$phase" = CF ]; then
-  step tests: listed slots keep their experts until claimed, on CUDA
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/experts/test_zero_copy.py tests/experts/test_expert_cache.py \
-    tests/kernels/test_moe_decode_gpu.py tests/models/test_decode_graph.py > "$out/pytest.log" 2>&1
-  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  run_tests "listed slots keep their experts until claimed, on CUDA" tests/experts/test_zero_copy.py \
+    tests/experts/test_expert_cache.py tests/kernels/test_moe_decode_gpu.py tests/models/test_decode_graph.py
   for v in new before; do
     [ $v = before ] && ab_swap
     bench_experts 32k-bs1-916-$v --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
@@ -799,24 +804,18 @@ if [ "$phase" = CF ]; then
     [ $v = before ] && ab_restore
   done
   bench_experts 2k-bs1 --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 2 --policies on-demand,adaptive
-  step GPU timeline of a decode step, 48 layers, 2K, bs=1, adaptive, with idle gaps by length
-  timeout 150 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" synthetic:qwen3-30b-a3b \
-    adaptive 2>>"$log" | head -2 | cut -c1-1200 | tee -a "$log"
+  timeline_2k_bs1
 fi
-if [ "$phase" = CE ]; then
-  step tests: the CPU share inside the decode graph, on CUDA
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/experts/test_graph_cpu_set.py tests/experts/test_zero_copy.py \
-    tests/kernels/test_moe_decode_gpu.py tests/models/test_decode_graph.py > "$out/pytest.log" 2>&1
-  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+if [ "$phase" = CE ]; then  # at commit f977dff (the graph-cpu form, since reverted)
+  run_tests "the CPU share inside the decode graph, on CUDA" tests/experts/test_graph_cpu_set.py \
+    tests/experts/test_zero_copy.py tests/kernels/test_moe_decode_gpu.py tests/models/test_decode_graph.py
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
     --policies on-demand,adaptive
   bench_experts 2k-bs1 --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 2 --policies on-demand,adaptive
 fi
 if [ "$phase" = CD ]; then
-  step tests: the merged RMSNorm and RoPE kernels compiled
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qkv_rope_gpu.py tests/kernels/test_rmsnorm_gpu.py \
-    tests/kernels/test_rope_route_gpu.py > "$out/pytest.log" 2>&1
-  grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
+  run_tests "the merged RMSNorm and RoPE kernels compiled" tests/kernels/test_qkv_rope_gpu.py \
+    tests/kernels/test_rmsnorm_gpu.py tests/kernels/test_rope_route_gpu.py
   bench_2k_rounds
   bench_experts 32k-shared --batch-sizes 1,4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
@@ -831,10 +830,7 @@ if [ "$phase" = CA ]; then
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qkv_rope_gpu.py 2>&1 | tail -1 | tee "$out/pytest.log"
   for v in new before new2; do
     [ $v = before ] && ab_swap
-    step resident synthetic:qwen3-30b-a3b-L16 bench e2e, $v
-    timeout 150 python3 -m engine.cli bench e2e --model synthetic:qwen3-30b-a3b-L16 --kv-policies resident \
-      --expert-policy resident --batch-sizes 1,4 --contexts 2048 --new-tokens 32 --vram-budget-gb 0 \
-      --json "$out/e2e-resident-L16-$v.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
+    e2e_resident_l16 $v
     bench_experts 2k-bs1-$v --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
     [ $v = before ] && ab_restore
   done
