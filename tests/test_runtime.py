@@ -176,3 +176,20 @@ def test_decode_tokens_equal_one_step_at_a_time(dense_engine):
             out.append(sampler(logits, ids + out))
     gen.kv.free(s.seq_id)
     assert len(piped) >= 2 and out == piped
+
+
+def test_decode_that_reaches_the_context_ends_with_context_full():
+    """A step ahead of the host, the sequence whose next token would not fit is left out of the step
+    while its last token is in flight; once that token is read it ends as context_full (an app chat
+    whose history had grown to the window failed here with an error instead)."""
+    from engine.api import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model="builtin:smollm2-135m", backend="tandem", device="cpu", max_context=64))
+    try:
+        room = 3
+        ids = [1] * (engine.max_context - room)
+        res = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=20, greedy=True, ignore_eos=True))
+        assert res.finish_reason == "context_full"
+        assert res.completion_tokens == room + 1  # the prefill's token, then one a step while the KV had room
+    finally:
+        engine.close()

@@ -177,16 +177,18 @@ class Generator:
             pending = self._sample(runs, logits) if runs else None
             live = [r for r in live if r.finish_reason is None]
             timer.decode_s += time.perf_counter() - t0
-            if pending is None and live:  # nothing in flight and nothing could step: no step will change that
-                raise RuntimeError(f"decode stalled with {len(live)} unfinished sequence(s)")
 
     def _can_step(self, r: SeqRun, pending: _Launched | None) -> bool:
         """Whether r takes part in the next step, counting the token it has in flight: a sequence
-        that will have reached its length or the context does not (so those ends waste no step)."""
+        that will have reached its length or the context does not (so those ends waste no step). One
+        that cannot step and has no token in flight has ended: its reason is set here, so the loop
+        always either launches a step or has one in flight, or ends."""
         if r.finish_reason is not None:
             return False
         in_flight = pending is not None and r in pending.runs
         if len(r.generated) + in_flight >= r.max_new_tokens:
+            if not in_flight:
+                r.finish_reason = "length"
             return False
         if self.kv.length(r.session.seq_id) + 1 > self.max_context:
             if not in_flight:
