@@ -145,18 +145,10 @@ class SlotLRU:
         self.entries[key] = _Entry(slot, self._tick())
         return slot
 
-    def take_slots(self, n: int, evict: bool = True) -> tuple[list[int], list[Key]]:
-        """Up to n slots out of the LRU's hands: free ones first, then (evict) those of the least
-        recently used unlocked entries, which are evicted → (slots, evicted keys). The caller holds the
-        slots until it admits into them (`admit_into`) or gives them back (`give_back`)."""
-        slots, evicted = [], []
-        while len(slots) < n and self.free:
-            slots.append(self.free.pop())
-        if len(slots) < n and evict:
-            for key in self.oldest(n - len(slots)):
-                slots.append(self._evict(key))
-                evicted.append(key)
-        return slots, evicted
+    def take_free(self, n: int) -> list[int]:
+        """Up to n free slots out of the LRU's hands. The caller holds them until it admits into them
+        (`admit_into`) or gives them back (`give_back`)."""
+        return [self.free.pop() for _ in range(min(n, len(self.free)))]
 
     def oldest(self, n: int) -> list[Key]:
         """The n least recently used unlocked entries, oldest first (left cached)."""
@@ -169,7 +161,7 @@ class SlotLRU:
         return self._evict(key)
 
     def admit_into(self, layer: int, expert: int, slot: int) -> None:
-        """A fill that landed in a slot the caller took with `take_slots`: a new, most recent entry."""
+        """A fill that landed in a slot the caller took (`take_free`, or `evict`): a new, most recent entry."""
         key = (layer, expert)
         if key in self.entries:
             raise KeyError(f"expert {key} is cached already")

@@ -237,7 +237,7 @@ class ZeroCopyDecode:
         the least recently used entries, which stay cached until a miss claims their slot."""
         short = self._wanted - len(self.spare_slots)
         if short > 0:
-            self.spare_slots.extend(self.lru.take_slots(short, evict=False)[0])
+            self.spare_slots.extend(self.lru.take_free(short))
         entries = self.lru.entries
         self.victim_keys = self.lru.oldest(self._wanted - len(self.spare_slots))
         victim_slots = [entries[key].slot for key in self.victim_keys]

@@ -84,16 +84,19 @@ def test_refresh_counts_hits_in_the_order_given_and_locks_nothing():
         lru.refresh([(2, 2)])  # not cached: the caller's table and the LRU disagree
 
 
-def test_taking_slots_evicts_the_least_recently_used_unlocked_entries():
+def test_the_oldest_unlocked_entries_are_listed_and_evicted_when_their_slots_are_taken():
     lru = SlotLRU(4)
     step(lru, 0, [0, 1, 2, 3])
     lru.lookup(0, [0])  # (0,0) is locked and most recent now
-    slots, evicted = lru.take_slots(2)
+    evicted = lru.oldest(2)
+    slots = [lru.evict(key) for key in evicted]
     assert evicted == [(0, 1), (0, 2)] and slots == [1, 2]
-    assert lru.take_slots(5) == ([3], [(0, 3)])  # only the locked entry is left
+    assert lru.take_free(5) == [] and lru.oldest(5) == [(0, 3)]  # only the locked entry is left besides
+    assert lru.evict((0, 3)) == 3
     lru.unlock()
     lru.give_back(slots)
     assert sorted(lru.free) == [1, 2] and lru.order() == [(0, 0)]
+    assert lru.take_free(5) == [2, 1] and lru.free == []  # free slots leave in the order admit takes them
 
 
 def test_warm_placement_fills_free_slots_only():
