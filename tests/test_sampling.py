@@ -60,3 +60,18 @@ def test_on_the_gpu_a_seed_draws_what_it_draws_on_the_cpu():
     gpu = Sampler(SamplingParams(**params)), Sampler(SamplingParams(**params))
     assert [gpu[0](logits.cuda(), []) for _ in range(3)] == [gpu[1](logits, []) for _ in range(3)]
     assert on_cpu[0] == Sampler(SamplingParams(**params))(logits.cuda(), [])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_choosing_a_token_does_not_wait_for_the_gpu():
+    # The decode loop queues the next step behind the sample; a host sync here stalls the GPU.
+    logits = torch.randn(1000, device="cuda")
+    sampler = Sampler(SamplingParams(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.2, seed=3))
+    sampler.choose(logits, [1, 2, 3])  # first-call work (pinned pool, kernels) outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        chosen = sampler.choose(logits, [1, 2, 3, 4])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert 0 <= int(chosen) < 1000

@@ -159,6 +159,12 @@
 #                                    #   before (.ab-before/: generator.py, sampling.py of eb439c8) / new; 32K bs=1 at 916
 #                                    #   slots; the 2K bs=1 timeline
 #   bash benchmarks/h200/run.sh CH   # after the fix of the graph warm-up's claims (accounted as a step): tests on CUDA; 2K bs=1
+#   bash benchmarks/h200/run.sh CI   # (wip/lagged-table) the table kept on the device, the host a step ahead of the log: tests
+#                                    #   on CUDA; 2K bs=1 rounds and 32K bs=1 at 916 slots, new / before (.ab-before/:
+#                                    #   zero_copy.py, cache.py, moe_decode_gpu.py of 8732d79); the 2K bs=1 timeline
+#   bash benchmarks/h200/run.sh CJ   # where the GPU waits at 2K bs=1: the timeline with the long gaps' neighbours, the host's
+#                                    #   time by function and its syncs, adaptive and on-demand; then adaptive with CI's
+#                                    #   change (.ab-before/: zero_copy.py, cache.py, moe_decode_gpu.py of b3a0889)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -765,10 +771,11 @@ run_tests() {  # $1: what they test; the rest: pytest's arguments (the full log 
   timeout 200 python3 -m pytest -q -p no:cacheprovider "$@" > "$out/pytest.log" 2>&1
   grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
 }
-timeline_2k_bs1() {  # the step timeline of adaptive, 48 layers, 2K, bs=1, with the GPU's idle gaps by length
-  step GPU timeline of a decode step, 48 layers, 2K, bs=1, adaptive, with idle gaps by length
-  timeout 150 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1.json" synthetic:qwen3-30b-a3b \
-    adaptive 2>>"$log" | head -2 | cut -c1-1200 | tee -a "$log"
+timeline_2k_bs1() {  # the step timeline of adaptive (or $2), 48 layers, 2K, bs=1, with the GPU's idle gaps by length;
+  # $1: a tag for the record's name (optional)
+  step GPU timeline of a decode step, 48 layers, 2K, bs=1, ${2:-adaptive}, with idle gaps by length ${1:-}
+  timeout 200 python3 benchmarks/h200/profile_step_timeline.py "$out/timeline-2k-bs1${1:+-$1}.json" synthetic:qwen3-30b-a3b \
+    ${2:-adaptive} 2>>"$log" | grep -v "host_by_function\|USDT" | cut -c1-1200 | tee -a "$log"
 }
 e2e_resident_l16() {  # $1: the record's name; resident L16 decode at 2K, bs 1 and 4 (phase CA's command)
   step resident synthetic:qwen3-30b-a3b-L16 bench e2e, $1
@@ -776,6 +783,21 @@ e2e_resident_l16() {  # $1: the record's name; resident L16 decode at 2K, bs 1 a
     --expert-policy resident --batch-sizes 1,4 --contexts 2048 --new-tokens 32 --vram-budget-gb 0 \
     --json "$out/e2e-resident-L16-$1.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
 }
+if [ "$phase" = CJ ]; then
+  timeline_2k_bs1 main adaptive,on-demand
+  ab_swap; timeline_2k_bs1 lagged adaptive; ab_restore
+fi
+if [ "$phase" = CI ]; then
+  run_tests "the table kept on the device, on CUDA" tests/experts/test_zero_copy.py tests/kernels/test_moe_decode_gpu.py
+  for v in new before; do
+    [ $v = before ] && ab_swap
+    bench_experts 2k-bs1-$v --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 2 --policies on-demand,adaptive
+    bench_experts 32k-bs1-916-$v --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill \
+      --policies on-demand,adaptive
+    [ $v = before ] && ab_restore
+  done
+  timeline_2k_bs1
+fi
 if [ "$phase" = CH ]; then
   run_tests "offloaded experts in one graph after the warm-up fix, decode graphs, on CUDA" \
     tests/experts/test_zero_copy.py tests/models/test_decode_graph.py
