@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -91,19 +92,20 @@ class ZeroCopyDecode:
         self.mirror = self._host(torch.from_numpy(self.host_offsets.copy()))  # (L, E) the host's copy of the table
         self.table = self.mirror.to(self.device, copy=True)  # (L, E) int64, read by the graph
         self.max_spares = max(1, cache.n_slots // SPARE_SHARE)
-        self.spare_list = self._host(torch.full((self.max_spares,), -1, dtype=torch.int64))
-        self.spares = self.spare_list.to(self.device, copy=True)  # (S,) offsets of listed slots, -1 past the end
-        self.victim_list = self._host(torch.full((self.max_spares,), -1, dtype=torch.int64))
-        self.victims = self.victim_list.to(self.device, copy=True)  # (S,) layer · E + expert a listed slot holds, or -1
+        # Two of each pinned staging buffer, taken by alternate steps: a step's lists and logs are
+        # written while the step before is still in flight.
+        self.lists_host = [(self._host(torch.full((self.max_spares,), -1, dtype=torch.int64)),
+                            self._host(torch.full((self.max_spares,), -1, dtype=torch.int64))) for _ in range(2)]
+        self.spares = self.lists_host[0][0].to(self.device, copy=True)  # (S,) offsets of listed slots, -1 past the end
+        self.victims = self.lists_host[0][1].to(self.device, copy=True)  # (S,) layer · E + expert a listed slot holds, or -1
         self.host_table = torch.from_numpy(self.host_offsets.reshape(-1).copy()).to(self.device)  # (L·E,) store offsets
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # listed slots claimed this step
-        self.spare_slots: list[int] = []  # free slots held out of the LRU for the next step's misses
-        self.victim_keys: list[tuple[int, int]] = []  # cached entries whose slots are listed after them
-        self._victim_of: dict[int, tuple[int, int]] = {}  # listed slot → the entry it holds
         self._wanted = min(self.max_spares, 2 * L)  # list length before a step has been seen
-        self.log = self.claims = self.log_host = self.claims_host = None  # made at the first run
-        self._log_ready = None  # CUDA event after the last replay's log copy
-        self._logged_tokens = 0  # B of the logs awaiting their reading
+        self.log = self.claims = None  # (L, B·k) on the device, made at the first run
+        self.logs_host: list[tuple[torch.Tensor, torch.Tensor]] = []  # two (log, claims) pinned copies
+        self._next: _Listed | None = None  # the slots listed for the step about to run
+        self._inflight: deque[_Listed] = deque()  # steps run whose logs the host has not read, oldest first
+        self._buf = 0  # the staging buffers the next list takes
         self._unlogged_tokens = 0  # B of device work run since the last after_step (a graph's eager warm-up)
         self.stale = True  # the LRU changed outside this path: rebuild the table before a replay
         self.zero_copy_experts = self.fills = self.steps = 0  # experts read over PCIe; kept in a slot
@@ -122,8 +124,8 @@ class ZeroCopyDecode:
             L = self.store.n_layers
             self.log = torch.full((L, self.max_tokens * k), -1, dtype=torch.int64, device=self.device)  # (L, B·k)
             self.claims = torch.full_like(self.log, -1)  # (L, B·k) offset of the slot each pair filled, or -1
-            self.log_host, self.claims_host = (self._host(torch.empty_like(t, device="cpu"))
-                                               for t in (self.log, self.claims))
+            self.logs_host = [tuple(self._host(torch.empty_like(t, device="cpu")) for t in (self.log, self.claims))
+                              for _ in range(2)]
         offsets = self.table[layer]  # (E,)
         # (N·k,) a free slot's offset per pair read from the store, written into this layer's claims row,
         # the pairs' expert ids into its log row
@@ -131,60 +133,91 @@ class ZeroCopyDecode:
                                                 out=self.claims[layer, :N * k], log=self.log[layer, :N * k],
                                                 evict=(self.victims, self.table.view(-1), self.host_table))
         return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
-                                         offsets=offsets, spare=spare)
+                                         offsets=offsets, spare=spare, admit=True)
 
     # -- between replays --------------------------------------------------------------------------
     def before_step(self, stream=None) -> None:
-        """Read the last replay's logs, update the LRU, list free slots and upload the table:
-        everything the next replay needs, queued ahead of it."""
-        self._read_log()
+        """List the slots the next replay's misses may claim and queue the lists ahead of it. Needs
+        no log of the replay still running: the device keeps its own table (victims pointed back to
+        the store by the claim kernel, fills pointed at their slots by the sum kernel), and the slots
+        listed for a step in flight are not listed again."""
+        if self._unlogged_tokens:  # layers ran eagerly without after_step (the warm-up before a capture)
+            # Their claims took listed slots and wrote other experts' weights over victims: their log
+            # is read as a step's, or the host's table would point those victims at their old slots.
+            self.after_step(self._unlogged_tokens, replay=False)
+        if self._next is not None:  # listed for layers that never ran
+            self.lru.give_back(self._next.held)
+            self._next = None
         if self.stale:
+            self.drain()  # every log read: the LRU is the cache as it stands
             self._rebuild(stream)
-        self._list_spares()
-        # From pinned pages, in stream order before the replay; the host writes them next after the
-        # next log wait, by which time these copies have run.
-        self.table.copy_(self.mirror, non_blocking=True)
-        self.spares.copy_(self.spare_list, non_blocking=True)
-        self.victims.copy_(self.victim_list, non_blocking=True)
+            # From pinned pages, in stream order before the replay; the host writes the mirror next
+            # after a log wait behind this copy.
+            self.table.copy_(self.mirror, non_blocking=True)
+        self._next = self._list_slots()
+        spares, victims = self.lists_host[self._next.buf]
+        self.spares.copy_(spares, non_blocking=True)
+        self.victims.copy_(victims, non_blocking=True)
         self.counter.zero_()
 
     def after_step(self, n_tokens: int, replay: bool = True) -> None:
         """Queue the logs' copy to the host behind the replay just launched (replay False: behind
-        layers run eagerly, not counted as a graph step)."""
+        layers run eagerly, not counted as a graph step), then read the step before's logs: the host
+        settles a step's cache while the next one runs."""
         self._unlogged_tokens = 0
-        self.log_host.copy_(self.log, non_blocking=True)
-        self.claims_host.copy_(self.claims, non_blocking=True)
+        step, self._next = self._next, None
+        assert step is not None, "before_step lists the slots of every step"
+        log_host, claims_host = self.logs_host[step.buf]
+        log_host.copy_(self.log, non_blocking=True)
+        claims_host.copy_(self.claims, non_blocking=True)
         if self.device.type == "cuda":
-            self._log_ready = torch.cuda.Event()
-            self._log_ready.record()
+            step.ready = torch.cuda.Event()
+            step.ready.record()
         else:
-            self._log_ready = _Done()
-        self._logged_tokens = n_tokens
+            step.ready = _Done()
+        step.n_tokens = n_tokens
+        self._inflight.append(step)
         self.steps += replay
+        while len(self._inflight) > 1:
+            self._read(self._inflight.popleft())
 
     def leave(self) -> None:
-        """A step of another form follows: read the last replay's logs now, hand the listed slots back
+        """A step of another form follows: read every step's logs now, hand the listed free slots back
         to the LRU, and rebuild the table from the LRU before the next replay."""
-        self._read_log()
-        self.lru.give_back(self.spare_slots)
-        self.spare_slots, self.victim_keys, self._victim_of = [], [], {}
+        if self._unlogged_tokens:
+            self.after_step(self._unlogged_tokens, replay=False)
+        self.drain()
+        if self._next is not None:
+            self.lru.give_back(self._next.held)
+            self._next = None
         self.stale = True
 
-    def _read_log(self) -> None:
-        if self._unlogged_tokens:  # layers ran eagerly without after_step (the warm-up before a capture)
-            # Their claims took listed slots and wrote other experts' weights over victims: their log
-            # is read as a step's, or the next replay would read those victims from their slots.
-            self.after_step(self._unlogged_tokens, replay=False)
-        if self._log_ready is not None:
-            self._log_ready.synchronize()  # the last replay has finished: no kernel reads or writes a slot now
-            self._log_ready = None
-            n = self._logged_tokens
-            k = self.log.shape[1] // self.max_tokens
-            self._account(self.log_host[:, :n * k].numpy().reshape(-1, n, k), self.claims_host[:, :n * k].numpy())
+    def listed(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """The slots listed for the next step: (free slots held, victims: the entries whose slots follow)."""
+        if self._next is None:
+            return [], []
+        return list(self._next.held), list(self._next.victims.values())
 
-    def _account(self, log: np.ndarray, claims: np.ndarray) -> None:
-        """log (L, B, k) and claims (L, B·k) of a finished replay: LRU hits refreshed, misses counted,
-        victims of claimed slots evicted, missed experts admitted into the slots they filled."""
+    def held(self) -> list[int]:
+        """Free slots out of the LRU's hands: listed for the next step or for one in flight."""
+        steps = list(self._inflight) + ([self._next] if self._next is not None else [])
+        return [slot for step in steps for slot in step.held]
+
+    def drain(self) -> None:
+        """Read every step's logs now (waits for the replays in flight)."""
+        while self._inflight:
+            self._read(self._inflight.popleft())
+
+    def _read(self, step: "_Listed") -> None:
+        step.ready.synchronize()  # that replay has finished: none of its kernels reads or writes a slot now
+        n, k = step.n_tokens, self.log.shape[1] // self.max_tokens
+        log_host, claims_host = self.logs_host[step.buf]
+        self._account(log_host[:, :n * k].numpy().reshape(-1, n, k), claims_host[:, :n * k].numpy(), step)
+
+    def _account(self, log: np.ndarray, claims: np.ndarray, step: "_Listed") -> None:
+        """log (L, B, k) and claims (L, B·k) of a finished replay, with the slots listed for it: LRU hits
+        refreshed, misses counted, victims of claimed slots evicted, missed experts admitted into the
+        slots they filled (as the device did), the listed free slots left over given back."""
         lru, E = self.lru, self.store.n_experts
         L = log.shape[0]
         ids = log.reshape(L, -1)  # (L, B·k)
@@ -195,9 +228,9 @@ class ZeroCopyDecode:
         hit = active & (mirror != self.host_offsets)  # entries that pointed to a slot when the step began
         claim_layers, claim_pairs = np.nonzero(claims >= 0)  # pairs that claimed a listed slot, layer-major
         claimed = (claims[claim_layers, claim_pairs] // self.slot_numel).tolist()
-        taken = [(slot, self._victim_of[slot]) for slot in claimed if slot in self._victim_of]
+        taken = [(slot, step.victims[slot]) for slot in claimed if slot in step.victims]
         for slot, claim_layer in zip(claimed, claim_layers.tolist()):
-            victim = self._victim_of.get(slot)
+            victim = step.victims.get(slot)
             if victim is not None and claim_layer <= victim[0]:  # its layer read it from the store
                 hit[victim] = False
         hit_layers, hit_experts = np.nonzero(hit)  # layer-major: the order the replay used them in
@@ -214,8 +247,8 @@ class ZeroCopyDecode:
             mirror[key] = self.host_offsets[key]
         layers, pairs = claim_layers, claim_pairs
         experts = ids[layers, pairs]
-        # Two tokens that missed the same expert each filled a slot: the first copy is kept, the other
-        # slot is free (held for the next list).
+        # Two tokens that missed the same expert each filled a slot: the first copy is kept (the sum
+        # kernel's rule), the other slot is free.
         _, first = np.unique(layers * E + experts, return_index=True)
         first.sort()  # admitted in the order the replay filled them
         layers, experts, offsets = layers[first], experts[first], claims[layers[first], pairs[first]]
@@ -225,30 +258,31 @@ class ZeroCopyDecode:
             lru.admit_into(layer, e, slot)
             mirror[layer, e] = offset
             kept.add(slot)
-        self.spare_slots = [s for s in self.spare_slots if s not in kept] + \
-            [slot for slot, _ in taken if slot not in kept]
+        self.lru.give_back([s for s in step.held if s not in kept] + [s for s, _ in taken if s not in kept])
         self.fills += len(kept)
         outside = int(counts[active & ~hit].sum())  # pairs read from the store
         self.link_blocks += outside  # (a pair's fill writes what it read: nothing more crosses the link)
         self._wanted = min(self.max_spares, math.ceil(1.25 * outside) + 4)
 
-    def _list_spares(self) -> None:
-        """List about the last step's misses of slots: free ones (held out of the LRU), then those of
-        the least recently used entries, which stay cached until a miss claims their slot."""
-        short = self._wanted - len(self.spare_slots)
-        if short > 0:
-            self.spare_slots.extend(self.lru.take_free(short))
+    def _list_slots(self) -> "_Listed":
+        """About the last step's misses of slots: free ones (held out of the LRU), then those of the
+        least recently used entries, which stay cached until a miss claims their slot. Victims listed
+        for a step in flight are left out: their slots may be taken already."""
+        held = self.lru.take_free(self._wanted)
+        busy = {key for step in self._inflight for key in step.victims.values()}
+        keys = self.lru.oldest(self._wanted - len(held), exclude=busy)
         entries = self.lru.entries
-        self.victim_keys = self.lru.oldest(self._wanted - len(self.spare_slots))
-        victim_slots = [entries[key].slot for key in self.victim_keys]
-        self._victim_of = dict(zip(victim_slots, self.victim_keys))
-        n_free, n = len(self.spare_slots), len(self.spare_slots) + len(victim_slots)
-        listed, victims = self.spare_list.numpy(), self.victim_list.numpy()
+        victim_slots = [entries[key].slot for key in keys]
+        step = _Listed(held, dict(zip(victim_slots, keys)), self._buf)
+        self._buf ^= 1
+        listed, victims = (t.numpy() for t in self.lists_host[step.buf])
+        n = len(held) + len(victim_slots)
         listed.fill(-1)
-        listed[:n] = np.asarray(self.spare_slots + victim_slots, dtype=np.int64) * self.slot_numel
+        listed[:n] = np.asarray(held + victim_slots, dtype=np.int64) * self.slot_numel
         victims.fill(-1)
         E = self.store.n_experts
-        victims[n_free:n] = [layer * E + e for layer, e in self.victim_keys]
+        victims[len(held):n] = [layer * E + e for layer, e in keys]
+        return step
 
     def _rebuild(self, stream) -> None:
         """The table from the LRU as it stands, once every copy issued so far has landed."""
@@ -264,7 +298,18 @@ class ZeroCopyDecode:
     def telemetry(self) -> dict:
         return {"graph_steps": self.steps, "zero_copy_experts": self.zero_copy_experts,
                 "link_bytes": self.link_blocks * self.store.block_bytes, "graph_fills": self.fills,
-                "free_slots_listed": len(self.spare_slots)}
+                "free_slots_listed": len(self._next.held) if self._next is not None else 0}
+
+
+@dataclass
+class _Listed:
+    """The slots listed for one step, and where its logs go."""
+
+    held: list[int]  # free slots, held out of the LRU until the step's log is read
+    victims: dict[int, tuple[int, int]]  # slot → the cached entry it holds
+    buf: int  # which of the two staging buffers its lists and logs take
+    n_tokens: int = 0
+    ready: object = None  # a CUDA event after its logs' copy (_Done on the simulated GPU)
 
 
 class _Done:

@@ -135,8 +135,22 @@ if triton is not None:
             tl.store(table_ptr + v_ok, tl.load(host_table_ptr + v_ok), mask=evict)
 
     @triton.jit
-    def _sum_choices_kernel(y_ptr, out_ptr, H, top_k, BLOCK: tl.constexpr):
+    def _sum_choices_kernel(y_ptr, out_ptr, ids_ptr, spare_ptr, offs_ptr, H, top_k, P, ADMIT: tl.constexpr,
+                            BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
         t = tl.program_id(0)
+        if ADMIT:  # the fills of this token's pairs are written: point their experts' entries at the slots
+            if tl.program_id(1) == 0:
+                q = tl.arange(0, BLOCK_P)
+                ids_all = tl.load(ids_ptr + q, mask=q < P, other=-1)
+                claimed_all = tl.load(spare_ptr + q, mask=q < P, other=-1) >= 0
+                for j in range(0, top_k):
+                    p = t * top_k + j
+                    e = tl.load(ids_ptr + p).to(tl.int64)
+                    sp = tl.load(spare_ptr + p)
+                    # two tokens that filled the same expert: the first pair's slot is the one kept
+                    earlier = tl.sum(((q < p) & (ids_all == e) & claimed_all).to(tl.int32), 0)
+                    admit = (sp >= 0) & (earlier == 0)
+                    tl.store(offs_ptr + tl.where(admit, e, 0), sp, mask=admit)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < H
         total = tl.zeros((BLOCK,), tl.float32)
@@ -175,7 +189,7 @@ def claim_free_slots(ids: torch.Tensor, offsets: torch.Tensor, spares: torch.Ten
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                down: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               spare: torch.Tensor | None = None) -> torch.Tensor:
+               spare: torch.Tensor | None = None, admit: bool = False) -> torch.Tensor:
     """offsets (E,) int64, optional: expert e starts `offsets[e]` elements past gate_up's (and down's)
     first element instead of at e · stride(0). The offloaded experts pass the pool's views and an
     offset per expert of the layer: into a cache slot, or into the pinned host store, which the
@@ -183,7 +197,9 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     gate_up and the down view of a block). out (N, H), optional: written instead of a new tensor.
     spare (N·k,) int64, optional (with offsets): pair p also writes the weights it reads to the block
     `spare[p]` elements past the pool's start (a free slot; -1: no copy) — a fill over the same PCIe
-    read that computes with the expert."""
+    read that computes with the expert. admit (with spare): once the fills are written, each filled
+    expert's entry of `offsets` points at its slot (the first pair's, where two tokens filled one
+    expert), so the next replay finds it there without the host."""
     N, H = x.shape
     k = ids.shape[1]
     I = down.shape[2]
@@ -208,5 +224,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     _down_kernel[(P, triton.cdiv(H, 8))](act, down, ids, offs, sp, weights, y, H, I, E, down.stride(0),
                                          down.stride(1), HAS_OFFS=offsets is not None, HAS_SPARE=spare is not None,
                                          BLOCK_R=8, BLOCK_I=min(1024, triton.next_power_of_2(I)))
-    _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, out, H, k, BLOCK=1024)
+    assert not admit or (offsets is not None and spare is not None), "admit needs offsets and spare"
+    _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, out, ids, sp, offs, H, k, P, ADMIT=admit, BLOCK=1024,
+                                                   BLOCK_P=triton.next_power_of_2(P))
     return out

@@ -160,3 +160,30 @@ def test_claim_free_slots_writes_into_given_rows_and_logs_the_pairs_experts():
     assert claimed == [2 * P_el, 4 * P_el][:len(outside)]
     assert (claims[0] == -5).all() and (log[0] == -5).all() and (claims[1, N * k:] == -5).all()
     assert (log[1, N * k:] == -5).all()
+
+
+def test_admit_points_each_filled_expert_at_the_slot_its_first_pair_filled():
+    """moe_decode with admit: after the fills, each expert a pair filled has its offset entry pointed at
+    that slot (the first pair's where two tokens filled the same expert); the other entries stay."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, _, w, gate_up, down = _case(2, 2, 6, 32, 16, torch.float32, device, seed=5)
+    E, I, H = gate_up.shape[0], down.shape[2], gate_up.shape[2]
+    ids = torch.tensor([[3, 1], [3, 4]], device=device)  # expert 3 routed by both tokens
+    blocks = torch.cat([gate_up.flatten(1), down.flatten(1)], 1)  # (E, 3IH)
+    P_el = blocks.shape[1]
+    pool = torch.zeros(6, P_el, device=device)
+    elsewhere = blocks.clone()
+    split = 2 * I * H
+    pool_gu, pool_d = pool[:, :split].unflatten(1, (2 * I, H)), pool[:, split:].unflatten(1, (H, I))
+    offsets = torch.tensor([(elsewhere[e].data_ptr() - pool.data_ptr()) // 4 for e in range(E)], device=device)
+    pool[0] = blocks[1]
+    offsets[1] = 0  # expert 1 in slot 0: a hit
+    before = offsets.clone()
+    spare = torch.tensor([2 * P_el, -1, 5 * P_el, 4 * P_el], device=device)  # pairs (0,0)→2, (1,0)→5, (1,1)→4
+    out = moe_decode_gpu.moe_decode(x, ids, w, pool_gu, pool_d, offsets=offsets, spare=spare, admit=True)
+    ref = moe_experts(x.cpu().double(), ids.cpu(), w.cpu().double(), gate_up.cpu().double(), down.cpu().double())
+    assert torch.allclose(out.cpu().double(), ref, rtol=1e-4, atol=1e-5)
+    want = before.clone()
+    want[3], want[4] = 2 * P_el, 4 * P_el  # expert 3: the first pair's slot (2), not the second's (5)
+    assert offsets.tolist() == want.tolist()
+    assert torch.equal(pool[2], blocks[3]) and torch.equal(pool[4], blocks[4])
