@@ -165,6 +165,10 @@
 #   bash benchmarks/h200/run.sh CJ   # where the GPU waits at 2K bs=1: the timeline with the long gaps' neighbours, the host's
 #                                    #   time by function and its syncs, adaptive and on-demand; then adaptive with CI's
 #                                    #   change (.ab-before/: zero_copy.py, cache.py, moe_decode_gpu.py of b3a0889)
+#   bash benchmarks/h200/run.sh CK   # after the sampler's copies stopped waiting for the GPU (f67696f): CUDA tests; resident L16
+#                                    #   e2e; 2K bs=1 rounds and 32K bs=1 at 916 slots with CI's lagged table (dbc0103) and
+#                                    #   without (.ab-before/: zero_copy.py, cache.py, moe_decode_gpu.py of f67696f); the
+#                                    #   lagged table's 2K bs=1 timeline
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -783,6 +787,19 @@ e2e_resident_l16() {  # $1: the record's name; resident L16 decode at 2K, bs 1 a
     --expert-policy resident --batch-sizes 1,4 --contexts 2048 --new-tokens 32 --vram-budget-gb 0 \
     --json "$out/e2e-resident-L16-$1.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
 }
+if [ "$phase" = CK ]; then
+  run_tests "the sampler without syncs, the lagged table, on CUDA" tests/test_sampling.py tests/experts/test_zero_copy.py \
+    tests/kernels/test_moe_decode_gpu.py tests/models/test_decode_graph.py
+  e2e_resident_l16 sampler-nosync
+  for v in lagged main; do
+    [ $v = main ] && ab_swap
+    bench_experts 2k-bs1-$v --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 2 --policies on-demand,adaptive
+    bench_experts 32k-bs1-916-$v --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill \
+      --policies on-demand,adaptive
+    [ $v = main ] && ab_restore
+  done
+  timeline_2k_bs1 lagged adaptive
+fi
 if [ "$phase" = CJ ]; then
   timeline_2k_bs1 main adaptive,on-demand
   ab_swap; timeline_2k_bs1 lagged adaptive; ab_restore

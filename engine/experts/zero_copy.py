@@ -10,18 +10,23 @@ an expert's entry points into its cache slot or into the pinned host store, whic
 claims a free slot from a list the host prepared and writes the weights it reads there: the miss is
 computed and filled by one PCIe read (no second copy over the link, which halved the rate of a first
 version that admitted misses by DMA beside the in-place reads: RESULTS.md, phase U). The whole step
-is one graph; the cache follows one step behind, on the host, between replays:
+is one graph; the host's LRU follows behind it, between replays:
 
 1. The graph logs each MoE layer's routing and each pair's claimed slot; after the replay both come
-   to the host.
-2. Before the next replay the host reads them: experts whose entry pointed to a slot when their
-   layer ran were hits (their LRU recency is refreshed); the others were misses. A listed slot that
-   was claimed loses its old expert (below), and each missed expert that claimed a slot enters the
-   LRU there, its entry now pointing to that slot (the replay that wrote it is over).
-3. The list of slots for the next step's misses — about the last step's — starts with the LRU's free
-   slots (held out of it) and goes on with the slots of its least recently used entries, which stay
-   cached: each is listed with its victim, the entry it holds.
-4. The changed table and list go to the device on the compute stream, ahead of the next replay.
+   to the host. The device's table keeps itself meanwhile: the sum kernel points each filled expert
+   at its slot (the first pair's, where two tokens missed it), the claim kernel points a victim back
+   to the store (below).
+2. The host reads a step's logs while the next step runs: experts whose entry pointed to a slot when
+   their layer ran were hits (their LRU recency is refreshed); the others were misses. A listed slot
+   that was claimed loses its old expert, and each missed expert that claimed a slot enters the LRU
+   there, as the device already has it.
+3. The list of slots for a step's misses — about the last step's — starts with the LRU's free slots
+   (held out of it) and goes on with the slots of its least recently used entries, which stay
+   cached: each is listed with its victim, the entry it holds. Victims listed for the step in flight
+   are left out (their slots may be taken already). Where a list is a large share of the cache, the
+   host reads the step in flight first (LAG_LIST_SHARE).
+4. The list goes to the device on the compute stream, ahead of the replay; pinned staging buffers
+   alternate between steps, so that a step's list is written while the one before is in flight.
 
 A pair that claims a victim's slot first points the victim's table entry back to the store, in the
 claim kernel, before any expert kernel of its layer reads the table: the victim's later layers in
@@ -61,6 +66,13 @@ PROBE_RUN = 3
 PROBE_LENGTH = 2 * PROBE_RUN * math.ceil(PROBE_STEPS / (PROBE_RUN - 1)) + 1
 REPROBE_EVERY = 256  # steps after which the form not in use is timed again
 SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for the next step's misses
+# The host lists a step's slots while the step before runs (it reads that step's log afterwards) only
+# where a list is at most this share of the cache. Running ahead hides the host's work, but the
+# slots listed for the step in flight are out of reach of the next list and the LRU order is a step
+# old. On the H200 (48 layers, bs=1, phase CK): at 2K (2,267 slots, ~28 listed) decode ran 111 tok/s
+# against 101-103 waiting for the log; at 32K with 916 slots (~170 listed) it hit 0.630 against 0.650
+# and ran 28.8 against 29.4. There the host reads the last step's log first.
+LAG_LIST_SHARE = 0.05
 # Pieces must probe this much faster to be chosen over the one graph. The probe runs while the cache
 # warms, which flatters pieces: the graph reads every miss over the link, pieces split misses with the
 # CPU, so the graph gains most as hits rise. On the H200 (2K, bs=1, 48 layers, phase BO) a probe of
@@ -71,9 +83,13 @@ GRAPH_MARGIN = 1.15
 
 
 class ZeroCopyDecode:
-    def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None):
-        """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate)."""
+    def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None,
+                 lag_list_share: float = LAG_LIST_SHARE):
+        """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate).
+        lag_list_share: the list's largest share of the cache at which the host lists a step's slots
+        without reading the step before's log (LAG_LIST_SHARE; 0: never, 1: always)."""
         self.store, self.cache, self.lru, self.device = store, cache, cache.lru, indexed(device)
+        self.lag_list_share = lag_list_share
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
         L = store.n_layers
@@ -148,6 +164,8 @@ class ZeroCopyDecode:
         if self._next is not None:  # listed for layers that never ran
             self.lru.give_back(self._next.held)
             self._next = None
+        if self._inflight and self._wanted > self.lag_list_share * self.cache.n_slots:
+            self.drain()  # a tight cache: list from the LRU as the last step left it (LAG_LIST_SHARE)
         if self.stale:
             self.drain()  # every log read: the LRU is the cache as it stands
             self._rebuild(stream)

@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 
 from engine.experts.cache import ExpertCache  # noqa: E402
 from engine.experts.store import ExpertStore  # noqa: E402
-from engine.experts.zero_copy import (GRAPH_MARGIN, PROBE_LENGTH, PROBE_RUN, PROBE_STEPS, REPROBE_EVERY,  # noqa: E402
-                                      ModeChooser, ZeroCopyDecode)
+from engine.experts.zero_copy import (GRAPH_MARGIN, LAG_LIST_SHARE, PROBE_LENGTH, PROBE_RUN,  # noqa: E402
+                                      PROBE_STEPS, REPROBE_EVERY, ModeChooser, ZeroCopyDecode)
 from engine.kernels.experts_torch import moe_experts  # noqa: E402
 
 L, E, H, I, K = 3, 6, 24, 16, 2
@@ -56,17 +56,24 @@ def _check_table(zc, cache, store):
     assert len(set(slots)) == len(slots)
 
 
-def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, check_each_step=True):
+def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, check_each_step=True, lag_list_share=1.0,
+            inflight=None):
+    """lag_list_share 1.0: the host always lists a step's slots before reading the step before's log
+    (caches this small would read it first under the default). inflight: the steps whose logs are
+    unread after each before_step, appended to."""
     gate_up, down = _model()
     store = ExpertStore.from_layers(gate_up, down, dtype=torch.float32, pin=DEVICE == "cuda")
     cache = ExpertCache(n_slots, H, I, torch.float32, torch.device(DEVICE))
     window = []
-    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, window=window)
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, window=window,
+                        lag_list_share=lag_list_share)
     g = torch.Generator().manual_seed(seed)
     routing = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n_tokens)]) for _ in range(L)]
     used_per_step = []
     for step in range(steps):
         zc.before_step()
+        if inflight is not None:
+            inflight.append(len(zc._inflight))
         _check_slots(zc, cache)
         if check_each_step:  # (reads the step before's logs now: the host no longer lags a step)
             _check_table(zc, cache, store)
@@ -100,6 +107,24 @@ def test_outputs_equal_resident_while_the_host_reads_each_log_a_step_late(n_slot
     assert lru.fills > 0 and (lru.hits > 0 or n_slots == 1)
     for (layer, e), ent in lru.entries.items():  # each slot holds its expert's weights
         assert torch.equal(cache.pool[ent.slot].cpu(), store.block(layer, e))
+
+
+@pytest.mark.parametrize("n_slots", [4, L * E])
+def test_outputs_equal_resident_when_the_host_reads_each_log_before_listing(n_slots):
+    """A tight cache (the list a large share of it): the host reads the step before's log first, so
+    the list sees every slot and the LRU as that step left it."""
+    inflight = []
+    zc, store, cache, window, used = _decode(n_slots, steps=10, check_each_step=False, lag_list_share=0.0,
+                                             inflight=inflight)
+    assert inflight == [0] * 10
+    assert cache.lru.hits + cache.lru.misses == sum(len(u) for u in used) and cache.lru.fills > 0
+
+
+@pytest.mark.parametrize("n_slots, lags", [(8, False), (400, True)])
+def test_the_host_runs_a_step_ahead_only_where_the_list_is_a_small_share_of_the_cache(n_slots, lags):
+    inflight = []
+    _decode(n_slots, steps=4, check_each_step=False, lag_list_share=LAG_LIST_SHARE, inflight=inflight)
+    assert inflight == [0] + [1 if lags else 0] * 3  # (the first step has none before it)
 
 
 @pytest.mark.parametrize("n_slots", [1, 4, L * E])
@@ -249,7 +274,7 @@ def _full_cache(order):
         cache.copy_in(slot, store.block(layer, e))
     cache.lru.unlock()
     cache.lru.fills = 0
-    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4)
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0)
     return zc, store, cache, gate_up, down
 
 
