@@ -25,7 +25,7 @@ import statistics
 import time
 
 from engine.bench.common import header
-from engine.experts.zero_copy import PROBE_LENGTH
+from engine.experts.mode_chooser import PROBE_LENGTH
 
 # Unmeasured decode steps per policy and batch size before measuring: kernel compiles and graph
 # captures, and for `adaptive` the choice between the whole-step graph and pieces: the probe's steps,

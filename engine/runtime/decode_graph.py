@@ -39,7 +39,7 @@ import torch
 
 from engine.experts.executor import GROUPED_MAX_TOKENS, ExpertExecutor, ResidentExperts
 from engine.experts.offload import OffloadedExperts
-from engine.experts.zero_copy import ModeChooser
+from engine.experts.mode_chooser import ModeChooser
 from engine.kernels.cuda_capture import GeneratorState
 from engine.kernels.experts_gpu import MAX_GROUPS, uses_grouped_mm
 from engine.kv.resident import ResidentKV
