@@ -171,6 +171,7 @@
 #                                    #   lagged table's 2K bs=1 timeline
 #   bash benchmarks/h200/run.sh CL   # the cells after CK's two changes (bfeb398): CUDA tests; 2K bs 1 and 4, three rounds; 32K bs=1
 #                                    #   at 916 slots (the host reads the step in flight first there), two rounds
+#   bash benchmarks/h200/run.sh CM   # the 32K bs=4 cell after CK's changes and the chooser's move (dc2ed76)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -789,6 +790,9 @@ e2e_resident_l16() {  # $1: the record's name; resident L16 decode at 2K, bs 1 a
     --expert-policy resident --batch-sizes 1,4 --contexts 2048 --new-tokens 32 --vram-budget-gb 0 \
     --json "$out/e2e-resident-L16-$1.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
 }
+if [ "$phase" = CM ]; then
+  bench_experts 32k-bs4 --batch-sizes 4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
+fi
 if [ "$phase" = CL ]; then
   run_tests "the sampler, the one graph a step ahead of its log, decode graphs, on CUDA" tests/test_sampling.py \
     tests/experts/test_zero_copy.py tests/models/test_decode_graph.py
