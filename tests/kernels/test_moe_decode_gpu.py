@@ -20,6 +20,22 @@ def _case(n, k, e, h, i, dtype, device, seed):
     return [t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) for t in (x, ids, w, gate_up, down)]
 
 
+def _pool_and_store(gate_up, down, n_slots):
+    """A pool of n_slots empty expert blocks and, in another allocation, every expert (the store):
+    → (blocks (E, 3IH), pool (S, 3IH), gate_up and down views of the pool, offsets (E,) of each
+    expert's store copy in elements from the pool's first element, the store). The caller keeps the
+    store alive: the offsets point into it."""
+    E, I, H = gate_up.shape[0], down.shape[2], gate_up.shape[2]
+    blocks = torch.cat([gate_up.flatten(1), down.flatten(1)], 1)  # (E, 3IH) one block per expert
+    pool = torch.zeros(n_slots, blocks.shape[1], device=gate_up.device)
+    store = blocks.clone()  # a separate allocation standing in for the host store
+    split = 2 * I * H
+    pool_gu, pool_d = pool[:, :split].unflatten(1, (2 * I, H)), pool[:, split:].unflatten(1, (H, I))
+    offsets = torch.tensor([(store[e].data_ptr() - pool.data_ptr()) // pool.element_size() for e in range(E)],
+                           device=gate_up.device)
+    return blocks, pool, pool_gu, pool_d, offsets, store
+
+
 @pytest.mark.parametrize("n,k,e,h,i", [
     (1, 2, 4, 32, 16),     # one token
     (3, 3, 8, 40, 24),     # sizes that are not whole tiles
@@ -82,15 +98,8 @@ def test_moe_decode_offset_table_reads_experts_in_other_allocations():
     in place): expert e at `offsets[e]` elements from the pool's first element; out= is written."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x, ids, w, gate_up, down = _case(3, 2, 5, 40, 24, torch.float32, device, seed=11)
-    E, I, H = gate_up.shape[0], down.shape[2], gate_up.shape[2]
-    blocks = torch.cat([gate_up.flatten(1), down.flatten(1)], 1)  # (E, 3IH) one block per expert
-    pool = torch.zeros(2, blocks.shape[1], device=device)  # two "slots"
-    elsewhere = blocks.clone()  # a separate allocation standing in for the store
+    blocks, pool, pool_gu, pool_d, offsets, _store = _pool_and_store(gate_up, down, 2)  # two "slots"
     pool[1] = blocks[3]
-    split = 2 * I * H
-    pool_gu = pool[:, :split].unflatten(1, (2 * I, H))
-    pool_d = pool[:, split:].unflatten(1, (H, I))
-    offsets = torch.tensor([(elsewhere[e].data_ptr() - pool.data_ptr()) // 4 for e in range(E)], device=device)
     offsets[3] = pool.shape[1]  # expert 3 from slot 1
     out = torch.full_like(x, float("nan"))
     got = moe_decode_gpu.moe_decode(x, ids, w, pool_gu, pool_d, offsets=offsets, out=out)
@@ -98,7 +107,7 @@ def test_moe_decode_offset_table_reads_experts_in_other_allocations():
     ref = moe_experts(x.cpu().double(), ids.cpu(), w.cpu().double(), gate_up.cpu().double(), down.cpu().double())
     assert torch.allclose(out.cpu().double(), ref, rtol=1e-4, atol=1e-5)
     skipped = ids.clone()
-    skipped[0, 0] = E  # outside the table: skipped
+    skipped[0, 0] = offsets.shape[0]  # outside the table: skipped
     part = moe_decode_gpu.moe_decode(x, skipped, w, pool_gu, pool_d, offsets=offsets)
     w0 = w.clone()
     w0[0, 0] = 0
@@ -112,14 +121,8 @@ def test_pairs_read_from_outside_the_pool_claim_free_slots_and_copy_their_expert
     claimed slot holding the expert its pair read."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x, ids, w, gate_up, down = _case(3, 2, 6, 32, 16, torch.float32, device, seed=12)
-    E, I, H = gate_up.shape[0], down.shape[2], gate_up.shape[2]
-    blocks = torch.cat([gate_up.flatten(1), down.flatten(1)], 1)  # (E, 3IH)
+    blocks, pool, pool_gu, pool_d, offsets, _store = _pool_and_store(gate_up, down, 5)
     P_el = blocks.shape[1]
-    pool = torch.zeros(5, P_el, device=device)
-    elsewhere = blocks.clone()
-    split = 2 * I * H
-    pool_gu, pool_d = pool[:, :split].unflatten(1, (2 * I, H)), pool[:, split:].unflatten(1, (H, I))
-    offsets = torch.tensor([(elsewhere[e].data_ptr() - pool.data_ptr()) // 4 for e in range(E)], device=device)
     in_pool = int(ids[0, 0])
     pool[0] = blocks[in_pool]
     offsets[in_pool] = 0  # slot 0
@@ -167,15 +170,9 @@ def test_admit_points_each_filled_expert_at_the_slot_its_first_pair_filled():
     that slot (the first pair's where two tokens filled the same expert); the other entries stay."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x, _, w, gate_up, down = _case(2, 2, 6, 32, 16, torch.float32, device, seed=5)
-    E, I, H = gate_up.shape[0], down.shape[2], gate_up.shape[2]
     ids = torch.tensor([[3, 1], [3, 4]], device=device)  # expert 3 routed by both tokens
-    blocks = torch.cat([gate_up.flatten(1), down.flatten(1)], 1)  # (E, 3IH)
+    blocks, pool, pool_gu, pool_d, offsets, _store = _pool_and_store(gate_up, down, 6)
     P_el = blocks.shape[1]
-    pool = torch.zeros(6, P_el, device=device)
-    elsewhere = blocks.clone()
-    split = 2 * I * H
-    pool_gu, pool_d = pool[:, :split].unflatten(1, (2 * I, H)), pool[:, split:].unflatten(1, (H, I))
-    offsets = torch.tensor([(elsewhere[e].data_ptr() - pool.data_ptr()) // 4 for e in range(E)], device=device)
     pool[0] = blocks[1]
     offsets[1] = 0  # expert 1 in slot 0: a hit
     before = offsets.clone()
