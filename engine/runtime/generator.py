@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from engine.errors import ContextOverflowError
+from engine.kernels.cuda_streams import to_device_async
 from engine.kv.backend import KVBackend
 from engine.runtime.sampling import Sampler
 from engine.runtime.telemetry import GenerationTimer, Telemetry
@@ -164,7 +165,7 @@ class Generator:
                     tokens = pending.tokens
                 else:  # some sequences ended: the rest's rows of the last samples
                     rows = [pending.runs.index(r) for r in runs]
-                    tokens = pending.tokens[torch.tensor(rows, device=pending.tokens.device)]
+                    tokens = pending.tokens[to_device_async(torch.tensor(rows), pending.tokens.device)]
                 logits = self._forward([r.session for r in runs], tokens)  # (B, V), launched
                 if pending is None:  # (later steps' tokens join `cached` once the host has read them)
                     for r in runs:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.cuda_streams import to_device_async
+
 
 @dataclass
 class SamplingParams:
@@ -52,7 +54,7 @@ class Sampler:
         logits = logits.float()  # (V,)
         V, p = logits.numel(), self.p
         if p.repetition_penalty != 1.0 and history:
-            seen = _to(torch.tensor(sorted(set(history)), dtype=torch.int64), logits.device)
+            seen = to_device_async(torch.tensor(sorted(set(history)), dtype=torch.int64), logits.device)
             vals = logits[seen]
             logits = logits.index_put((seen,), torch.where(vals > 0, vals / p.repetition_penalty,
                                                             vals * p.repetition_penalty))
@@ -72,16 +74,6 @@ class Sampler:
         # The draw comes from the sampler's own CPU generator wherever the logits are: a seed gives
         # the same uniforms on every device.
         cdf = torch.cumsum(torch.softmax(logits, dim=-1).double(), dim=0)  # (V,)
-        u = _to(torch.rand(1, generator=self.gen, dtype=torch.float64), logits.device) * cdf[-1]
+        u = to_device_async(torch.rand(1, generator=self.gen, dtype=torch.float64), logits.device) * cdf[-1]
         return torch.searchsorted(cdf, u, right=True).clamp_(max=V - 1)[0]
 
-
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` without waiting there. A copy from pageable memory to a GPU
-    blocks the host until the stream has run everything queued before it: at decode that is the
-    whole step just launched, ~8 ms a token of host time at 2K bs=1 on the H200 (cProfile,
-    benchmarks/h200/2026-12-01-CJ), and the next step could not be queued behind it. From pinned
-    memory the copy is queued and the host goes on."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
