@@ -5,11 +5,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "common.h"
+#include "cpu_mailbox.h"
 #include "moe_worker.h"
 
 #if defined(_OPENMP)
@@ -145,6 +147,23 @@ void moe_submit_routed_py(MoeWorker& worker, uintptr_t x, int x_dtype, int64_t n
   worker.submit(p, threads);
 }
 
+// The mailbox worker (cpu_mailbox.h) over two pinned regions the caller keeps alive longer than it.
+// words: the first word of ids, CPU marks, weights and x in to_cpu, and of out in to_gpu; rows
+// (n_layers, n_experts, 5) int64: every expert's table row (copied).
+std::unique_ptr<CpuMailbox> make_mailbox(uintptr_t to_cpu, uintptr_t to_gpu, const std::vector<int64_t>& words,
+                                         int64_t max_rows, int64_t top_k, int64_t hidden, int64_t inter,
+                                         int x_dtype, int w_dtype,
+                                         const py::array_t<int64_t, py::array::c_style>& rows, int threads) {
+  require(words.size() == 5, "words: ids, cpu, weights, x (to_cpu) and out (to_gpu)");
+  require(rows.ndim() == 3 && rows.shape(2) == 5, "rows must be an int64 table (n_layers, n_experts, 5)");
+  const MoeExpert* first = reinterpret_cast<const MoeExpert*>(rows.data());
+  std::vector<MoeExpert> table(first, first + rows.shape(0) * rows.shape(1));
+  MailboxShape s{reinterpret_cast<int64_t*>(to_cpu), reinterpret_cast<int64_t*>(to_gpu), words[0], words[1],
+                 words[2], words[3], words[4], max_rows, top_k, hidden, inter, dtype_of(x_dtype), dtype_of(w_dtype),
+                 rows.shape(0), rows.shape(1), threads};
+  return std::make_unique<CpuMailbox>(s, std::move(table));
+}
+
 // The file of the OpenMP runtime this module's calls bind to ("" if unknown or without OpenMP). The
 // dynamic linker binds them to the first runtime in the global scope, which is torch's (it loads its
 // libgomp RTLD_GLOBAL) even when the module was linked against another copy under another name.
@@ -210,6 +229,16 @@ PYBIND11_MODULE(_native, m) {
         return w.wait();
       }, "Block (without the GIL) until the set is done → (queue seconds, compute seconds).")
       .def_property_readonly("pending", &MoeWorker::pending, "A set was submitted and not yet collected.");
+  py::class_<CpuMailbox>(m, "CpuMailbox",
+                         "A native thread that answers MoE layers posted by a CUDA graph to a mailbox in pinned "
+                         "memory (cpu_mailbox.h); no Python runs on it.")
+      .def(py::init(&make_mailbox), py::arg("to_cpu"), py::arg("to_gpu"), py::arg("words"), py::arg("max_rows"),
+           py::arg("top_k"), py::arg("hidden"), py::arg("inter"), py::arg("x_dtype"), py::arg("w_dtype"),
+           py::arg("rows").noconvert(), py::arg("threads"))
+      .def_property_readonly("answered", &CpuMailbox::answered, "Posts answered so far.")
+      .def_property_readonly("experts", &CpuMailbox::experts, "Experts computed so far.")
+      .def_property_readonly("compute_s", &CpuMailbox::compute_s, "Seconds spent answering posts.")
+      .def("error", &CpuMailbox::error, "The first error a post met (empty if none).");
   m.def("stream_read", [](uintptr_t data, size_t n_bytes, int threads) {
     py::gil_scoped_release release;
     return stream_read(reinterpret_cast<const void*>(data), n_bytes, threads);

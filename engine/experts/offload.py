@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.experts.cache import ExpertCache
+from engine.experts.cpu_mailbox import default_share
 from engine.experts.cpu_set import (CpuSetRunner, cpu_set_inputs, default_cpu_moe, native_cpu_set, per_expert_moe,
                                     routed_cpu_set)
 from engine.experts.executor import ExpertExecutor
@@ -120,7 +121,7 @@ class OffloadedExperts(ExpertExecutor):
             try:
                 self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device,
                                                 min(self.planner.max_decode_tokens, moe_decode_gpu.MAX_TOKENS),
-                                                window=self._window)
+                                                window=self._window, cpu_share=default_share(self.costs))
             except RuntimeError as e:  # the driver cannot map the store
                 self.zero_copy_off = str(e)
                 log.warning("decode steps with offloaded experts stay in pieces: %s", e)
@@ -384,7 +385,8 @@ class OffloadedExperts(ExpertExecutor):
         c = lambda name: getattr(lru, name) if lru is not None else 0  # noqa: E731
         return {
             "policy": self.policy, "hits": c("hits"), "misses": c("misses") + self.uncached_misses,
-            "fills": c("fills"), "cpu_executed": self.cpu_executed, "evictions": c("evictions"),
+            "fills": c("fills"), "cpu_executed": self.cpu_executed + (self.zero_copy.cpu_experts if self.zero_copy is not None else 0),
+            "evictions": c("evictions"),
             "prefetch_issued": c("prefetches"), "prefetch_used": c("prefetch_used"),
             "prefetch_wasted": c("prefetch_wasted"), "hit_rate": self.hit_rate(),
             "slots": self.cache.n_slots if self.cache is not None else 0,
@@ -406,6 +408,7 @@ class OffloadedExperts(ExpertExecutor):
             self.cache.synchronize()  # no copy may still read the store
         if self.zero_copy is not None:  # nor a kernel reading it in place
             torch.cuda.synchronize(self.device)
+            self.zero_copy.close()  # its CPU worker reads the store too
         self._cpu_runner.close()
         if release_store:
             self.store.close()

@@ -137,6 +137,10 @@ class ExpertStore:
     def moe_rows(self, layer: int) -> np.ndarray:
         """The layer's rows of that table for every expert, (E, 5) int64, C-contiguous (a view: do not
         write). Rows of experts the store does not serve are all zero."""
+        return self.all_moe_rows()[layer]
+
+    def all_moe_rows(self) -> np.ndarray:
+        """Every layer's rows, (n_layers, E, 5) int64 (do not write)."""
         if self._moe_rows is None:
             first = self.blocks.data_ptr() + np.maximum(self.block_of, 0) * self.block_bytes  # (L, E)
             rows = np.zeros(self.block_of.shape + (5,), dtype=np.int64)
@@ -146,7 +150,7 @@ class ExpertStore:
             rows[..., 3] = self.expert_ffn
             rows[self.block_of < 0] = 0  # layers without routed experts: no address at all
             self._moe_rows = rows
-        return self._moe_rows[layer]
+        return self._moe_rows
 
     @property
     def block_bytes(self) -> int:

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.experts.cpu_mailbox import CpuMailbox
 from engine.kernels import moe_decode_gpu
 from engine.kernels.cuda_streams import indexed
 
@@ -65,12 +66,16 @@ LAG_LIST_SHARE = 0.05
 
 class ZeroCopyDecode:
     def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None,
-                 lag_list_share: float = LAG_LIST_SHARE):
+                 lag_list_share: float = LAG_LIST_SHARE, cpu_share: float = 0.0):
         """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate).
         lag_list_share: the list's largest share of the cache at which the host lists a step's slots
-        without reading the step before's log (LAG_LIST_SHARE; 0: never, 1: always)."""
+        without reading the step before's log (LAG_LIST_SHARE; 0: never, 1: always). cpu_share: of
+        each layer's missed experts, the share the CPU computes through the mailbox (cpu_mailbox.py;
+        0: none, every miss is read over PCIe)."""
         self.store, self.cache, self.lru, self.device = store, cache, cache.lru, indexed(device)
-        self.lag_list_share = lag_list_share
+        self.lag_list_share, self.cpu_share = lag_list_share, cpu_share
+        self.mailbox: CpuMailbox | None = None  # opened at the first run, once top-k is known
+        self.mailbox_off: str | None = None if cpu_share > 0 else "cpu_share 0"
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
         L = store.n_layers
@@ -98,14 +103,15 @@ class ZeroCopyDecode:
         self.host_table = torch.from_numpy(self.host_offsets.reshape(-1).copy()).to(self.device)  # (L·E,) store offsets
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # listed slots claimed this step
         self._wanted = min(self.max_spares, 2 * L)  # list length before a step has been seen
-        self.log = self.claims = None  # (L, B·k) on the device, made at the first run
-        self.logs_host: list[tuple[torch.Tensor, torch.Tensor]] = []  # two (log, claims) pinned copies
+        self.log = self.claims = self.cpu_log = None  # (L, B·k) on the device, made at the first run
+        self.logs_host: list[tuple[torch.Tensor, ...]] = []  # two (log, claims, cpu_log) pinned copies
         self._next: _Listed | None = None  # the slots listed for the step about to run
         self._inflight: deque[_Listed] = deque()  # steps run whose logs the host has not read, oldest first
         self._buf = 0  # the staging buffers the next list takes
         self._unlogged_tokens = 0  # B of device work run since the last after_step (a graph's eager warm-up)
         self.stale = True  # the LRU changed outside this path: rebuild the table before a replay
         self.zero_copy_experts = self.fills = self.steps = 0  # experts read over PCIe; kept in a slot
+        self.cpu_experts = 0  # missed experts the CPU computed (through the mailbox)
         self.link_blocks = 0  # expert blocks read over PCIe: one per (token, choice) pair read in place
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
@@ -121,16 +127,39 @@ class ZeroCopyDecode:
             L = self.store.n_layers
             self.log = torch.full((L, self.max_tokens * k), -1, dtype=torch.int64, device=self.device)  # (L, B·k)
             self.claims = torch.full_like(self.log, -1)  # (L, B·k) offset of the slot each pair filled, or -1
-            self.logs_host = [tuple(self._host(torch.empty_like(t, device="cpu")) for t in (self.log, self.claims))
-                              for _ in range(2)]
+            self.cpu_log = torch.zeros_like(self.log)  # (L, B·k) 1: the CPU computed the pair
+            self.logs_host = [tuple(self._host(torch.empty_like(t, device="cpu"))
+                                    for t in (self.log, self.claims, self.cpu_log)) for _ in range(2)]
+            self._open_mailbox(k)
         offsets = self.table[layer]  # (E,)
+        log = self.log[layer, :N * k]
+        if self.mailbox is not None:  # part of the misses to the CPU: their pairs get id -1 below
+            ids = self.mailbox.post(layer, x, ids, weights, offsets, self.pool_numel, self._gpu_ids[:N * k], log,
+                                    self.cpu_log[layer, :N * k])
+            log = None  # written by the post
         # (N·k,) a free slot's offset per pair read from the store, written into this layer's claims row,
         # the pairs' expert ids into its log row
         spare = moe_decode_gpu.claim_free_slots(ids, offsets, self.spares, self.counter, self.pool_numel,
-                                                out=self.claims[layer, :N * k], log=self.log[layer, :N * k],
+                                                out=self.claims[layer, :N * k], log=log,
                                                 evict=(self.victims, self.table.view(-1), self.host_table))
         return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
-                                         offsets=offsets, spare=spare, admit=True)
+                                         offsets=offsets, spare=spare, admit=True,
+                                         cpu=self.mailbox.wait_args if self.mailbox is not None else None)
+
+    def _open_mailbox(self, top_k: int) -> None:
+        if self.cpu_share <= 0 or self.mailbox is not None:
+            return
+        try:
+            self.mailbox = CpuMailbox(self.store, self.device, self.max_tokens, top_k, self.cpu_share)
+        except RuntimeError as e:  # no native extension: every miss is read over PCIe
+            self.mailbox_off = str(e)
+            return
+        self._gpu_ids = torch.empty(self.max_tokens * top_k, dtype=torch.int64, device=self.device)
+
+    def close(self) -> None:
+        """Stop the CPU mailbox's worker (after the device has finished with it)."""
+        if self.mailbox is not None:
+            self.mailbox.close()
 
     # -- between replays --------------------------------------------------------------------------
     def before_step(self, stream=None) -> None:
@@ -166,9 +195,10 @@ class ZeroCopyDecode:
         self._unlogged_tokens = 0
         step, self._next = self._next, None
         assert step is not None, "before_step lists the slots of every step"
-        log_host, claims_host = self.logs_host[step.buf]
-        log_host.copy_(self.log, non_blocking=True)
-        claims_host.copy_(self.claims, non_blocking=True)
+        for host, dev in zip(self.logs_host[step.buf], (self.log, self.claims, self.cpu_log)):
+            host.copy_(dev, non_blocking=True)
+        if self.mailbox is not None:
+            self.mailbox.queue_check()
         if self.device.type == "cuda":
             step.ready = torch.cuda.Event()
             step.ready.record()
@@ -209,14 +239,18 @@ class ZeroCopyDecode:
 
     def _read(self, step: "_Listed") -> None:
         step.ready.synchronize()  # that replay has finished: none of its kernels reads or writes a slot now
+        if self.mailbox is not None:
+            self.mailbox.check()
         n, k = step.n_tokens, self.log.shape[1] // self.max_tokens
-        log_host, claims_host = self.logs_host[step.buf]
-        self._account(log_host[:, :n * k].numpy().reshape(-1, n, k), claims_host[:, :n * k].numpy(), step)
+        log_host, claims_host, cpu_host = self.logs_host[step.buf]
+        self._account(log_host[:, :n * k].numpy().reshape(-1, n, k), claims_host[:, :n * k].numpy(), step,
+                      cpu_host[:, :n * k].numpy())
 
-    def _account(self, log: np.ndarray, claims: np.ndarray, step: "_Listed") -> None:
-        """log (L, B, k) and claims (L, B·k) of a finished replay, with the slots listed for it: LRU hits
-        refreshed, misses counted, victims of claimed slots evicted, missed experts admitted into the
-        slots they filled (as the device did), the listed free slots left over given back."""
+    def _account(self, log: np.ndarray, claims: np.ndarray, step: "_Listed", cpu: np.ndarray | None = None) -> None:
+        """log (L, B, k), claims (L, B·k) and cpu (L, B·k; 1: the CPU computed the pair) of a finished
+        replay, with the slots listed for it: LRU hits refreshed, misses counted, victims of claimed
+        slots evicted, missed experts admitted into the slots they filled (as the device did), the
+        listed free slots left over given back."""
         lru, E = self.lru, self.store.n_experts
         L = log.shape[0]
         ids = log.reshape(L, -1)  # (L, B·k)
@@ -238,9 +272,15 @@ class ZeroCopyDecode:
             hits_per_layer, active_per_layer = hit.sum(1), active.sum(1)
             for layer in np.flatnonzero(active_per_layer).tolist():
                 self.window.append((int(hits_per_layer[layer]), int(active_per_layer[layer])))
+        on_cpu = np.zeros_like(active)  # (L, E) experts the CPU computed
+        if cpu is not None and self.mailbox is not None:
+            cpu_layers, cpu_pairs = np.nonzero(cpu)
+            on_cpu[cpu_layers, ids[cpu_layers, cpu_pairs]] = True
         n_missed = int((active & ~hit).sum())
         lru.misses += n_missed
-        self.zero_copy_experts += n_missed
+        n_cpu = int(on_cpu.sum())
+        self.cpu_experts += n_cpu
+        self.zero_copy_experts += n_missed - n_cpu
         for slot, key in taken:  # a miss wrote over these entries' weights
             lru.evict(key)
             mirror[key] = self.host_offsets[key]
@@ -259,7 +299,7 @@ class ZeroCopyDecode:
             kept.add(slot)
         self.lru.give_back([s for s in step.held if s not in kept] + [s for s, _ in taken if s not in kept])
         self.fills += len(kept)
-        outside = int(counts[active & ~hit].sum())  # pairs read from the store
+        outside = int(counts[active & ~hit & ~on_cpu].sum())  # pairs read from the store
         self.link_blocks += outside  # (a pair's fill writes what it read: nothing more crosses the link)
         self._wanted = min(self.max_spares, math.ceil(1.25 * outside) + 4)
 
@@ -297,7 +337,9 @@ class ZeroCopyDecode:
     def telemetry(self) -> dict:
         return {"graph_steps": self.steps, "zero_copy_experts": self.zero_copy_experts,
                 "link_bytes": self.link_blocks * self.store.block_bytes, "graph_fills": self.fills,
-                "free_slots_listed": len(self._next.held) if self._next is not None else 0}
+                "free_slots_listed": len(self._next.held) if self._next is not None else 0,
+                "cpu_experts": self.cpu_experts,
+                "cpu_mailbox": self.mailbox.telemetry() if self.mailbox is not None else {"off": self.mailbox_off}}
 
 
 @dataclass

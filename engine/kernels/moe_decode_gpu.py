@@ -135,8 +135,9 @@ if triton is not None:
             tl.store(table_ptr + v_ok, tl.load(host_table_ptr + v_ok), mask=evict)
 
     @triton.jit
-    def _sum_choices_kernel(y_ptr, out_ptr, ids_ptr, spare_ptr, offs_ptr, H, top_k, P, ADMIT: tl.constexpr,
-                            BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    def _sum_choices_kernel(y_ptr, out_ptr, ids_ptr, spare_ptr, offs_ptr, expect_ptr, done_ptr, cpu_out_ptr, error_ptr,
+                            max_polls, H, top_k, P, ADMIT: tl.constexpr, WAIT_CPU: tl.constexpr,
+                            SYS_FENCE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
         t = tl.program_id(0)
         if ADMIT:  # the fills of this token's pairs are written: point their experts' entries at the slots
             if tl.program_id(1) == 0:
@@ -156,6 +157,20 @@ if triton is not None:
         total = tl.zeros((BLOCK,), tl.float32)
         for j in range(0, top_k):
             total += tl.load(y_ptr + (t * top_k + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+        if WAIT_CPU:  # the CPU's pairs of this layer (engine/kernels/cpu_mailbox_gpu.py): wait for its sum
+            want = tl.load(expect_ptr)  # the layer's post number, 0: nothing was posted
+            seen = want * 0
+            polls = 0
+            while (seen < want) & (polls < max_polls):
+                seen = tl.load(done_ptr, volatile=True)  # host memory, read afresh over PCIe each time
+                polls += 1
+            if SYS_FENCE:
+                tl.inline_asm_elementwise("fence.sc.sys;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+            # (masks from the loop's values go through tl.where: the interpreter takes them as int32)
+            n_cols = tl.where((want > 0) & (seen >= want), H, 0)  # nothing is read from the host without an answer
+            total += tl.load(cpu_out_ptr + t * H + cols, mask=cols < n_cols, other=0.0, volatile=True)
+            tl.atomic_max(error_ptr, tl.where((want > 0) & (seen < want), 1, 0))  # no answer in time: the step is wrong
         tl.store(out_ptr + t * H + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -189,7 +204,7 @@ def claim_free_slots(ids: torch.Tensor, offsets: torch.Tensor, spares: torch.Ten
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                down: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               spare: torch.Tensor | None = None, admit: bool = False) -> torch.Tensor:
+               spare: torch.Tensor | None = None, admit: bool = False, cpu: tuple | None = None) -> torch.Tensor:
     """offsets (E,) int64, optional: expert e starts `offsets[e]` elements past gate_up's (and down's)
     first element instead of at e · stride(0). The offloaded experts pass the pool's views and an
     offset per expert of the layer: into a cache slot, or into the pinned host store, which the
@@ -199,7 +214,10 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     `spare[p]` elements past the pool's start (a free slot; -1: no copy) — a fill over the same PCIe
     read that computes with the expert. admit (with spare): once the fills are written, each filled
     expert's entry of `offsets` points at its slot (the first pair's, where two tokens filled one
-    expert), so the next replay finds it there without the host."""
+    expert), so the next replay finds it there without the host. cpu = (expect (1,) int64, done (1,)
+    int64 in host memory, cpu_out (≥N, H) fp32 in host memory, error (1,) int32, max_polls), optional:
+    the sum waits for the CPU mailbox's answer to the layer's post and adds its sum
+    (engine/kernels/cpu_mailbox_gpu.py)."""
     N, H = x.shape
     k = ids.shape[1]
     I = down.shape[2]
@@ -225,6 +243,13 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
                                          down.stride(1), HAS_OFFS=offsets is not None, HAS_SPARE=spare is not None,
                                          BLOCK_R=8, BLOCK_I=min(1024, triton.next_power_of_2(I)))
     assert not admit or (offsets is not None and spare is not None), "admit needs offsets and spare"
-    _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, out, ids, sp, offs, H, k, P, ADMIT=admit, BLOCK=1024,
+    if cpu is None:  # any tensors stand in for the mailbox's when unused
+        expect = done = error = ids
+        cpu_out, max_polls = y, 0
+    else:
+        expect, done, cpu_out, error, max_polls = cpu
+    _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, out, ids, sp, offs, expect, done, cpu_out, error, max_polls,
+                                                   H, k, P, ADMIT=admit, WAIT_CPU=cpu is not None,
+                                                   SYS_FENCE=x.is_cuda, BLOCK=1024,
                                                    BLOCK_P=triton.next_power_of_2(P))
     return out

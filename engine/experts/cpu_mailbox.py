@@ -1,0 +1,146 @@
+"""CpuMailbox: the CPU computes part of each layer's misses inside the one decode graph.
+
+The graph reads every miss over PCIe (engine/experts/zero_copy.py); where the cache is tight that
+binds the step to the link while the CPU idles (RESULTS.md, 32K with one chat). Seed 004 sends part
+of the misses to the CPU instead, sized so that both sides finish together. Between layers of a
+graph there is no host call to split them, so the device splits them (`post`, in
+engine/kernels/cpu_mailbox_gpu.py), hands the CPU's share over through pinned host memory, and the
+native worker (native/cpu_mailbox.h) answers there; the layer's sum kernel waits for the answer.
+
+This object owns the two pinned regions, the device's small scalars and the worker, and tears them
+down in reverse order: the device is synchronised (no kernel waits on the worker), the worker thread
+stops, then the memory goes.
+
+The share of a layer's missed experts that go to the CPU is `share`: round(share · misses) of them.
+`default_share` sizes it from the cost model so that the CPU side (at the residual DRAM bandwidth
+beside the link's reads) and the link side take equal time; TANDEM_GRAPH_CPU_SHARE overrides it
+(0 turns the mailbox off).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from engine.kernels import cpu_mailbox_gpu, native
+
+HEADER_WORDS = 16  # int64 words before the arrays: the sequence number's line, then layer and rows (to_cpu)
+# Reads of host memory before a waiting sum kernel gives up and flags the step (about 1 µs each over
+# PCIe: seconds; the interpreter's are slower, and its worker answers before the kernel even starts).
+MAX_POLLS = 1 << 22
+
+
+def default_share(costs) -> float:
+    """The share of missed experts the CPU takes: its rate beside the link's reads over both rates."""
+    env = os.environ.get("TANDEM_GRAPH_CPU_SHARE")
+    if env is not None:
+        share = float(env)
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"TANDEM_GRAPH_CPU_SHARE must lie in [0, 1] (got {env})")
+        return share
+    cpu = costs.cpu_beside_fills_gbps
+    return cpu / (cpu + costs.pcie_gbps)
+
+
+def _words(n_bytes: int) -> int:
+    """int64 words for n_bytes, rounded up to whole 64-byte lines."""
+    return math.ceil(n_bytes / 64) * 8
+
+
+class CpuMailbox:
+    def __init__(self, store, device: torch.device, max_rows: int, top_k: int, share: float,
+                 threads: int | None = None, max_polls: int = MAX_POLLS):
+        """store: the ExpertStore the CPU computes from; max_rows: tokens a step carries; share: of
+        each layer's missed experts, the part the CPU computes. Raises RuntimeError without the
+        native extension."""
+        nat = native.module()
+        if nat is None or not hasattr(nat, "CpuMailbox"):
+            raise RuntimeError(f"the CPU mailbox needs the native extension ({native.load_error() or 'too old'})")
+        if store.dtype not in native.DTYPE_CODES:
+            raise RuntimeError(f"the CPU kernels do not take {store.dtype}")
+        self.device, self.max_rows, self.hidden, self.max_polls = device, max_rows, store.hidden, max_polls
+        H, P = store.hidden, max_rows * top_k
+        elt = torch.empty((), dtype=store.dtype).element_size()
+        ids_w = HEADER_WORDS
+        marks_w = ids_w + _words(8 * P)
+        weights_w = marks_w + _words(8 * P)
+        x_w = weights_w + _words(4 * P)
+        on_gpu = device.type == "cuda"
+        # to_cpu: written by the device, read by the worker; to_gpu the other way round. Two
+        # allocations, so that nothing ever copies one side's region over the other's writes.
+        self.to_cpu = torch.zeros(x_w + _words(elt * max_rows * H), dtype=torch.int64, pin_memory=on_gpu)
+        self.to_gpu = torch.zeros(HEADER_WORDS + _words(4 * max_rows * H), dtype=torch.int64, pin_memory=on_gpu)
+        self.ids = self.to_cpu[ids_w:ids_w + P]  # (P,) the layer's routing
+        self.marks = self.to_cpu[marks_w:marks_w + P]  # (P,) 1: the CPU computes the pair
+        self.weights = self.to_cpu[weights_w:].view(torch.float32)[:P]  # (P,) routing weights
+        self.x = self.to_cpu[x_w:].view(store.dtype)[:max_rows * H]  # (N·H,) the layer's input
+        self.done = self.to_gpu[:1]  # the last post answered
+        self.out = self.to_gpu[HEADER_WORDS:].view(torch.float32)[:max_rows * H].view(max_rows, H)  # (N, H) fp32
+        # on the device: the share, the last post's number, the current layer's post (0: none), the
+        # error flag (a wait that ran out of polls)
+        self.share = torch.tensor([float(share)], dtype=torch.float32, device=device)
+        self.seq = torch.zeros(1, dtype=torch.int64, device=device)
+        self.expect = torch.zeros(1, dtype=torch.int64, device=device)
+        self.error = torch.zeros(1, dtype=torch.int32, device=device)
+        self.error_host = torch.zeros(1, dtype=torch.int32, pin_memory=on_gpu)
+        self.share_value = float(share)
+        code = native.DTYPE_CODES
+        self._worker = nat.CpuMailbox(self.to_cpu.data_ptr(), self.to_gpu.data_ptr(),
+                                      [ids_w, marks_w, weights_w, x_w, HEADER_WORDS], max_rows, top_k, H,
+                                      store.expert_ffn, code[store.dtype], code[store.dtype], store.all_moe_rows(),
+                                      threads or native.threads())
+
+    # -- inside the graph -------------------------------------------------------------------------
+    def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+             pool_numel: int, gpu_ids: torch.Tensor, log: torch.Tensor, cpu_log: torch.Tensor) -> torch.Tensor:
+        """Split the layer's misses and post the CPU's part (device work only) → ids for the GPU
+        kernels (N, k), -1 for the CPU's pairs. log, cpu_log (N·k,): the routing and the CPU marks."""
+        return cpu_mailbox_gpu.post(x, ids, weights, offsets, pool_numel, layer, self, gpu_ids, log, cpu_log)
+
+    @property
+    def wait_args(self) -> tuple:
+        """moe_decode's `cpu=`: the sum kernel waits for the answer and adds it."""
+        return self.expect, self.done, self.out, self.error, self.max_polls
+
+    # -- between replays --------------------------------------------------------------------------
+    def set_share(self, share: float) -> None:
+        """Queued on the current stream: replays after it split with the new share."""
+        self.share.fill_(float(share))
+        self.share_value = float(share)
+
+    def queue_check(self) -> None:
+        """Queue the error flag's copy to the host behind the work launched so far."""
+        self.error_host.copy_(self.error, non_blocking=True)
+
+    def check(self) -> None:
+        """Raise if a post failed on the CPU or a wait ran out of polls (after queue_check's copy landed)."""
+        failed = self._worker.error() if self._worker is not None else ""
+        if failed or int(self.error_host[0]):
+            raise RuntimeError("the CPU's share of a decode step's experts failed"
+                               + (f": {failed}" if failed else ": the worker did not answer in time")
+                               + ". The step's output is wrong; restart generation (TANDEM_GRAPH_CPU_SHARE=0 turns "
+                               "the CPU share off).")
+
+    def telemetry(self) -> dict:
+        w = self._worker
+        if w is None:  # closed: its last counts
+            return dict(self._final, share=self.share_value)
+        return {"share": self.share_value, "posts": w.answered, "experts": w.experts, "cpu_s": round(w.compute_s, 6)}
+
+    def close(self) -> None:
+        """Synchronise the device (no wait kernel may still read), stop the worker, keep the memory
+        until the worker is gone."""
+        if self._worker is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._final = self.telemetry()
+        self._worker = None  # joins the worker's thread
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the driver may be gone already
+            pass

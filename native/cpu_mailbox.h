@@ -1,0 +1,157 @@
+// The CPU's half of an offloaded MoE layer inside the one decode graph, with no host call between
+// layers: the graph posts a layer's CPU pairs to a mailbox in pinned host memory and a later kernel of
+// the layer waits for the answer there (engine/kernels/cpu_mailbox_gpu.py); this thread answers.
+//
+// Why not the driver: a graph's host nodes run on the driver's own thread and hold the stream while
+// they run; computing experts from them lost to reading every miss over PCIe (benchmarks/RESULTS.md,
+// phases BE-BJ and CE). Here the GPU writes and reads plain mapped memory, and the CPU sees a post as
+// soon as the write crosses the link.
+//
+// The two regions, as int64 words (engine/experts/cpu_mailbox.py lays them out, 64-byte aligned):
+//   to_cpu, written by the GPU: [0] post sequence number, [8] layer, [9] rows; then the layer's routing
+//     ids (rows · top_k) int64, each pair's CPU mark (rows · top_k) int64, the routing weights
+//     (rows · top_k) fp32 and x (rows, hidden) in x_dtype. The sequence number is written last.
+//   to_gpu, written here: [0] answered sequence number, [8] status (0 ok, 1 the set failed); then the
+//     sum over the layer's CPU pairs, out (rows, hidden) fp32. The sequence number is written last.
+// The GPU posts the next layer only after it has read this answer, so one mailbox is enough.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+#include "routed_set.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace tandem {
+
+struct MailboxShape {
+  int64_t* to_cpu;          // see above
+  int64_t* to_gpu;
+  int64_t ids_word, cpu_word, weights_word, x_word, out_word;  // each array's first word in its region
+  int64_t max_rows, top_k, hidden, inter;
+  DType x_dtype, w_dtype;
+  int64_t n_layers, n_experts;
+  int threads;
+};
+
+class CpuMailbox {
+ public:
+  // The worker spins this long after a post for the next one, then polls at kIdlePoll (a post after
+  // an idle spell waits up to that long: decode steps post every few hundred microseconds).
+  static constexpr std::chrono::milliseconds kSpinWindow{20};
+  static constexpr std::chrono::microseconds kIdlePoll{50};
+
+  // rows: (n_layers · n_experts) table rows of every expert in the store (addresses, strides), kept here.
+  CpuMailbox(const MailboxShape& s, std::vector<MoeExpert> rows) : s_(s), rows_(std::move(rows)) {
+    auto require = [](bool ok, const char* what) {
+      if (!ok) throw std::invalid_argument(what);
+    };
+    require(s.to_cpu && s.to_gpu, "null mailbox");
+    require(s.max_rows > 0 && s.top_k > 0 && s.n_layers > 0 && s.n_experts > 0, "empty mailbox shape");
+    require(int64_t(rows_.size()) == s.n_layers * s.n_experts, "the expert table must have a row per (layer, expert)");
+    require(s.hidden % 16 == 0 && s.inter % 16 == 0, "hidden and inter must be multiples of 16");
+    seen_ = load(s_.to_cpu);  // answer posts after this one
+    thread_ = std::thread([this] { loop(); });
+  }
+  CpuMailbox(const CpuMailbox&) = delete;
+  CpuMailbox& operator=(const CpuMailbox&) = delete;
+
+  // The caller makes sure no graph waits on this mailbox any more (it synchronises the device first).
+  ~CpuMailbox() {
+    stop_.store(true);
+    thread_.join();
+  }
+
+  int64_t answered() const { return answered_.load(); }
+  int64_t experts() const { return experts_.load(); }
+  double compute_s() const { return compute_ns_.load() * 1e-9; }
+  std::string error() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  static int64_t load(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+  static void store(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+  static void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+  }
+
+  void loop() {
+    Clock::time_point last = Clock::now();
+    while (!stop_.load(std::memory_order_relaxed)) {
+      const int64_t posted = load(s_.to_cpu);
+      if (posted == seen_) {
+        if (Clock::now() - last < kSpinWindow) pause();
+        else std::this_thread::sleep_for(kIdlePoll);
+        continue;
+      }
+      seen_ = posted;
+      answer(posted);
+      last = Clock::now();
+    }
+  }
+
+  void answer(int64_t seq) {
+    const Clock::time_point start = Clock::now();
+    int64_t status = 0;
+    try {
+      const int64_t layer = s_.to_cpu[8], n_rows = s_.to_cpu[9];
+      if (layer < 0 || layer >= s_.n_layers) throw std::invalid_argument("the mailbox names a layer out of range");
+      if (n_rows < 1 || n_rows > s_.max_rows) throw std::invalid_argument("the mailbox holds a row count out of range");
+      const int64_t n_pairs = n_rows * s_.top_k;
+      const int64_t* ids = s_.to_cpu + s_.ids_word;
+      const int64_t* marks = s_.to_cpu + s_.cpu_word;
+      chosen_.clear();
+      for (int64_t p = 0; p < n_pairs; ++p)  // the marked pairs' experts, each once (routed_set sorts them)
+        if (marks[p] && std::find(chosen_.begin(), chosen_.end(), ids[p]) == chosen_.end()) chosen_.push_back(ids[p]);
+      float* out = reinterpret_cast<float*>(s_.to_gpu + s_.out_word);
+      if (chosen_.empty()) {
+        std::memset(out, 0, size_t(n_rows * s_.hidden) * sizeof(float));
+      } else {
+        const MoeProblem p = build_routed_set(
+            s_.to_cpu + s_.x_word, s_.x_dtype, n_rows, s_.hidden, s_.inter, s_.hidden, s_.w_dtype,
+            rows_.data() + layer * s_.n_experts, s_.n_experts, chosen_.data(), int64_t(chosen_.size()), ids, s_.top_k,
+            s_.to_cpu + s_.weights_word, DType::f32, out, s_.hidden, routed_);
+        moe_ffn(p, s_.threads);
+        experts_ += int64_t(chosen_.size());
+      }
+    } catch (const std::exception& e) {
+      status = 1;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (error_.empty()) error_ = e.what();
+    }
+    compute_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+    ++answered_;
+    s_.to_gpu[8] = status;
+    store(s_.to_gpu, seq);  // last: the GPU reads out and the status once it sees this
+  }
+
+  MailboxShape s_;
+  std::vector<MoeExpert> rows_;
+  int64_t seen_ = 0;
+  std::vector<int64_t> chosen_;
+  RoutedSetBuffers routed_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> answered_{0}, experts_{0}, compute_ns_{0};
+  std::mutex mu_;
+  std::string error_;
+  std::thread thread_;  // last: starts once every member above is constructed
+};
+
+}  // namespace tandem
