@@ -49,7 +49,7 @@ class CpuMailbox {
  public:
   // The worker spins this long after a post for the next one, then polls at kIdlePoll (a post after
   // an idle spell waits up to that long: decode steps post every few hundred microseconds).
-  static constexpr std::chrono::milliseconds kSpinWindow{20};
+  static constexpr std::chrono::milliseconds kSpinWindow{5};
   static constexpr std::chrono::microseconds kIdlePoll{50};
 
   // rows: (n_layers · n_experts) table rows of every expert in the store (addresses, strides), kept here.

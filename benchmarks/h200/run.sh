@@ -172,6 +172,9 @@
 #   bash benchmarks/h200/run.sh CL   # the cells after CK's two changes (bfeb398): CUDA tests; 2K bs 1 and 4, three rounds; 32K bs=1
 #                                    #   at 916 slots (the host reads the step in flight first there), two rounds
 #   bash benchmarks/h200/run.sh CM   # the 32K bs=4 cell after CK's changes and the chooser's move (dc2ed76)
+#   bash benchmarks/h200/run.sh CN   # the CPU mailbox (part of each layer's misses computed by a native worker inside the one
+#                                    #   graph): CUDA tests; 32K bs=1 at 916 slots with TANDEM_GRAPH_CPU_SHARE unset (the cost
+#                                    #   model's share), 0, 0.5 and 0.75; 2K bs=1 unset and 0
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -790,6 +793,19 @@ e2e_resident_l16() {  # $1: the record's name; resident L16 decode at 2K, bs 1 a
     --expert-policy resident --batch-sizes 1,4 --contexts 2048 --new-tokens 32 --vram-budget-gb 0 \
     --json "$out/e2e-resident-L16-$1.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
 }
+if [ "$phase" = CN ]; then
+  run_tests "the CPU mailbox, the one graph, moe_decode, the sampler, pinned copies, on CUDA" \
+    tests/experts/test_cpu_mailbox.py tests/experts/test_zero_copy.py tests/kernels/test_moe_decode_gpu.py \
+    tests/kernels/test_cuda_streams.py tests/test_sampling.py
+  bench_experts 32k-bs1-916-share-model --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill \
+    --policies on-demand,adaptive
+  for share in 0 0.5 0.75; do
+    TANDEM_GRAPH_CPU_SHARE=$share bench_experts 32k-bs1-916-share-$share --batch-sizes 1 --contexts 32768 \
+      --expert-cache-slots 916 --shared-prefill --policies adaptive
+  done
+  bench_experts 2k-bs1-share-model --batch-sizes 1 --contexts 2048 --shared-prefill --policies on-demand,adaptive
+  TANDEM_GRAPH_CPU_SHARE=0 bench_experts 2k-bs1-share-0 --batch-sizes 1 --contexts 2048 --shared-prefill --policies adaptive
+fi
 if [ "$phase" = CM ]; then
   bench_experts 32k-bs4 --batch-sizes 4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
