@@ -800,11 +800,15 @@ if [ "$phase" = CN ]; then
   bench_experts 32k-bs1-916-share-model --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill \
     --policies on-demand,adaptive
   for share in 0 0.5 0.75; do
-    TANDEM_GRAPH_CPU_SHARE=$share bench_experts 32k-bs1-916-share-$share --batch-sizes 1 --contexts 32768 \
-      --expert-cache-slots 916 --shared-prefill --policies adaptive
+    export TANDEM_GRAPH_CPU_SHARE=$share
+    bench_experts 32k-bs1-916-share-$share --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill \
+      --policies adaptive
   done
+  unset TANDEM_GRAPH_CPU_SHARE
   bench_experts 2k-bs1-share-model --batch-sizes 1 --contexts 2048 --shared-prefill --policies on-demand,adaptive
-  TANDEM_GRAPH_CPU_SHARE=0 bench_experts 2k-bs1-share-0 --batch-sizes 1 --contexts 2048 --shared-prefill --policies adaptive
+  export TANDEM_GRAPH_CPU_SHARE=0
+  bench_experts 2k-bs1-share-0 --batch-sizes 1 --contexts 2048 --shared-prefill --policies adaptive
+  unset TANDEM_GRAPH_CPU_SHARE
 fi
 if [ "$phase" = CM ]; then
   bench_experts 32k-bs4 --batch-sizes 4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
