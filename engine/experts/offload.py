@@ -121,7 +121,7 @@ class OffloadedExperts(ExpertExecutor):
             try:
                 self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device,
                                                 min(self.planner.max_decode_tokens, moe_decode_gpu.MAX_TOKENS),
-                                                window=self._window, cpu_share=default_share(self.costs))
+                                                window=self._window, cpu_share=default_share())
             except RuntimeError as e:  # the driver cannot map the store
                 self.zero_copy_off = str(e)
                 log.warning("decode steps with offloaded experts stay in pieces: %s", e)

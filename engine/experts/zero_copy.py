@@ -75,7 +75,8 @@ class ZeroCopyDecode:
         self.store, self.cache, self.lru, self.device = store, cache, cache.lru, indexed(device)
         self.lag_list_share, self.cpu_share = lag_list_share, cpu_share
         self.mailbox: CpuMailbox | None = None  # opened at the first run, once top-k is known
-        self.mailbox_off: str | None = None if cpu_share > 0 else "cpu_share 0"
+        self.mailbox_wanted = cpu_share > 0  # (its kernels are in every graph captured after)
+        self.mailbox_off: str | None = None  # why there is none, once the first step has run
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
         L = store.n_layers
@@ -147,7 +148,9 @@ class ZeroCopyDecode:
                                          cpu=self.mailbox.wait_args if self.mailbox is not None else None)
 
     def _open_mailbox(self, top_k: int) -> None:
-        if self.cpu_share <= 0 or self.mailbox is not None:
+        if not self.mailbox_wanted:
+            self.mailbox_off = "cpu_share 0"
+        if not self.mailbox_wanted or self.mailbox is not None:
             return
         try:
             self.mailbox = CpuMailbox(self.store, self.device, self.max_tokens, top_k, self.cpu_share)
@@ -155,6 +158,16 @@ class ZeroCopyDecode:
             self.mailbox_off = str(e)
             return
         self._gpu_ids = torch.empty(self.max_tokens * top_k, dtype=torch.int64, device=self.device)
+
+    def set_cpu_share(self, share: float) -> None:
+        """Change the CPU's share of each layer's misses for the replays queued after this call. The
+        mailbox's kernels must be in the graphs: it opens at the first step if the share given at
+        construction was above 0 (a share of 0 set later posts nothing)."""
+        if not self.mailbox_wanted or self.mailbox_off:
+            raise RuntimeError(f"no CPU mailbox to set a share on ({self.mailbox_off or 'cpu_share 0'})")
+        self.cpu_share = float(share)
+        if self.mailbox is not None:
+            self.mailbox.set_share(self.cpu_share)
 
     def close(self) -> None:
         """Stop the CPU mailbox's worker (after the device has finished with it)."""
@@ -339,7 +352,8 @@ class ZeroCopyDecode:
                 "link_bytes": self.link_blocks * self.store.block_bytes, "graph_fills": self.fills,
                 "free_slots_listed": len(self._next.held) if self._next is not None else 0,
                 "cpu_experts": self.cpu_experts,
-                "cpu_mailbox": self.mailbox.telemetry() if self.mailbox is not None else {"off": self.mailbox_off}}
+                "cpu_mailbox": self.mailbox.telemetry() if self.mailbox is not None else
+                {"off": self.mailbox_off or ("cpu_share 0" if not self.mailbox_wanted else "opens at the first step")}}
 
 
 @dataclass

@@ -7,8 +7,11 @@ CPU, computing in place from host DRAM. Here the split is made on the device, pe
 call between layers:
 
   1. `post` (one program): of the layer's missed experts (their table entry points outside the slot
-     pool), the first round(share · misses) in pair order go to the CPU. Their pairs get id -1 for
-     the GPU kernels (computed nowhere on the GPU, no slot claimed); the layer's routing, the marks,
+     pool), the first floor(share · misses) in pair order go to the CPU. Their pairs get id -1 for
+     the GPU kernels (computed nowhere on the GPU, no slot claimed); the others are read over PCIe
+     and fill a slot on the way. With a share below 1 a layer's lone miss stays on the link, and
+     every layer with misses keeps filling at least one: CPU experts never enter the cache, so a
+     cache that only the link fills still learns. The layer's routing, the marks,
      the routing weights and x are written to the mailbox in pinned host memory; then, after a
      system-wide fence, the post's sequence number. A layer without CPU pairs posts nothing.
   2. The native worker (native/cpu_mailbox.h) sees the number, computes the marked experts with the
@@ -45,7 +48,7 @@ if triton is not None:
         earlier = q[None, :] < q[:, None]
         first = outside & (tl.sum((same & earlier).to(tl.int32), 1) == 0)  # a missed expert's first pair
         n_missed = tl.sum(first.to(tl.int32), 0)
-        quota = (n_missed.to(tl.float32) * tl.load(share_ptr) + 0.5).to(tl.int32)  # round(share · misses)
+        quota = (n_missed.to(tl.float32) * tl.load(share_ptr)).to(tl.int32)  # floor(share · misses)
         rank = tl.cumsum(first.to(tl.int32), 0) - 1  # a first pair's place among the missed experts
         to_cpu = first & (rank < quota)
         cpu = outside & (tl.sum((same & to_cpu[None, :]).to(tl.int32), 1) > 0)  # every pair of those experts

@@ -12,12 +12,11 @@ import torch
 pytest.importorskip("triton")
 
 from engine.experts.cache import ExpertCache  # noqa: E402
-from engine.experts.cpu_mailbox import CpuMailbox, default_share  # noqa: E402
+from engine.experts.cpu_mailbox import GRAPH_CPU_SHARE, CpuMailbox, default_share  # noqa: E402
 from engine.experts.store import ExpertStore  # noqa: E402
 from engine.experts.zero_copy import ZeroCopyDecode  # noqa: E402
 from engine.kernels import native  # noqa: E402
 from engine.kernels.experts_torch import expert_ffn, moe_experts  # noqa: E402
-from engine.sched.expert_cost import ExpertCostModel  # noqa: E402
 
 if native.module() is None or not hasattr(native.module(), "CpuMailbox"):
     pytest.skip("the CPU mailbox needs the native extension", allow_module_level=True)
@@ -67,10 +66,18 @@ def test_the_device_sends_the_first_missed_experts_to_the_cpu_and_the_worker_ans
                                                        down[0][3].double())[0] for t in range(2)])
         torch.testing.assert_close(box.out[:2].double(), want, atol=1e-5, rtol=1e-4)
         assert box.telemetry()["experts"] == 1 and box.telemetry()["posts"] == 1
-        # every miss cached: nothing is posted, and the sum waits for nothing
-        offsets[3] = offsets[5] = 0
-        box.post(1, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), offsets.to(DEVICE), 100, gpu_ids, log, cpu_log)
-        assert int(box.expect.cpu()) == 0 and int(box.seq.cpu()) == 1 and cpu_log.cpu().tolist() == [0] * 4
+        # one missed expert: floor(0.5 · 1) = 0, it stays on the link (and fills a slot); nothing is
+        # posted, and the sum waits for nothing
+        offsets[3] = 0
+        out_ids = box.post(1, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), offsets.to(DEVICE), 100, gpu_ids, log,
+                           cpu_log)
+        assert out_ids.cpu().tolist() == ids.tolist() and cpu_log.cpu().tolist() == [0] * 4
+        assert int(box.expect.cpu()) == 0 and int(box.seq.cpu()) == 1
+        # at share 1 every miss goes: the next post is number 2
+        box.set_share(1.0)
+        box.post(2, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), offsets.to(DEVICE), 100, gpu_ids, log, cpu_log)
+        assert cpu_log.cpu().tolist() == [0, 0, 0, 1] and int(box.expect.cpu()) == 2
+        _wait_for(lambda: int(box.done[0]) == 2)
     finally:
         box.close()
 
@@ -129,15 +136,34 @@ def test_a_worker_that_does_not_answer_fails_the_step_loudly():
         zc.drain()
 
 
-def test_the_share_follows_the_cost_model_and_the_environment(monkeypatch):
-    costs = ExpertCostModel.from_shape(2048, 768, 2, pcie_gbps=50.0, host_gbps=90.0, cpu_gbps=60.0)
+def test_the_share_comes_from_the_environment_or_the_measured_default(monkeypatch):
     monkeypatch.delenv("TANDEM_GRAPH_CPU_SHARE", raising=False)
-    assert default_share(costs) == pytest.approx(40.0 / 90.0)  # residual 40 GB/s beside a 50 GB/s link
+    assert default_share() == GRAPH_CPU_SHARE
     monkeypatch.setenv("TANDEM_GRAPH_CPU_SHARE", "0")
-    assert default_share(costs) == 0.0
+    assert default_share() == 0.0
     monkeypatch.setenv("TANDEM_GRAPH_CPU_SHARE", "1.5")
     with pytest.raises(ValueError):
-        default_share(costs)
+        default_share()
     zc = ZeroCopyDecode(_store()[0], ExpertCache(2, H, I, torch.float32, torch.device(DEVICE)),
                         torch.device(DEVICE), max_tokens=4, cpu_share=0.0)
     assert zc.telemetry()["cpu_mailbox"] == {"off": "cpu_share 0"}
+    with pytest.raises(RuntimeError, match="no CPU mailbox"):
+        zc.set_cpu_share(0.5)
+
+
+def test_a_share_of_0_set_before_the_first_step_keeps_the_mailbox_and_posts_nothing():
+    """(How the bench compares shares on one graph.) The mailbox opens, every miss is read over PCIe."""
+    store = _store()[0]
+    cache = ExpertCache(2, H, I, torch.float32, torch.device(DEVICE))
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=0.75)
+    zc.set_cpu_share(0.0)
+    zc.before_step()
+    x, w = torch.randn(1, H), torch.ones(1, K) / K
+    for layer in range(L):
+        zc.run(layer, x.to(DEVICE), torch.tensor([[0, 1]], device=DEVICE), w.to(DEVICE))
+    zc.after_step(1)
+    zc.drain()
+    t = zc.telemetry()
+    zc.close()
+    assert t["cpu_mailbox"]["posts"] == 0 and t["cpu_mailbox"]["share"] == 0.0 and t["cpu_experts"] == 0
+    assert t["zero_copy_experts"] == cache.lru.misses > 0

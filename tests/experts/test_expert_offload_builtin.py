@@ -195,7 +195,18 @@ def test_bench_shared_prefill_decodes_every_policy_from_one_kv(engine, reference
         run(engine=engine, policies=("adaptive",), rounds=2)
     with pytest.raises(ValueError, match="sample"):
         run(engine=engine, policies=("adaptive",), decode="beam")
+    with pytest.raises(ValueError, match="one decode graph"):  # a CPU share of graph misses needs CUDA
+        run(engine=engine, policies=("adaptive:0.5",), batch_sizes=(1,), contexts=(8,), new_tokens=2, warmup=False)
     switch(engine, "adaptive", 40)
+
+
+def test_bench_ratios_keep_adaptive_shares_apart():
+    """`--policies on-demand,adaptive,adaptive:0.5`: each adaptive label gets its own ratio."""
+    from engine.bench.experts import speedups
+
+    rows = [{"policy": p, "context": 8, "batch": 1, "round": 0, "decode": {"tok_s": t}}
+            for p, t in (("on-demand", 10.0), ("adaptive", 12.0), ("adaptive:0.5", 15.0))]
+    assert speedups(rows) == {"ctx8-bs1": 1.2, "ctx8-bs1:0.5": 1.5}
 
 
 def test_offload_needs_a_gpu_or_simulation():
