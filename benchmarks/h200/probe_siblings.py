@@ -16,14 +16,14 @@ import os
 import sys
 import time
 
+import torch  # imported once here: the forked workers inherit it
+
 SECONDS = 0.6
 N = 192  # (N, N) fp32 operands: 147 KB each, in L2
 
 
-def _loop(cpu: int, start, results) -> None:
+def _loop(cpu: int, slot: int, start, results) -> None:
     os.sched_setaffinity(0, {cpu})
-    import torch
-
     torch.set_num_threads(1)
     a, b = torch.randn(N, N), torch.randn(N, N)
     c = torch.empty(N, N)
@@ -35,20 +35,19 @@ def _loop(cpu: int, start, results) -> None:
         for _ in range(20):
             torch.mm(a, b, out=c)
         n += 20
-    results[cpu] = 2 * N**3 * n / (time.perf_counter() - t0) / 1e9  # GFLOP/s
+    results[slot] = 2 * N**3 * n / (time.perf_counter() - t0) / 1e9  # GFLOP/s
 
 
 def _together(cpus: list[int]) -> dict[int, float]:
     ctx = mp.get_context("fork")
-    with ctx.Manager() as m:
-        results = m.dict()
-        start = ctx.Barrier(len(cpus))
-        procs = [ctx.Process(target=_loop, args=(c, start, results)) for c in cpus]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        return dict(results)
+    results = ctx.Array("d", len(cpus))
+    start = ctx.Barrier(len(cpus))
+    procs = [ctx.Process(target=_loop, args=(c, i, start, results)) for i, c in enumerate(cpus)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return dict(zip(cpus, results[:]))
 
 
 def main(path: str) -> None:

@@ -111,8 +111,10 @@ class CpuMailbox:
 
     # -- between replays --------------------------------------------------------------------------
     def set_share(self, share: float) -> None:
-        """Queued on the current stream: replays after it split with the new share."""
-        self.share.fill_(float(share))
+        """Queued on the current stream: replays after it split with the new share. (The mailbox is
+        made inside the engine's inference mode; its tensors are written in place only inside one.)"""
+        with torch.inference_mode():
+            self.share.fill_(float(share))
         self.share_value = float(share)
 
     def queue_check(self) -> None:
