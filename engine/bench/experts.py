@@ -209,13 +209,14 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
 
 
 def graph_cpu_share(engine, share: float) -> None:
-    """Set the CPU's share of each layer's misses in adaptive's one decode graph (at 0 the mailbox's
-    kernels stay in the graph and post nothing; TANDEM_GRAPH_CPU_SHARE=0 leaves them out)."""
+    """Set the CPU's share of each layer's misses in adaptive's one decode graph, whether or not the
+    cache churns (at 0 the mailbox's kernels stay in the graph and post nothing;
+    TANDEM_GRAPH_CPU_SHARE=0 leaves them out)."""
     zero_copy = engine.backend.parts.experts.zero_copy
     if zero_copy is None:
         raise ValueError("a CPU share needs adaptive's one decode graph (adaptive on CUDA)")
     try:
-        zero_copy.set_cpu_share(share)
+        zero_copy.set_cpu_share(share, gated=False)
     except RuntimeError as e:
         raise ValueError(str(e)) from e
 
@@ -225,7 +226,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="synthetic:qwen3-30b-a3b")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma list; adaptive:S runs adaptive with the CPU taking floor(S · misses) of each "
-                        "layer's misses in the one decode graph")
+                        "layer's misses in the one decode graph, churning cache or not")
     p.add_argument("--batch-sizes", default="1,4")
     p.add_argument("--contexts", default="2048")
     p.add_argument("--new-tokens", type=int, default=32)

@@ -62,20 +62,30 @@ SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for th
 # against 101-103 waiting for the log; at 32K with 916 slots (~170 listed) it hit 0.630 against 0.650
 # and ran 28.8 against 29.4. There the host reads the last step's log first.
 LAG_LIST_SHARE = 0.05
+# The CPU takes its share of each layer's misses (cpu_mailbox.py) only while the cache churns: more
+# than this share of its slots missed per step (a moving average). CPU experts never enter the cache,
+# so where it still learns the link's fills are worth more. On the H200 (phase CP, 48 layers): at 2K,
+# bs=1 (~15-35 misses a step, 0.7-1.5% of 2,267 slots) share 0.75 ran 96.9 against 105.1 tok/s for 0
+# from a fresh cache (hit rate 0.915 against 0.941), 116.3 against 119.3 once warm; at 2K, bs=4 (~150,
+# 6.6%) the graph ran 87.0 against 36.8; at 32K, bs=1 with 916 slots (~130, 14%) 51.0 against 29.9.
+CPU_CHURN_SHARE = 0.025
 
 
 class ZeroCopyDecode:
     def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None,
-                 lag_list_share: float = LAG_LIST_SHARE, cpu_share: float = 0.0):
+                 lag_list_share: float = LAG_LIST_SHARE, cpu_share: float = 0.0, cpu_gated: bool = True):
         """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate).
         lag_list_share: the list's largest share of the cache at which the host lists a step's slots
         without reading the step before's log (LAG_LIST_SHARE; 0: never, 1: always). cpu_share: of
         each layer's missed experts, the share the CPU computes through the mailbox (cpu_mailbox.py;
-        0: none, every miss is read over PCIe)."""
+        0: none, every miss is read over PCIe). cpu_gated: only while the cache churns (CPU_CHURN_SHARE);
+        False: always."""
         self.store, self.cache, self.lru, self.device = store, cache, cache.lru, indexed(device)
         self.lag_list_share, self.cpu_share = lag_list_share, cpu_share
         self.mailbox: CpuMailbox | None = None  # opened at the first run, once top-k is known
         self.mailbox_wanted = cpu_share > 0  # (its kernels are in every graph captured after)
+        self.cpu_gated = cpu_gated
+        self._missed_avg: float | None = None  # missed experts per step, moving average (the gate's measure)
         self.mailbox_off: str | None = None  # why there is none, once the first step has run
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
@@ -152,22 +162,31 @@ class ZeroCopyDecode:
             self.mailbox_off = "cpu_share 0"
         if not self.mailbox_wanted or self.mailbox is not None:
             return
-        try:
-            self.mailbox = CpuMailbox(self.store, self.device, self.max_tokens, top_k, self.cpu_share)
+        try:  # a gated share starts at 0: the gate opens once a step has shown the cache churning
+            self.mailbox = CpuMailbox(self.store, self.device, self.max_tokens, top_k,
+                                      0.0 if self.cpu_gated else self.cpu_share)
         except RuntimeError as e:  # no native extension: every miss is read over PCIe
             self.mailbox_off = str(e)
             return
         self._gpu_ids = torch.empty(self.max_tokens * top_k, dtype=torch.int64, device=self.device)
 
-    def set_cpu_share(self, share: float) -> None:
-        """Change the CPU's share of each layer's misses for the replays queued after this call. The
-        mailbox's kernels must be in the graphs: it opens at the first step if the share given at
-        construction was above 0 (a share of 0 set later posts nothing)."""
+    def set_cpu_share(self, share: float, gated: bool = True) -> None:
+        """Change the CPU's share of each layer's misses (gated: only while the cache churns) for the
+        replays queued after this call. The mailbox's kernels must be in the graphs: it opens at the
+        first step if the share given at construction was above 0 (a share of 0 set later posts nothing)."""
         if not self.mailbox_wanted or self.mailbox_off:
             raise RuntimeError(f"no CPU mailbox to set a share on ({self.mailbox_off or 'cpu_share 0'})")
-        self.cpu_share = float(share)
-        if self.mailbox is not None:
-            self.mailbox.set_share(self.cpu_share)
+        self.cpu_share, self.cpu_gated = float(share), gated
+        self._gate_cpu_share()
+
+    def _gate_cpu_share(self) -> None:
+        """The share the next replays run with: cpu_share while the cache churns (or ungated), else 0."""
+        if self.mailbox is None:
+            return
+        churning = self._missed_avg is not None and self._missed_avg > CPU_CHURN_SHARE * self.cache.n_slots
+        share = self.cpu_share if churning or not self.cpu_gated else 0.0
+        if share != self.mailbox.share_value:
+            self.mailbox.set_share(share)
 
     def close(self) -> None:
         """Stop the CPU mailbox's worker (after the device has finished with it)."""
@@ -195,6 +214,7 @@ class ZeroCopyDecode:
             # From pinned pages, in stream order before the replay; the host writes the mirror next
             # after a log wait behind this copy.
             self.table.copy_(self.mirror, non_blocking=True)
+        self._gate_cpu_share()
         self._next = self._list_slots()
         spares, victims = self.lists_host[self._next.buf]
         self.spares.copy_(spares, non_blocking=True)
@@ -291,6 +311,7 @@ class ZeroCopyDecode:
             on_cpu[cpu_layers, ids[cpu_layers, cpu_pairs]] = True
         n_missed = int((active & ~hit).sum())
         lru.misses += n_missed
+        self._missed_avg = n_missed if self._missed_avg is None else 0.75 * self._missed_avg + 0.25 * n_missed
         n_cpu = int(on_cpu.sum())
         self.cpu_experts += n_cpu
         self.zero_copy_experts += n_missed - n_cpu
@@ -351,7 +372,8 @@ class ZeroCopyDecode:
         return {"graph_steps": self.steps, "zero_copy_experts": self.zero_copy_experts,
                 "link_bytes": self.link_blocks * self.store.block_bytes, "graph_fills": self.fills,
                 "free_slots_listed": len(self._next.held) if self._next is not None else 0,
-                "cpu_experts": self.cpu_experts,
+                "cpu_experts": self.cpu_experts, "cpu_gated": self.cpu_gated,
+                "missed_per_step": round(self._missed_avg, 1) if self._missed_avg is not None else None,
                 "cpu_mailbox": self.mailbox.telemetry() if self.mailbox is not None else
                 {"off": self.mailbox_off or ("cpu_share 0" if not self.mailbox_wanted else "opens at the first step")}}
 

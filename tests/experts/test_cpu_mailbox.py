@@ -82,10 +82,11 @@ def test_the_device_sends_the_first_missed_experts_to_the_cpu_and_the_worker_ans
         box.close()
 
 
-def _decode(n_slots, share, steps=8, n_tokens=2, seed=1):
+def _decode(n_slots, share, steps=8, n_tokens=2, seed=1, gated=False, same_routing=False):
     store, gate_up, down = _store()
     cache = ExpertCache(n_slots, H, I, torch.float32, torch.device(DEVICE))
-    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=share)
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=share,
+                        cpu_gated=gated)
     g = torch.Generator().manual_seed(seed)
     lookups = 0
     try:
@@ -94,7 +95,8 @@ def _decode(n_slots, share, steps=8, n_tokens=2, seed=1):
             for layer in range(L):
                 x = torch.randn(n_tokens, H, generator=g)
                 # a few popular experts, and now and then anything, so that the cache has something to learn
-                ids = torch.stack([torch.randperm(3 if step % 4 else E, generator=g)[:K] for _ in range(n_tokens)])
+                ids = torch.tensor([[0, 1]] * n_tokens) if same_routing else \
+                    torch.stack([torch.randperm(3 if step % 4 else E, generator=g)[:K] for _ in range(n_tokens)])
                 w = torch.softmax(torch.randn(n_tokens, K, generator=g), -1)
                 out = zc.run(layer, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))
                 ref = moe_experts(x.double(), ids, w.double(), gate_up[layer].double(), down[layer].double())
@@ -124,7 +126,8 @@ def test_outputs_equal_resident_with_part_of_the_misses_on_the_cpu(n_slots, shar
 def test_a_worker_that_does_not_answer_fails_the_step_loudly():
     store, gate_up, down = _store()
     cache = ExpertCache(2, H, I, torch.float32, torch.device(DEVICE))
-    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=1.0)
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=1.0,
+                        cpu_gated=False)
     zc.before_step()
     x, w = torch.randn(1, H), torch.ones(1, K) / K
     zc.run(0, x.to(DEVICE), torch.tensor([[0, 1]], device=DEVICE), w.to(DEVICE))  # opens the mailbox; answered
@@ -156,7 +159,8 @@ def test_a_share_of_0_set_after_the_first_layer_keeps_the_mailbox_and_posts_noth
     went to the CPU; the other layers, at 0, read every miss over PCIe."""
     store = _store()[0]
     cache = ExpertCache(2, H, I, torch.float32, torch.device(DEVICE))
-    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=0.75)
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=0.75,
+                        cpu_gated=False)
     x, w = torch.randn(1, H), torch.ones(1, K) / K
     with torch.inference_mode():  # as the engine runs its steps: the mailbox's tensors are inference tensors
         zc.before_step()
@@ -171,3 +175,16 @@ def test_a_share_of_0_set_after_the_first_layer_keeps_the_mailbox_and_posts_noth
     zc.close()
     assert t["cpu_mailbox"]["posts"] == 1 and t["cpu_mailbox"]["share"] == 0.0 and t["cpu_experts"] == 1
     assert t["zero_copy_experts"] == cache.lru.misses - 1 > 0
+
+
+@pytest.mark.parametrize("n_slots, churns", [(1, True), (4 * L * E, False)])
+def test_the_cpu_takes_its_share_only_while_the_cache_churns(n_slots, churns):
+    """Gated (the default): the first step runs at share 0; then a cache of one slot keeps missing and
+    the CPU takes its share, while a roomy cache under the same routing fills and then hits: its share
+    stays 0, nothing goes to the CPU."""
+    zc, cache, lookups = _decode(n_slots, 0.75, steps=10, gated=True, same_routing=True)
+    t = zc.telemetry()
+    assert (t["cpu_experts"] > 0) == churns and (t["cpu_mailbox"]["share"] == 0.75) == churns
+    assert cache.lru.hits + cache.lru.misses == lookups
+    if not churns:
+        assert t["missed_per_step"] < 0.025 * n_slots and cache.lru.fills == L * 2
