@@ -175,6 +175,8 @@
 #   bash benchmarks/h200/run.sh CN   # the CPU mailbox (part of each layer's misses computed by a native worker inside the one
 #                                    #   graph): CUDA tests; 32K bs=1 at 916 slots with TANDEM_GRAPH_CPU_SHARE unset (the cost
 #                                    #   model's share), 0, 0.5 and 0.75; 2K bs=1 unset and 0
+#   bash benchmarks/h200/run.sh CR   # the gate at 8% of the slots (CQ's 2.5% let a fresh cache's first steps send misses to the CPU):
+#                                    #   2K bs=1, three rounds
 #   bash benchmarks/h200/run.sh CQ   # the cells with the CPU share gated on the cache's churn (the default): CUDA tests; 2K bs 1
 #                                    #   and 4, three rounds; 32K bs=1 at 916 slots, two rounds
 #   bash benchmarks/h200/run.sh CP   # CO again after its fix (the bench's share write outside inference mode), narrowed: 2K bs 1
@@ -800,6 +802,9 @@ e2e_resident_l16() {  # $1: the record's name; resident L16 decode at 2K, bs 1 a
     --expert-policy resident --batch-sizes 1,4 --contexts 2048 --new-tokens 32 --vram-budget-gb 0 \
     --json "$out/e2e-resident-L16-$1.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
 }
+if [ "$phase" = CR ]; then
+  bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,cpu-only,adaptive
+fi
 if [ "$phase" = CQ ]; then
   run_tests "the CPU mailbox, the one graph, on CUDA" tests/experts/test_cpu_mailbox.py tests/experts/test_zero_copy.py
   bench_2k_rounds

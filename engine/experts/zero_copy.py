@@ -64,11 +64,14 @@ SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for th
 LAG_LIST_SHARE = 0.05
 # The CPU takes its share of each layer's misses (cpu_mailbox.py) only while the cache churns: more
 # than this share of its slots missed per step (a moving average). CPU experts never enter the cache,
-# so where it still learns the link's fills are worth more. On the H200 (phase CP, 48 layers): at 2K,
-# bs=1 (~15-35 misses a step, 0.7-1.5% of 2,267 slots) share 0.75 ran 96.9 against 105.1 tok/s for 0
-# from a fresh cache (hit rate 0.915 against 0.941), 116.3 against 119.3 once warm; at 2K, bs=4 (~150,
-# 6.6%) the graph ran 87.0 against 36.8; at 32K, bs=1 with 916 slots (~130, 14%) 51.0 against 29.9.
-CPU_CHURN_SHARE = 0.025
+# so where it still learns the link's fills are worth more. On the H200 (48 layers; phases CP, CQ):
+# - at 2K, bs=1 (15-20 misses a step once warm, under 1% of 2,267 slots) a fresh cache learnt slower
+#   with the share: 96.9 against 105.1 tok/s (hit rate 0.915 against 0.941); gated at 2.5% (which a
+#   fresh cache's first steps pass) adaptive hit 0.918-0.927 and ran 94-98 tok/s, where the graph
+#   without the mailbox had hit 0.943-0.945 and run 108-110 (phase CL);
+# - at 2K, bs=4 (~380 misses a step, 17%) the graph ran 81-89 tok/s with it, 37 without;
+# - at 32K, bs=1 with 916 slots (~115-125, 13-14%) 48-51 with it, 30 without.
+CPU_CHURN_SHARE = 0.08
 
 
 class ZeroCopyDecode:
