@@ -88,7 +88,10 @@ class ZeroCopyDecode:
         self.mailbox: CpuMailbox | None = None  # opened at the first run, once top-k is known
         self.mailbox_wanted = cpu_share > 0  # (its kernels are in every graph captured after)
         self.cpu_gated = cpu_gated
-        self._missed_avg: float | None = None  # missed experts per step, moving average (the gate's measure)
+        # Missed experts per step, a moving average from 0 (the gate's measure): a fresh cache's first
+        # steps alone do not open the gate (phase CR: opened by them at 2K bs=1, the CPU took 281-305
+        # experts that then never entered the cache); a steady churn opens it within a few steps.
+        self._missed_avg = 0.0
         self.mailbox_off: str | None = None  # why there is none, once the first step has run
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
@@ -186,7 +189,7 @@ class ZeroCopyDecode:
         """The share the next replays run with: cpu_share while the cache churns (or ungated), else 0."""
         if self.mailbox is None:
             return
-        churning = self._missed_avg is not None and self._missed_avg > CPU_CHURN_SHARE * self.cache.n_slots
+        churning = self._missed_avg > CPU_CHURN_SHARE * self.cache.n_slots
         share = self.cpu_share if churning or not self.cpu_gated else 0.0
         if share != self.mailbox.share_value:
             self.mailbox.set_share(share)
@@ -314,7 +317,7 @@ class ZeroCopyDecode:
             on_cpu[cpu_layers, ids[cpu_layers, cpu_pairs]] = True
         n_missed = int((active & ~hit).sum())
         lru.misses += n_missed
-        self._missed_avg = n_missed if self._missed_avg is None else 0.75 * self._missed_avg + 0.25 * n_missed
+        self._missed_avg = 0.75 * self._missed_avg + 0.25 * n_missed
         n_cpu = int(on_cpu.sum())
         self.cpu_experts += n_cpu
         self.zero_copy_experts += n_missed - n_cpu
@@ -376,7 +379,7 @@ class ZeroCopyDecode:
                 "link_bytes": self.link_blocks * self.store.block_bytes, "graph_fills": self.fills,
                 "free_slots_listed": len(self._next.held) if self._next is not None else 0,
                 "cpu_experts": self.cpu_experts, "cpu_gated": self.cpu_gated,
-                "missed_per_step": round(self._missed_avg, 1) if self._missed_avg is not None else None,
+                "missed_per_step": round(self._missed_avg, 1),
                 "cpu_mailbox": self.mailbox.telemetry() if self.mailbox is not None else
                 {"off": self.mailbox_off or ("cpu_share 0" if not self.mailbox_wanted else "opens at the first step")}}
 

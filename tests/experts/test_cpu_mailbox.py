@@ -180,11 +180,12 @@ def test_a_share_of_0_set_after_the_first_layer_keeps_the_mailbox_and_posts_noth
 @pytest.mark.parametrize("n_slots, churns", [(1, True), (4 * L * E, False)])
 def test_the_cpu_takes_its_share_only_while_the_cache_churns(n_slots, churns):
     """Gated (the default): the first step runs at share 0; then a cache of one slot keeps missing and
-    the CPU takes its share, while a roomy cache under the same routing fills and then hits: its share
-    stays 0, nothing goes to the CPU."""
-    zc, cache, lookups = _decode(n_slots, 0.75, steps=10, gated=True, same_routing=True)
+    the CPU takes its share, while a roomy cache under the same routing fills and then hits. Its first
+    step misses 6 experts, above CPU_CHURN_SHARE of its 72 slots (5.8), but the average starts at 0:
+    the gate stays shut and every miss enters the cache."""
+    zc, cache, lookups = _decode(n_slots, 0.75, steps=6, gated=True, same_routing=True)
     t = zc.telemetry()
     assert (t["cpu_experts"] > 0) == churns and (t["cpu_mailbox"]["share"] == 0.75) == churns
     assert cache.lru.hits + cache.lru.misses == lookups
     if not churns:
-        assert t["missed_per_step"] < CPU_CHURN_SHARE * n_slots and cache.lru.fills == L * 2
+        assert 6 > CPU_CHURN_SHARE * n_slots > t["missed_per_step"] and cache.lru.fills == L * 2
