@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.experts.cpu_mailbox import CpuMailbox
+from engine.experts.cpu_mailbox import ChurnGate, CpuMailbox
 from engine.kernels import moe_decode_gpu
 from engine.kernels.cuda_streams import indexed
 
@@ -62,16 +62,6 @@ SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for th
 # against 101-103 waiting for the log; at 32K with 916 slots (~170 listed) it hit 0.630 against 0.650
 # and ran 28.8 against 29.4. There the host reads the last step's log first.
 LAG_LIST_SHARE = 0.05
-# The CPU takes its share of each layer's misses (cpu_mailbox.py) only while the cache churns: more
-# than this share of its slots missed per step (a moving average). CPU experts never enter the cache,
-# so where it still learns the link's fills are worth more. On the H200 (48 layers; phases CP, CQ):
-# - at 2K, bs=1 (15-20 misses a step once warm, under 1% of 2,267 slots) a fresh cache learnt slower
-#   with the share: 96.9 against 105.1 tok/s (hit rate 0.915 against 0.941); gated at 2.5% (which a
-#   fresh cache's first steps pass) adaptive hit 0.918-0.927 and ran 94-98 tok/s, where the graph
-#   without the mailbox had hit 0.943-0.945 and run 108-110 (phase CL);
-# - at 2K, bs=4 (~380 misses a step, 17%) the graph ran 81-89 tok/s with it, 37 without;
-# - at 32K, bs=1 with 916 slots (~115-125, 13-14%) 48-51 with it, 30 without.
-CPU_CHURN_SHARE = 0.08
 
 
 class ZeroCopyDecode:
@@ -81,17 +71,13 @@ class ZeroCopyDecode:
         lag_list_share: the list's largest share of the cache at which the host lists a step's slots
         without reading the step before's log (LAG_LIST_SHARE; 0: never, 1: always). cpu_share: of
         each layer's missed experts, the share the CPU computes through the mailbox (cpu_mailbox.py;
-        0: none, every miss is read over PCIe). cpu_gated: only while the cache churns (CPU_CHURN_SHARE);
+        0: none, every miss is read over PCIe). cpu_gated: only while the cache churns (ChurnGate);
         False: always."""
         self.store, self.cache, self.lru, self.device = store, cache, cache.lru, indexed(device)
-        self.lag_list_share, self.cpu_share = lag_list_share, cpu_share
+        self.lag_list_share = lag_list_share
         self.mailbox: CpuMailbox | None = None  # opened at the first run, once top-k is known
         self.mailbox_wanted = cpu_share > 0  # (its kernels are in every graph captured after)
-        self.cpu_gated = cpu_gated
-        # Missed experts per step, a moving average from 0 (the gate's measure): a fresh cache's first
-        # steps alone do not open the gate (phase CR: opened by them at 2K bs=1, the CPU took 281-305
-        # experts that then never entered the cache); a steady churn opens it within a few steps.
-        self._missed_avg = 0.0
+        self.cpu_gate = ChurnGate(cpu_share, cache.n_slots, cpu_gated)
         self.mailbox_off: str | None = None  # why there is none, once the first step has run
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
@@ -169,8 +155,7 @@ class ZeroCopyDecode:
         if not self.mailbox_wanted or self.mailbox is not None:
             return
         try:  # a gated share starts at 0: the gate opens once a step has shown the cache churning
-            self.mailbox = CpuMailbox(self.store, self.device, self.max_tokens, top_k,
-                                      0.0 if self.cpu_gated else self.cpu_share)
+            self.mailbox = CpuMailbox(self.store, self.device, self.max_tokens, top_k, self.cpu_gate.current())
         except RuntimeError as e:  # no native extension: every miss is read over PCIe
             self.mailbox_off = str(e)
             return
@@ -182,16 +167,13 @@ class ZeroCopyDecode:
         first step if the share given at construction was above 0 (a share of 0 set later posts nothing)."""
         if not self.mailbox_wanted or self.mailbox_off:
             raise RuntimeError(f"no CPU mailbox to set a share on ({self.mailbox_off or 'cpu_share 0'})")
-        self.cpu_share, self.cpu_gated = float(share), gated
-        self._gate_cpu_share()
+        self.cpu_gate.share, self.cpu_gate.gated = float(share), gated
+        self._apply_cpu_gate()
 
-    def _gate_cpu_share(self) -> None:
-        """The share the next replays run with: cpu_share while the cache churns (or ungated), else 0."""
-        if self.mailbox is None:
-            return
-        churning = self._missed_avg > CPU_CHURN_SHARE * self.cache.n_slots
-        share = self.cpu_share if churning or not self.cpu_gated else 0.0
-        if share != self.mailbox.share_value:
+    def _apply_cpu_gate(self) -> None:
+        """The share the next replays run with (ChurnGate)."""
+        share = self.cpu_gate.current()
+        if self.mailbox is not None and share != self.mailbox.share_value:
             self.mailbox.set_share(share)
 
     def close(self) -> None:
@@ -220,7 +202,7 @@ class ZeroCopyDecode:
             # From pinned pages, in stream order before the replay; the host writes the mirror next
             # after a log wait behind this copy.
             self.table.copy_(self.mirror, non_blocking=True)
-        self._gate_cpu_share()
+        self._apply_cpu_gate()
         self._next = self._list_slots()
         spares, victims = self.lists_host[self._next.buf]
         self.spares.copy_(spares, non_blocking=True)
@@ -317,7 +299,7 @@ class ZeroCopyDecode:
             on_cpu[cpu_layers, ids[cpu_layers, cpu_pairs]] = True
         n_missed = int((active & ~hit).sum())
         lru.misses += n_missed
-        self._missed_avg = 0.75 * self._missed_avg + 0.25 * n_missed
+        self.cpu_gate.observe(n_missed)
         n_cpu = int(on_cpu.sum())
         self.cpu_experts += n_cpu
         self.zero_copy_experts += n_missed - n_cpu
@@ -378,8 +360,7 @@ class ZeroCopyDecode:
         return {"graph_steps": self.steps, "zero_copy_experts": self.zero_copy_experts,
                 "link_bytes": self.link_blocks * self.store.block_bytes, "graph_fills": self.fills,
                 "free_slots_listed": len(self._next.held) if self._next is not None else 0,
-                "cpu_experts": self.cpu_experts, "cpu_gated": self.cpu_gated,
-                "missed_per_step": round(self._missed_avg, 1),
+                "cpu_experts": self.cpu_experts, **self.cpu_gate.telemetry(),
                 "cpu_mailbox": self.mailbox.telemetry() if self.mailbox is not None else
                 {"off": self.mailbox_off or ("cpu_share 0" if not self.mailbox_wanted else "opens at the first step")}}
 

@@ -12,9 +12,9 @@ import torch
 pytest.importorskip("triton")
 
 from engine.experts.cache import ExpertCache  # noqa: E402
-from engine.experts.cpu_mailbox import GRAPH_CPU_SHARE, CpuMailbox, default_share  # noqa: E402
+from engine.experts.cpu_mailbox import CPU_CHURN_SHARE, GRAPH_CPU_SHARE, CpuMailbox, default_share  # noqa: E402
 from engine.experts.store import ExpertStore  # noqa: E402
-from engine.experts.zero_copy import CPU_CHURN_SHARE, ZeroCopyDecode  # noqa: E402
+from engine.experts.zero_copy import ZeroCopyDecode  # noqa: E402
 from engine.kernels import native  # noqa: E402
 from engine.kernels.experts_torch import expert_ffn, moe_experts  # noqa: E402
 
@@ -189,3 +189,19 @@ def test_the_cpu_takes_its_share_only_while_the_cache_churns(n_slots, churns):
     assert cache.lru.hits + cache.lru.misses == lookups
     if not churns:
         assert 6 > CPU_CHURN_SHARE * n_slots > t["missed_per_step"] and cache.lru.fills == L * 2
+
+
+def test_a_post_the_worker_cannot_read_is_answered_with_an_error():
+    """A post naming a layer out of range (a torn or stale mailbox): the worker still answers, so no
+    kernel waits out its polls, marks the answer failed and keeps the reason for the host's check."""
+    store = _store()[0]
+    box = CpuMailbox(store, torch.device(DEVICE), max_rows=4, top_k=K, share=0.5)
+    try:
+        box.to_cpu[8], box.to_cpu[9] = L + 5, 1  # layer, rows
+        box.to_cpu[0] = 1  # the post, written here as the device would
+        _wait_for(lambda: int(box.done[0]) == 1)
+        assert int(box.to_gpu[8]) == 1  # the answer's status: failed
+        with pytest.raises(RuntimeError, match="layer out of range"):
+            box.check()
+    finally:
+        box.close()
