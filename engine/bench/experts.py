@@ -25,6 +25,7 @@ import statistics
 import time
 
 from engine.bench.common import header
+from engine.experts.cpu_mailbox import default_share
 from engine.experts.mode_chooser import PROBE_LENGTH
 
 # Unmeasured decode steps per policy and batch size before measuring: kernel compiles and graph
@@ -197,6 +198,8 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
                   "expert_mib_each": round(store.block_bytes / 2**20, 3), "routed_experts": store.n_routed,
                   "cpu_kernel": parts.experts.cpu_kernel, "gpu_kernel": parts.experts.telemetry()["gpu_kernel"],
                   "cost_model": dict(vars(parts.experts.costs)),
+                  # the one graph's CPU share: set from the environment, which the command line does not show
+                  "graph_cpu_share": default_share(),
                   "routing": ROUTING_NOTE if config.model.startswith("synthetic:") else None,
                   "results": rows, "adaptive_vs_best_baseline_decode": speedups(rows),
                   "adaptive_vs_best_baseline_decode_per_round": speedups(rows, per_round=True)}

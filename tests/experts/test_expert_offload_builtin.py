@@ -143,10 +143,12 @@ def test_hot_table_recorded_from_a_trace_warms_the_cache(engine, reference, tmp_
 
 def test_bench_records_every_policy_and_phase(engine, reference):
     from engine.bench.experts import run
+    from engine.experts.cpu_mailbox import default_share
 
     rec = run(engine=engine, policies=("cpu-only", "adaptive"), batch_sizes=(1, 2), contexts=(8,), new_tokens=3,
               warmup=False)
     assert rec["bench"] == "experts" and rec["simulate_hybrid"] and len(rec["results"]) == 4
+    assert rec["graph_cpu_share"] == default_share()  # (TANDEM_GRAPH_CPU_SHARE is not on the command line)
     for row in rec["results"]:
         for phase in ("prefill", "decode"):
             p = row[phase]
