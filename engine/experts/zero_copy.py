@@ -75,10 +75,10 @@ class ZeroCopyDecode:
         False: always."""
         self.store, self.cache, self.lru, self.device = store, cache, cache.lru, indexed(device)
         self.lag_list_share = lag_list_share
-        self.mailbox: CpuMailbox | None = None  # opened at the first run, once top-k is known
-        self.mailbox_wanted = cpu_share > 0  # (its kernels are in every graph captured after)
+        # Opened at the first run, once top-k is known; its kernels are in every graph captured after.
+        self.mailbox: CpuMailbox | None = None
+        self.mailbox_off: str | None = None if cpu_share > 0 else "cpu_share 0"  # why there is none
         self.cpu_gate = ChurnGate(cpu_share, cache.n_slots, cpu_gated)
-        self.mailbox_off: str | None = None  # why there is none, once the first step has run
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
         L = store.n_layers
@@ -150,9 +150,7 @@ class ZeroCopyDecode:
                                          cpu=self.mailbox.wait_args if self.mailbox is not None else None)
 
     def _open_mailbox(self, top_k: int) -> None:
-        if not self.mailbox_wanted:
-            self.mailbox_off = "cpu_share 0"
-        if not self.mailbox_wanted or self.mailbox is not None:
+        if self.mailbox_off is not None or self.mailbox is not None:
             return
         try:  # a gated share starts at 0: the gate opens once a step has shown the cache churning
             self.mailbox = CpuMailbox(self.store, self.device, self.max_tokens, top_k, self.cpu_gate.current())
@@ -165,8 +163,8 @@ class ZeroCopyDecode:
         """Change the CPU's share of each layer's misses (gated: only while the cache churns) for the
         replays queued after this call. The mailbox's kernels must be in the graphs: it opens at the
         first step if the share given at construction was above 0 (a share of 0 set later posts nothing)."""
-        if not self.mailbox_wanted or self.mailbox_off:
-            raise RuntimeError(f"no CPU mailbox to set a share on ({self.mailbox_off or 'cpu_share 0'})")
+        if self.mailbox_off is not None:
+            raise RuntimeError(f"no CPU mailbox to set a share on ({self.mailbox_off})")
         self.cpu_gate.share, self.cpu_gate.gated = float(share), gated
         self._apply_cpu_gate()
 
@@ -264,10 +262,10 @@ class ZeroCopyDecode:
             self.mailbox.check()
         n, k = step.n_tokens, self.log.shape[1] // self.max_tokens
         log_host, claims_host, cpu_host = self.logs_host[step.buf]
-        self._account(log_host[:, :n * k].numpy().reshape(-1, n, k), claims_host[:, :n * k].numpy(), step,
-                      cpu_host[:, :n * k].numpy())
+        self._account(log_host[:, :n * k].numpy().reshape(-1, n, k), claims_host[:, :n * k].numpy(),
+                      cpu_host[:, :n * k].numpy(), step)
 
-    def _account(self, log: np.ndarray, claims: np.ndarray, step: "_Listed", cpu: np.ndarray | None = None) -> None:
+    def _account(self, log: np.ndarray, claims: np.ndarray, cpu: np.ndarray, step: "_Listed") -> None:
         """log (L, B, k), claims (L, B·k) and cpu (L, B·k; 1: the CPU computed the pair) of a finished
         replay, with the slots listed for it: LRU hits refreshed, misses counted, victims of claimed
         slots evicted, missed experts admitted into the slots they filled (as the device did), the
@@ -293,10 +291,9 @@ class ZeroCopyDecode:
             hits_per_layer, active_per_layer = hit.sum(1), active.sum(1)
             for layer in np.flatnonzero(active_per_layer).tolist():
                 self.window.append((int(hits_per_layer[layer]), int(active_per_layer[layer])))
-        on_cpu = np.zeros_like(active)  # (L, E) experts the CPU computed
-        if cpu is not None and self.mailbox is not None:
-            cpu_layers, cpu_pairs = np.nonzero(cpu)
-            on_cpu[cpu_layers, ids[cpu_layers, cpu_pairs]] = True
+        on_cpu = np.zeros_like(active)  # (L, E) experts the CPU computed (none without a mailbox)
+        cpu_layers, cpu_pairs = np.nonzero(cpu)
+        on_cpu[cpu_layers, ids[cpu_layers, cpu_pairs]] = True
         n_missed = int((active & ~hit).sum())
         lru.misses += n_missed
         self.cpu_gate.observe(n_missed)
@@ -362,7 +359,7 @@ class ZeroCopyDecode:
                 "free_slots_listed": len(self._next.held) if self._next is not None else 0,
                 "cpu_experts": self.cpu_experts, **self.cpu_gate.telemetry(),
                 "cpu_mailbox": self.mailbox.telemetry() if self.mailbox is not None else
-                {"off": self.mailbox_off or ("cpu_share 0" if not self.mailbox_wanted else "opens at the first step")}}
+                {"off": self.mailbox_off or "opens at the first step"}}
 
 
 @dataclass
