@@ -184,6 +184,10 @@
 #   bash benchmarks/h200/run.sh CO   # the mailbox with floor(share · misses) (a lone miss stays on the link): CUDA tests; which
 #                                    #   CPUs share a core (probe_siblings.py); 2K bs 1 and 4, shares 0 and 0.75, each first
 #                                    #   after a policy switch once a round; 32K bs=1 at 916 slots, shares 0.99, 0.75, 0
+#   bash benchmarks/h200/run.sh CS   # the one graph captured with and without the mailbox's kernels (the gate picks): CUDA
+#                                    #   tests; 2K bs 1 and 4, three rounds; 2K bs=1 with TANDEM_GRAPH_CPU_SHARE=0, then
+#                                    #   unset, three rounds each; 32K bs=1 at 916 slots, two rounds
+#   bash benchmarks/h200/run.sh CT   # the 32K bs=4 cell with the mailbox
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -802,6 +806,20 @@ e2e_resident_l16() {  # $1: the record's name; resident L16 decode at 2K, bs 1 a
     --expert-policy resident --batch-sizes 1,4 --contexts 2048 --new-tokens 32 --vram-budget-gb 0 \
     --json "$out/e2e-resident-L16-$1.json" 2>&1 | grep "\[e2e\]" | tee -a "$log"
 }
+if [ "$phase" = CS ]; then
+  run_tests "the CPU mailbox, the one graph, decode graphs, on CUDA" tests/experts/test_cpu_mailbox.py \
+    tests/experts/test_zero_copy.py tests/models/test_decode_graph.py
+  bench_2k_rounds
+  export TANDEM_GRAPH_CPU_SHARE=0
+  bench_experts 2k-bs1-rounds-share-0 --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
+  unset TANDEM_GRAPH_CPU_SHARE
+  bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
+  bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
+    --policies on-demand,adaptive
+fi
+if [ "$phase" = CT ]; then
+  bench_experts 32k-bs4 --batch-sizes 4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
+fi
 if [ "$phase" = CR ]; then
   bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,cpu-only,adaptive
 fi

@@ -7,6 +7,11 @@ graph there is no host call to split them, so the device splits them (`post`, in
 engine/kernels/cpu_mailbox_gpu.py), hands the CPU's share over through pinned host memory, and the
 native worker (native/cpu_mailbox.h) answers there; the layer's sum kernel waits for the answer.
 
+The mailbox's kernels are only in the graph of steps run while the gate (ChurnGate) is open:
+engine/runtime/decode_graph.py captures the one graph twice, with them ("graph+cpu") and without
+("graph"), and the step replays whichever the gate wants. Where the cache holds the working set (2K,
+one chat) the gate stays shut and the step is the graph as it was before the mailbox.
+
 This object owns the two pinned regions, the device's small scalars and the worker, and tears them
 down in reverse order: the device is synchronised (no kernel waits on the worker), the worker thread
 stops, then the memory goes.

@@ -75,8 +75,10 @@ class ZeroCopyDecode:
         False: always."""
         self.store, self.cache, self.lru, self.device = store, cache, cache.lru, indexed(device)
         self.lag_list_share = lag_list_share
-        # Opened at the first run, once top-k is known; its kernels are in every graph captured after.
+        # Opened at the first run, once top-k is known. Its kernels are only in the graphs of steps
+        # run with cpu=True (before_step): while the gate is shut the step runs a graph without them.
         self.mailbox: CpuMailbox | None = None
+        self.cpu_in_step = False  # the step being run (or captured) posts part of its misses to the CPU
         self.mailbox_off: str | None = None if cpu_share > 0 else "cpu_share 0"  # why there is none
         self.cpu_gate = ChurnGate(cpu_share, cache.n_slots, cpu_gated)
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
@@ -136,7 +138,8 @@ class ZeroCopyDecode:
             self._open_mailbox(k)
         offsets = self.table[layer]  # (E,)
         log = self.log[layer, :N * k]
-        if self.mailbox is not None:  # part of the misses to the CPU: their pairs get id -1 below
+        posting = self.mailbox is not None and self.cpu_in_step
+        if posting:  # part of the misses to the CPU: their pairs get id -1 below
             ids = self.mailbox.post(layer, x, ids, weights, offsets, self.pool_numel, self._gpu_ids[:N * k], log,
                                     self.cpu_log[layer, :N * k])
             log = None  # written by the post
@@ -147,7 +150,7 @@ class ZeroCopyDecode:
                                                 evict=(self.victims, self.table.view(-1), self.host_table))
         return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
                                          offsets=offsets, spare=spare, admit=True,
-                                         cpu=self.mailbox.wait_args if self.mailbox is not None else None)
+                                         cpu=self.mailbox.wait_args if posting else None)
 
     def _open_mailbox(self, top_k: int) -> None:
         if self.mailbox_off is not None or self.mailbox is not None:
@@ -159,10 +162,14 @@ class ZeroCopyDecode:
             return
         self._gpu_ids = torch.empty(self.max_tokens * top_k, dtype=torch.int64, device=self.device)
 
+    def cpu_wanted(self) -> bool:
+        """Whether the next step should run with the mailbox's kernels (the gate open, or ungated)."""
+        return self.mailbox_off is None and self.cpu_gate.current() > 0
+
     def set_cpu_share(self, share: float, gated: bool = True) -> None:
         """Change the CPU's share of each layer's misses (gated: only while the cache churns) for the
-        replays queued after this call. The mailbox's kernels must be in the graphs: it opens at the
-        first step if the share given at construction was above 0 (a share of 0 set later posts nothing)."""
+        steps listed after this call. The mailbox opens at the first step if the share given at
+        construction was above 0 (a share of 0 set later posts nothing)."""
         if self.mailbox_off is not None:
             raise RuntimeError(f"no CPU mailbox to set a share on ({self.mailbox_off})")
         self.cpu_gate.share, self.cpu_gate.gated = float(share), gated
@@ -180,11 +187,12 @@ class ZeroCopyDecode:
             self.mailbox.close()
 
     # -- between replays --------------------------------------------------------------------------
-    def before_step(self, stream=None) -> None:
+    def before_step(self, stream=None, cpu: bool | None = None) -> None:
         """List the slots the next replay's misses may claim and queue the lists ahead of it. Needs
         no log of the replay still running: the device keeps its own table (victims pointed back to
         the store by the claim kernel, fills pointed at their slots by the sum kernel), and the slots
-        listed for a step in flight are not listed again."""
+        listed for a step in flight are not listed again. cpu: the step's graph has the mailbox's
+        kernels (None: as the gate wants, for layers run eagerly)."""
         if self._unlogged_tokens:  # layers ran eagerly without after_step (the warm-up before a capture)
             # Their claims took listed slots and wrote other experts' weights over victims: their log
             # is read as a step's, or the host's table would point those victims at their old slots.
@@ -201,6 +209,7 @@ class ZeroCopyDecode:
             # after a log wait behind this copy.
             self.table.copy_(self.mirror, non_blocking=True)
         self._apply_cpu_gate()
+        self.cpu_in_step = self.cpu_wanted() if cpu is None else cpu
         self._next = self._list_slots()
         spares, victims = self.lists_host[self._next.buf]
         self.spares.copy_(spares, non_blocking=True)
@@ -214,9 +223,9 @@ class ZeroCopyDecode:
         self._unlogged_tokens = 0
         step, self._next = self._next, None
         assert step is not None, "before_step lists the slots of every step"
-        for host, dev in zip(self.logs_host[step.buf], (self.log, self.claims, self.cpu_log)):
+        for host, dev in zip(self.logs_host[step.buf], (self.log, self.claims) + ((self.cpu_log,) if step.cpu else ())):
             host.copy_(dev, non_blocking=True)
-        if self.mailbox is not None:
+        if step.cpu and self.mailbox is not None:
             self.mailbox.queue_check()
         if self.device.type == "cuda":
             step.ready = torch.cuda.Event()
@@ -262,8 +271,9 @@ class ZeroCopyDecode:
             self.mailbox.check()
         n, k = step.n_tokens, self.log.shape[1] // self.max_tokens
         log_host, claims_host, cpu_host = self.logs_host[step.buf]
-        self._account(log_host[:, :n * k].numpy().reshape(-1, n, k), claims_host[:, :n * k].numpy(),
-                      cpu_host[:, :n * k].numpy(), step)
+        # (a step without the mailbox's kernels left the device's CPU log as an earlier step wrote it)
+        cpu = cpu_host[:, :n * k].numpy() if step.cpu else np.zeros_like(claims_host[:, :n * k].numpy())
+        self._account(log_host[:, :n * k].numpy().reshape(-1, n, k), claims_host[:, :n * k].numpy(), cpu, step)
 
     def _account(self, log: np.ndarray, claims: np.ndarray, cpu: np.ndarray, step: "_Listed") -> None:
         """log (L, B, k), claims (L, B·k) and cpu (L, B·k; 1: the CPU computed the pair) of a finished
@@ -331,7 +341,7 @@ class ZeroCopyDecode:
         keys = self.lru.oldest(self._wanted - len(held), exclude=busy)
         entries = self.lru.entries
         victim_slots = [entries[key].slot for key in keys]
-        step = _Listed(held, dict(zip(victim_slots, keys)), self._buf)
+        step = _Listed(held, dict(zip(victim_slots, keys)), self._buf, self.cpu_in_step)
         self._buf ^= 1
         listed, victims = (t.numpy() for t in self.lists_host[step.buf])
         n = len(held) + len(victim_slots)
@@ -369,6 +379,7 @@ class _Listed:
     held: list[int]  # free slots, held out of the LRU until the step's log is read
     victims: dict[int, tuple[int, int]]  # slot → the cached entry it holds
     buf: int  # which of the two staging buffers its lists and logs take
+    cpu: bool = False  # its graph posts part of its misses to the CPU mailbox
     n_tokens: int = 0
     ready: object = None  # a CUDA event after its logs' copy (_Done on the simulated GPU)
 

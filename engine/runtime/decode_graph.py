@@ -184,9 +184,12 @@ class DecodeGraphs:
         form = "graph" if not self.cut else "pieces"
         if self.chooser is not None and B <= self.zero_copy.max_tokens:
             form = self.chooser.form(B)
-        entry = self.steps.get((B, form))
+        graph_form = form  # which captured graph runs: the one graph comes with and without the CPU mailbox
+        if form == "graph" and self.zero_copy is not None and self.zero_copy.cpu_wanted():
+            graph_form = "graph+cpu"
+        entry = self.steps.get((B, graph_form))
         if entry is None:
-            entry = self._capture(B, positions, form)
+            entry = self._capture(B, positions, graph_form)
             if entry is None:
                 return None
             if self.chooser is not None:
@@ -195,7 +198,8 @@ class DecodeGraphs:
             self.chooser.started(B, form)
         pieces, logits = entry
         if self.zero_copy is not None and form == "graph":
-            self.zero_copy.before_step()  # (a pieces step's host halves settle the table themselves: leave)
+            # (a pieces step's host halves settle the table themselves: leave)
+            self.zero_copy.before_step(cpu=graph_form == "graph+cpu")
         for piece in pieces:
             t0 = time.perf_counter()
             piece.graph.replay()
@@ -212,12 +216,12 @@ class DecodeGraphs:
         return logits.clone()  # the graph's output buffer is overwritten by the next replay
 
     def _capture(self, B: int, positions: torch.Tensor, form: str):
-        """form: "graph" (one graph; offloaded experts through the device table) or "pieces" (cut at
-        each offloaded MoE layer)."""
+        """form: "graph" (one graph; offloaded experts through the device table), "graph+cpu" (the
+        same, with the CPU mailbox's kernels: zero_copy.py) or "pieces" (cut at each offloaded MoE layer)."""
         tokens = self.tokens[:B]
-        in_graph = _InGraph(self.zero_copy) if self.cut and form == "graph" else None
+        in_graph = _InGraph(self.zero_copy) if self.cut and form != "pieces" else None
         if in_graph is not None:
-            self.zero_copy.before_step()  # a valid table for the warm-up
+            self.zero_copy.before_step(cpu=form == "graph+cpu")  # a valid table for the warm-up
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         try:
@@ -265,7 +269,10 @@ class DecodeGraphs:
 
     def telemetry(self) -> dict:
         pieces = {B: len(p) for (B, form), (p, _) in self.steps.items() if form == "pieces"}
-        return {"captured_batches": sorted({B for B, _ in self.steps}), "replays": self.replays,
+        forms: dict[int, list[str]] = {}
+        for B, form in sorted(self.steps):
+            forms.setdefault(B, []).append(form)
+        return {"captured_batches": sorted(forms), "captured_forms": forms, "replays": self.replays,
                 "launch_host_s": round(self.launch_s, 4),
                 "failed": self.failed, **({"pieces_per_step": pieces} if self.cut else {}),
                 **(self.chooser.telemetry() if self.chooser is not None else {})}

@@ -177,6 +177,33 @@ def test_a_share_of_0_set_after_the_first_layer_keeps_the_mailbox_and_posts_noth
     assert t["zero_copy_experts"] == cache.lru.misses - 1 > 0
 
 
+def test_a_step_run_without_the_mailbox_kernels_posts_nothing_and_reads_no_stale_cpu_log():
+    """With the gate shut a step runs a graph captured without the post and the wait (cpu=False,
+    engine/runtime/decode_graph.py's "graph" form). The CPU log an earlier step left on the device
+    is not this step's: read as such, it would count step 0's CPU experts again."""
+    store, gate_up, down = _store()
+    cache = ExpertCache(1, H, I, torch.float32, torch.device(DEVICE))
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=1.0,
+                        cpu_gated=False)
+    x, w, ids = torch.randn(1, H), torch.tensor([[0.25, 0.75]]), torch.tensor([[0, 1]])
+    seen = []
+    try:
+        for cpu in (True, False):
+            zc.before_step(cpu=cpu)
+            for layer in range(L):
+                out = zc.run(layer, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))
+                ref = moe_experts(x.double(), ids, w.double(), gate_up[layer].double(), down[layer].double())
+                torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-4)
+            zc.after_step(1)
+            zc.drain()
+            t = zc.telemetry()
+            seen.append((t["cpu_mailbox"]["posts"], t["cpu_experts"], t["zero_copy_experts"]))
+    finally:
+        zc.close()
+    # step 0: share 1, both experts of every layer on the CPU; step 1: every miss over the link
+    assert seen == [(L, 2 * L, 0), (L, 2 * L, 2 * L)]
+
+
 @pytest.mark.parametrize("n_slots, churns", [(1, True), (4 * L * E, False)])
 def test_the_cpu_takes_its_share_only_while_the_cache_churns(n_slots, churns):
     """Gated (the default): the first step runs at share 0; then a cache of one slot keeps missing and
