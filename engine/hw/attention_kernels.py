@@ -3,8 +3,9 @@
 An AttentionKernel is `kernel(q, k, v, scale) -> (out, lse)`:
     q (B, nh, 1, hs); k, v (B, n_kv, L, hs) with nh a multiple of n_kv (GQA by fewer KV heads)
     out (B, nh, 1, hs) in q's dtype; lse (B, nh, 1) float32, natural log.
-Those are the two halves of split decode attention (CPU part and GPU part, merged by LSE). The
-defaults are the torch kernels the engine runs today; a native kernel is timed by passing it in.
+Those are the two halves of split decode attention (CPU part and GPU part, merged by LSE). On the
+CPU calibration times the kernel the engine's KV split runs (ENGINE_CPU: engine/kernels/attention_cpu.py,
+the native kernel where it is built); on the GPU torch's flash attention. Others are timed by passing them in.
 `pick()` checks a candidate against the exact reference on a small input before it is timed, so a
 kernel that fails or disagrees on this machine is replaced by the reference and the profile says so.
 """
@@ -36,19 +37,29 @@ def reference_attention(q, k, v, scale):
     return out.reshape(B, nh, 1, hs).to(q.dtype), lse.reshape(B, nh, 1)
 
 
-def torch_cpu_flash(q, k, v, scale):
-    """torch's CPU flash attention, which returns the LSE (its LSE is a transposed view)."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-    return out, lse.reshape(q.shape[0], q.shape[1], 1).contiguous()
-
-
 def torch_cuda_flash(q, k, v, scale):
     """torch's CUDA flash attention (bf16/fp16), which returns the LSE as its second output."""
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
     return res[0], res[1].reshape(q.shape[0], q.shape[1], 1)
 
 
-DEFAULT_CPU = NamedKernel("torch-flash-cpu", torch_cpu_flash)
+def engine_cpu_attention(q, k, v, scale):
+    """The CPU kernel the engine's KV split runs (attention_cpu.attend_blocks), one view per sequence."""
+    from engine.kernels import attention_cpu
+
+    out, lse = attention_cpu.attend_blocks(q, [[(k[b], v[b])] for b in range(q.shape[0])], scale)
+    return out.to(q.dtype), lse
+
+
+def engine_cpu_kernel_name(dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int) -> str:
+    """What ENGINE_CPU runs for this shape, for the profile ("native-<isa>", "torch-sdpa", …)."""
+    from engine.kernels import attention_cpu
+
+    return attention_cpu.kernel_name(dtype, n_heads, n_kv_heads, head_dim)
+
+
+ENGINE_CPU = NamedKernel("engine", engine_cpu_attention)
+DEFAULT_CPU = ENGINE_CPU
 DEFAULT_GPU = NamedKernel("torch-flash-cuda", torch_cuda_flash)
 REFERENCE = NamedKernel("torch-matmul-reference", reference_attention)
 

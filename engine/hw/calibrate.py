@@ -23,11 +23,12 @@ import psutil
 import torch
 
 from engine.hw import bandwidth, expert_costs, kv_costs, split_check
-from engine.hw.attention_kernels import DEFAULT_CPU, DEFAULT_GPU, NamedKernel, pick
+from engine.hw.attention_kernels import DEFAULT_CPU, DEFAULT_GPU, ENGINE_CPU, NamedKernel, engine_cpu_kernel_name, pick
 from engine.hw.probe import fingerprint, mark_unavailable, probe
 from engine.hw.profile import SCHEMA, SCHEMA_VERSION
 from engine.hw.shapes import ModelShape
 from engine.hw.timing import CalibrationCancelled, GPU, Progress
+from engine.kernels import experts_cpu
 from engine.kernels.experts_torch import expert_ffn
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -66,14 +67,18 @@ PLANS = {
 }
 
 
+ENGINE_CPU_EXPERT = NamedKernel("engine", lambda x, gate_up, down: experts_cpu.expert_ffn(x, gate_up, down))
+
+
 @dataclass
 class Kernels:
-    """The kernels whose costs are measured; pass others (native CPU attention, grouped GPU experts)
+    """The kernels whose costs are measured: on the CPU the ones the engine runs ("engine": the native
+    kernels where built, else torch), so that the costs the engine plans with are its own; pass others
     to calibrate them instead. Each is (name, callable); see attention_kernels and expert_costs."""
 
     cpu_attention: NamedKernel = DEFAULT_CPU
     gpu_attention: NamedKernel = DEFAULT_GPU
-    cpu_expert: NamedKernel = field(default_factory=lambda: NamedKernel("torch-expert-ffn", expert_ffn))
+    cpu_expert: NamedKernel = field(default_factory=lambda: ENGINE_CPU_EXPERT)
     gpu_expert: NamedKernel = field(default_factory=lambda: NamedKernel("torch-expert-ffn", expert_ffn))
 
 
@@ -172,7 +177,8 @@ def measure_shape(shape: ModelShape, plan: Plan, kernels: Kernels, cuda: bool, n
     dtype = getattr(torch, shape.kv.dtype)
     cpu_kernel, why = pick(kernels.cpu_attention, shape.kv.n_heads, shape.kv.n_kv_heads, shape.kv.head_dim,
                            dtype, torch.device("cpu"))
-    kv: dict = {"cpu_kernel": cpu_kernel.name, "threads": torch.get_num_threads(),
+    kv: dict = {"cpu_kernel": engine_cpu_kernel_name(dtype, shape.kv.n_heads, shape.kv.n_kv_heads, shape.kv.head_dim)
+                if cpu_kernel is ENGINE_CPU else cpu_kernel.name, "threads": torch.get_num_threads(),
                 "bytes_per_token": shape.kv.bytes_per_token, "pingpong_tokens": plan.pingpong_tokens}
     if why:
         kv["cpu_kernel_fallback_reason"] = why
@@ -238,7 +244,9 @@ def measure_shape(shape: ModelShape, plan: Plan, kernels: Kernels, cuda: bool, n
         shape.expert, list(plan.expert_tokens), l3, gpu_l2, plan.warmup, plan.repeats, plan.concurrency_ms,
         kernels.cpu_expert.fn, kernels.gpu_expert.fn,
         tick=lambda f: prog.step("experts", f, "expert costs"))
-    experts["cpu_kernel"] = kernels.cpu_expert.name
+    experts["cpu_kernel"] = kernels.cpu_expert.name if kernels.cpu_expert is not ENGINE_CPU_EXPERT else (
+        f"{experts_cpu.implementation(1)} to {experts_cpu.native_max_tokens()} tokens, torch above"
+        if experts_cpu.implementation(1) != "torch" else "torch")
     if cuda:
         experts["gpu_kernel"] = kernels.gpu_expert.name
     else:

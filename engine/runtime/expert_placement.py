@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, TandemError
 from engine.experts.cache import slots_for_budget
 from engine.experts.offload import OFFLOAD_POLICIES, OffloadedExperts
 from engine.experts.predictor import GateLookahead, HotTable, default_hot_table_path, even_spread
 from engine.experts.store import ExpertStore
+from engine.hw.shapes import ExpertShape, dtype_name
 from engine.sched.expert_cost import ExpertCostModel
 
 RESERVE_BYTES = 1 << 30  # activations, grouped-GEMM intermediates, allocator slack on the device
@@ -35,6 +36,20 @@ def check_offload(policy: str, device: torch.device, simulate_hybrid: bool) -> b
         raise ConfigError(f"expert_policy '{policy}' splits experts between a GPU and the CPU, and this engine "
                           "runs on the CPU only", "use expert_policy resident (or simulate_hybrid to test the path)")
     return True
+
+
+def costs_from_profile(profile, hidden: int, expert_ffn: int, dtype: torch.dtype) -> ExpertCostModel | None:
+    """The expert cost model with this machine's calibration (the nearest calibrated expert shape,
+    scaled by bytes); None without a profile or expert measurements: the documented defaults."""
+    if profile is None:
+        return None
+    try:
+        costs = profile.expert_costs(ExpertShape(hidden, expert_ffn, dtype_name(dtype)))
+    except TandemError:
+        return None
+    beside = (costs.concurrent or {}).get("B_H_GBps")  # the CPU's rate while fills stream
+    return ExpertCostModel.from_calibration(hidden, expert_ffn, torch.empty((), dtype=dtype).element_size(),
+                                            costs.cpu_ms_by_tokens, costs.B_P_GBps, beside)
 
 
 def build_offloaded(policy: str, gate_up, down, *, device: torch.device, dtype: torch.dtype,

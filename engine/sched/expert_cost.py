@@ -51,6 +51,29 @@ class ExpertCostModel:
         return cls(expert_bytes=3 * hidden * expert_ffn * dtype_bytes, flops_per_token=6.0 * hidden * expert_ffn,
                    **measured)
 
+    @classmethod
+    def from_calibration(cls, hidden: int, expert_ffn: int, dtype_bytes: int, cpu_ms_by_tokens: dict[int, float],
+                         pcie_gbps: float | None = None, cpu_beside_fills_gbps: float | None = None) -> "ExpertCostModel":
+        """The model with a calibration's measurements of the engine's own kernels (engine/hw/expert_costs.py):
+        the CPU kernel's weight rate from its one-token time (ms), its cost per token from the slope between
+        its two largest token counts, B_P, and B_H as B_P plus what the CPU read while fills ran. What was
+        not measured (no GPU: no B_P) keeps the default."""
+        model = cls.from_shape(hidden, expert_ffn, dtype_bytes)
+        counts = sorted(n for n, ms in cpu_ms_by_tokens.items() if n >= 1 and ms > 0)
+        if not counts:
+            raise ValueError("the calibration has no CPU expert times")
+        measured: dict = {"cpu_gbps": model.expert_bytes / (cpu_ms_by_tokens[counts[0]] * BYTES_PER_MS_PER_GBPS)}
+        if len(counts) >= 2:
+            lo, hi = counts[-2], counts[-1]
+            per_token_ms = (cpu_ms_by_tokens[hi] - cpu_ms_by_tokens[lo]) / (hi - lo)
+            if per_token_ms > 0:
+                measured["cpu_tflops"] = model.flops_per_token / (per_token_ms * FLOP_PER_MS_PER_TFLOPS)
+        if pcie_gbps:
+            measured["pcie_gbps"] = pcie_gbps
+            if cpu_beside_fills_gbps:
+                measured["host_gbps"] = pcie_gbps + cpu_beside_fills_gbps
+        return cls.from_shape(hidden, expert_ffn, dtype_bytes, **measured)
+
     # -- bandwidths -----------------------------------------------------------------------------
     @property
     def residual_gbps(self) -> float:

@@ -254,3 +254,24 @@ def test_bench_experts_from_the_command_line(tmp_path):
     assert rc == 0 and rec["decode"] == "greedy" and rec["shared_prefill"]
     assert [r["policy"] for r in rec["results"]] == ["cpu-only", "on-demand"]
     assert all(r["decode"]["prefilled"] == 1 for r in rec["results"])
+
+
+def test_an_engine_plans_its_experts_with_the_machines_calibration(tmp_path):
+    """The calibrated expert costs reach the offloaded executor's cost model (they used to stop at the
+    profile: the planner ran on the defaults)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "hw"))
+    from hwcheck import make_profile
+
+    from engine.hw import profile
+
+    path = profile.save(make_profile(), tmp_path / "hw-profile.json")
+    eng = Engine(EngineConfig(model=MODEL, backend="tandem", device="cpu", expert_policy="on-demand",
+                              simulate_hybrid=True, expert_cache_slots=8, max_context=64, profile_path=str(path)))
+    try:
+        costs = eng.backend.parts.experts.costs
+        assert (costs.pcie_gbps, costs.host_gbps) == (50.0, 70.0)  # B_P, and B_P + the CPU beside fills
+    finally:
+        eng.close()

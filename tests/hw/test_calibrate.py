@@ -106,6 +106,16 @@ def test_attention_cost_is_measured_through_the_injected_kernel():
     assert kv["by_batch"]["1"]["A_ns_per_token"] > 1500
 
 
+def test_calibration_times_the_cpu_kernels_the_engine_runs():
+    """The CPU costs are those of the engine's own kernels (the native ones where built): a profile
+    of torch's kernels had the planner and the KV split plan with rates several times too low."""
+    from engine.kernels import attention_cpu, experts_cpu
+
+    entry = hw.calibrate(SMALL, plan=TINY_PLAN, use_cuda=False)["shapes"][SMALL.key]
+    assert entry["kv"]["cpu_kernel"] == attention_cpu.kernel_name(torch.float32, 4, 2, 32)
+    assert entry["experts"]["cpu_kernel"].startswith(experts_cpu.implementation(1))
+
+
 def test_a_kernel_that_fails_or_disagrees_is_replaced_by_the_reference():
     def broken(q, k, v, scale):
         raise RuntimeError("not on this machine")

@@ -143,6 +143,33 @@ def test_expert_costs_come_from_the_profile():
     assert scaled.cpu_ms(1) == pytest.approx(0.6) and scaled.source.startswith("scaled from")
 
 
+def test_the_expert_cost_model_takes_the_profiles_measurements():
+    """costs_from_profile: the calibrated CPU kernel's weight rate (one token) and cost per token (the
+    slope of its two largest counts), B_P, and B_H as B_P plus the CPU's rate beside fills."""
+    import torch
+
+    from engine.runtime.expert_placement import costs_from_profile
+
+    m = costs_from_profile(MachineProfile(make_profile()), EXPERT.hidden, EXPERT.ffn, torch.bfloat16)
+    assert m.expert_bytes == EXPERT.bytes_per_expert
+    assert m.cpu_gbps == pytest.approx(EXPERT.bytes_per_expert / 0.3e6)  # bytes per ms / 1e6
+    per_token_ms = (1.2 - 0.6) / (64 - 16)
+    assert m.cpu_tflops == pytest.approx(6 * EXPERT.hidden * EXPERT.ffn / (per_token_ms * 1e9))
+    assert (m.pcie_gbps, m.host_gbps) == (50.0, 70.0)
+    # a shape not calibrated: times scaled by bytes, so the rates stay
+    wide = costs_from_profile(MachineProfile(make_profile()), 2 * EXPERT.hidden, EXPERT.ffn, torch.bfloat16)
+    assert wide.cpu_gbps == pytest.approx(m.cpu_gbps) and wide.expert_bytes == 2 * m.expert_bytes
+    cpu_only = make_profile()
+    cpu_only["shapes"][cpu_only["calibrated_shape"]]["experts"].update(B_P_GBps=None, concurrent=None)
+    alone = costs_from_profile(MachineProfile(cpu_only), EXPERT.hidden, EXPERT.ffn, torch.bfloat16)
+    default = type(m).from_shape(EXPERT.hidden, EXPERT.ffn, 2)
+    assert (alone.pcie_gbps, alone.host_gbps) == (default.pcie_gbps, default.host_gbps)
+    assert costs_from_profile(None, EXPERT.hidden, EXPERT.ffn, torch.bfloat16) is None
+    no_experts = make_profile()
+    del no_experts["shapes"][no_experts["calibrated_shape"]]["experts"]
+    assert costs_from_profile(MachineProfile(no_experts), EXPERT.hidden, EXPERT.ffn, torch.bfloat16) is None
+
+
 def test_a_saved_calibration_profile_round_trips_with_every_null_explained(tmp_path):
     data = make_profile()
     assert unexplained_nulls(data) == []
