@@ -187,7 +187,8 @@
 #   bash benchmarks/h200/run.sh CS   # the one graph captured with and without the mailbox's kernels (the gate picks): CUDA
 #                                    #   tests; 2K bs 1 and 4, three rounds; 2K bs=1 with TANDEM_GRAPH_CPU_SHARE=0, then
 #                                    #   unset, three rounds each; 32K bs=1 at 916 slots, two rounds
-#   bash benchmarks/h200/run.sh CT   # the 32K bs=4 cell with the mailbox
+#   bash benchmarks/h200/run.sh CT   # both one graphs captured at a size's first graph step: CUDA tests; 2K bs 1 and 4, three
+#                                    #   rounds; the 32K bs=4 cell with the mailbox
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -818,6 +819,9 @@ if [ "$phase" = CS ]; then
     --policies on-demand,adaptive
 fi
 if [ "$phase" = CT ]; then
+  run_tests "the CPU mailbox, the one graph, decode graphs, on CUDA" tests/experts/test_cpu_mailbox.py \
+    tests/experts/test_zero_copy.py tests/models/test_decode_graph.py
+  bench_2k_rounds
   bench_experts 32k-bs4 --batch-sizes 4 --contexts 32768 --shared-prefill --policies on-demand,cpu-only,adaptive
 fi
 if [ "$phase" = CR ]; then
