@@ -160,7 +160,10 @@ def cmd_calibrate(args) -> int:
     if args.cpu_threads:
         import torch
 
+        from engine.kernels import native
+
         torch.set_num_threads(args.cpu_threads)
+        native.set_threads(args.cpu_threads)  # the engine's own CPU kernels are the ones measured
     mode = "full" if args.full else "quick"
     data = calibrate(mode, None if args.quiet else _progress, args.profile_path, model=args.model,
                      device=args.device, dtype=args.dtype)
@@ -339,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--profile-path", default=None, help="profile file (default: the user data dir)")
     k.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: a CPU-only profile)")
     k.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: bf16 with CUDA, fp32 without)")
-    k.add_argument("--cpu-threads", type=int, default=None, help="torch threads for the CPU kernels")
+    k.add_argument("--cpu-threads", type=int, default=None, help="threads for the CPU kernels (torch's and the native ones)")
     k.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     k.set_defaults(func=cmd_calibrate)
     # The app parses its own options (--model, --data-dir, …; `tandem gui --help` lists them).

@@ -189,6 +189,8 @@
 #                                    #   unset, three rounds each; 32K bs=1 at 916 slots, two rounds
 #   bash benchmarks/h200/run.sh CT   # both one graphs captured at a size's first graph step: CUDA tests; 2K bs 1 and 4, three
 #                                    #   rounds; the 32K bs=4 cell with the mailbox
+#   bash benchmarks/h200/run.sh CU   # CT's fix (resident graphs have no one-graph table): CUDA tests; a quick calibration (the
+#                                    #   engine's CPU kernels now); 2K bs 1 and 4, three rounds; 2K bs=1 alone, three rounds
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -817,6 +819,15 @@ if [ "$phase" = CS ]; then
   bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
     --policies on-demand,adaptive
+fi
+if [ "$phase" = CU ]; then
+  run_tests "the CPU mailbox, the one graph, decode graphs, calibration, on CUDA" tests/experts/test_cpu_mailbox.py \
+    tests/experts/test_zero_copy.py tests/models/test_decode_graph.py tests/hw/test_calibrate.py
+  step calibrate quick
+  timeout 120 python3 -m engine.cli calibrate --quick --model synthetic:qwen3-30b-a3b --cpu-threads 15 \
+    --profile-path "$out/hw-profile.json" --quiet 2>&1 | tail -40 | tee -a "$log"
+  bench_2k_rounds
+  bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
 fi
 if [ "$phase" = CT ]; then
   run_tests "the CPU mailbox, the one graph, decode graphs, on CUDA" tests/experts/test_cpu_mailbox.py \

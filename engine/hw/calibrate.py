@@ -28,7 +28,7 @@ from engine.hw.probe import fingerprint, mark_unavailable, probe
 from engine.hw.profile import SCHEMA, SCHEMA_VERSION
 from engine.hw.shapes import ModelShape
 from engine.hw.timing import CalibrationCancelled, GPU, Progress
-from engine.kernels import experts_cpu
+from engine.kernels import experts_cpu, native
 from engine.kernels.experts_torch import expert_ffn
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -80,6 +80,11 @@ class Kernels:
     gpu_attention: NamedKernel = DEFAULT_GPU
     cpu_expert: NamedKernel = field(default_factory=lambda: ENGINE_CPU_EXPERT)
     gpu_expert: NamedKernel = field(default_factory=lambda: NamedKernel("torch-expert-ffn", expert_ffn))
+
+
+def _threads(kernel_name: str) -> int:
+    """The threads a CPU kernel ran on: the native kernels' own setting, else torch's."""
+    return native.threads() if kernel_name.startswith("native") else torch.get_num_threads()
 
 
 def plan_for(mode: str) -> Plan:
@@ -177,8 +182,9 @@ def measure_shape(shape: ModelShape, plan: Plan, kernels: Kernels, cuda: bool, n
     dtype = getattr(torch, shape.kv.dtype)
     cpu_kernel, why = pick(kernels.cpu_attention, shape.kv.n_heads, shape.kv.n_kv_heads, shape.kv.head_dim,
                            dtype, torch.device("cpu"))
-    kv: dict = {"cpu_kernel": engine_cpu_kernel_name(dtype, shape.kv.n_heads, shape.kv.n_kv_heads, shape.kv.head_dim)
-                if cpu_kernel is ENGINE_CPU else cpu_kernel.name, "threads": torch.get_num_threads(),
+    cpu_name = engine_cpu_kernel_name(dtype, shape.kv.n_heads, shape.kv.n_kv_heads, shape.kv.head_dim) \
+        if cpu_kernel is ENGINE_CPU else cpu_kernel.name
+    kv: dict = {"cpu_kernel": cpu_name, "threads": _threads(cpu_name),
                 "bytes_per_token": shape.kv.bytes_per_token, "pingpong_tokens": plan.pingpong_tokens}
     if why:
         kv["cpu_kernel_fallback_reason"] = why
@@ -244,6 +250,7 @@ def measure_shape(shape: ModelShape, plan: Plan, kernels: Kernels, cuda: bool, n
         shape.expert, list(plan.expert_tokens), l3, gpu_l2, plan.warmup, plan.repeats, plan.concurrency_ms,
         kernels.cpu_expert.fn, kernels.gpu_expert.fn,
         tick=lambda f: prog.step("experts", f, "expert costs"))
+    experts["threads"] = _threads(experts_cpu.implementation(1) if kernels.cpu_expert is ENGINE_CPU_EXPERT else "")
     experts["cpu_kernel"] = kernels.cpu_expert.name if kernels.cpu_expert is not ENGINE_CPU_EXPERT else (
         f"{experts_cpu.implementation(1)} to {experts_cpu.native_max_tokens()} tokens, torch above"
         if experts_cpu.implementation(1) != "torch" else "torch")

@@ -194,7 +194,8 @@ class DecodeGraphs:
             # once too: the gate opening later would otherwise compile and capture in mid-decode (on
             # the H200 a 2K bs=4 round ran 2.60 s instead of 1.74 for its 128 tokens: phase CS).
             other = {"graph": "graph+cpu", "graph+cpu": "graph"}.get(graph_form)
-            if entry is not None and other and self.zero_copy.mailbox is not None and (B, other) not in self.steps:
+            if entry is not None and other and self.zero_copy is not None and self.zero_copy.mailbox is not None \
+                    and (B, other) not in self.steps:
                 entry = self._capture(B, positions, other) and entry
             if entry is None:
                 return None
