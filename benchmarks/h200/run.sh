@@ -191,6 +191,8 @@
 #                                    #   rounds; the 32K bs=4 cell with the mailbox
 #   bash benchmarks/h200/run.sh CU   # CT's fix (resident graphs have no one-graph table): CUDA tests; a quick calibration (the
 #                                    #   engine's CPU kernels now); 2K bs 1 and 4, three rounds; 2K bs=1 alone, three rounds
+#   bash benchmarks/h200/run.sh CV   # calibration's CPU attention step, the engine's kernel against torch's flash kernel
+#                                    #   (probe_calib_attention.py): phase CU's A read 2.7 GB/s of KV
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -819,6 +821,10 @@ if [ "$phase" = CS ]; then
   bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
     --policies on-demand,adaptive
+fi
+if [ "$phase" = CV ]; then
+  step calibration\'s CPU attention step, engine against torch
+  timeout 240 python3 benchmarks/h200/probe_calib_attention.py "$out/calib-attention.json" 2>&1 | cut -c1-400 | tee -a "$log"
 fi
 if [ "$phase" = CU ]; then
   run_tests "the CPU mailbox, the one graph, decode graphs, calibration, on CUDA" tests/experts/test_cpu_mailbox.py \
