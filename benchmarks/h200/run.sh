@@ -193,6 +193,7 @@
 #                                    #   engine's CPU kernels now); 2K bs 1 and 4, three rounds; 2K bs=1 alone, three rounds
 #   bash benchmarks/h200/run.sh CV   # calibration's CPU attention step, the engine's kernel against torch's flash kernel
 #                                    #   (probe_calib_attention.py): phase CU's A read 2.7 GB/s of KV
+#   bash benchmarks/h200/run.sh CW   # the quick calibration twice (is CU's slow 16K KV point repeatable?)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -821,6 +822,15 @@ if [ "$phase" = CS ]; then
   bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
     --policies on-demand,adaptive
+fi
+if [ "$phase" = CW ]; then
+  for i in 1 2; do
+    step calibrate quick $i
+    timeout 120 python3 -m engine.cli calibrate --quick --model synthetic:qwen3-30b-a3b --cpu-threads 15 \
+      --profile-path "$out/hw-profile-$i.json" --quiet 2>&1 | grep -A2 "KV  \|experts  " | tee -a "$log"
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); e = next(iter(d['shapes'].values()))['kv']['by_batch']['1']; print('cpu', e['cpu_points']); print('gpu', e['gpu_points'])" \
+      "$out/hw-profile-$i.json" | tee -a "$log"
+  done
 fi
 if [ "$phase" = CV ]; then
   step calibration\'s CPU attention step, engine against torch
