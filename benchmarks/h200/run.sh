@@ -194,6 +194,7 @@
 #   bash benchmarks/h200/run.sh CV   # calibration's CPU attention step, the engine's kernel against torch's flash kernel
 #                                    #   (probe_calib_attention.py): phase CU's A read 2.7 GB/s of KV
 #   bash benchmarks/h200/run.sh CW   # the quick calibration twice (is CU's slow 16K KV point repeatable?)
+#   bash benchmarks/h200/run.sh CX   # CW after the fix (each KV step size timed twice apart, the faster counts)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -823,7 +824,7 @@ if [ "$phase" = CS ]; then
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
     --policies on-demand,adaptive
 fi
-if [ "$phase" = CW ]; then
+if [ "$phase" = CW ] || [ "$phase" = CX ]; then
   for i in 1 2; do
     step calibrate quick $i
     timeout 120 python3 -m engine.cli calibrate --quick --model synthetic:qwen3-30b-a3b --cpu-threads 15 \

@@ -138,6 +138,13 @@ def gpu_attention_points(shape: KVShape, batch: int, lengths: list[int], kernel:
     return points
 
 
+def fastest(passes: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """Per step size, the fastest of several passes' medians. A host's slow spell (on the H200's
+    host, single points 10-40x the others, a different one each run: RESULTS.md, phase CW) spoils
+    one pass's median at one size; the fitted A then came out 0 or 17x too large."""
+    return [(n, min(p[j][1] for p in passes)) for j, (n, _) in enumerate(passes[0])]
+
+
 def kv_costs_for_batch(cpu_points, gpu_points) -> dict:
     """The fitted A, C_CPU (and B, C_GPU, Δ when the GPU side was measured) of one batch size."""
     A, c_cpu = fit_costs(cpu_points)
