@@ -223,7 +223,8 @@ class ZeroCopyDecode:
         self._unlogged_tokens = 0
         step, self._next = self._next, None
         assert step is not None, "before_step lists the slots of every step"
-        for host, dev in zip(self.logs_host[step.buf], (self.log, self.claims) + ((self.cpu_log,) if step.cpu else ())):
+        logs = (self.log, self.claims) + ((self.cpu_log,) if step.cpu else ())  # a step without the mailbox: no CPU log
+        for host, dev in zip(self.logs_host[step.buf], logs):
             host.copy_(dev, non_blocking=True)
         if step.cpu and self.mailbox is not None:
             self.mailbox.queue_check()

@@ -67,7 +67,7 @@ PLANS = {
 }
 
 
-ENGINE_CPU_EXPERT = NamedKernel("engine", lambda x, gate_up, down: experts_cpu.expert_ffn(x, gate_up, down))
+ENGINE_CPU_EXPERT = NamedKernel("engine", experts_cpu.expert_ffn)
 
 
 @dataclass
@@ -256,10 +256,10 @@ def measure_shape(shape: ModelShape, plan: Plan, kernels: Kernels, cuda: bool, n
         shape.expert, list(plan.expert_tokens), l3, gpu_l2, plan.warmup, plan.repeats, plan.concurrency_ms,
         kernels.cpu_expert.fn, kernels.gpu_expert.fn,
         tick=lambda f: prog.step("experts", f, "expert costs"))
-    experts["threads"] = _threads(experts_cpu.implementation(1) if kernels.cpu_expert is ENGINE_CPU_EXPERT else "")
-    experts["cpu_kernel"] = kernels.cpu_expert.name if kernels.cpu_expert is not ENGINE_CPU_EXPERT else (
-        f"{experts_cpu.implementation(1)} to {experts_cpu.native_max_tokens()} tokens, torch above"
-        if experts_cpu.implementation(1) != "torch" else "torch")
+    impl = experts_cpu.implementation(1)  # the engine's kernel: native up to its token limit, torch above
+    experts["cpu_kernel"] = kernels.cpu_expert.name if kernels.cpu_expert is not ENGINE_CPU_EXPERT else \
+        impl if impl == "torch" else f"{impl} to {experts_cpu.native_max_tokens()} tokens, torch above"
+    experts["threads"] = _threads(experts["cpu_kernel"])
     if cuda:
         experts["gpu_kernel"] = kernels.gpu_expert.name
     else:

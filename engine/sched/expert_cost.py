@@ -53,7 +53,8 @@ class ExpertCostModel:
 
     @classmethod
     def from_calibration(cls, hidden: int, expert_ffn: int, dtype_bytes: int, cpu_ms_by_tokens: dict[int, float],
-                         pcie_gbps: float | None = None, cpu_beside_fills_gbps: float | None = None) -> "ExpertCostModel":
+                         pcie_gbps: float | None = None,
+                         cpu_beside_fills_gbps: float | None = None) -> "ExpertCostModel":
         """The model with a calibration's measurements of the engine's own kernels (engine/hw/expert_costs.py):
         the CPU kernel's weight rate from its one-token time (ms), its cost per token from the slope between
         its two largest token counts, B_P, and B_H as B_P plus what the CPU read while fills ran. What was
