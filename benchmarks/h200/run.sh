@@ -195,6 +195,8 @@
 #                                    #   (probe_calib_attention.py): phase CU's A read 2.7 GB/s of KV
 #   bash benchmarks/h200/run.sh CW   # the quick calibration twice (is CU's slow 16K KV point repeatable?)
 #   bash benchmarks/h200/run.sh CX   # CW after the fix (each KV step size timed twice apart, the faster counts)
+#   bash benchmarks/h200/run.sh CY   # (not yet run) the dot-product instruction's own ceiling per thread, alone and on every
+#                                    #   core (probe_dot_peak.py); the expert kernel's roof at 8 tokens beside it
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -823,6 +825,13 @@ if [ "$phase" = CS ]; then
   bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
     --policies on-demand,adaptive
+fi
+if [ "$phase" = CY ]; then
+  step the dot-product instruction\'s ceiling per thread
+  timeout 120 python3 benchmarks/h200/probe_dot_peak.py "$out/dot-peak.json" 1,4,8,12,15,16 2>&1 | tee -a "$log"
+  step expert kernel roof at 6 and 8 tokens
+  ROOF_THREADS=1,4,8,12,15 ROOF_TOKENS=6,8 timeout 200 python3 benchmarks/h200/profile_roof.py "$out/roof.json" \
+    2>&1 | tail -12 | tee -a "$log"
 fi
 if [ "$phase" = CW ] || [ "$phase" = CX ]; then
   for i in 1 2; do

@@ -1,0 +1,105 @@
+"""How fast can one core issue the expert kernel's dot-product instruction, alone and with every core busy?
+
+The native expert kernel at 6-8 tokens is bound by its arithmetic (RESULTS.md, phases AW-BY): on the
+H200's host one thread issued about 1.15 G VDPBF16PS a second from cache, and per thread the kernel
+ran 2-2.6x slower at 12-15 threads than alone, in cache too. Shared cores were ruled out (phase CP,
+probe_siblings.py). This probe measures the instruction's own ceiling: a loop of independent
+VDPBF16PS (and, for comparison, fp32 FMAs) on registers only, no memory, on 1 thread and on n threads
+at once (OpenMP), in G instructions a second per thread. If the all-core rate per thread falls like
+the kernel's, the core's clock under this load bounds it, not the kernel; if it does not, the kernel
+loses elsewhere (its loads, its barriers). The kernel's own rate alone, divided by this ceiling, is
+how much of the instruction's issue rate it uses.
+
+Builds a small C program with the system compiler (gcc, -mavx512bf16, OpenMP) in a temporary folder.
+
+    python3 benchmarks/h200/probe_dot_peak.py OUT.json [THREADS, e.g. 1,4,8,12,15]
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* 16 independent accumulators in registers (more than latency x ports); the empty asm keeps the
+   compiler from folding the loop. */
+#define ACCS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define DECL(c) __m512 a##c = _mm512_set1_ps((float)(c) * 1e-7f);
+#define DP(c) a##c = _mm512_dpbf16_ps(a##c, x, y);
+#define FMA(c) a##c = _mm512_fmadd_ps(a##c, m, b);
+#define KEEP(c) __asm__ volatile("" : "+v"(a##c));
+#define SUM(c) s += _mm512_reduce_add_ps(a##c);
+
+static float dp_loop(long iters) {
+  ACCS(DECL)
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3000);
+  for (long i = 0; i < iters; ++i) { ACCS(DP) ACCS(KEEP) }
+  float s = 0; ACCS(SUM) return s;
+}
+
+static float fma_loop(long iters) {
+  ACCS(DECL)
+  const __m512 m = _mm512_set1_ps(1.0000001f), b = _mm512_set1_ps(1e-9f);
+  for (long i = 0; i < iters; ++i) { ACCS(FMA) ACCS(KEEP) }
+  float s = 0; ACCS(SUM) return s;
+}
+
+static double run(int kind, long iters, int threads) {
+  double t0 = 0, t1 = 0;
+  float sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+#pragma omp barrier
+#pragma omp master
+    t0 = omp_get_wtime();
+    sink += kind == 0 ? dp_loop(iters) : fma_loop(iters);
+#pragma omp barrier
+#pragma omp master
+    t1 = omp_get_wtime();
+  }
+  if (sink == 12345.0f) printf("#");
+  return t1 - t0;
+}
+
+int main(int argc, char** argv) {
+  const int threads = atoi(argv[1]);
+  const long iters = atol(argv[2]);
+  for (int kind = 0; kind < 2; ++kind) {
+    run(kind, iters / 10, threads);  /* warm: clocks settle */
+    const double s = run(kind, iters, threads);
+    printf("%s %d %.6f %.4f\n", kind == 0 ? "vdpbf16ps" : "vfmadd231ps", threads, s, iters * 16.0 / s / 1e9);
+  }
+  return 0;
+}
+"""
+
+
+def main(path: str, threads: list[int]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = os.path.join(tmp, "dot.c"), os.path.join(tmp, "dot")
+        with open(src, "w") as f:
+            f.write(SOURCE)
+        subprocess.run(["gcc", "-O2", "-mavx512f", "-mavx512bf16", "-fopenmp", src, "-o", exe], check=True)
+        rows = []
+        iters = 20_000_000
+        for n in threads:
+            out = subprocess.run([exe, str(n), str(iters)], check=True, capture_output=True, text=True,
+                                 env=dict(os.environ, OMP_PROC_BIND="spread", OMP_PLACES="cores")).stdout
+            for line in out.strip().splitlines():
+                name, n_threads, seconds, g_per_thread = line.split()
+                row = {"instruction": name, "threads": int(n_threads), "seconds": float(seconds),
+                       "g_instr_per_s_per_thread": float(g_per_thread)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    with open(path, "w") as f:
+        json.dump({"iterations": iters, "chains": 16, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    counts = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 4, 8, 12, 15, 16]
+    main(sys.argv[1], [n for n in counts if n <= os.cpu_count()])
