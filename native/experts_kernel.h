@@ -12,16 +12,35 @@
 // tile step reads TB consecutive vectors from one pointer (few registers for addresses, no 4 KiB
 // aliasing between tokens, a chunk of K is one contiguous run).
 
-// Element (t, k) of tile-interleaved activations with K elements per token.
-template <int TB, int64_t step> constexpr int64_t act_index(int64_t t, int64_t k, int64_t K) {
-  return t / TB * TB * K + k / step * TB * step + t % TB * step + k % step;
+// Element (t, k) of tile-interleaved activations with K elements per token. kSplit: within each
+// block of `step` elements, its even elements first, then its odd ones (kSplitPairs below).
+template <int TB, int64_t step, bool kSplit = false> constexpr int64_t act_index(int64_t t, int64_t k, int64_t K) {
+  const int64_t j = k % step;
+  return t / TB * TB * K + k / step * TB * step + t % TB * step + (kSplit ? (j & 1) * (step / 2) + j / 2 : j);
 }
+
+// How a tile multiplies (the kernels' template argument M):
+constexpr int kFma = 0;         // fp32 FMAs; weights widened to fp32 W at a time (Simd::load_f32)
+constexpr int kDotPairs = 1;    // VDPBF16PS on bf16 pairs; bf16 activations
+// fp32 FMAs on bf16 weights read 2W at a time and widened by one op per W (Simd::bf16_even/odd: the
+// pairs' even and odd elements); fp32 activations stored split the same way (act_index kSplit).
+// load_f32 takes two ops per W, on the ports the FMAs use. On the 2-core development machine
+// (Sapphire Rapids-class; benchmarks/RESULTS.md, 2026-12-01), medians of 5 alternated runs, one
+// thread, expert in L2: avx2 +25% at 1 token, +10% at 6-8; avx512 +12% at 1, +4-12% at 4-8.
+constexpr int kSplitPairs = 2;
 
 // Activations in bf16 when both stages can use pairwise bf16 dot products, else fp32.
 DType expert_activation_dtype(const ExpertProblem& P) {
   constexpr int64_t K = 2 * Simd::W;
   const bool dp = Simd::kDpbf16 && P.w_dtype == DType::bf16 && P.hidden % K == 0 && P.inter % K == 0;
   return dp ? DType::bf16 : DType::f32;
+}
+
+// bf16 weights through fp32 FMAs, both stages in kSplitPairs (K a multiple of 2W; vector ISAs only).
+bool expert_split_pairs(const ExpertProblem& P) {
+  constexpr int64_t K = 2 * Simd::W;
+  return Simd::W >= 8 && expert_activation_dtype(P) == DType::f32 && P.w_dtype == DType::bf16 &&
+         P.hidden % K == 0 && P.inter % K == 0;
 }
 
 // n elements (a multiple of W) of dtype In → fp32 or bf16, W at a time.
@@ -46,37 +65,44 @@ inline void convert_row_from(const void* src, DType in, typename Elem<Out>::type
 // Tokens [t_begin, t_end) of the padded activation scratch xs (n_pad × H, tile-interleaved for
 // TB tokens per tile, from token t_first on: a narrower last group starts there); padding tokens
 // are zero.
-template <class AT, int TB>
+template <class AT, int TB, bool kSplit = false>
 void prepare_x_tokens(const ExpertProblem& P, AT* xs, int64_t t_begin, int64_t t_end, int64_t t_first = 0) {
   if constexpr (Simd::W % TB != 0) {  // the layout of the kernel that expert_stage falls back to
-    return prepare_x_tokens<AT, 1>(P, xs, t_begin, t_end, t_first);
+    return prepare_x_tokens<AT, 1, kSplit>(P, xs, t_begin, t_end, t_first);
   }
   constexpr DType Out = sizeof(AT) == 2 ? DType::bf16 : DType::f32;
-  constexpr int64_t step = Out == DType::bf16 ? 2 * Simd::W : Simd::W;  // as the kernels step
+  constexpr int64_t step = Out == DType::bf16 || kSplit ? 2 * Simd::W : Simd::W;  // as the kernels step
   const int64_t H = P.hidden;
+  alignas(64) AT block[step];  // kSplit: one block in order, before its even and odd elements part
   for (int64_t t = t_begin; t < t_end; ++t) {
     const char* src = static_cast<const char*>(P.x) + t * P.x_stride * int64_t(dtype_size(P.x_dtype));
     for (int64_t k = 0; k < H; k += step) {
-      AT* dst = xs + t_first * H + act_index<TB, step>(t - t_first, k, H);
-      if (t < P.n_tokens) convert_row_from<Out>(src + k * int64_t(dtype_size(P.x_dtype)), P.x_dtype, dst, step);
-      else for (int64_t d = 0; d < step; ++d) dst[d] = AT(0);
+      AT* dst = xs + t_first * H + act_index<TB, step, kSplit>(t - t_first, k, H);
+      if (t >= P.n_tokens) {
+        for (int64_t d = 0; d < step; ++d) dst[d] = AT(0);
+      } else if constexpr (kSplit) {
+        convert_row_from<Out>(src + k * int64_t(dtype_size(P.x_dtype)), P.x_dtype, block, step);
+        for (int64_t j = 0; j < step; ++j) dst[(j & 1) * (step / 2) + j / 2] = block[j];
+      } else {
+        convert_row_from<Out>(src + k * int64_t(dtype_size(P.x_dtype)), P.x_dtype, dst, step);
+      }
     }
   }
 }
 
-template <class AT>
+template <class AT, bool kSplit = false>
 void prepare_x_as(const ExpertProblem& P, AT* xs, const ExpertTiling& T, int64_t t_begin, int64_t t_end) {
   const int64_t last = T.n_pad - T.last_tile_tokens;  // the last group's first token
   for (int64_t t = t_begin; t < t_end; ++t) {
     if (T.last_tile_tokens != T.tokens_per_tile && t >= last) {  // a narrower last group
-      if (T.last_tile_tokens == 1) prepare_x_tokens<AT, 1>(P, xs, t, t + 1, last);
-      else prepare_x_tokens<AT, 2>(P, xs, t, t + 1, last);
+      if (T.last_tile_tokens == 1) prepare_x_tokens<AT, 1, kSplit>(P, xs, t, t + 1, last);
+      else prepare_x_tokens<AT, 2, kSplit>(P, xs, t, t + 1, last);
       continue;
     }
     switch (T.tokens_per_tile) {
-      case 1: prepare_x_tokens<AT, 1>(P, xs, t, t + 1); break;
-      case 4: prepare_x_tokens<AT, 4>(P, xs, t, t + 1); break;
-      default: prepare_x_tokens<AT, 8>(P, xs, t, t + 1);
+      case 1: prepare_x_tokens<AT, 1, kSplit>(P, xs, t, t + 1); break;
+      case 4: prepare_x_tokens<AT, 4, kSplit>(P, xs, t, t + 1); break;
+      default: prepare_x_tokens<AT, 8, kSplit>(P, xs, t, t + 1);
     }
   }
 }
@@ -97,6 +123,8 @@ ExpertTiling expert_tiling(const ExpertProblem& P) {
 void expert_prepare_x(const ExpertProblem& P, void* xs, const ExpertTiling& T, int64_t t_begin, int64_t t_end) {
   if (expert_activation_dtype(P) == DType::bf16)
     prepare_x_as(P, static_cast<uint16_t*>(xs), T, t_begin, t_end);
+  else if (expert_split_pairs(P))
+    prepare_x_as<float, true>(P, static_cast<float*>(xs), T, t_begin, t_end);
   else
     prepare_x_as(P, static_cast<float*>(xs), T, t_begin, t_end);
 }
@@ -136,10 +164,12 @@ template <class WT> TANDEM_ALWAYS_INLINE void prefetch_ahead(const WT* row, int6
 // kPrefetchRows: the rows (bit r: row r) this call prefetches for; see dot_groups.
 // Always inlined: out of line, the call passes the row pointers and the result through memory, and
 // measured ~5% slower per tile.
-template <DType WD, bool DP, int RB, int TB, unsigned kPrefetchRows = ~0u, bool kRowsTogether = (TB >= 4)>
+template <DType WD, int M, int RB, int TB, unsigned kPrefetchRows = ~0u, bool kRowsTogether = (TB >= 4)>
 TANDEM_ALWAYS_INLINE Simd::V dot_tile(const typename Elem<WD>::type* const* w, const void* act, int64_t k0, int64_t k1, int64_t next) {
   static_assert(RB * TB <= Simd::W, "a tile fits one vector of results (unused lanes stay zero)");
-  constexpr int64_t step = DP ? 2 * Simd::W : Simd::W;  // elements per vector of weights
+  constexpr bool DP = M == kDotPairs, SP = M == kSplitPairs;
+  static_assert(!SP || WD == DType::bf16, "split pairs are bf16 weights");
+  constexpr int64_t step = DP || SP ? 2 * Simd::W : Simd::W;  // elements per load of weights
   const uint16_t* a16 = static_cast<const uint16_t*>(act);
   const float* a32 = static_cast<const float*>(act);
   // Zeroed by an unrolled loop: a plain loop became a memset (rep stos) of the array's stack copy
@@ -157,6 +187,17 @@ TANDEM_ALWAYS_INLINE Simd::V dot_tile(const typename Elem<WD>::type* const* w, c
         for (int t = 0; t < TB; ++t) {
           const Simd::VI xv = Simd::load_raw(a16 + k * TB + t * step);
           for (int r = 0; r < RB; ++r) acc[r * TB + t] = Simd::dp(acc[r * TB + t], wv[r], xv);
+        }
+      } else if constexpr (SP) {
+        Simd::V we[RB], wo[RB];  // each row's 2W weights: even elements, odd elements
+        for (int r = 0; r < RB; ++r) {
+          const Simd::VI raw = Simd::load_raw(w[r] + k);
+          we[r] = Simd::bf16_even(raw), wo[r] = Simd::bf16_odd(raw);
+        }
+        for (int t = 0; t < TB; ++t) {
+          const float* x = a32 + k * TB + t * step;  // the token's block: W even elements, W odd ones
+          const Simd::V xe = Simd::load(x), xo = Simd::load(x + Simd::W);
+          for (int r = 0; r < RB; ++r) acc[r * TB + t] = Simd::fma(wo[r], xo, Simd::fma(we[r], xe, acc[r * TB + t]));
         }
       } else {
         Simd::V wv[RB];
@@ -183,6 +224,13 @@ TANDEM_ALWAYS_INLINE Simd::V dot_tile(const typename Elem<WD>::type* const* w, c
           const Simd::VI wv = Simd::load_raw(w[r] + ku);
           for (int t = 0; t < TB; ++t)
             part[u * TB + t] = Simd::dp(part[u * TB + t], wv, Simd::load_raw(a16 + ku * TB + t * step));
+        } else if constexpr (SP) {
+          const Simd::VI raw = Simd::load_raw(w[r] + ku);
+          const Simd::V we = Simd::bf16_even(raw), wo = Simd::bf16_odd(raw);
+          for (int t = 0; t < TB; ++t) {
+            const float* x = a32 + ku * TB + t * step;
+            part[u * TB + t] = Simd::fma(wo, Simd::load(x + Simd::W), Simd::fma(we, Simd::load(x), part[u * TB + t]));
+          }
         } else {
           const Simd::V wv = Simd::load_f32<WD>(w[r] + ku);
           for (int t = 0; t < TB; ++t) part[u * TB + t] = Simd::fma(wv, Simd::load(a32 + ku * TB + t * step), part[u * TB + t]);
@@ -193,6 +241,13 @@ TANDEM_ALWAYS_INLINE Simd::V dot_tile(const typename Elem<WD>::type* const* w, c
       if constexpr (DP) {
         const Simd::VI wv = Simd::load_raw(w[r] + k);
         for (int t = 0; t < TB; ++t) part[t] = Simd::dp(part[t], wv, Simd::load_raw(a16 + k * TB + t * step));
+      } else if constexpr (SP) {
+        const Simd::VI raw = Simd::load_raw(w[r] + k);
+        const Simd::V we = Simd::bf16_even(raw), wo = Simd::bf16_odd(raw);
+        for (int t = 0; t < TB; ++t) {
+          const float* x = a32 + k * TB + t * step;
+          part[t] = Simd::fma(wo, Simd::load(x + Simd::W), Simd::fma(we, Simd::load(x), part[t]));
+        }
       } else {
         const Simd::V wv = Simd::load_f32<WD>(w[r] + k);
         for (int t = 0; t < TB; ++t) part[t] = Simd::fma(wv, Simd::load(a32 + k * TB + t * step), part[t]);
@@ -234,33 +289,34 @@ inline Simd::V swiglu(Simd::V g, Simd::V u) {
 // TT: the second group's tokens per tile: TB, or 1 or 2 at 5 and 6 tokens (expert_tiling). A narrow
 // group still reads its RB rows together (kRowsTogether), as a full one does: read a row at a time it
 // lost 12–30% of its DRAM rate on Zen 4.
-template <DType WD, bool DP, int RB, int TB, int GP, int TT = TB>
+template <DType WD, int M, int RB, int TB, int GP, int TT = TB>
 TANDEM_ALWAYS_INLINE void dot_groups(Simd::V* acc, const typename Elem<WD>::type* const* w, const void* act,
                                      int64_t group_elems, int ng, int64_t k0, int64_t k1, int64_t next) {
   static_assert(GP == 1 || GP == 2, "one or two token groups per pass");
-  using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
+  using AT = typename Elem<M == kDotPairs ? DType::bf16 : DType::f32>::type;
   const AT* a = static_cast<const AT*>(act);  // group gi at a + gi·group_elems (TB tokens × K)
   if constexpr (GP == 2) {
     if (ng == 2) {
       constexpr unsigned kEvenRows = 0x5555u, kOddRows = 0xaaaau;
-      acc[0] = Simd::add(acc[0], dot_tile<WD, DP, RB, TB, kEvenRows>(w, a, k0, k1, next));
-      acc[1] = Simd::add(acc[1], dot_tile<WD, DP, RB, TT, kOddRows, true>(w, a + group_elems, k0, k1, next));
+      acc[0] = Simd::add(acc[0], dot_tile<WD, M, RB, TB, kEvenRows>(w, a, k0, k1, next));
+      acc[1] = Simd::add(acc[1], dot_tile<WD, M, RB, TT, kOddRows, true>(w, a + group_elems, k0, k1, next));
       return;
     }
   }
   // One group (GP = 1, or the last pass of 9…12 tokens): it prefetches every row.
-  acc[0] = Simd::add(acc[0], dot_tile<WD, DP, RB, TB>(w, a, k0, k1, next));
+  acc[0] = Simd::add(acc[0], dot_tile<WD, M, RB, TB>(w, a, k0, k1, next));
 }
 
 // Stage 1, rows [j0, j1) of the intermediate: h[t][j] = silu(gate_j · x_t) · (up_j · x_t).
 // Order of reading within a block: for each K chunk, for each tile: its gate rows (for each token
 // group of the pass, the first from DRAM, the others from L1), then its up rows the same way.
-template <DType WD, bool DP, int TB, int GP, int TT>
+template <DType WD, int M, int TB, int GP, int TT>
 void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad, int64_t j0, int64_t j1) {
   constexpr int W = Simd::W, RB = expert_tile_rows(W, TB);
   using WT = typename Elem<WD>::type;
+  constexpr bool DP = M == kDotPairs, SP = M == kSplitPairs;
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
-  constexpr int64_t step = DP ? 2 * W : W, KC = k_chunk<AT, TB * GP, step>();
+  constexpr int64_t step = DP || SP ? 2 * W : W, KC = k_chunk<AT, TB * GP, step>();
   static_assert(GP == 1 || KC * int64_t(sizeof(WT)) <= kWeightPrefetchBytes, "groups share prefetches (dot_groups)");
   const WT* gu = static_cast<const WT*>(P.gate_up);
   const int64_t H = P.hidden, I = P.inter, S = P.gate_up_stride;
@@ -287,8 +343,8 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
           const int64_t up_next = b + 1 < nb ? (RB - I) * S + k0
                                   : k1 < H    ? (-I - b * RB) * S + k1
                                               : (RB - I) * S;
-          dot_groups<WD, DP, RB, TB, GP, TT>(g[b], gate, a, TB * H, ng, k0, k1, I * S + k0);
-          dot_groups<WD, DP, RB, TB, GP, TT>(u[b], up, a, TB * H, ng, k0, k1, up_next);
+          dot_groups<WD, M, RB, TB, GP, TT>(g[b], gate, a, TB * H, ng, k0, k1, I * S + k0);
+          dot_groups<WD, M, RB, TB, GP, TT>(u[b], up, a, TB * H, ng, k0, k1, up_next);
         }
       }
       for (int b = 0; b < nb; ++b)
@@ -298,7 +354,7 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
           AT* group = static_cast<AT*>(h) + (t0 + gi * TB) * I;  // its tile-interleaved rows start here
           for (int r = 0; r < RB; ++r)
             for (int t = 0; t < wg; ++t)
-              group[wg == TB ? act_index<TB, step>(t, jb + b * RB + r, I) : act_index<TT, step>(t, jb + b * RB + r, I)] =
+              group[wg == TB ? act_index<TB, step, SP>(t, jb + b * RB + r, I) : act_index<TT, step, SP>(t, jb + b * RB + r, I)] =
                   from_f32<DP ? DType::bf16 : DType::f32>(hs[r * wg + t]);
         }
     }
@@ -316,12 +372,13 @@ inline void store_run(void* y, DType d, int64_t i, const float* src, int64_t n) 
 }
 
 // Stage 2, rows [r0, r1) of the output: y[t][r] = down_r · h_t, written in y's dtype.
-template <DType WD, bool DP, int TB, int GP, int TT>
+template <DType WD, int M, int TB, int GP, int TT>
 void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0, int64_t r1) {
   constexpr int W = Simd::W, RB = expert_tile_rows(W, TB);
   using WT = typename Elem<WD>::type;
+  constexpr bool DP = M == kDotPairs, SP = M == kSplitPairs;
   using AT = typename Elem<DP ? DType::bf16 : DType::f32>::type;
-  constexpr int64_t step = DP ? 2 * W : W, KC = k_chunk<AT, TB * GP, step>();
+  constexpr int64_t step = DP || SP ? 2 * W : W, KC = k_chunk<AT, TB * GP, step>();
   static_assert(GP == 1 || KC * int64_t(sizeof(WT)) <= kWeightPrefetchBytes, "groups share prefetches (dot_groups)");
   const WT* dn = static_cast<const WT*>(P.down);
   const int64_t I = P.inter, S = P.down_stride;
@@ -341,7 +398,7 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
           const WT* rows[RB];
           for (int i = 0; i < RB; ++i) rows[i] = dn + (rb + b * RB + i) * S;
           const int64_t next = b + 1 < nb ? RB * S + k0 : k1 < I ? -b * RB * S + k1 : RB * S;
-          dot_groups<WD, DP, RB, TB, GP, TT>(acc[b], rows, a, TB * I, ng, k0, k1, next);
+          dot_groups<WD, M, RB, TB, GP, TT>(acc[b], rows, a, TB * I, ng, k0, k1, next);
         }
       }
       // Per token, the block's nb·RB outputs as one run (lanes r·TB + t of each tile → row b·RB + r).
@@ -364,21 +421,24 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
 template <bool kDown, int TB, int GP, int TT = TB>
 void expert_stage_groups(const ExpertProblem& P, const void* in, void* h, int64_t n_pad, int64_t b, int64_t e) {
   if (expert_activation_dtype(P) == DType::bf16) {
-    if constexpr (kDown) down_rows<DType::bf16, true, TB, GP, TT>(P, in, n_pad, b, e);
-    else gate_up_rows<DType::bf16, true, TB, GP, TT>(P, in, h, n_pad, b, e);
+    if constexpr (kDown) down_rows<DType::bf16, kDotPairs, TB, GP, TT>(P, in, n_pad, b, e);
+    else gate_up_rows<DType::bf16, kDotPairs, TB, GP, TT>(P, in, h, n_pad, b, e);
+  } else if (expert_split_pairs(P)) {
+    if constexpr (kDown) down_rows<DType::bf16, kSplitPairs, TB, GP, TT>(P, in, n_pad, b, e);
+    else gate_up_rows<DType::bf16, kSplitPairs, TB, GP, TT>(P, in, h, n_pad, b, e);
   } else {
     switch (P.w_dtype) {
       case DType::f32:
-        if constexpr (kDown) down_rows<DType::f32, false, TB, GP, TT>(P, in, n_pad, b, e);
-        else gate_up_rows<DType::f32, false, TB, GP, TT>(P, in, h, n_pad, b, e);
+        if constexpr (kDown) down_rows<DType::f32, kFma, TB, GP, TT>(P, in, n_pad, b, e);
+        else gate_up_rows<DType::f32, kFma, TB, GP, TT>(P, in, h, n_pad, b, e);
         break;
       case DType::bf16:
-        if constexpr (kDown) down_rows<DType::bf16, false, TB, GP, TT>(P, in, n_pad, b, e);
-        else gate_up_rows<DType::bf16, false, TB, GP, TT>(P, in, h, n_pad, b, e);
+        if constexpr (kDown) down_rows<DType::bf16, kFma, TB, GP, TT>(P, in, n_pad, b, e);
+        else gate_up_rows<DType::bf16, kFma, TB, GP, TT>(P, in, h, n_pad, b, e);
         break;
       default:
-        if constexpr (kDown) down_rows<DType::f16, false, TB, GP, TT>(P, in, n_pad, b, e);
-        else gate_up_rows<DType::f16, false, TB, GP, TT>(P, in, h, n_pad, b, e);
+        if constexpr (kDown) down_rows<DType::f16, kFma, TB, GP, TT>(P, in, n_pad, b, e);
+        else gate_up_rows<DType::f16, kFma, TB, GP, TT>(P, in, h, n_pad, b, e);
     }
   }
 }
