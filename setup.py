@@ -44,8 +44,8 @@ native = Pybind11Extension(
                                          "moe_dispatch.cpp")),
     include_dirs=["native"],
     depends=[f"native/{h}" for h in ("common.h", "convert.h", "simd_avx512.h", "simd_avx2.h", "simd_scalar.h",
-                                     "attention_kernel.h", "experts_kernel.h", "amx_experts.h", "moe_worker.h",
-                                     "routed_set.h")],
+                                     "attention_kernel.h", "expert_activations.h", "experts_kernel.h",
+                                     "amx_experts.h", "moe_worker.h", "routed_set.h", "cpu_mailbox.h")],
     cxx_std=17,
     optional=True,
 )

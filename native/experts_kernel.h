@@ -7,105 +7,8 @@
 // block of rows serves GP groups of TB tokens (GP = 2 for 4-token tiles: a K chunk of a tile's rows is
 // re-read from L1 by the second group); more tokens take more passes, re-reading the block from L2.
 //
-// Activations (xs: x converted, h) are tile-interleaved: per group of TB tokens, per block of `step`
-// elements along K (one vector of weights: 64 bytes), the TB tokens' blocks one after another, so a
-// tile step reads TB consecutive vectors from one pointer (few registers for addresses, no 4 KiB
-// aliasing between tokens, a chunk of K is one contiguous run).
-
-// Element (t, k) of tile-interleaved activations with K elements per token. kSplit: within each
-// block of `step` elements, its even elements first, then its odd ones (kSplitPairs below).
-template <int TB, int64_t step, bool kSplit = false> constexpr int64_t act_index(int64_t t, int64_t k, int64_t K) {
-  const int64_t j = k % step;
-  return t / TB * TB * K + k / step * TB * step + t % TB * step + (kSplit ? (j & 1) * (step / 2) + j / 2 : j);
-}
-
-// How a tile multiplies (the kernels' template argument M):
-constexpr int kFma = 0;         // fp32 FMAs; weights widened to fp32 W at a time (Simd::load_f32)
-constexpr int kDotPairs = 1;    // VDPBF16PS on bf16 pairs; bf16 activations
-// fp32 FMAs on bf16 weights read 2W at a time and widened by one op per W (Simd::bf16_even/odd: the
-// pairs' even and odd elements); fp32 activations stored split the same way (act_index kSplit).
-// load_f32 takes two ops per W, on the ports the FMAs use. On the 2-core development machine
-// (Sapphire Rapids-class; benchmarks/RESULTS.md, 2026-12-01), medians of 5 alternated runs, one
-// thread, expert in L2: avx2 +25% at 1 token, +10% at 6-8; avx512 +12% at 1, +4-12% at 4-8.
-constexpr int kSplitPairs = 2;
-
-// Activations in bf16 when both stages can use pairwise bf16 dot products, else fp32.
-DType expert_activation_dtype(const ExpertProblem& P) {
-  constexpr int64_t K = 2 * Simd::W;
-  const bool dp = Simd::kDpbf16 && P.w_dtype == DType::bf16 && P.hidden % K == 0 && P.inter % K == 0;
-  return dp ? DType::bf16 : DType::f32;
-}
-
-// bf16 weights through fp32 FMAs, both stages in kSplitPairs (K a multiple of 2W; vector ISAs only).
-bool expert_split_pairs(const ExpertProblem& P) {
-  constexpr int64_t K = 2 * Simd::W;
-  return Simd::W >= 8 && expert_activation_dtype(P) == DType::f32 && P.w_dtype == DType::bf16 &&
-         P.hidden % K == 0 && P.inter % K == 0;
-}
-
-// n elements (a multiple of W) of dtype In → fp32 or bf16, W at a time.
-template <DType In, DType Out>
-inline void convert_row(const typename Elem<In>::type* src, typename Elem<Out>::type* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += Simd::W) {
-    const Simd::V v = Simd::load_f32<In>(src + i);
-    if constexpr (Out == DType::f32) Simd::store(dst + i, v);
-    else Simd::store_bf16(dst + i, v);
-  }
-}
-
-template <DType Out>
-inline void convert_row_from(const void* src, DType in, typename Elem<Out>::type* dst, int64_t n) {
-  switch (in) {
-    case DType::f32: return convert_row<DType::f32, Out>(static_cast<const float*>(src), dst, n);
-    case DType::bf16: return convert_row<DType::bf16, Out>(static_cast<const uint16_t*>(src), dst, n);
-    default: return convert_row<DType::f16, Out>(static_cast<const uint16_t*>(src), dst, n);
-  }
-}
-
-// Tokens [t_begin, t_end) of the padded activation scratch xs (n_pad × H, tile-interleaved for
-// TB tokens per tile, from token t_first on: a narrower last group starts there); padding tokens
-// are zero.
-template <class AT, int TB, bool kSplit = false>
-void prepare_x_tokens(const ExpertProblem& P, AT* xs, int64_t t_begin, int64_t t_end, int64_t t_first = 0) {
-  if constexpr (Simd::W % TB != 0) {  // the layout of the kernel that expert_stage falls back to
-    return prepare_x_tokens<AT, 1, kSplit>(P, xs, t_begin, t_end, t_first);
-  }
-  constexpr DType Out = sizeof(AT) == 2 ? DType::bf16 : DType::f32;
-  constexpr int64_t step = Out == DType::bf16 || kSplit ? 2 * Simd::W : Simd::W;  // as the kernels step
-  const int64_t H = P.hidden;
-  alignas(64) AT block[step];  // kSplit: one block in order, before its even and odd elements part
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    const char* src = static_cast<const char*>(P.x) + t * P.x_stride * int64_t(dtype_size(P.x_dtype));
-    for (int64_t k = 0; k < H; k += step) {
-      AT* dst = xs + t_first * H + act_index<TB, step, kSplit>(t - t_first, k, H);
-      if (t >= P.n_tokens) {
-        for (int64_t d = 0; d < step; ++d) dst[d] = AT(0);
-      } else if constexpr (kSplit) {
-        convert_row_from<Out>(src + k * int64_t(dtype_size(P.x_dtype)), P.x_dtype, block, step);
-        for (int64_t j = 0; j < step; ++j) dst[(j & 1) * (step / 2) + j / 2] = block[j];
-      } else {
-        convert_row_from<Out>(src + k * int64_t(dtype_size(P.x_dtype)), P.x_dtype, dst, step);
-      }
-    }
-  }
-}
-
-template <class AT, bool kSplit = false>
-void prepare_x_as(const ExpertProblem& P, AT* xs, const ExpertTiling& T, int64_t t_begin, int64_t t_end) {
-  const int64_t last = T.n_pad - T.last_tile_tokens;  // the last group's first token
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    if (T.last_tile_tokens != T.tokens_per_tile && t >= last) {  // a narrower last group
-      if (T.last_tile_tokens == 1) prepare_x_tokens<AT, 1, kSplit>(P, xs, t, t + 1, last);
-      else prepare_x_tokens<AT, 2, kSplit>(P, xs, t, t + 1, last);
-      continue;
-    }
-    switch (T.tokens_per_tile) {
-      case 1: prepare_x_tokens<AT, 1, kSplit>(P, xs, t, t + 1); break;
-      case 4: prepare_x_tokens<AT, 4, kSplit>(P, xs, t, t + 1); break;
-      default: prepare_x_tokens<AT, 8, kSplit>(P, xs, t, t + 1);
-    }
-  }
-}
+// The activations' layout and their preparation are in expert_activations.h.
+#include "expert_activations.h"
 
 // The vector tiles' plan for P.n_tokens tokens (see expert_tile_tokens in common.h). 5 and 6 tokens:
 // a 4-token group and a 1- or 2-token one in the same pass (dot_groups), not two 4-token groups: at
@@ -118,15 +21,6 @@ ExpertTiling expert_tiling(const ExpertProblem& P) {
   const int64_t n_pad = last != tpt ? n : (n + tpt - 1) / tpt * tpt;
   // Memory-bound up to ~8 tokens per weight row, then the dot products grow with the tokens.
   return {tpt, false, n_pad, expert_tile_rows(Simd::W, tpt), std::max<int64_t>(8, n_pad), last};
-}
-
-void expert_prepare_x(const ExpertProblem& P, void* xs, const ExpertTiling& T, int64_t t_begin, int64_t t_end) {
-  if (expert_activation_dtype(P) == DType::bf16)
-    prepare_x_as(P, static_cast<uint16_t*>(xs), T, t_begin, t_end);
-  else if (expert_split_pairs(P))
-    prepare_x_as<float, true>(P, static_cast<float*>(xs), T, t_begin, t_end);
-  else
-    prepare_x_as(P, static_cast<float*>(xs), T, t_begin, t_end);
 }
 
 // Weights are prefetched this far ahead of their use: a thread's rows are one contiguous run, but
