@@ -12,6 +12,8 @@ it; a simulated hybrid run on the CPU without either keeps half of the experts.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.errors import ConfigError, TandemError
@@ -21,6 +23,8 @@ from engine.experts.predictor import GateLookahead, HotTable, default_hot_table_
 from engine.experts.store import ExpertStore
 from engine.hw.shapes import ExpertShape, dtype_name
 from engine.sched.expert_cost import ExpertCostModel
+
+log = logging.getLogger(__name__)
 
 RESERVE_BYTES = 1 << 30  # activations, grouped-GEMM intermediates, allocator slack on the device
 
@@ -40,16 +44,21 @@ def check_offload(policy: str, device: torch.device, simulate_hybrid: bool) -> b
 
 def costs_from_profile(profile, hidden: int, expert_ffn: int, dtype: torch.dtype) -> ExpertCostModel | None:
     """The expert cost model with this machine's calibration (the nearest calibrated expert shape,
-    scaled by bytes); None without a profile or expert measurements: the documented defaults."""
+    scaled by bytes); None without a profile or usable expert measurements: the documented defaults
+    (the load goes on; a profile is advice, and a damaged one is reported, not fatal)."""
     if profile is None:
         return None
     try:
         costs = profile.expert_costs(ExpertShape(hidden, expert_ffn, dtype_name(dtype)))
+        beside = (costs.concurrent or {}).get("B_H_GBps")  # the CPU's rate while fills stream
+        return ExpertCostModel.from_calibration(hidden, expert_ffn, torch.empty((), dtype=dtype).element_size(),
+                                                costs.cpu_ms_by_tokens, costs.B_P_GBps, beside)
     except TandemError:
         return None
-    beside = (costs.concurrent or {}).get("B_H_GBps")  # the CPU's rate while fills stream
-    return ExpertCostModel.from_calibration(hidden, expert_ffn, torch.empty((), dtype=dtype).element_size(),
-                                            costs.cpu_ms_by_tokens, costs.B_P_GBps, beside)
+    except (ValueError, TypeError, KeyError) as e:  # zero, negative or missing numbers
+        log.warning("the calibration profile's expert costs are unusable (%s): planning with the defaults; "
+                    "run `tandem calibrate` again", e)
+        return None
 
 
 def build_offloaded(policy: str, gate_up, down, *, device: torch.device, dtype: torch.dtype,

@@ -168,6 +168,11 @@ def test_the_expert_cost_model_takes_the_profiles_measurements():
     no_experts = make_profile()
     del no_experts["shapes"][no_experts["calibrated_shape"]]["experts"]
     assert costs_from_profile(MachineProfile(no_experts), EXPERT.hidden, EXPERT.ffn, torch.bfloat16) is None
+    # damaged numbers (a zero time, a negative bandwidth): the defaults, not a failed load
+    for damage in ({"cpu_ms": [{"tokens": 1, "ms": 0.0}]}, {"B_P_GBps": -5.0}):
+        bad = make_profile()
+        bad["shapes"][bad["calibrated_shape"]]["experts"].update(damage)
+        assert costs_from_profile(MachineProfile(bad), EXPERT.hidden, EXPERT.ffn, torch.bfloat16) is None
 
 
 def test_a_saved_calibration_profile_round_trips_with_every_null_explained(tmp_path):
