@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from engine.kernels import attention_cpu
+
 AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -44,22 +46,13 @@ def torch_cuda_flash(q, k, v, scale):
 
 
 def engine_cpu_attention(q, k, v, scale):
-    """The CPU kernel the engine's KV split runs (attention_cpu.attend_blocks), one view per sequence."""
-    from engine.kernels import attention_cpu
-
+    """The CPU kernel the engine's KV split runs (attention_cpu.attend_blocks), one view per sequence;
+    attention_cpu.kernel_name says which it is for a shape."""
     out, lse = attention_cpu.attend_blocks(q, [[(k[b], v[b])] for b in range(q.shape[0])], scale)
     return out.to(q.dtype), lse
 
 
-def engine_cpu_kernel_name(dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int) -> str:
-    """What ENGINE_CPU runs for this shape, for the profile ("native-<isa>", "torch-sdpa", …)."""
-    from engine.kernels import attention_cpu
-
-    return attention_cpu.kernel_name(dtype, n_heads, n_kv_heads, head_dim)
-
-
 ENGINE_CPU = NamedKernel("engine", engine_cpu_attention)
-DEFAULT_CPU = ENGINE_CPU
 DEFAULT_GPU = NamedKernel("torch-flash-cuda", torch_cuda_flash)
 REFERENCE = NamedKernel("torch-matmul-reference", reference_attention)
 

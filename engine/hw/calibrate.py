@@ -23,12 +23,12 @@ import psutil
 import torch
 
 from engine.hw import bandwidth, expert_costs, kv_costs, split_check
-from engine.hw.attention_kernels import DEFAULT_CPU, DEFAULT_GPU, ENGINE_CPU, NamedKernel, engine_cpu_kernel_name, pick
+from engine.hw.attention_kernels import DEFAULT_GPU, ENGINE_CPU, NamedKernel, pick
 from engine.hw.probe import fingerprint, mark_unavailable, probe
 from engine.hw.profile import SCHEMA, SCHEMA_VERSION
 from engine.hw.shapes import ModelShape
 from engine.hw.timing import CalibrationCancelled, GPU, Progress
-from engine.kernels import experts_cpu, native
+from engine.kernels import attention_cpu, experts_cpu, native
 from engine.kernels.experts_torch import expert_ffn
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -76,7 +76,7 @@ class Kernels:
     kernels where built, else torch), so that the costs the engine plans with are its own; pass others
     to calibrate them instead. Each is (name, callable); see attention_kernels and expert_costs."""
 
-    cpu_attention: NamedKernel = DEFAULT_CPU
+    cpu_attention: NamedKernel = ENGINE_CPU
     gpu_attention: NamedKernel = DEFAULT_GPU
     cpu_expert: NamedKernel = field(default_factory=lambda: ENGINE_CPU_EXPERT)
     gpu_expert: NamedKernel = field(default_factory=lambda: NamedKernel("torch-expert-ffn", expert_ffn))
@@ -185,7 +185,7 @@ def measure_shape(shape: ModelShape, plan: Plan, kernels: Kernels, cuda: bool, n
     dtype = getattr(torch, shape.kv.dtype)
     cpu_kernel, why = pick(kernels.cpu_attention, shape.kv.n_heads, shape.kv.n_kv_heads, shape.kv.head_dim,
                            dtype, torch.device("cpu"))
-    cpu_name = engine_cpu_kernel_name(dtype, shape.kv.n_heads, shape.kv.n_kv_heads, shape.kv.head_dim) \
+    cpu_name = attention_cpu.kernel_name(dtype, shape.kv.n_heads, shape.kv.n_kv_heads, shape.kv.head_dim) \
         if cpu_kernel is ENGINE_CPU else cpu_kernel.name
     kv: dict = {"cpu_kernel": cpu_name, "threads": _threads(cpu_name),
                 "bytes_per_token": shape.kv.bytes_per_token, "pingpong_tokens": plan.pingpong_tokens}
