@@ -195,8 +195,12 @@
 #                                    #   (probe_calib_attention.py): phase CU's A read 2.7 GB/s of KV
 #   bash benchmarks/h200/run.sh CW   # the quick calibration twice (is CU's slow 16K KV point repeatable?)
 #   bash benchmarks/h200/run.sh CX   # CW after the fix (each KV step size timed twice apart, the faster counts)
-#   bash benchmarks/h200/run.sh CY   # (not yet run) the dot-product instruction's own ceiling per thread, alone and on every
-#                                    #   core (probe_dot_peak.py); the expert kernel's roof at 8 tokens beside it
+#   bash benchmarks/h200/run.sh CY   # (not run; CZ holds it) the dot-product instruction's own ceiling per thread, alone and
+#                                    #   on every core (probe_dot_peak.py); the expert kernel's roof at 8 tokens beside it
+#   bash benchmarks/h200/run.sh CZ   # bf16 weights through fp32 FMAs from 4 tokens on the dot-product tables: expert kernel
+#                                    #   tests; probe_dot_peak.py; roof with VDPBF16PS against FMAs (AMX off) at 1-16
+#                                    #   tokens, 1 and 15 threads, alternated twice; one layer's CPU set (moe) with
+#                                    #   VDPBF16PS, the new default and FMAs everywhere, alternated twice
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -825,6 +829,29 @@ if [ "$phase" = CS ]; then
   bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
     --policies on-demand,adaptive
+fi
+if [ "$phase" = CZ ]; then
+  run_tests "native expert kernels on every ISA here, VDPBF16PS and FMA products" tests/kernels/test_experts_cpu.py
+  step the dot-product instruction\'s ceiling per thread
+  timeout 120 python3 benchmarks/h200/probe_dot_peak.py "$out/dot-peak.json" 1,4,8,12,15,16 2>&1 | tee -a "$log"
+  for round in 1 2; do
+    for v in dp fma; do
+      if [ $v = dp ]; then f=100000 a=9; else f=1 a=100000; fi
+      step expert roof, $v: FMAs from $f tokens, AMX from $a, round $round
+      TANDEM_FMA_MIN_TOKENS=$f TANDEM_AMX_MIN_TOKENS=$a ROOF_THREADS=1,15 ROOF_TOKENS=1,2,4,5,6,8,12,16 timeout 200 \
+        python3 benchmarks/h200/profile_roof.py "$out/roof-$v-$round.json" 2>&1 | tail -16 | tee -a "$log"
+    done
+  done
+  for round in 1 2; do
+    for v in dp4 fma4 fma1; do
+      case $v in dp4) f=100000 a=9;; fma4) f=4 a=9;; fma1) f=1 a=100000;; esac
+      step bench cpu-kernels moe, FMAs from $f tokens, AMX from $a, round $round
+      TANDEM_FMA_MIN_TOKENS=$f TANDEM_AMX_MIN_TOKENS=$a timeout 150 python3 -m engine.cli bench cpu-kernels --sections moe \
+        --thread-counts 15 --moe-tokens 1,2,4,6,8,12,16 --repeats 15 --json "$out/cpu-kernels-moe-$v-$round.json" \
+        > /dev/null 2>>"$log"
+      experts_table "$out/cpu-kernels-moe-$v-$round.json"
+    done
+  done
 fi
 if [ "$phase" = CY ]; then
   step the dot-product instruction\'s ceiling per thread
