@@ -97,10 +97,10 @@ void amx_tiles(const uint16_t* const* a, int M, int64_t stride, int64_t next_blo
 // most 16 tokens, as even as they come (20 tokens: 2 × 10), so padding is under one token per group.
 ExpertTiling amx_tiling(const ExpertProblem& P) {
   const int64_t n = P.n_tokens;
-  if (!expert_weights_in_pairs(P) || n < amx_min_tokens()) return expert_tiling(P);
+  if (expert_activation_dtype(P) != DType::bf16 || n < amx_min_tokens()) return expert_tiling(P);
   const int64_t groups = (n + kAmxMaxTokens - 1) / kAmxMaxTokens, N = (n + groups - 1) / groups;
   // A row is read from DRAM once per call and re-read from L2 per further pass of two groups.
-  return {int(N), true, groups * N, kAmxMaxRows, 8 + 2 * ((groups + 1) / 2 - 1), int(N), DType::bf16};
+  return {int(N), true, groups * N, kAmxMaxRows, 8 + 2 * ((groups + 1) / 2 - 1), int(N)};
 }
 
 // Pair (element 2p, 2p + 1) of token t's row at 32-bit word p·N of its group's column (t mod N).

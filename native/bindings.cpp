@@ -191,10 +191,6 @@ PYBIND11_MODULE(_native, m) {
   m.def("amx_min_tokens", &amx_min_tokens, "Fewest tokens per expert that the AMX tiles take (amx-bf16 only).");
   m.def("set_amx_min_tokens", &set_amx_min_tokens, py::arg("n"),
         "Send experts with ≥ n tokens to the AMX tiles (amx-bf16 only); fewer go to the vector tiles.");
-  m.def("fma_min_tokens", &fma_min_tokens,
-        "Fewest tokens per expert that the bf16 dot-product tables run through fp32 FMAs instead of VDPBF16PS.");
-  m.def("set_fma_min_tokens", &set_fma_min_tokens, py::arg("n"),
-        "Run experts with ≥ n tokens through fp32 FMAs on the bf16 dot-product tables (avx512bf16, amx-bf16).");
   m.def("default_threads", &default_threads, "OpenMP's default thread count.");
   m.def("openmp_runtime", &openmp_runtime, "The OpenMP runtime file the kernels' thread teams come from.");
   m.def("attention_decode", &attention_decode_py, py::arg("q"), py::arg("q_dtype"), py::arg("B"), py::arg("T"),

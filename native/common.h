@@ -130,18 +130,17 @@ struct ExpertTiling {
   int64_t row_cost;      // work of one weight row, for balancing threads across experts (moe_ffn)
   int last_tile_tokens;  // tokens of the last group's tiles: tokens_per_tile, or fewer (vector tiles
                          // at 5 and 6 tokens: a 4-token group and a 1- or 2-token one; experts_kernel.h)
-  DType act_dtype;       // the activations' (xs, h): bf16 for pairwise bf16 products (VDPBF16PS, AMX),
-                         // else fp32; chosen once here, so one call never mixes the two layouts
 };
 
 // The kernels of one instruction set. Threading lives in dispatch.cpp; these run one piece of work
 // on the calling thread. Expert activations (x converted, then h = silu(g)⊙u) are padded to
-// T.n_pad tokens, stored as T.act_dtype, in the layout of the tiling (see
+// T.n_pad tokens, stored as `expert_activation_dtype`, in the layout of the tiling (see
 // experts_kernel.h and amx_experts.h): the kernels own that layout, dispatch only sizes it
 // (n_pad × H, n_pad × I).
 struct KernelTable {
   const char* name;
   AttentionItemFn attention_item;
+  DType (*expert_activation_dtype)(const ExpertProblem&);
   ExpertTiling (*expert_tiling)(const ExpertProblem&);  // for P.n_tokens tokens
   void (*expert_prepare_x)(const ExpertProblem&, void* xs, const ExpertTiling&, int64_t t_begin, int64_t t_end);
   // Rows [row_begin, row_end) of h (stage 1) or of y (stage 2); whole units of the tiling.
@@ -179,12 +178,6 @@ inline int expert_tile_tokens(int64_t n, int lanes) {
 // faster at 8 tokens in 3 of 4 same-host comparisons, AMX at 12 and 16 in all (benchmarks/RESULTS.md).
 constexpr int kAmxMinTokensDefault = 9;
 
-// Tokens per expert from which the bf16 dot-product tables (avx512bf16, amx-bf16 below the AMX
-// threshold) run bf16 weights through fp32 FMAs (kSplitPairs, expert_activations.h) instead of
-// VDPBF16PS: there the vector tiles are bound by their arithmetic, and fp32 FMAs multiply-add twice
-// as fast as VDPBF16PS on Sapphire Rapids-class cores (benchmarks/RESULTS.md, probe_dot_peak.py).
-constexpr int kFmaMinTokensDefault = 4;
-
 // Defined by the ISA translation units (only those compiled for this target exist).
 extern const KernelTable kTableScalar;
 #if defined(TANDEM_X86_KERNELS)
@@ -210,11 +203,6 @@ void moe_ffn(const MoeProblem& p, int n_threads);  // moe_dispatch.cpp
 // Default kAmxMinTokensDefault, or TANDEM_AMX_MIN_TOKENS; settable for benchmarks and tests.
 int amx_min_tokens();
 void set_amx_min_tokens(int n);
-// Fewest tokens per expert that the bf16 dot-product tables run through fp32 FMAs (kSplitPairs).
-// Default kFmaMinTokensDefault, or TANDEM_FMA_MIN_TOKENS; settable for benchmarks and tests (a call
-// reads it once, in its tiling).
-int fma_min_tokens();
-void set_fma_min_tokens(int n);
 double stream_read(const void* data, size_t n_bytes, int n_threads);
 void stream_copy(void* dst, const void* src, size_t n_bytes, int n_threads);
 

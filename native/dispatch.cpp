@@ -95,14 +95,12 @@ const KernelTable* best_table() {
 
 std::atomic<const KernelTable*> g_table{nullptr};
 
-// A token threshold from the environment (benchmarks' A/B runs), else its default.
-int tokens_from_env(const char* name, int fallback) {
-  const char* env = std::getenv(name);
+int amx_min_tokens_from_env() {
+  const char* env = std::getenv("TANDEM_AMX_MIN_TOKENS");
   const int n = env ? std::atoi(env) : 0;
-  return n >= 1 ? n : fallback;
+  return n >= 1 ? n : kAmxMinTokensDefault;
 }
-std::atomic<int> g_amx_min_tokens{tokens_from_env("TANDEM_AMX_MIN_TOKENS", kAmxMinTokensDefault)};
-std::atomic<int> g_fma_min_tokens{tokens_from_env("TANDEM_FMA_MIN_TOKENS", kFmaMinTokensDefault)};
+std::atomic<int> g_amx_min_tokens{amx_min_tokens_from_env()};
 
 int threads_or_default(int n) { return n > 0 ? n : default_threads(); }
 
@@ -138,8 +136,6 @@ int supported_isas(const char** names, int capacity) {
 
 int amx_min_tokens() { return g_amx_min_tokens.load(std::memory_order_relaxed); }
 void set_amx_min_tokens(int n) { g_amx_min_tokens.store(n >= 1 ? n : 1, std::memory_order_relaxed); }
-int fma_min_tokens() { return g_fma_min_tokens.load(std::memory_order_relaxed); }
-void set_fma_min_tokens(int n) { g_fma_min_tokens.store(n >= 1 ? n : 1, std::memory_order_relaxed); }
 
 int default_threads() {
 #if defined(_OPENMP)
@@ -273,7 +269,7 @@ void expert_ffn(const ExpertProblem& P, int n_threads) {
   const int nt = threads_or_default(n_threads);
   const ExpertTiling T = K.expert_tiling(P);
   const int64_t n_pad = T.n_pad;
-  const size_t es = dtype_size(T.act_dtype);
+  const size_t es = dtype_size(K.expert_activation_dtype(P));
   static thread_local std::vector<char> buffer;
   // xs (n_pad × H elements) then h (n_pad × I), tile-interleaved, 64-byte aligned.
   const size_t xs_bytes = (size_t(n_pad * P.hidden) * es + 63) / 64 * 64;

@@ -23,24 +23,18 @@ constexpr int kDotPairs = 1;    // VDPBF16PS on bf16 pairs; bf16 activations
 // thread, expert in L2: avx2 +25% at 1 token, +10% at 6-8; avx512 +12% at 1, +4-12% at 4-8.
 constexpr int kSplitPairs = 2;
 
-// bf16 weights whose H and I are whole pairs of vectors: what the pairwise kernels (VDPBF16PS, kSplitPairs,
-// AMX) read.
-bool expert_weights_in_pairs(const ExpertProblem& P) {
-  constexpr int64_t K = 2 * Simd::W;
-  return Simd::W >= 8 && P.w_dtype == DType::bf16 && P.hidden % K == 0 && P.inter % K == 0;
-}
-
-// Activations in bf16 when both stages can use pairwise bf16 dot products and the tokens are fewer
-// than fma_min_tokens() (from there the tiles are bound by their arithmetic, and fp32 FMAs have twice
-// VDPBF16PS's rate); else fp32. Called once per call, by the tiling (ExpertTiling::act_dtype).
+// Activations in bf16 when both stages can use pairwise bf16 dot products, else fp32.
 DType expert_activation_dtype(const ExpertProblem& P) {
-  const bool dp = Simd::kDpbf16 && expert_weights_in_pairs(P) && P.n_tokens < fma_min_tokens();
+  constexpr int64_t K = 2 * Simd::W;
+  const bool dp = Simd::kDpbf16 && P.w_dtype == DType::bf16 && P.hidden % K == 0 && P.inter % K == 0;
   return dp ? DType::bf16 : DType::f32;
 }
 
-// bf16 weights through fp32 FMAs, both stages in kSplitPairs, for a tiling with fp32 activations.
-bool expert_split_pairs(const ExpertProblem& P, const ExpertTiling& T) {
-  return T.act_dtype == DType::f32 && expert_weights_in_pairs(P);
+// bf16 weights through fp32 FMAs, both stages in kSplitPairs (K a multiple of 2W; vector ISAs only).
+bool expert_split_pairs(const ExpertProblem& P) {
+  constexpr int64_t K = 2 * Simd::W;
+  return Simd::W >= 8 && expert_activation_dtype(P) == DType::f32 && P.w_dtype == DType::bf16 &&
+         P.hidden % K == 0 && P.inter % K == 0;
 }
 
 // n elements (a multiple of W) of dtype In → fp32 or bf16, W at a time.
@@ -108,9 +102,9 @@ void prepare_x_as(const ExpertProblem& P, AT* xs, const ExpertTiling& T, int64_t
 }
 
 void expert_prepare_x(const ExpertProblem& P, void* xs, const ExpertTiling& T, int64_t t_begin, int64_t t_end) {
-  if (T.act_dtype == DType::bf16)
+  if (expert_activation_dtype(P) == DType::bf16)
     prepare_x_as(P, static_cast<uint16_t*>(xs), T, t_begin, t_end);
-  else if (expert_split_pairs(P, T))
+  else if (expert_split_pairs(P))
     prepare_x_as<float, true>(P, static_cast<float*>(xs), T, t_begin, t_end);
   else
     prepare_x_as(P, static_cast<float*>(xs), T, t_begin, t_end);

@@ -20,8 +20,7 @@ ExpertTiling expert_tiling(const ExpertProblem& P) {
   const int last = tpt == 4 && (n == 5 || n == 6) ? int(n - 4) : tpt;
   const int64_t n_pad = last != tpt ? n : (n + tpt - 1) / tpt * tpt;
   // Memory-bound up to ~8 tokens per weight row, then the dot products grow with the tokens.
-  return {tpt, false, n_pad, expert_tile_rows(Simd::W, tpt), std::max<int64_t>(8, n_pad), last,
-          expert_activation_dtype(P)};
+  return {tpt, false, n_pad, expert_tile_rows(Simd::W, tpt), std::max<int64_t>(8, n_pad), last};
 }
 
 // Weights are prefetched this far ahead of their use: a thread's rows are one contiguous run, but
@@ -314,12 +313,11 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
 // One (stage, tokens per tile, groups per pass, last group's tokens per tile) instantiation per weight
 // dtype; TB ≤ W is guaranteed by dispatch (and by expert_stage below).
 template <bool kDown, int TB, int GP, int TT = TB>
-void expert_stage_groups(const ExpertProblem& P, const void* in, void* h, const ExpertTiling& T, int64_t b, int64_t e) {
-  const int64_t n_pad = T.n_pad;
-  if (T.act_dtype == DType::bf16) {
+void expert_stage_groups(const ExpertProblem& P, const void* in, void* h, int64_t n_pad, int64_t b, int64_t e) {
+  if (expert_activation_dtype(P) == DType::bf16) {
     if constexpr (kDown) down_rows<DType::bf16, kDotPairs, TB, GP, TT>(P, in, n_pad, b, e);
     else gate_up_rows<DType::bf16, kDotPairs, TB, GP, TT>(P, in, h, n_pad, b, e);
-  } else if (expert_split_pairs(P, T)) {
+  } else if (expert_split_pairs(P)) {
     if constexpr (kDown) down_rows<DType::bf16, kSplitPairs, TB, GP, TT>(P, in, n_pad, b, e);
     else gate_up_rows<DType::bf16, kSplitPairs, TB, GP, TT>(P, in, h, n_pad, b, e);
   } else {
@@ -347,15 +345,16 @@ constexpr int kPassGroups = 2;
 
 template <bool kDown, int TB>
 void expert_stage(const ExpertProblem& P, const void* in, void* h, const ExpertTiling& T, int64_t b, int64_t e) {
+  const int64_t n_pad = T.n_pad;
   if constexpr (Simd::W % TB != 0) {
     expert_stage<kDown, 1>(P, in, h, T, b, e);
   } else if constexpr (TB == 4) {
-    if (T.last_tile_tokens == 1) expert_stage_groups<kDown, TB, kPassGroups, 1>(P, in, h, T, b, e);
-    else if (T.last_tile_tokens == 2) expert_stage_groups<kDown, TB, kPassGroups, 2>(P, in, h, T, b, e);
-    else if (T.n_pad >= kPassGroups * TB) expert_stage_groups<kDown, TB, kPassGroups>(P, in, h, T, b, e);
-    else expert_stage_groups<kDown, TB, 1>(P, in, h, T, b, e);
+    if (T.last_tile_tokens == 1) expert_stage_groups<kDown, TB, kPassGroups, 1>(P, in, h, n_pad, b, e);
+    else if (T.last_tile_tokens == 2) expert_stage_groups<kDown, TB, kPassGroups, 2>(P, in, h, n_pad, b, e);
+    else if (n_pad >= kPassGroups * TB) expert_stage_groups<kDown, TB, kPassGroups>(P, in, h, n_pad, b, e);
+    else expert_stage_groups<kDown, TB, 1>(P, in, h, n_pad, b, e);
   } else {
-    expert_stage_groups<kDown, TB, 1>(P, in, h, T, b, e);
+    expert_stage_groups<kDown, TB, 1>(P, in, h, n_pad, b, e);
   }
 }
 

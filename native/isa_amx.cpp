@@ -26,7 +26,7 @@ namespace {
 #include "amx_experts.h"
 }  // namespace
 
-const KernelTable kTableAmxBf16 = {"amx-bf16", &attention_item, &amx_tiling,
+const KernelTable kTableAmxBf16 = {"amx-bf16", &attention_item, &expert_activation_dtype, &amx_tiling,
                                    &amx_or_vector_prepare_x, &amx_or_vector_gate_up, &amx_or_vector_down};
 }  // namespace tandem
 

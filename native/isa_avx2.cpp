@@ -22,7 +22,7 @@ namespace {
 #include "experts_kernel.h"
 }  // namespace
 
-const KernelTable kTableAvx2 = {"avx2", &attention_item, &expert_tiling,
+const KernelTable kTableAvx2 = {"avx2", &attention_item, &expert_activation_dtype, &expert_tiling,
                              &expert_prepare_x, &expert_gate_up, &expert_down};
 }  // namespace tandem
 

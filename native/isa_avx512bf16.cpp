@@ -25,7 +25,7 @@ namespace {
 #include "experts_kernel.h"
 }  // namespace
 
-const KernelTable kTableAvx512Bf16 = {"avx512bf16", &attention_item, &expert_tiling,
+const KernelTable kTableAvx512Bf16 = {"avx512bf16", &attention_item, &expert_activation_dtype, &expert_tiling,
                              &expert_prepare_x, &expert_gate_up, &expert_down};
 }  // namespace tandem
 

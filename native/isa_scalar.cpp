@@ -10,6 +10,6 @@ namespace {
 #include "experts_kernel.h"
 }  // namespace
 
-const KernelTable kTableScalar = {"scalar", &attention_item, &expert_tiling,
+const KernelTable kTableScalar = {"scalar", &attention_item, &expert_activation_dtype, &expert_tiling,
                                   &expert_prepare_x, &expert_gate_up, &expert_down};
 }  // namespace tandem

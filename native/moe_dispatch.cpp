@@ -89,6 +89,8 @@ void moe_ffn(const MoeProblem& M, int n_threads) {
   const int64_t N = M.n_rows, H = M.hidden, I = M.inter;
   if (N == 0) return;
   const size_t xes = dtype_size(M.x_dtype);
+  const ExpertProblem proto{nullptr, M.x_dtype, 0, H, I, H, nullptr, nullptr, M.w_dtype, 0, 0, nullptr, DType::f32, H};
+  const size_t aes = dtype_size(K.expert_activation_dtype(proto));  // the same for every expert
 
   // Plan: segments packed into passes, each segment's scratch at fixed offsets (reused by every pass).
   static thread_local std::vector<Segment> segs;
@@ -114,7 +116,6 @@ void moe_ffn(const MoeProblem& M, int n_threads) {
                           E.down_stride, nullptr, DType::f32, H};
       S.T = K.expert_tiling(S.P);
       const int64_t n_pad = S.T.n_pad, row_cost = S.T.row_cost;
-      const size_t aes = dtype_size(S.T.act_dtype);  // per expert: it follows the token count
       if (cur.act_rows + n_pad > kMaxPassRows) close_pass();
       S.pair_begin = p0;
       S.act_begin = cur.act_rows, cur.act_rows += n_pad;

@@ -11,8 +11,7 @@ Where `hot` is not much faster than `fresh`, DRAM is not what limits the kernel.
     python3 benchmarks/h200/profile_roof.py OUT.json
 
 ROOF_THREADS and ROOF_TOKENS (comma lists) narrow the sweep; TANDEM_AMX_MIN_TOKENS=1 puts every
-token count on the AMX tiles (amx-bf16 hosts); TANDEM_FMA_MIN_TOKENS=1 or 100000 puts every vector-tile
-count on fp32 FMAs or on VDPBF16PS (bf16 dot-product hosts).
+token count on the AMX tiles (amx-bf16 hosts).
 """
 import itertools
 import json
@@ -35,8 +34,7 @@ def main(path: str) -> None:
     down = torch.empty(RING, H, I, dtype=torch.bfloat16).uniform_(-0.05, 0.05)
     nbytes = 3 * H * I * 2
     ring = itertools.count()
-    m = native.module()
-    record = {"isa": native.isa(), "amx_min_tokens": m.amx_min_tokens(), "fma_min_tokens": m.fma_min_tokens(), "H": H, "I": I, "ring": RING, "cpu_count": os.cpu_count(), "points": []}
+    record = {"isa": native.isa(), "amx_min_tokens": native.module().amx_min_tokens(), "H": H, "I": I, "ring": RING, "cpu_count": os.cpu_count(), "points": []}
     for threads in THREADS:
         torch.set_num_threads(threads)
         for n in TOKENS:

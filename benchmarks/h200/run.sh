@@ -197,6 +197,7 @@
 #   bash benchmarks/h200/run.sh CX   # CW after the fix (each KV step size timed twice apart, the faster counts)
 #   bash benchmarks/h200/run.sh CY   # (not run; CZ holds it) the dot-product instruction's own ceiling per thread, alone and
 #                                    #   on every core (probe_dot_peak.py); the expert kernel's roof at 8 tokens beside it
+#   (CZ: at commit 919e21b, with TANDEM_FMA_MIN_TOKENS, since removed; reverted: faster in cache, slower from DRAM)
 #   bash benchmarks/h200/run.sh CZ   # bf16 weights through fp32 FMAs from 4 tokens on the dot-product tables: expert kernel
 #                                    #   tests; probe_dot_peak.py; roof with VDPBF16PS against FMAs (AMX off) at 1-16
 #                                    #   tokens, 1 and 15 threads, alternated twice; one layer's CPU set (moe) with

@@ -268,64 +268,6 @@ def test_amx_tiles_in_one_moe_call(amx_everywhere, monkeypatch):
     check_moe(experts_cpu.moe_ffn(x, experts, tokens, w, threads=3), x, experts, tokens, w, torch.bfloat16)
 
 
-@pytest.fixture(params=["dot products", "fp32 FMAs"])
-def bf16_product(request):
-    """A bf16 dot-product table (avx512bf16; skipped where this CPU has none) with every token count on
-    VDPBF16PS, then every count on fp32 FMAs (kSplitPairs); the AMX tiles out of the way."""
-    from engine.kernels import native
-
-    m = native.module()
-    if m is None or "avx512bf16" not in m.supported_isas():
-        pytest.skip("no AVX512_BF16 on this CPU")
-    assert m.select_isa("avx512bf16")
-    saved = m.fma_min_tokens()
-    m.set_fma_min_tokens(1 << 30 if request.param == "dot products" else 1)
-    yield m
-    m.set_fma_min_tokens(saved)
-    m.select_isa("auto")
-
-
-@pytest.mark.parametrize("H, I", [(128, 96), (1088, 96), (96, 1088)])
-def test_bf16_tables_through_dot_products_or_fmas_at_every_token_count(bf16_product, H, I, monkeypatch):
-    """Both ways a bf16 dot-product table multiplies bf16 weights: the activations' dtype (bf16 or fp32,
-    split into even and odd elements) follows the threshold, at every tile width and last group."""
-    monkeypatch.setattr(experts_cpu, "_native_max_tokens", 256)
-    gate_up, down = weights(H, I, torch.bfloat16)
-    for n, threads in ((1, 2), (2, 3), (4, 1), (5, 2), (6, 3), (8, 2), (12, 1), (13, 3), (16, 2)):
-        x = torch.randn(n, H).bfloat16()
-        out = torch.full((n, H), math.nan).bfloat16()
-        check(expert_ffn(x, gate_up, down, out=out, threads=threads), x, gate_up, down, torch.bfloat16)
-
-
-def test_one_moe_call_mixes_dot_product_and_fma_experts(bf16_product, monkeypatch):
-    """Experts below and above the FMA threshold in one call: each has its own activations' dtype and
-    scratch size (the call's plan used to size every expert's scratch alike)."""
-    monkeypatch.setattr(experts_cpu, "_native_max_tokens", 256)
-    bf16_product.set_fma_min_tokens(4)
-    H, I, N = 128, 96, 24
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    experts = [weights(H, I, torch.bfloat16) for _ in range(5)]
-    tokens, w = routing(N, [1, 3, 4, 17, 24], gen)
-    x = torch.randn(N, H).bfloat16()
-    check_moe(experts_cpu.moe_ffn(x, experts, tokens, w, threads=3), x, experts, tokens, w, torch.bfloat16)
-
-
-def test_fma_threshold_is_settable_and_clamped():
-    from engine.kernels import native
-
-    m = native.module()
-    if m is None:
-        pytest.skip("native extension not built")
-    saved = m.fma_min_tokens()
-    try:
-        m.set_fma_min_tokens(0)
-        assert m.fma_min_tokens() == 1
-        m.set_fma_min_tokens(7)
-        assert m.fma_min_tokens() == 7
-    finally:
-        m.set_fma_min_tokens(saved)
-
-
 def test_prepared_moe_checks_now_and_computes_later_on_another_thread(kernel_mode):
     """prepare_moe validates and builds the call on the calling thread; the returned function computes
     (here on a worker thread, as the offload executor runs it) and fills `out`."""
