@@ -13,12 +13,17 @@ how much of the instruction's issue rate it uses.
 Builds a small C program with the system compiler (gcc, -mavx512bf16, OpenMP) in a temporary folder.
 
     python3 benchmarks/h200/probe_dot_peak.py OUT.json [THREADS, e.g. 1,4,8,12,15]
+
+Threads are bound one per core, spread (OMP_PROC_BIND=spread, OMP_PLACES=cores); DOT_PEAK_UNBOUND=1 leaves
+their placement to the OS.
 """
 import json
 import os
 import subprocess
 import sys
 import tempfile
+
+UNBOUND = os.environ.get("DOT_PEAK_UNBOUND") == "1"
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -88,8 +93,8 @@ def main(path: str, threads: list[int]) -> None:
         rows = []
         iters = 20_000_000
         for n in threads:
-            out = subprocess.run([exe, str(n), str(iters)], check=True, capture_output=True, text=True,
-                                 env=dict(os.environ, OMP_PROC_BIND="spread", OMP_PLACES="cores")).stdout
+            env = dict(os.environ) if UNBOUND else dict(os.environ, OMP_PROC_BIND="spread", OMP_PLACES="cores")
+            out = subprocess.run([exe, str(n), str(iters)], check=True, capture_output=True, text=True, env=env).stdout
             for line in out.strip().splitlines():
                 name, n_threads, seconds, g_per_thread = line.split()
                 row = {"instruction": name, "threads": int(n_threads), "seconds": float(seconds),
@@ -97,7 +102,7 @@ def main(path: str, threads: list[int]) -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     with open(path, "w") as f:
-        json.dump({"iterations": iters, "chains": 16, "rows": rows}, f, indent=1)
+        json.dump({"iterations": iters, "chains": 16, "bound": not UNBOUND, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

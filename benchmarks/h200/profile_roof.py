@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from engine.hw.hostmem import huge_page_advice, huge_page_bytes, large_host_tensor
 from engine.hw.timing import time_cpu
 from engine.kernels import experts_cpu, native
 
@@ -30,11 +31,14 @@ THREADS = tuple(int(t) for t in os.environ.get("ROOF_THREADS", "1,8,15").split("
 
 def main(path: str) -> None:
     experts_cpu.set_native_max_tokens(1 << 30)
-    gate_up = torch.empty(RING, 2 * I, H, dtype=torch.bfloat16).uniform_(-0.05, 0.05)
-    down = torch.empty(RING, H, I, dtype=torch.bfloat16).uniform_(-0.05, 0.05)
+    # As the engine's expert store holds them (huge pages where Linux has them; TANDEM_HUGE_PAGES=0: not).
+    gate_up = large_host_tensor((RING, 2 * I, H), torch.bfloat16).uniform_(-0.05, 0.05)
+    down = large_host_tensor((RING, H, I), torch.bfloat16).uniform_(-0.05, 0.05)
     nbytes = 3 * H * I * 2
     ring = itertools.count()
-    record = {"isa": native.isa(), "amx_min_tokens": native.module().amx_min_tokens(), "H": H, "I": I, "ring": RING, "cpu_count": os.cpu_count(), "points": []}
+    record = {"isa": native.isa(), "amx_min_tokens": native.module().amx_min_tokens(), "H": H, "I": I, "ring": RING, "cpu_count": os.cpu_count(), "huge_pages": huge_page_advice(),
+              "huge_page_MiB": [(huge_page_bytes(t) or 0) >> 20 for t in (gate_up, down)], "points": []}
+    print("huge pages", record["huge_pages"], "MiB on them (gate_up, down):", record["huge_page_MiB"], flush=True)
     for threads in THREADS:
         torch.set_num_threads(threads)
         for n in TOKENS:

@@ -202,6 +202,13 @@
 #                                    #   tests; probe_dot_peak.py; roof with VDPBF16PS against FMAs (AMX off) at 1-16
 #                                    #   tokens, 1 and 15 threads, alternated twice; one layer's CPU set (moe) with
 #                                    #   VDPBF16PS, the new default and FMAs everywhere, alternated twice
+#   bash benchmarks/h200/run.sh DA   # host memory on transparent huge pages: the host's THP settings; tests (huge pages, the
+#                                    #   expert store, expert kernels, CUDA expert tests); the dot-product ceiling with threads
+#                                    #   unbound; roof, attention at 32K and one layer's CPU set with TANDEM_HUGE_PAGES=0 and 1,
+#                                    #   alternated twice
+#   bash benchmarks/h200/run.sh DB   # DA's A/B again, with the huge-page MiB each roof run got: roof at 15 threads, then the
+#                                    #   STREAM read, attention at 32K and one layer's CPU set, TANDEM_HUGE_PAGES=0 and 1,
+#                                    #   alternated three times
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -830,6 +837,44 @@ if [ "$phase" = CS ]; then
   bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
     --policies on-demand,adaptive
+fi
+if [ "$phase" = DB ]; then
+  for round in 1 2 3; do
+    for hp in 0 1; do
+      step expert roof at 15 threads, TANDEM_HUGE_PAGES=$hp, round $round
+      TANDEM_HUGE_PAGES=$hp ROOF_THREADS=15 ROOF_TOKENS=1,2,4,5,6,8 timeout 200 python3 benchmarks/h200/profile_roof.py \
+        "$out/roof-hp$hp-$round.json" 2>&1 | tail -7 | tee -a "$log"
+      step STREAM read, attention 32K, one layer\'s CPU set, TANDEM_HUGE_PAGES=$hp, round $round
+      TANDEM_HUGE_PAGES=$hp timeout 200 python3 -m engine.cli bench cpu-kernels --sections stream,attention,moe \
+        --thread-counts 15 --lengths 32k --batches 1,4 --moe-tokens 1,2,4,8 --repeats 9 --no-torch \
+        --json "$out/cpu-kernels-hp$hp-$round.json" > /dev/null 2>>"$log"
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print('huge pages', r['huge_pages'], 'read', [s['read_GBps'] for s in r['stream']], 'attention', [(a['batch'], a['native_GBps']) for a in r['attention']], 'moe ms', [(k.split('_')[1], v['moe_ffn_ms']) for k, v in r['summary'].items() if k.startswith('moe_')])" \
+        "$out/cpu-kernels-hp$hp-$round.json" 2>&1 | tee -a "$log"
+    done
+  done
+  tar czf "$out/roofs.tgz" -C "$out" $(cd "$out" && ls roof-*.json) && rm -f "$out"/roof-*.json
+fi
+if [ "$phase" = DA ]; then
+  step transparent huge pages on this host
+  for f in enabled defrag; do echo "$f: $(cat /sys/kernel/mm/transparent_hugepage/$f)"; done | tee -a "$log"
+  run_tests "huge pages, the expert store, expert kernels; CUDA expert tests" tests/hw/test_hostmem.py \
+    tests/experts/test_expert_store.py tests/kernels/test_experts_cpu.py
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/experts 2>&1 | tail -4 | tee -a "$log"
+  step the dot-product instruction\'s ceiling per thread, threads unbound
+  DOT_PEAK_UNBOUND=1 timeout 120 python3 benchmarks/h200/probe_dot_peak.py "$out/dot-peak-unbound.json" 1,4,8,15 2>&1 | tee -a "$log"
+  for round in 1 2; do
+    for hp in 0 1; do
+      step expert roof, TANDEM_HUGE_PAGES=$hp, round $round
+      TANDEM_HUGE_PAGES=$hp ROOF_THREADS=1,15 ROOF_TOKENS=1,2,4,5,6,8 timeout 200 python3 benchmarks/h200/profile_roof.py \
+        "$out/roof-hp$hp-$round.json" 2>&1 | tail -12 | tee -a "$log"
+      step attention 32K and one layer\'s CPU set, TANDEM_HUGE_PAGES=$hp, round $round
+      TANDEM_HUGE_PAGES=$hp timeout 200 python3 -m engine.cli bench cpu-kernels --sections attention,moe --thread-counts 15 \
+        --lengths 32k --batches 1,4 --moe-tokens 1,2,4,8 --repeats 9 --no-torch --json "$out/cpu-kernels-hp$hp-$round.json" \
+        > /dev/null 2>>"$log"
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print('huge pages', r['huge_pages'], [(a['batch'], a['native_GBps']) for a in r['attention']], json.dumps(r['summary'])[:600])" \
+        "$out/cpu-kernels-hp$hp-$round.json" 2>&1 | tee -a "$log"
+    done
+  done
 fi
 if [ "$phase" = CZ ]; then
   run_tests "native expert kernels on every ISA here, VDPBF16PS and FMA products" tests/kernels/test_experts_cpu.py

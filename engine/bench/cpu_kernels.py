@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from engine.bench.common import header
+from engine.hw.hostmem import huge_page_advice, large_host_tensor
 from engine.hw.timing import time_cpu
 from engine.kernels import attention_native, experts_cpu, native
 from engine.kernels.attention_native import KVBlockTable, attend_blocks
@@ -58,8 +59,9 @@ def _gbps(nbytes: int, ms: float) -> float:
 def stream(threads: list[int], nbytes: int, repeats: int) -> list[dict]:
     """STREAM-style read (sum of 64-bit words) and copy (memcpy; read + write bytes counted)."""
     nat = native.module()
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros_like(src)  # written once, so its pages exist before the timed copies
+    # On the pages the kernels' buffers get (huge pages where Linux has them), so the bound compares.
+    src = large_host_tensor((nbytes,), torch.uint8).fill_(1)
+    dst = large_host_tensor((nbytes,), torch.uint8).zero_()  # written once: its pages exist before the timed copies
     rows = []
     for t in threads:
         if nat is not None:
@@ -78,8 +80,10 @@ def _kv_pool(batch: int, length: int, n_kv: int, hs: int, dtype: torch.dtype, se
     """A block pool (N, n_kv, BLOCK, hs) for K and V, and each sequence's blocks in shuffled order."""
     per_seq = -(-length // BLOCK)
     gen = torch.Generator().manual_seed(seed)
-    k_pool = torch.empty(batch * per_seq, n_kv, BLOCK, hs, dtype=dtype).uniform_(-1, 1, generator=gen)
-    v_pool = torch.empty_like(k_pool).uniform_(-1, 1, generator=gen)
+    shape = (batch * per_seq, n_kv, BLOCK, hs)
+    # Huge pages where Linux has them (TANDEM_HUGE_PAGES=0: not), as the engine's large host regions.
+    k_pool = large_host_tensor(shape, dtype).uniform_(-1, 1, generator=gen)
+    v_pool = large_host_tensor(shape, dtype).uniform_(-1, 1, generator=gen)
     order = torch.randperm(batch * per_seq, generator=gen)
     ids = [order[b * per_seq:(b + 1) * per_seq] for b in range(batch)]
     return k_pool, v_pool, ids
@@ -325,7 +329,7 @@ def run(*, threads: list[int] | None = None, lengths: list[int] | None = None, b
     batches = batches or [1, 4]
     tokens = tokens or TOKENS
     cores = native.available_cores()
-    record = {**header(), "benchmark": "cpu-kernels",
+    record = {**header(), "benchmark": "cpu-kernels", "huge_pages": huge_page_advice(),
               "native": {"isa": native.isa(), "supported_isas": native.module().supported_isas() if native.module() else [],
                          "load_error": native.load_error()},
               "usable_cores": cores}

@@ -195,6 +195,7 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
                   "simulate_hybrid": config.simulate_hybrid, "new_tokens": new_tokens, "decode": decode,
                   "shared_prefill": shared_prefill, "rounds": rounds, "cuda_graphs_config": config.cuda_graphs,
                   "store_gib": round(store.nbytes / 2**30, 3), "store_pinned": store.pinned,
+                  "store_huge_pages": store.huge_pages,
                   "expert_mib_each": round(store.block_bytes / 2**20, 3), "routed_experts": store.n_routed,
                   "cpu_kernel": parts.experts.cpu_kernel, "gpu_kernel": parts.experts.telemetry()["gpu_kernel"],
                   "cost_model": dict(vars(parts.experts.costs)),

@@ -1,0 +1,68 @@
+"""Large host regions on transparent huge pages (engine/hw/hostmem.py)."""
+
+import gc
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.experts.store import ExpertStore
+from engine.hw.hostmem import HUGE_PAGE, PAGE, huge_page_bytes, huge_page_eligible, large_host_tensor, touched
+
+
+def thp_mode() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+needs_thp = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or thp_mode() in (None, "never"),
+                               reason="no transparent huge pages on this system")
+
+
+@needs_thp
+def test_a_large_region_is_aligned_eligible_for_huge_pages_and_outlives_its_mapping_object():
+    t = large_host_tensor((3, HUGE_PAGE // 2 + 5), torch.bfloat16)  # 3 MiB and a bit: not whole huge pages
+    assert t.shape == (3, HUGE_PAGE // 2 + 5) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert huge_page_eligible(t) is True
+    gc.collect()  # only the tensor holds the mapping now
+    t.fill_(3)
+    t[-1, -1] = 7
+    assert t.float().sum().item() == 3 * (3 * (HUGE_PAGE // 2 + 5)) + 4
+
+
+@needs_thp
+def test_the_switch_and_small_regions_take_ordinary_memory(monkeypatch):
+    assert huge_page_eligible(large_host_tensor((1000,), torch.float32)) is False  # under one huge page
+    monkeypatch.setenv("TANDEM_HUGE_PAGES", "0")
+    assert huge_page_eligible(large_host_tensor((HUGE_PAGE,), torch.uint8)) is False
+
+
+@needs_thp
+def test_touched_buffers_are_committed_page_aligned_and_on_huge_pages_when_large():
+    small, large = touched(PAGE + 10), touched(2 * HUGE_PAGE, torch.float32)
+    assert small.data_ptr() % PAGE == 0 and (small == 1).all()
+    assert large.numel() == 2 * HUGE_PAGE // 4 and large.data_ptr() % HUGE_PAGE == 0
+    assert (large.view(torch.uint8) == 1).all() and huge_page_eligible(large) is True
+
+
+@needs_thp
+def test_the_expert_store_holds_its_blocks_on_huge_pages_and_says_so():
+    E, H, I = 4, 256, 512  # 4 experts × 1.5 MiB in fp32: 6 MiB
+    gu, dn = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    store = ExpertStore.from_layers([gu], [dn], dtype=torch.float32)
+    assert store.huge_pages is True and huge_page_eligible(store.blocks) is True
+    g, d = store.expert(0, 3)
+    assert torch.equal(g, gu[3]) and torch.equal(d, dn[3])
+
+
+@needs_thp
+def test_huge_page_bytes_counts_within_the_mapping():
+    t = large_host_tensor((4 * HUGE_PAGE,), torch.uint8)
+    t.fill_(1)  # commits the pages (huge ones, unless memory is too fragmented to find any)
+    held = huge_page_bytes(t)
+    assert held is not None and 0 <= held <= 5 * HUGE_PAGE and held % HUGE_PAGE == 0
