@@ -209,6 +209,9 @@
 #   bash benchmarks/h200/run.sh DB   # DA's A/B again, with the huge-page MiB each roof run got: roof at 15 threads, then the
 #                                    #   STREAM read, attention at 32K and one layer's CPU set, TANDEM_HUGE_PAGES=0 and 1,
 #                                    #   alternated three times
+#   bash benchmarks/h200/run.sh DC   # the clock (a dependent add chain) beside the dot-product and FMA ceilings per thread
+#                                    #   count, then the expert roof at 15 threads, then the probe again; bench experts 2K,
+#                                    #   bs 1 and 4, adaptive, with the store on huge pages and not (TANDEM_HUGE_PAGES=1, 0)
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -837,6 +840,20 @@ if [ "$phase" = CS ]; then
   bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
     --policies on-demand,adaptive
+fi
+if [ "$phase" = DC ]; then
+  step clock, dot-product and FMA ceilings per thread
+  timeout 120 python3 benchmarks/h200/probe_dot_peak.py "$out/dot-peak-1.json" 1,4,8,12,15,16 2>&1 | tee -a "$log"
+  step expert roof at 15 threads
+  ROOF_THREADS=15 ROOF_TOKENS=1,4,6,8 timeout 200 python3 benchmarks/h200/profile_roof.py "$out/roof.json" 2>&1 | tail -5 \
+    | tee -a "$log"
+  step clock, dot-product and FMA ceilings per thread, again
+  timeout 120 python3 benchmarks/h200/probe_dot_peak.py "$out/dot-peak-2.json" 1,8,15 2>&1 | tee -a "$log"
+  for hp in 1 0; do
+    TANDEM_HUGE_PAGES=$hp bench_experts 2k-hp$hp --batch-sizes 1,4 --contexts 2048 --shared-prefill --rounds 2 --policies adaptive
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(json.dumps(r.get('summary'))[:900]); print([(k, v) for k, v in r.items() if 'store' in k])" \
+      "$out/experts-2k-hp$hp.json" 2>&1 | tee -a "$log"
+  done
 fi
 if [ "$phase" = DB ]; then
   for round in 1 2 3; do

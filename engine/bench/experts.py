@@ -26,6 +26,7 @@ import time
 
 from engine.bench.common import header
 from engine.experts.cpu_mailbox import default_share
+from engine.hw.hostmem import huge_page_bytes
 from engine.experts.mode_chooser import PROBE_LENGTH
 
 # Unmeasured decode steps per policy and batch size before measuring: kernel compiles and graph
@@ -196,6 +197,7 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
                   "shared_prefill": shared_prefill, "rounds": rounds, "cuda_graphs_config": config.cuda_graphs,
                   "store_gib": round(store.nbytes / 2**30, 3), "store_pinned": store.pinned,
                   "store_huge_pages": store.huge_pages,
+                  "store_on_huge_pages_gib": round((huge_page_bytes(store.blocks) or 0) / 2**30, 3),
                   "expert_mib_each": round(store.block_bytes / 2**20, 3), "routed_experts": store.n_routed,
                   "cpu_kernel": parts.experts.cpu_kernel, "gpu_kernel": parts.experts.telemetry()["gpu_kernel"],
                   "cost_model": dict(vars(parts.experts.costs)),
