@@ -212,6 +212,8 @@
 #   bash benchmarks/h200/run.sh DC   # the clock (a dependent add chain) beside the dot-product and FMA ceilings per thread
 #                                    #   count, then the expert roof at 15 threads, then the probe again; bench experts 2K,
 #                                    #   bs 1 and 4, adaptive, with the store on huge pages and not (TANDEM_HUGE_PAGES=1, 0)
+#   bash benchmarks/h200/run.sh DD   # the CUDA tests (models, kv, experts, hw, kernels) with the expert store on huge pages;
+#                                    #   probe_dot_peak.py with its mixed VDPBF16PS + FMA loop at 1, 8 and 15 threads
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -815,7 +817,7 @@ fi
 run_tests() {  # $1: what they test; the rest: pytest's arguments (the full log in $out/pytest.log)
   local what=$1; shift
   step tests: "$what"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider "$@" > "$out/pytest.log" 2>&1
+  timeout 400 python3 -m pytest -q -p no:cacheprovider "$@" > "$out/pytest.log" 2>&1
   grep -E "passed|failed|^(FAILED|ERROR)" "$out/pytest.log" | tail -8 | tee -a "$log"
 }
 timeline_2k_bs1() {  # the step timeline of adaptive (or $2), 48 layers, 2K, bs=1, with the GPU's idle gaps by length;
@@ -840,6 +842,12 @@ if [ "$phase" = CS ]; then
   bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
     --policies on-demand,adaptive
+fi
+if [ "$phase" = DD ]; then
+  run_tests "CUDA: models, kv, experts, hw, kernels (the expert store on huge pages)" -m cuda -k "not builtin" \
+    tests/models tests/kv tests/experts tests/hw tests/kernels
+  step clock, dot-product, FMA and mixed ceilings per thread
+  timeout 120 python3 benchmarks/h200/probe_dot_peak.py "$out/dot-peak.json" 1,8,15 2>&1 | tee -a "$log"
 fi
 if [ "$phase" = DC ]; then
   step clock, dot-product and FMA ceilings per thread
