@@ -214,6 +214,8 @@
 #                                    #   bs 1 and 4, adaptive, with the store on huge pages and not (TANDEM_HUGE_PAGES=1, 0)
 #   bash benchmarks/h200/run.sh DD   # the CUDA tests (models, kv, experts, hw, kernels) with the expert store on huge pages;
 #                                    #   probe_dot_peak.py with its mixed VDPBF16PS + FMA loop at 1, 8 and 15 threads
+#   bash benchmarks/h200/run.sh DE   # a pinned store on huge pages on CUDA (tests/hw/test_hostmem.py); the zero-copy, CPU
+#                                    #   mailbox, store and decode-graph tests on CUDA
 #   bash benchmarks/h200/run.sh N2   # bench experts: 32K bs=1 from one prefill; 2K greedy; 2K without graphs
 # .llamacpp/llamacpp-src.tar.xz: python3 -m engine.bench.llamacpp_build --source <llama-cpp-python sdist> --prune …
 # .llamacpp/smollm2-vocab.gguf: the built-in GGUF's tokenizer.* keys alone (no tensors), for --tokenizer-from.
@@ -842,6 +844,11 @@ if [ "$phase" = CS ]; then
   bench_experts 2k-bs1-rounds --batch-sizes 1 --contexts 2048 --shared-prefill --rounds 3 --policies on-demand,adaptive
   bench_experts 32k-bs1-916 --batch-sizes 1 --contexts 32768 --expert-cache-slots 916 --shared-prefill --rounds 2 \
     --policies on-demand,adaptive
+fi
+if [ "$phase" = DE ]; then
+  run_tests "huge pages on CUDA; zero copy, CPU mailbox, store, decode graphs" tests/hw/test_hostmem.py \
+    tests/experts/test_zero_copy.py tests/experts/test_cpu_mailbox.py tests/experts/test_expert_store.py \
+    tests/models/test_decode_graph.py
 fi
 if [ "$phase" = DD ]; then
   run_tests "CUDA: models, kv, experts, hw, kernels (the expert store on huge pages)" -m cuda -k "not builtin" \

@@ -66,3 +66,21 @@ def test_huge_page_bytes_counts_within_the_mapping():
     t.fill_(1)  # commits the pages (huge ones, unless memory is too fragmented to find any)
     held = huge_page_bytes(t)
     assert held is not None and 0 <= held <= 5 * HUGE_PAGE and held % HUGE_PAGE == 0
+
+
+@needs_thp
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_pinned_store_on_huge_pages_copies_to_the_device_and_maps_for_zero_copy_reads():
+    from engine.hw.hostmem import device_address
+
+    E, H, I = 6, 256, 512  # 6 experts × 1.5 MiB in fp32
+    gu, dn = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    store = ExpertStore.from_layers([gu], [dn], dtype=torch.float32, pin=True)
+    assert store.pinned and store.huge_pages
+    for e in range(E):
+        block = store.block(0, e)
+        on_device = block.to("cuda", non_blocking=True)  # a DMA from the registered huge pages
+        torch.cuda.synchronize()
+        assert torch.equal(on_device.cpu(), block)
+    assert device_address(store.blocks) != 0  # registered and mapped: the one graph reads it in place
