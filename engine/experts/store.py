@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelFileError
-from engine.hw.hostmem import huge_page_eligible, large_host_tensor
+from engine.hw.hostmem import HUGE_PAGE, huge_page_eligible, large_host_tensor
 
 
 def _unregister(ptr: int, keepalive: torch.Tensor) -> None:
@@ -51,7 +51,7 @@ class ExpertStore:
         self._block_views: dict[int, torch.Tensor] = {}
         self._expert_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._moe_rows: np.ndarray | None = None  # (L, E, 5) int64, see moe_table
-        self.huge_pages = bool(huge_page_eligible(self.blocks)) if self.blocks.numel() else False
+        self.huge_pages = self.nbytes >= HUGE_PAGE and bool(huge_page_eligible(self.blocks))
         self.pinned = False
         self._finalizer = None
         if pin and torch.cuda.is_available() and self.blocks.numel():

@@ -9,6 +9,7 @@ until every copy reading it has finished; `registered()` unregisters on exit aft
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 
@@ -40,31 +41,28 @@ def huge_page_advice() -> bool:
 
 
 def large_host_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised host tensor for a large region the CPU streams through (expert weights, KV),
+    """An uninitialised host tensor for a large region the CPU streams through (the expert store),
     backed by 2 MiB transparent huge pages where Linux has them.
 
-    With 4 KiB pages every 4 KiB row of a streamed expert is a new TLB entry, and the hardware
-    prefetchers stop at each page; on 2 MiB pages the native expert kernel read 10-20% more GB/s from
-    DRAM at 1-4 tokens on the development machine (benchmarks/RESULTS.md). Elsewhere (no
-    MADV_HUGEPAGE, TANDEM_HUGE_PAGES=0, or a region under one huge page) this is torch.empty. Pages
-    are committed as they are first written, as with torch.empty, and the mapping lives as long as
-    the tensor (and anything that keeps it alive: a registration's finalizer)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    nbytes = numel * item
+    On 4 KiB pages each 4 KiB row of a streamed bf16 expert is a new TLB entry. On huge pages the
+    native expert kernel read up to 15-22% more GB/s from DRAM at 1 token on the development machine,
+    and level within the noise on the H200 host (benchmarks/RESULTS.md). Elsewhere (no MADV_HUGEPAGE,
+    TANDEM_HUGE_PAGES=0, a region under one huge page) this is torch.empty. Pages are committed as they
+    are first written, as with torch.empty; the mapping lives as long as the tensor (and whatever keeps
+    it alive: a registration's finalizer)."""
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not huge_page_advice():
         return torch.empty(shape, dtype=dtype)
     # Private: an anonymous shared mapping (mmap's default) is shmem, which THP leaves alone. One huge
     # page of slack to align the start.
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = (-_address(region)) % HUGE_PAGE
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping
+    start = (-raw.data_ptr()) % HUGE_PAGE
     try:
-        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % HUGE_PAGE or HUGE_PAGE)
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
     except OSError:  # THP disabled ("never") or not built in: ordinary pages, same memory
         pass
-    return torch.frombuffer(region, dtype=dtype, count=numel, offset=start).view(shape)
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 def mapping_fields(t: torch.Tensor) -> dict[str, str] | None:
@@ -101,12 +99,6 @@ def huge_page_bytes(t: torch.Tensor) -> int | None:
     if fields is None or "AnonHugePages" not in fields:
         return None
     return int(fields["AnonHugePages"].split()[0]) * 1024
-
-
-def _address(region: mmap.mmap) -> int:
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(region))
 
 
 def touched(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
