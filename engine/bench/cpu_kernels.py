@@ -80,10 +80,9 @@ def _kv_pool(batch: int, length: int, n_kv: int, hs: int, dtype: torch.dtype, se
     """A block pool (N, n_kv, BLOCK, hs) for K and V, and each sequence's blocks in shuffled order."""
     per_seq = -(-length // BLOCK)
     gen = torch.Generator().manual_seed(seed)
-    shape = (batch * per_seq, n_kv, BLOCK, hs)
-    # Huge pages where Linux has them (TANDEM_HUGE_PAGES=0: not), as the engine's large host regions.
-    k_pool = large_host_tensor(shape, dtype).uniform_(-1, 1, generator=gen)
-    v_pool = large_host_tensor(shape, dtype).uniform_(-1, 1, generator=gen)
+    # Ordinary pages, as the engine's KV compute region (regions.UnpinnedRegion) holds its rows.
+    k_pool = torch.empty(batch * per_seq, n_kv, BLOCK, hs, dtype=dtype).uniform_(-1, 1, generator=gen)
+    v_pool = torch.empty_like(k_pool).uniform_(-1, 1, generator=gen)
     order = torch.randperm(batch * per_seq, generator=gen)
     ids = [order[b * per_seq:(b + 1) * per_seq] for b in range(batch)]
     return k_pool, v_pool, ids

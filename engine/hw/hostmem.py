@@ -45,8 +45,8 @@ def large_host_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     backed by 2 MiB transparent huge pages where Linux has them.
 
     On 4 KiB pages each 4 KiB row of a streamed bf16 expert is a new TLB entry. On huge pages the
-    native expert kernel read up to 15-22% more GB/s from DRAM at 1 token on the development machine,
-    and level within the noise on the H200 host (benchmarks/RESULTS.md). Elsewhere (no MADV_HUGEPAGE,
+    native expert kernel read 5-15% more GB/s from DRAM at 1 token on the development machine, and
+    level within the noise on the H200 host (benchmarks/RESULTS.md). Elsewhere (no MADV_HUGEPAGE,
     TANDEM_HUGE_PAGES=0, a region under one huge page) this is torch.empty. Pages are committed as they
     are first written, as with torch.empty; the mapping lives as long as the tensor (and whatever keeps
     it alive: a registration's finalizer)."""
