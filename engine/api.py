@@ -21,7 +21,7 @@ from engine.runtime.requests import GenerationRequest, GenerationResult
 from engine.runtime.telemetry import StatsSnapshot
 
 __all__ = ["Engine", "EngineConfig", "GenerationRequest", "GenerationResult", "StatsSnapshot", "TandemError",
-           "probe_hardware", "calibrate", "load_profile"]
+           "probe_hardware", "calibrate", "load_profile", "plan_placement"]
 
 
 @dataclass
@@ -31,8 +31,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
     vram_budget_gb: float | None = None
-    kv_policy: str = "resident"  # resident | writescope | gpu-centric | cpu-centric | fixed:<r> | monolithic
-    expert_policy: str = "resident"  # resident | adaptive | cpu-only | on-demand | static
+    # auto: the placement plan chooses (runtime/planning.py); the others are for comparisons
+    kv_policy: str = "auto"  # auto | resident | writescope | gpu-centric | cpu-centric | fixed:<r> | monolithic
+    expert_policy: str = "auto"  # auto | resident | adaptive | cpu-only | on-demand | static
     d_window: int = 256  # tokens of newest decode KV kept on the GPU (hybrid KV policies)
     block_size: int = 64  # tokens per KV block
     max_context: int | None = None  # None: the model's own context length
@@ -66,7 +67,7 @@ def choose_backend(config: EngineConfig) -> str:
     import torch
 
     gguf_model = config.model.lower().endswith(".gguf")
-    plain = (config.kv_policy, config.expert_policy) == ("resident", "resident") and not config.simulate_hybrid
+    plain = {config.kv_policy, config.expert_policy} <= {"auto", "resident"} and not config.simulate_hybrid
     no_gpu = config.device == "cpu" or not torch.cuda.is_available()
     if gguf_model and plain and no_gpu and importlib.util.find_spec("llama_cpp") is not None:
         return "llamacpp"
@@ -137,6 +138,15 @@ class Engine:
         with self._lock:
             return self.backend.generate_batch(requests, on_text, stop_event)
 
+    def live_batch(self):
+        """Continuous batching over this engine (engine/runtime/batching.py): requests join and leave
+        the running batch between decode steps. None on backends that decode one request at a time."""
+        if getattr(self.backend, "name", None) != "tandem":
+            return None
+        from engine.runtime.batching import LiveBatch
+
+        return LiveBatch(self.backend, self._lock, self.config.max_batch)
+
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, greedy: bool = True, **sampling) -> list[int]:
         """Token ids in, token ids out: no template, no stop strings, EOS still ends generation."""
         req = GenerationRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, greedy=greedy, **sampling)
@@ -192,6 +202,19 @@ def calibrate(mode: str = "quick", progress: Callable[[str, float], None] | None
     data = measure(shape, mode, progress, cancel, use_cuda=dev.type == "cuda")
     path = hw_profile.save(data, profile_path)
     return hw_profile.read(path)
+
+
+def plan_placement(config: EngineConfig | None = None) -> dict:
+    """Where `config`'s model would live on this machine and how fast it would run, from the model's
+    headers alone (no weights read): the placement plan of DESIGN.md §4b as a dict, with `fits`,
+    the policies, the rows (part, where, bytes), the predicted tok/s, the bottleneck and a one-line
+    `summary` for people. A model that fits nowhere comes back with fits=False, `problem` and `remedy`."""
+    from engine.hw import profile as hw_profile
+    from engine.runtime.planning import placement_plan
+
+    config = config or EngineConfig()
+    p = placement_plan(config, hw_profile.load(config.profile_path))
+    return p.to_dict() | {"summary": p.summary()}
 
 
 def load_profile(path: str | None = None, strict: bool = False) -> dict | None:

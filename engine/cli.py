@@ -109,6 +109,39 @@ def _generate_batch_of_ids(args, engine) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """The placement plan as a table (or JSON), from the model's headers; exit 1 when it cannot fit."""
+    from engine.api import plan_placement
+
+    p = plan_placement(_config(args))
+    if args.json:
+        print(json.dumps(p, indent=2))
+        return 0 if p["fits"] else 1
+    gib = lambda n: f"{n / 2**30:8.2f} GiB"
+    print(f"model      {args.model}")
+    print(f"machine    VRAM {gib(p['vram_available'])} · RAM {gib(p['ram_available'])} · costs: {p['costs_source']}")
+    if not p["fits"]:
+        print(f"does not fit: {p['problem']}\n{p['remedy']}")
+        return 1
+    print(f"placement  device {p['device']} · kv_policy {p['kv_policy']} · expert_policy {p['expert_policy']}"
+          + (f" · {p['expert_cache_slots']} expert slots" if p["expert_cache_slots"] is not None else "")
+          + (f" · D-window {p['d_window']}, r {p['r_start']:.2f} at the full context" if p["r_start"] is not None else ""))
+    print(f"context    {p['max_context']:,} tokens × {p['max_batch']} chats; KV on the GPU: {p['kv_gpu_tokens']:,} tokens a chat")
+    print()
+    print(f"{'part':<44} {'where':<5} {'size':>12}")
+    for row in p["rows"]:
+        print(f"{row['part']:<44} {row['where']:<5} {gib(row['bytes']):>12}")
+    print(f"{'total on the GPU':<44} {'':<5} {gib(p['vram_bytes']):>12}")
+    print(f"{'total in RAM':<44} {'':<5} {gib(p['ram_bytes']):>12}")
+    print()
+    print(f"predicted  decode {p['decode_tok_s']:.1f} tok/s (one chat, full context; {p['decode_tok_s_short']:.1f} "
+          f"at its start; {p['decode_tok_s_all']:.1f} for {p['max_batch']} chats together) · prefill "
+          f"{p['prefill_tok_s']:.0f} tok/s")
+    print(f"bottleneck {p['bottleneck']}")
+    print(f"why        {p['reason']}")
+    return 0
+
+
 def cmd_chat(args) -> int:
     from engine.api import Engine, GenerationRequest
 
@@ -330,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the built-in models").set_defaults(func=cmd_models)
 
+    pl = sub.add_parser("plan", help="show where a model would live on this machine and how fast it would run "
+                                     "(reads headers only; exit 1 when it cannot fit)")
+    _add_engine_flags(pl)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=cmd_plan)
+
     from engine.models.builtin import DEFAULT_MODEL
 
     k = sub.add_parser("calibrate", help="measure this machine (bandwidths, attention and expert costs) and save the profile")
@@ -403,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         return _guarded(lambda: cmd_bench_soak(argv[2:]))
     if argv[:1] == ["bench"] and argv[1:2] in (["kv"], ["experts"], ["e2e"], ["transformers"]):
         return _guarded(lambda: cmd_bench_own_flags(argv[1], argv[2:]))
+    if argv[:1] and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["gui", *argv]  # `tandem --data-dir X`: the app's own options without the word `gui`
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "gui":

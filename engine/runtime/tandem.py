@@ -14,6 +14,7 @@ from engine.hw import profile as hw_profile
 from engine.runtime.chat import eos_ids, render_chat
 from engine.runtime.generator import Generator, SeqRun
 from engine.runtime.loading import load_parts
+from engine.runtime.planning import apply_plan, placement_plan
 from engine.runtime.requests import GenerationRequest, GenerationResult, prompt_ids_of
 from engine.runtime.sampling import Sampler
 from engine.runtime.telemetry import StatsSnapshot, Telemetry
@@ -26,9 +27,11 @@ class TandemBackend:
     name = "tandem"
 
     def __init__(self, config, progress: Callable[[str, float], None] | None = None):
-        self.config = config
         self.telemetry = Telemetry()
         self.profile = hw_profile.load(config.profile_path)  # None: not calibrated (or another machine's)
+        self.plan = _plan_or_none(config, self.profile)
+        # the engine's config describes what runs: `auto` resolved by the plan (refused if nothing fits)
+        self.config = config = apply_plan(config, self.plan) if self.plan is not None else config
         self.parts = load_parts(config, progress, self.profile)
         p = self.parts
         self.generator = Generator(p.model, p.kv, p.device, p.max_context, config.max_batch, self.telemetry)
@@ -70,6 +73,7 @@ class TandemBackend:
                 "max_context": p.max_context, "kv_policy": p.kv.policy,
                 "expert_policy": p.experts.policy if p.experts else None,
                 "load_s": p.load_s, "vocab_size": p.args.vocab_size,
+                "plan": self.plan.to_dict() | {"summary": self.plan.summary()} if self.plan else None,
                 "cuda_graphs": self.generator.graphs.telemetry() if self.generator.graphs else {"off": self.graphs_off}}
 
     def _need_tokenizer(self):
@@ -183,6 +187,20 @@ class TandemBackend:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _plan_or_none(config, profile):
+    """The placement plan; with explicit policies a model the planner cannot size still loads (the
+    plan is then only information), while `auto` needs it."""
+    if "auto" in (config.kv_policy, config.expert_policy):
+        return placement_plan(config, profile)
+    try:
+        return placement_plan(config, profile)
+    except TandemError:
+        raise  # the model file itself is unreadable: loading would say the same
+    except Exception as e:
+        log.warning("no placement plan for %s (%s: %s)", config.model, type(e).__name__, e)
+        return None
 
 
 def compute_failure(e: Exception, device: torch.device) -> TandemError:

@@ -1,0 +1,38 @@
+"""A model's parts in bytes from its shape alone (ModelArgs: GGUF metadata or config.json, no
+tensor read), as the engine would hold them in one dtype: what the placement planner divides.
+
+The count follows models/common.py's modules: per layer q/k/v/o projections (biases where the
+family has them), two RMSNorms and the optional q/k norms, then either the router (MoE layers) or
+the dense SwiGLU FFN; token embeddings, the final norm and the output projection unless tied.
+"""
+
+from __future__ import annotations
+
+from engine.models.common import ModelArgs
+from engine.sched.placement import ModelParts
+
+
+def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
+    H, hs = args.dim, args.head_dim
+    q, kv = args.n_heads * hs, args.n_kv_heads * hs
+    attention = H * q + 2 * H * kv + q * H + 2 * H  # projections and the two norms
+    if args.qkv_bias:
+        attention += q + 2 * kv
+    if args.o_bias:
+        attention += H
+    if args.qk_norm:
+        attention += 2 * hs if args.qk_norm_scope == "head" else q + kv
+    moe = args.moe_layer_ids()
+    dense_ffn = 3 * H * args.ffn_dim
+    layer_params = [attention + (args.n_experts * H if i in moe else dense_ffn) for i in range(args.n_layers)]
+    mean_layer = sum(layer_params) // max(args.n_layers, 1)
+    expert_params = 3 * H * args.expert_ffn_dim if args.is_moe else 0
+    return ModelParts(
+        name=name, n_layers=args.n_layers,
+        embed_bytes=(args.vocab_size * H + H) * dtype_bytes,
+        output_bytes=0 if args.tie_embeddings else args.vocab_size * H * dtype_bytes,
+        layer_dense_bytes=mean_layer * dtype_bytes,
+        moe_layers=len(moe), n_experts=args.n_experts, top_k=args.top_k,
+        expert_bytes=expert_params * dtype_bytes, expert_flops_per_token=2.0 * expert_params,
+        kv_bytes_per_token=2 * args.n_layers * kv * dtype_bytes,
+        dense_flops_per_token=2.0 * sum(layer_params), attn_width=q)

@@ -1,0 +1,130 @@
+"""The placement plan of one EngineConfig on this machine, before any weight is read.
+
+Gathers what sched/placement.py decides from — the model's parts from its headers (or a synthetic
+preset's config), the VRAM budget (`vram_budget_gb`, else free VRAM less a margin), the RAM
+available, and the calibration profile's costs (documented defaults without one) — and turns the
+plan into the config that runs: `auto` policies, the device and the expert cache slots resolved.
+Explicit policies stay as given (they are how benchmarks compare placements); the plan is still
+computed and shown for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import psutil
+import torch
+
+from engine.errors import ConfigError, OutOfMemoryError
+from engine.models import families, synthetic
+from engine.models.common import ModelArgs
+from engine.models.shape import model_args
+from engine.models.sizes import model_parts
+from engine.sched.expert_cost import ExpertCostModel
+from engine.sched.placement import DEFAULT_CPU_TFLOPS, DEFAULT_DRAM_GBPS, GiB, MachineCosts, Plan, plan
+
+log = logging.getLogger("tandem")
+
+FREE_VRAM_USE = 0.9  # without a budget: the share of the GPU's free memory the plan may give away
+
+
+def _args_of(model: str) -> ModelArgs:
+    if model.startswith("synthetic:"):
+        config = synthetic.config_for(model)
+        return families.for_model_type(config["model_type"], None).args_from_config(config)
+    return model_args(model)
+
+
+def _dtype_bytes(config, device_type: str) -> int:
+    if config.dtype == "float32":
+        return 4
+    if config.dtype == "bfloat16" or config.model.startswith("synthetic:"):
+        return 2  # synthetic presets are generated in bf16 on any device (runtime/loading.py)
+    return 2 if device_type == "cuda" else 4  # auto: bf16 on a GPU, fp32 on the CPU
+
+
+def _gpu_side(config) -> tuple[bool, bool]:
+    """(a GPU side exists, it is simulated on the CPU)."""
+    if config.device == "cpu":
+        return bool(config.simulate_hybrid), bool(config.simulate_hybrid)
+    cuda = torch.cuda.is_available()
+    if config.device.startswith("cuda") and not cuda:
+        raise ConfigError("device 'cuda' was asked for but no CUDA GPU is available",
+                          "use --device cpu (or auto), or install a CUDA build of torch and a driver")
+    return cuda or bool(config.simulate_hybrid), not cuda and bool(config.simulate_hybrid)
+
+
+def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int) -> MachineCosts:
+    gpu, simulated = _gpu_side(config)
+    ram = psutil.virtual_memory().available
+    if config.vram_budget_gb:
+        vram, source = int(config.vram_budget_gb * GiB), "budget"
+    elif gpu and not simulated:
+        vram, source = int(torch.cuda.mem_get_info()[0] * FREE_VRAM_USE), "free VRAM"
+    elif gpu:  # simulated without a budget: the stand-in GPU is the host itself
+        vram, source = ram, "simulated, no budget"
+    else:
+        vram, source = 0, "no GPU"
+    dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
+    experts, kv, dram, cpu_tflops, costs_source = None, None, DEFAULT_DRAM_GBPS, DEFAULT_CPU_TFLOPS, "defaults"
+    if profile is not None:
+        from engine.runtime.expert_placement import costs_from_profile
+        from engine.runtime.kv_setup import roofline_from_profile
+
+        if args.is_moe:
+            experts = costs_from_profile(profile, args.dim, args.expert_ffn_dim, dtype)
+        kv = roofline_from_profile(profile, args, dtype, config.max_batch)
+        measured = (profile.data.get("memory") or {}).get("read_GBps")
+        if isinstance(measured, (int, float)) and measured > 0:
+            dram = float(measured)
+        if experts is not None:
+            cpu_tflops = experts.cpu_tflops
+        costs_source = f"calibrated ({profile.name})"
+    if experts is None:
+        experts = ExpertCostModel.from_shape(args.dim, max(args.expert_ffn_dim, 1), dtype_bytes)
+    if kv is None:
+        from engine.kv.partition import PartitionSpec
+
+        kv = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=gpu and not simulated).roofline
+    return MachineCosts(gpu=gpu, vram_bytes=vram, ram_bytes=ram, experts=experts, kv=kv, dram_gbps=dram,
+                        cpu_tflops=cpu_tflops, budget_source=source, costs_source=costs_source)
+
+
+def placement_plan(config, profile=None) -> Plan:
+    """The plan for `config` on this machine (reads the model's headers only)."""
+    args = _args_of(config.model)
+    max_context = min(config.max_context or args.max_position, args.max_position)
+    gpu, simulated = _gpu_side(config)
+    dev_bytes = _dtype_bytes(config, "cuda" if gpu and not simulated else "cpu")
+    cpu_bytes = _dtype_bytes(config, "cpu")
+    costs = machine_costs(config, args, profile, dev_bytes)
+    parts = model_parts(args, dev_bytes, config.model)
+    cpu_parts = parts if cpu_bytes == dev_bytes else model_parts(args, cpu_bytes, config.model)
+    return plan(parts, costs, max_context=max_context, max_batch=config.max_batch, d_window=config.d_window,
+                block_size=config.block_size, cpu_parts=cpu_parts)
+
+
+def apply_plan(config, p: Plan):
+    """The config that runs: `auto` policies (and the device and slots they imply) from the plan.
+    Refuses a model that fits nowhere, with the sizes and what would make it fit."""
+    auto_kv, auto_experts = config.kv_policy == "auto", config.expert_policy == "auto"
+    if not (auto_kv or auto_experts):
+        return config
+    if not p.fits:
+        raise OutOfMemoryError(p.problem, p.remedy)
+    if p.device == "cpu" and not config.simulate_hybrid and config.device.startswith("cuda"):
+        raise OutOfMemoryError(f"the dense weights do not fit the GPU ({p.reason})",
+                               "raise vram_budget_gb, or use device auto to run on the CPU")
+    changes: dict = {}
+    if p.device == "cpu" and not config.simulate_hybrid:
+        changes["device"] = "cpu"
+    if auto_kv:
+        changes["kv_policy"] = p.kv_policy
+    if auto_experts:
+        changes["expert_policy"] = p.expert_policy
+        # the slots the plan sized beside its own KV choice (an explicit KV policy re-sizes them at load)
+        if p.expert_cache_slots is not None and config.expert_cache_slots is None and auto_kv:
+            changes["expert_cache_slots"] = p.expert_cache_slots
+    log.info("placement plan: %s", p.summary())
+    return replace(config, **changes)

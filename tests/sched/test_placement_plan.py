@@ -1,0 +1,142 @@
+"""The placement planner on tables of sizes and costs: real shapes (Qwen3-30B-A3B, the built-in
+MoE), tiny and too-big models, with and without calibrated costs, with and without a GPU."""
+
+import pytest
+
+from engine.models import families, synthetic
+from engine.models.sizes import model_parts
+from engine.sched.expert_cost import ExpertCostModel
+from engine.sched.placement import GiB, MachineCosts, ModelParts, decode_ms, lru_hit_rate, plan, unique_experts
+from engine.sched.roofline import RooflineParams
+
+
+def preset(name: str, dtype_bytes: int = 2) -> ModelParts:
+    config = synthetic.config_for(name)
+    args = families.for_model_type(config["model_type"], None).args_from_config(config)
+    return model_parts(args, dtype_bytes, name)
+
+
+def machine(vram_gb: float, ram_gb: float = 128, gpu: bool = True, **expert_costs) -> MachineCosts:
+    # Qwen3-30B-A3B's layer: 2 KiB of KV per token; the defaults of kv/partition.py on a Gen4 link
+    kv = RooflineParams(A_ns_per_token=2048 / 10.0, B_ns_per_token=2048 / 25.0, delta_ms=0.1)
+    return MachineCosts(gpu=gpu, vram_bytes=int(vram_gb * GiB), ram_bytes=int(ram_gb * GiB),
+                        experts=ExpertCostModel.from_shape(2048, 768, 2, **expert_costs), kv=kv, dram_gbps=90.0)
+
+
+L16 = preset("synthetic:qwen3-30b-a3b-L16")
+
+
+def test_sizes_of_qwen3_30b_a3b_follow_its_published_shape():
+    full = preset("synthetic:qwen3-30b-a3b")
+    assert full.expert_bytes == 3 * 2048 * 768 * 2  # gate, up, down in bf16: 9.4 MB
+    assert full.n_routed == 48 * 128
+    assert full.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2  # K and V, 4 KV heads of 128, 48 layers
+    assert 56 * GiB < full.weights_bytes < 58 * GiB  # 30.5 B parameters in bf16
+    assert L16.routed_bytes == full.routed_bytes // 3
+
+
+def test_everything_on_the_gpu_when_it_fits():
+    p = plan(L16, machine(48), max_context=2048, max_batch=1)
+    assert p.fits and p.device == "gpu"
+    assert (p.kv_policy, p.expert_policy, p.expert_cache_slots) == ("resident", "resident", None)
+    assert p.vram_bytes <= 48 * GiB and p.ram_bytes == 0
+    assert p.summary().startswith("fits on the GPU")
+
+
+def test_experts_larger_than_the_budget_are_cached_and_the_rest_lives_in_ram():
+    p = plan(L16, machine(8), max_context=2048, max_batch=1)
+    assert p.fits and p.device == "gpu" and p.expert_policy == "adaptive"
+    assert p.kv_policy == "resident"  # a 2K chat's KV (64 MiB) is worth more per byte than 7 expert slots
+    slots_bytes = p.expert_cache_slots * L16.expert_bytes
+    assert 0.5 * 8 * GiB < slots_bytes < 8 * GiB - L16.dense_bytes
+    assert p.vram_bytes <= 8 * GiB
+    assert next(r for r in p.rows if r.part == "routed experts (store)").where == "RAM"
+    assert "experts cached" in p.summary()
+    # the choice is the fastest candidate of the cost model
+    fitting = [c for c in p.candidates if c["fits"]]
+    assert max(c["decode_tok_s"] for c in fitting) == pytest.approx(p.decode_tok_s, rel=0.25)
+
+
+def test_long_contexts_of_many_chats_hand_the_budget_from_experts_to_the_kv():
+    short = plan(L16, machine(24), max_context=2048, max_batch=4)
+    long = plan(L16, machine(24), max_context=32768, max_batch=4)
+    assert short.expert_policy == "resident"  # 18 GiB of experts + 0.1 GiB of KV fit
+    assert long.kv_policy == "resident" and long.expert_policy == "adaptive"  # 4 GiB of KV beat 440 slots
+    assert long.expert_cache_slots < L16.n_routed
+
+
+def test_more_budget_never_predicts_slower_decode():
+    speeds = [plan(L16, machine(g), max_context=8192, max_batch=1).decode_tok_s for g in (2, 4, 8, 16, 24, 48)]
+    assert speeds == sorted(speeds)
+
+
+def test_a_budget_of_zero_runs_everything_on_the_cpu():
+    p = plan(L16, machine(0), max_context=2048, max_batch=1)
+    assert p.fits and p.device == "cpu" and p.vram_bytes == 0
+    assert "leave no room on the GPU" in p.reason
+
+
+def test_a_cpu_only_machine_runs_from_ram():
+    builtin = ModelParts("builtin", 30, 576 * 49153 * 4, 0, 3_600_000, 30, 8, 2, 10_616_832, 2 * 576 * 1536 * 3,
+                         2 * 30 * 3 * 64 * 4, 2e7, 576)
+    p = plan(builtin, machine(0, ram_gb=16, gpu=False), max_context=8192, max_batch=4)
+    assert p.fits and p.device == "cpu" and (p.kv_policy, p.expert_policy) == ("resident", "resident")
+    assert p.reason.startswith("no GPU") and p.decode_tok_s > 0
+    assert {r.where for r in p.rows} == {"RAM"}
+
+
+def test_a_model_larger_than_vram_and_ram_is_refused_with_sizes_and_remedies():
+    full = preset("synthetic:qwen3-30b-a3b")
+    p = plan(full, machine(8, ram_gb=32), max_context=40960, max_batch=4)
+    assert not p.fits
+    assert "57.0 GiB" in p.problem or "56.9 GiB" in p.problem
+    assert "quantised" in p.remedy
+
+
+def test_the_refusal_names_a_context_that_fits():
+    p = plan(L16, machine(0, ram_gb=24, gpu=False), max_context=40960, max_batch=4)
+    assert not p.fits
+    ctx = int(p.remedy.split("at most ")[1].split(" tokens")[0].replace(",", ""))
+    assert plan(L16, machine(0, ram_gb=24, gpu=False), max_context=ctx, max_batch=4).fits
+    assert not plan(L16, machine(0, ram_gb=24, gpu=False), max_context=ctx + 64, max_batch=4).fits
+
+
+def test_a_slow_link_and_a_fast_cpu_move_the_misses_to_the_cpu():
+    fast_link = plan(L16, machine(8), max_context=2048, max_batch=1)
+    slow_link = plan(L16, machine(8, pcie_gbps=2.0, cpu_gbps=200.0, host_gbps=250.0), max_context=2048, max_batch=1)
+    assert "PCIe" in fast_link.bottleneck.split(";")[0] or "CPU" in fast_link.bottleneck
+    assert slow_link.bottleneck.startswith("decode: CPU experts")
+
+
+def test_calibrated_costs_change_the_prediction():
+    slow = plan(L16, machine(8, cpu_gbps=10.0), max_context=2048, max_batch=1)
+    fast = plan(L16, machine(8, cpu_gbps=100.0), max_context=2048, max_batch=1)
+    assert fast.decode_tok_s > slow.decode_tok_s
+
+
+def test_dense_models_have_no_expert_rows():
+    config = synthetic.config_for("synthetic:qwen3-30b-a3b-L2")
+    args = families.for_model_type(config["model_type"], None).args_from_config(config)
+    from dataclasses import replace
+    dense = model_parts(replace(args, n_experts=0, top_k=0, expert_ffn_dim=0), 2, "dense")
+    p = plan(dense, machine(8), max_context=2048, max_batch=1)
+    assert p.expert_policy == "resident" and not any("experts" in r.part for r in p.rows)
+
+
+def test_cache_and_routing_arithmetic():
+    assert unique_experts(128, 8, 1) == pytest.approx(8)
+    assert unique_experts(128, 8, 512) == pytest.approx(128, rel=1e-6)  # a prefill chunk touches them all
+    assert lru_hit_rate(64, 128, 16) == 0.5
+    assert lru_hit_rate(64, 128, 200) == 0.0  # a pass longer than the cache evicts everything first
+    p = plan(L16, machine(8), max_context=32768, max_batch=1)
+    assert p.decode_tok_s < p.decode_tok_s_short  # the full context reads more KV than its start
+
+
+def test_spilled_kv_costs_grow_with_context_and_resident_kv_does_not_spill():
+    from engine.sched.placement import _Placement
+
+    c = machine(8)
+    spill = _Placement("gpu", "writescope", "resident", 0, 0, 0)
+    short, _ = decode_ms(spill, L16, c, 1024, 1, 256)
+    long, bound = decode_ms(spill, L16, c, 65536, 1, 256)
+    assert long > short and bound == "KV in host memory"
