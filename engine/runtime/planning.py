@@ -113,12 +113,13 @@ def apply_plan(config, p: Plan):
         return config
     if not p.fits:
         raise OutOfMemoryError(p.problem, p.remedy)
-    if p.device == "cpu" and not config.simulate_hybrid and config.device.startswith("cuda"):
+    if p.device == "cpu" and config.device.startswith("cuda"):
         raise OutOfMemoryError(f"the dense weights do not fit the GPU ({p.reason})",
                                "raise vram_budget_gb, or use device auto to run on the CPU")
     changes: dict = {}
-    if p.device == "cpu" and not config.simulate_hybrid:
+    if p.device == "cpu":  # the dense weights do not fit the GPU (or there is none): the CPU computes all
         changes["device"] = "cpu"
+        changes["simulate_hybrid"] = False
     if auto_kv:
         changes["kv_policy"] = p.kv_policy
     if auto_experts:

@@ -95,10 +95,14 @@ def test_missing_tokenizer_is_explained_on_chat_use(folder):
 
 
 def test_vram_budget_too_small_for_the_dense_weights(folder):
+    """Explicit GPU policies are refused with the sizes; the default plan runs the model on the CPU."""
     with pytest.raises(OutOfMemoryError) as e:
-        engine_for(folder, simulate_hybrid=True, vram_budget_gb=1e-5)
+        engine_for(folder, simulate_hybrid=True, vram_budget_gb=1e-5, kv_policy="resident", expert_policy="resident")
     assert_explained(e.value, "weights", "VRAM budget", "vram_budget_gb")
     assert "raise vram_budget_gb" in e.value.remedy
+    engine = engine_for(folder, simulate_hybrid=True, vram_budget_gb=1e-5)
+    assert engine.info()["plan"]["device"] == "cpu" and engine.backend.config.simulate_hybrid is False
+    assert len(engine.generate_ids(PROMPT, 3)) == 3
 
 
 def test_pinned_pool_exhausted_routes_to_the_cpu(folder, monkeypatch):
