@@ -1,8 +1,16 @@
-"""The prefill/decode loop over a batch of sequences, and chat sessions that keep their KV.
+"""The prefill/decode loop over a live batch of sequences, and chat sessions that keep their KV.
 
-Prefill runs one sequence at a time (T new tokens, chunked), so sequences of different lengths
-need no padding there; decode runs every live sequence together, one token each per step. A
-session remembers which tokens its KV holds: the next turn crops the KV to the common prefix of
+Continuous batching: sequences are admitted at any time and join the batch at the next step; each
+step first runs prefill for the sequences that joined (one sequence per forward, T prompt tokens,
+chunked: at most PREFILL_CHUNK tokens of prefill per step, so a long prompt never holds the others'
+decode for more than one chunk), then one decode step over every sequence past its prefill (B
+sequences, one token each). A sequence that finishes, is cancelled (its own `cancel`, checked before
+every step) or fails leaves at once; its `on_done` runs on the thread that stepped. A failure is the
+failing sequence's alone: a prefill is one sequence's forward; a batched decode step that raises is
+re-run one sequence at a time, and only those that fail alone end with the error (`SeqRun.error`).
+`run()` is the one-call form (admit these, step until they end) that Engine.generate_batch uses.
+
+A session remembers which tokens its KV holds: the next turn crops the KV to the common prefix of
 old and new prompt and prefills only the rest.
 
 Decode runs one step ahead of the host: a step's tokens are sampled on the device and feed the next
@@ -13,11 +21,13 @@ resident decode of the 16-layer model at 2K ran 651 tok/s this way against 625 a
 gain once the host reads a step's expert log while the next runs (ZeroCopyDecode) and the sampler's
 copies do not wait for the GPU: 2K bs=1, 48 layers, 111 tok/s against 101-103 (phase CK). A
 sequence that ends on a token the host has not read yet has been fed it once more; that step's KV
-entry is cropped away and its sample dropped.
+entry is cropped away and its sample dropped. A sequence joining mid-flight feeds its first token
+from the host, beside the device-side tokens of the others.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -26,14 +36,17 @@ from typing import Callable
 
 import torch
 
-from engine.errors import ContextOverflowError
+from engine.errors import ConfigError, ContextOverflowError
 from engine.kernels.cuda_streams import to_device_async
 from engine.kv.backend import KVBackend
 from engine.runtime.sampling import Sampler
 from engine.runtime.telemetry import GenerationTimer, Telemetry
 from engine.runtime.textstream import TextStream
 
-PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory on long prompts
+log = logging.getLogger("tandem")
+
+PREFILL_CHUNK = 512  # tokens per prefill forward, and of prefill per step: bounds activation memory on
+# long prompts, and how long a joining prompt holds up the decode step of the sequences already running
 
 
 @dataclass
@@ -42,9 +55,9 @@ class Session:
     cached: list[int] = field(default_factory=list)  # tokens whose KV is stored, in order
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `r in runs` must never compare prompts field by field
 class SeqRun:
-    """One sequence inside a generate call."""
+    """One sequence in the live batch."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -53,9 +66,51 @@ class SeqRun:
     stream: TextStream | None = None
     on_text: Callable[[str], None] | None = None
     session: Session | None = None
+    cancel: object = None  # anything with is_set() (a threading.Event): set → "stopped" before the next step
+    on_done: Callable[["SeqRun"], None] | None = None  # once it has left the batch, on the stepping thread
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: BaseException | None = None  # what failed its step (finish_reason then stays None)
     prefilled: int = 0  # prompt tokens actually computed (the rest came from the session's KV)
+    next_pos: int = 0  # prompt tokens whose KV is stored: prefill progress
+    prefill_s: float = 0.0
+    t_admitted: float = 0.0  # perf_counter seconds
+    t_first: float | None = None  # the first token chosen
+    t_done: float | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prefill: its first token is chosen."""
+        return bool(self.generated)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.t_first is None else self.t_first - self.t_admitted
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        return self.prefilled / self.prefill_s if self.prefilled and self.prefill_s > 0 else None
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """This sequence's own rate after its first token (what its reader saw)."""
+        if self.t_first is None or self.t_done is None or len(self.generated) < 2 or self.t_done <= self.t_first:
+            return None
+        return (len(self.generated) - 1) / (self.t_done - self.t_first)
+
+
+class _AnyOf:
+    """is_set() of several stop events (a run's own and its caller's)."""
+
+    def __init__(self, *events):
+        self.events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
 
 
 @dataclass
@@ -75,117 +130,270 @@ class Generator:
         self.max_context = max_context
         self.max_sessions = max_sessions
         self.telemetry = telemetry
+        self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # LRU: oldest first
         self.graphs = None  # DecodeGraphs where decode steps can be replayed (engine/runtime/decode_graph.py)
+        self.live: list[SeqRun] = []  # admitted and not ended, in order of admission
+        self._pending: _Launched | None = None
+        self.timer: GenerationTimer | None = None  # counts since the batch was last idle
+        self.steps = 0  # decode steps run (with their rows: mean batch = decode_rows / steps)
+        self.decode_rows = 0
 
     # -- sessions -------------------------------------------------------------------------------
     def session(self, key: str | None) -> Session:
-        """The named chat's session (most recently used now), or a throwaway one for key None."""
+        """The named chat's session (most recently used now), or a throwaway one for key None. A
+        session whose sequence is in the live batch is never the one evicted."""
         if key is not None and key in self.sessions:
             self.sessions.move_to_end(key)
             return self.sessions[key]
+        busy = {id(r.session) for r in self.live}
         while len(self.sessions) >= self.max_sessions:  # the KV pool holds max_sessions sequences
-            _, old = self.sessions.popitem(last=False)
-            self.kv.free(old.seq_id)
+            old = next((k for k, s in self.sessions.items() if id(s) not in busy), None)
+            if old is None:  # every kept chat is generating now: the pool's free blocks stretch
+                break
+            self.kv.free(self.sessions.pop(old).seq_id)
         s = Session(self.kv.new_sequence())
         if key is not None:
             self.sessions[key] = s
         return s
 
     def end_session(self, key: str) -> None:
-        s = self.sessions.pop(key, None)
+        s = self.sessions.get(key)
+        if s is not None and any(r.session is s for r in self.live):
+            raise ConfigError(f"chat {key} is generating", "stop its reply first")
+        self.sessions.pop(key, None)
         if s is not None:
             self.kv.free(s.seq_id)
 
-    # -- the loop -------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def run(self, runs: list[SeqRun], stop_event: threading.Event | None = None) -> GenerationTimer:
-        timer = GenerationTimer()
-        self.telemetry.last = timer
-        for r in runs:
-            if len(r.prompt) + 1 > self.max_context:
-                raise ContextOverflowError(
-                    f"the prompt has {len(r.prompt)} tokens; the context window holds {self.max_context}",
-                    "shorten the prompt or history, start a new chat, or raise max_context")
-        try:
-            self.telemetry.phase = "prefill"
-            for r in runs:
-                if stop_event is not None and stop_event.is_set():
-                    r.finish_reason = "stopped"
-                    continue
-                t0 = time.perf_counter()
-                logits = self._prefill(r)
-                timer.prefill_tokens += r.prefilled
-                timer.prefill_s += time.perf_counter() - t0
-                self._accept(r, logits)
-                if timer.ttft_s is None:
-                    timer.ttft_s = time.perf_counter() - timer.t_start
-            self.telemetry.phase = "decode"
-            self._decode([r for r in runs if r.finish_reason is None], timer, stop_event)
-        finally:
-            self.telemetry.phase = "idle"
-        for r in runs:
-            if r.stream is not None:
-                tail = r.stream.finish()
-                if tail and r.on_text:
-                    r.on_text(tail)
-        return timer
+    # -- joining ----------------------------------------------------------------------------------
+    def check(self, r: SeqRun) -> None:
+        """Refuse what cannot run, before it joins (so it fails alone): an empty prompt, one that does
+        not fit the context, token ids outside the vocabulary."""
+        if not r.prompt:
+            raise ConfigError("the prompt is empty", "send at least one token of prompt")
+        if len(r.prompt) + 1 > self.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {len(r.prompt)} tokens; the context window holds {self.max_context}",
+                "shorten the prompt or history, start a new chat, or raise max_context")
+        lo, hi = min(r.prompt), max(r.prompt)
+        if lo < 0 or (self.vocab_size is not None and hi >= self.vocab_size):
+            bad = lo if lo < 0 else hi
+            raise ConfigError(f"token id {bad} is outside the vocabulary (0 … {(self.vocab_size or 1) - 1})",
+                              "send token ids of this model's tokenizer")
+        if r.session is not None and any(x.session is r.session for x in self.live):
+            raise ConfigError("this chat is already generating", "wait for its reply or stop it")
 
-    def _prefill(self, r: SeqRun) -> torch.Tensor:
+    def admit(self, r: SeqRun) -> None:
+        """r joins the live batch: its prefill runs at the next step. The KV keeps the longest common
+        prefix of what the session holds and r's prompt (at least one token is computed, for logits)."""
+        self.check(r)
+        if r.session is None:
+            r.session = self.session(None)
         s = r.session
         common = 0
         for a, b in zip(s.cached, r.prompt):
             if a != b:
                 break
             common += 1
-        common = min(common, len(r.prompt) - 1)  # at least one token to compute logits from
+        common = min(common, len(r.prompt) - 1)
         self.kv.crop(s.seq_id, common)
         del s.cached[common:]
-        logits = None
-        for start in range(common, len(r.prompt), PREFILL_CHUNK):
-            chunk = r.prompt[start:start + PREFILL_CHUNK]
-            logits = self._forward([s], torch.tensor([chunk]))[0]  # (V,)
-            s.cached.extend(chunk)
-        r.prefilled = len(r.prompt) - common
-        return logits
+        r.next_pos = common
+        r.t_admitted = time.perf_counter()
+        if not self.live:
+            self.timer = GenerationTimer()
+            self.telemetry.last = self.timer
+        self.live.append(r)
 
-    def _decode(self, live: list[SeqRun], timer: GenerationTimer, stop_event: threading.Event | None) -> None:
-        """Decode steps until every sequence has finished, each step launched before the host reads
-        the tokens of the step before (see the module's docstring)."""
-        pending: _Launched | None = None
-        while live or pending is not None:
-            t0 = time.perf_counter()
-            stopped = stop_event is not None and stop_event.is_set()
-            runs = [] if stopped else [r for r in live if self._can_step(r, pending)]
-            logits = None
-            if runs:
-                if pending is None:  # the first step after prefill: its tokens are on the host
-                    tokens = torch.tensor([[r.generated[-1]] for r in runs])  # (B, 1)
-                elif runs == pending.runs:
-                    tokens = pending.tokens
-                else:  # some sequences ended: the rest's rows of the last samples
-                    rows = [pending.runs.index(r) for r in runs]
-                    tokens = pending.tokens[to_device_async(torch.tensor(rows), pending.tokens.device)]
-                logits = self._forward([r.session for r in runs], tokens)  # (B, V), launched
-                if pending is None:  # (later steps' tokens join `cached` once the host has read them)
-                    for r in runs:
-                        r.session.cached.append(r.generated[-1])
-            if pending is not None:
-                timer.decode_tokens += self._settle(pending, runs)
-            if stopped:
-                for r in live:
-                    if r.finish_reason is None:
-                        r.finish_reason = "stopped"
-            pending = self._sample(runs, logits) if runs else None
-            live = [r for r in live if r.finish_reason is None]
-            timer.decode_s += time.perf_counter() - t0
+    # -- the loop -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, runs: list[SeqRun], stop_event: threading.Event | None = None) -> GenerationTimer:
+        """Admit `runs` and step until each has ended (sequences already live step along); raises the
+        first error of one of them, after all have ended. → the call's own counts."""
+        for r in runs:
+            self.check(r)
+        if stop_event is not None:
+            for r in runs:
+                r.cancel = _AnyOf(r.cancel, stop_event)
+        for r in runs:
+            self.admit(r)
+        busy = self.timer
+        before = (busy.decode_tokens, busy.decode_s)
+        t0 = time.perf_counter()
+        try:
+            while any(not r.ended for r in runs):
+                self.step()
+        except BaseException as e:  # not a step's failure (those end their sequence): leave consistent
+            self.abort(e)
+            raise
+        errors = [r.error for r in runs if r.error is not None]
+        if errors:
+            raise errors[0]
+        timer = GenerationTimer(t_start=t0, prefill_tokens=sum(r.prefilled for r in runs),
+                                prefill_s=sum(r.prefill_s for r in runs),
+                                decode_tokens=busy.decode_tokens - before[0], decode_s=busy.decode_s - before[1])
+        ttfts = [r.ttft_s for r in runs if r.ttft_s is not None]
+        timer.ttft_s = min(ttfts) if ttfts else None
+        return timer
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One step of the live batch: prefill of sequences that joined (up to PREFILL_CHUNK tokens),
+        then one decode step over the rest; then the ended leave."""
+        if not self.live:
+            return
+        try:
+            for r in self.live:  # cancelled before their first token: no prefill (decoding ones: in the step)
+                if not r.ended and not r.decoding and r.cancel is not None and r.cancel.is_set():
+                    r.finish_reason = "stopped"
+            self._prefill_some()
+            self._decode_step()
+        finally:
+            self._leave()
+            self.telemetry.phase = "decode" if self.live else "idle"
+
+    def abort(self, error: BaseException) -> None:
+        """Every live sequence ends with `error` (the loop itself failed)."""
+        for r in self.live:
+            if not r.ended:
+                r.error = error
+        self._pending = None
+        self._leave()
+        self.telemetry.phase = "idle"
+
+    def _prefill_some(self) -> None:
+        timer, budget = self.timer, PREFILL_CHUNK
+        for r in [r for r in self.live if not r.ended and not r.decoding]:
+            if budget <= 0:
+                break
+            self.telemetry.phase = "prefill"
+            t0, computed = time.perf_counter(), 0
+            try:
+                logits = None
+                while r.next_pos < len(r.prompt) and budget > 0:
+                    chunk = r.prompt[r.next_pos:r.next_pos + PREFILL_CHUNK]
+                    logits = self._forward([r.session], torch.tensor([chunk]))[0]  # (V,)
+                    r.session.cached.extend(chunk)
+                    r.next_pos += len(chunk)
+                    computed += len(chunk)
+                    budget -= len(chunk)
+                if r.next_pos == len(r.prompt):
+                    self._accept(r, logits)
+                    r.t_first = time.perf_counter()
+                    timer.ttft_s = r.ttft_s
+            except Exception as e:  # noqa: BLE001 — this sequence's alone
+                self._fail(r, e)
+            dt = time.perf_counter() - t0
+            r.prefilled += computed
+            r.prefill_s += dt
+            timer.prefill_tokens += computed
+            timer.prefill_s += dt
+
+    def _decode_step(self) -> None:
+        """One decode step, launched before the host reads the tokens of the step before (see the
+        module's docstring)."""
+        pending, timer = self._pending, self.timer
+        ready = [r for r in self.live if r.decoding and not r.ended]
+        if not ready and pending is None:
+            return
+        self.telemetry.phase = "decode"
+        t0 = time.perf_counter()
+        stopped = [r for r in ready if r.cancel is not None and r.cancel.is_set()]
+        runs = [r for r in ready if not any(r is x for x in stopped) and self._can_step(r, pending)]
+        logits = None
+        if runs:
+            in_flight = pending.runs if pending is not None else []
+            cont = [r for r in runs if r in in_flight]
+            new = [r for r in runs if r not in in_flight]  # joined since: their token is on the host
+            runs = cont + new
+            try:
+                logits = self._forward([r.session for r in runs], self._step_tokens(cont, new, pending))  # (B, V)
+            except Exception as e:  # noqa: BLE001 — find whose it is
+                self._isolate(runs, e)
+                self._stop(stopped)
+                timer.decode_s += time.perf_counter() - t0
+                return
+            for r in new:  # (the others' tokens join `cached` once the host has read them)
+                r.session.cached.append(r.generated[-1])
+        if pending is not None:
+            timer.decode_tokens += self._settle(pending, runs)
+        self._stop(stopped)
+        self._pending = self._sample(runs, logits) if runs else None
+        timer.decode_s += time.perf_counter() - t0
+
+    def _step_tokens(self, cont: list[SeqRun], new: list[SeqRun], pending: _Launched | None) -> torch.Tensor:
+        """(B, 1) input tokens: continuing sequences' rows of the last samples (on the device), then
+        the joined ones' first tokens (from the host)."""
+        parts = []
+        if cont:
+            if cont == pending.runs:
+                parts.append(pending.tokens)
+            else:  # some sequences ended or left
+                rows = torch.tensor([pending.runs.index(r) for r in cont])
+                parts.append(pending.tokens[to_device_async(rows, pending.tokens.device)])
+        if new:
+            host = torch.tensor([[r.generated[-1]] for r in new])  # (n, 1)
+            parts.append(to_device_async(host, parts[0].device) if parts else host)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _isolate(self, runs: list[SeqRun], error: Exception) -> None:
+        """A batched decode step raised: read the step in flight, then run each sequence's step alone;
+        only those that fail alone end with their error, the others go on."""
+        if self._pending is not None:
+            self.timer.decode_tokens += self._settle(self._pending, [])  # KV now equals `cached` for all
+        self._pending = None
+        if len(runs) == 1:
+            self._fail(runs[0], error)
+            return
+        log.warning("a decode step of %d sequences failed (%s: %s); running each alone to find whose",
+                    len(runs), type(error).__name__, error)
+        kept, rows = [], []
+        for r in runs:
+            if r.ended or not self._can_step(r, None):
+                continue
+            try:
+                rows.append(self._forward([r.session], torch.tensor([[r.generated[-1]]])))  # (1, V)
+            except Exception as e:  # noqa: BLE001
+                self._fail(r, e)
+                continue
+            r.session.cached.append(r.generated[-1])
+            kept.append(r)
+        self._pending = self._sample(kept, torch.cat(rows)) if kept else None
+
+    def _stop(self, stopped: list[SeqRun]) -> None:
+        for r in stopped:
+            if not r.ended:
+                r.finish_reason = "stopped"
+
+    def _fail(self, r: SeqRun, error: BaseException) -> None:
+        r.error = error  # its step's KV is already dropped (_forward); its session is the caller's to end
+
+    def _leave(self) -> None:
+        if not any(r.ended for r in self.live):
+            return
+        done = [r for r in self.live if r.ended]
+        self.live = [r for r in self.live if not r.ended]
+        if not self.live:  # the step in flight is only ended sequences' now: its samples are dropped
+            self._pending = None
+        now = time.perf_counter()
+        for r in done:
+            r.t_done = now
+            if r.stream is not None and r.error is None:
+                tail = r.stream.finish()
+                if tail and r.on_text:
+                    r.on_text(tail)
+            if r.on_done is not None:
+                try:
+                    r.on_done(r)
+                except Exception:  # a caller's callback must not take the batch down
+                    log.exception("a sequence's on_done callback failed")
 
     def _can_step(self, r: SeqRun, pending: _Launched | None) -> bool:
         """Whether r takes part in the next step, counting the token it has in flight: a sequence
         that will have reached its length or the context does not (so those ends waste no step). One
         that cannot step and has no token in flight has ended: its reason is set here, so the loop
         always either launches a step or has one in flight, or ends."""
-        if r.finish_reason is not None:
+        if r.ended:
             return False
         in_flight = pending is not None and r in pending.runs
         if len(r.generated) + in_flight >= r.max_new_tokens:
@@ -198,17 +406,27 @@ class Generator:
             return False
         return True
 
-    def _sample(self, runs: list[SeqRun], logits: torch.Tensor) -> _Launched:
+    def _sample(self, runs: list[SeqRun], logits: torch.Tensor) -> _Launched | None:
         """Queue each row's sampling where the logits are, and the copy of the chosen ids to the host."""
-        tokens = torch.stack([r.sampler.choose(row, r.prompt + r.generated if r.sampler.uses_history else [])
-                              for r, row in zip(runs, logits)]).view(-1, 1)  # (B, 1) int64
+        kept, chosen = [], []
+        for r, row in zip(runs, logits):
+            try:
+                chosen.append(r.sampler.choose(row, r.prompt + r.generated if r.sampler.uses_history else []))
+                kept.append(r)
+            except Exception as e:  # noqa: BLE001 — this row's alone
+                self._fail(r, e)
+        if not kept:
+            return None
+        self.steps += 1
+        self.decode_rows += len(kept)
+        tokens = torch.stack(chosen).view(-1, 1)  # (B, 1) int64
         if tokens.device.type != "cuda":
-            return _Launched(runs, tokens, tokens.view(-1), None)
-        host = torch.empty(len(runs), dtype=torch.int64, pin_memory=True)
+            return _Launched(kept, tokens, tokens.view(-1), None)
+        host = torch.empty(len(kept), dtype=torch.int64, pin_memory=True)
         host.copy_(tokens.view(-1), non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _Launched(runs, tokens, host, ready)
+        return _Launched(kept, tokens, host, ready)
 
     def _settle(self, done: _Launched, fed: list[SeqRun]) -> int:
         """Read a step's tokens and accept them. `fed`: the sequences of the step launched since,
@@ -218,12 +436,12 @@ class Generator:
             done.ready.synchronize()
         accepted = 0
         for r, token in zip(done.runs, done.host.tolist()):
-            if r.finish_reason is not None:  # ended on the token this step was fed: its sample is dropped
+            if r.ended:  # ended on the token this step was fed, or left: its sample is dropped
                 continue
             self._accept_token(r, token)
             accepted += 1
             if r in fed:
-                if r.finish_reason is None:
+                if not r.ended:
                     r.session.cached.append(token)
                 else:
                     self.kv.crop(r.session.seq_id, len(r.session.cached))

@@ -1,12 +1,25 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p with a repetition penalty and a seed."""
+"""Next-token choice: greedy, or temperature / top-k / top-p with a repetition penalty and a seed.
+
+Limits that keep the arithmetic finite (fp32 logits of magnitude up to ~1e4): a temperature below
+MIN_TEMPERATURE is greedy (logits / 1e-38 overflow to inf and the softmax turns NaN; below 1e-3 the
+tempered softmax is one-hot to fp32 rounding anyway); a repetition penalty outside
+REPETITION_PENALTY_RANGE is refused (× 1e-300 underflows to 0, ÷ 1e-300 overflows); a seed is an
+integer in [0, 2^64) (what the generator's seed holds). Should a row's probabilities still be
+unusable (the model's logits NaN or all −inf), the draw falls back to the argmax of its finite logits.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from engine.kernels.cuda_streams import to_device_async
+
+MIN_TEMPERATURE = 1e-3  # below: greedy
+REPETITION_PENALTY_RANGE = (0.01, 10.0)  # inclusive
+SEED_LIMIT = 2**64  # seeds are integers in [0, SEED_LIMIT)
 
 
 @dataclass
@@ -18,11 +31,31 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0: off; >1 discourages tokens already in the sequence
     seed: int | None = None
 
+    def problem(self) -> str | None:
+        """What is wrong with these settings, or None."""
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            return f"temperature {self.temperature}: use a finite value ≥ 0 (below {MIN_TEMPERATURE}: greedy)"
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            return f"top_k {self.top_k}: use an integer ≥ 0 (0: off)"
+        if not 0 < self.top_p <= 1:  # NaN fails this too
+            return f"top_p {self.top_p}: use 0 < top_p ≤ 1"
+        if not lo <= self.repetition_penalty <= hi:
+            return f"repetition_penalty {self.repetition_penalty}: use {lo} ≤ repetition_penalty ≤ {hi} (1: off)"
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < SEED_LIMIT):
+            return f"seed {self.seed}: use an integer in [0, 2^64)"
+        return None
+
     def validate(self) -> None:
         from engine.errors import ConfigError
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.repetition_penalty <= 0:
-            raise ConfigError(f"invalid sampling settings {self}",
-                              "use temperature ≥ 0, top_k ≥ 0, 0 < top_p ≤ 1, repetition_penalty > 0")
+        problem = self.problem()
+        if problem is not None:
+            raise ConfigError(f"invalid sampling settings: {problem}", "change that setting and try again")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature < MIN_TEMPERATURE
 
 
 class Sampler:
@@ -58,7 +91,7 @@ class Sampler:
             vals = logits[seen]
             logits = logits.index_put((seen,), torch.where(vals > 0, vals / p.repetition_penalty,
                                                             vals * p.repetition_penalty))
-        if p.greedy or p.temperature == 0:
+        if p.is_greedy:
             return torch.argmax(logits)
         logits = logits / p.temperature
         if p.top_k:
@@ -75,5 +108,9 @@ class Sampler:
         # the same uniforms on every device.
         cdf = torch.cumsum(torch.softmax(logits, dim=-1).double(), dim=0)  # (V,)
         u = to_device_async(torch.rand(1, generator=self.gen, dtype=torch.float64), logits.device) * cdf[-1]
-        return torch.searchsorted(cdf, u, right=True).clamp_(max=V - 1)[0]
+        drawn = torch.searchsorted(cdf, u, right=True).clamp_(max=V - 1)[0]
+        # NaN or no mass (the model's logits NaN, or every token masked): the best finite logit instead,
+        # chosen on the device (no sync), so a broken row can never repeat the vocabulary's last id
+        usable = torch.isfinite(cdf[-1]) & (cdf[-1] > 0)
+        return torch.where(usable, drawn, torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
 

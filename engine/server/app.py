@@ -6,8 +6,12 @@ the queue's counters under "server"), POST /tokenize (vLLM's shape: token ids of
 chat under the model's template — what a remote client counts its context with), and GET /health
 (no key: for waiting until the server is up).
 
-Every route but /health needs `Authorization: Bearer <key>`. Errors are OpenAI-style JSON bodies. A client
-that disconnects mid-stream cancels its job, and the engine stops at its next step.
+Every route but /health needs `Authorization: Bearer <key>`. Every error is an OpenAI-style JSON body
+(an unexpected one too: 500, its traceback in the server's log). A request is checked whole before
+it is queued (limits.parse_json, schemas.py, token ids against the vocabulary), so a bad one is a
+400 for its sender and never reaches a batch. A client that disconnects, streaming or not, cancels
+its job at once (a task waits for the disconnect beside the reply), and the engine drops it at its
+next step; each job also has a wall-clock limit (`time_limit_s`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,11 +31,12 @@ from pydantic import BaseModel, ValidationError
 
 from engine.api import Engine, GenerationResult
 from engine.errors import ConfigError, ContextOverflowError, TandemError
-from engine.server.limits import APIError, BodySizeLimit, MiB, RateLimiter
+from engine.server.connections import ConnectionGuard
+from engine.server.limits import APIError, BodySizeLimit, MiB, RateLimiter, parse_json
 from engine.server.queue import EngineQueue, Job, QueueFullError
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest
 
-DISCONNECT_POLL_S = 0.25  # how often a waiting request checks whether its client is still there
+log = logging.getLogger("tandem.server")
 
 
 @dataclass
@@ -41,6 +47,10 @@ class ServerSettings:
     rate_limit_per_min: int = 600  # per client address; 0: off
     max_queue: int = 64  # waiting requests beyond this get 429
     default_max_tokens: int = 512  # when a request names none
+    time_limit_s: float = 600.0  # wall clock per generation, from its start; 0: none
+    header_timeout_s: float = 10.0  # request line + headers must arrive within this; 0: none
+    body_timeout_s: float = 30.0  # the body may pause this long between pieces; then 408
+    max_connections_per_address: int = 32  # open connections from one client address; 0: no cap
 
 
 def served_model_id(model: str) -> str:
@@ -52,7 +62,7 @@ def served_model_id(model: str) -> str:
 
 
 def finish_reason(result: GenerationResult) -> str:
-    return "length" if result.finish_reason in ("length", "context_full") else "stop"
+    return "length" if result.finish_reason in ("length", "context_full", "time_limit") else "stop"
 
 
 def usage(result: GenerationResult) -> dict:
@@ -71,16 +81,31 @@ def error_from(e: Exception) -> APIError:
         return APIError(400, f"{e.what} — {e.remedy}" if e.remedy else e.what)
     if isinstance(e, TandemError):
         return APIError(500, f"{e.what} — {e.remedy}" if e.remedy else e.what, "server_error")
-    return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+    return APIError(500, f"internal error: {type(e).__name__}: {e} (the server's log holds the traceback)",
+                    "server_error")
+
+
+def vocabulary_size(engine: Engine) -> int | None:
+    size = engine.info().get("vocab_size")
+    if size is None and engine.tokenizer is not None:
+        size = len(engine.tokenizer)
+    return size
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
-    queue = EngineQueue(engine, max_pending=settings.max_queue)
+    queue = EngineQueue(engine, max_pending=settings.max_queue, time_limit_s=settings.time_limit_s)
     limiter = RateLimiter(settings.rate_limit_per_min)
+    vocab = vocabulary_size(engine)
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.queue, app.state.engine, app.state.settings = queue, engine, settings
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.state.guard = ConnectionGuard(settings.header_timeout_s, settings.max_connections_per_address)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, body_timeout_s=settings.body_timeout_s)
     key = settings.api_key.encode()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        return JSONResponse(error_from(e).body(), status_code=500)
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, e: APIError):
@@ -113,11 +138,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                            "invalid_request_error", "invalid_api_key")
 
     async def parse(request: Request, model: type[BaseModel]):
-        raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        data = parse_json(await request.body())
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         try:
@@ -129,6 +150,11 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         bad = body.unsupported()
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        ids = body.token_ids() if hasattr(body, "token_ids") else None
+        if ids and vocab is not None and not 0 <= min(ids) <= max(ids) < vocab:
+            worst = min(ids) if min(ids) < 0 else max(ids)
+            raise APIError(400, f"prompt: token id {worst} is outside the vocabulary (0 … {vocab - 1})",
+                           param="prompt", code="invalid_value")
         if body.model not in (None, "", settings.model_id, engine.config.model):
             raise APIError(404, f"model '{body.model}' is not served here; this server has '{settings.model_id}'",
                            param="model", code="model_not_found")
@@ -153,7 +179,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                 if attempt == 2:
                     raise
                 await asyncio.sleep(0.01)
-        snap["server"] = queue.stats()
+        snap["server"] = queue.stats() | {"connections": app.state.guard.stats()}
         return snap
 
     @app.post("/tokenize", dependencies=[Depends(guard)])
@@ -164,6 +190,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             ids = await asyncio.wrap_future(queue.call(
                 lambda eng: eng.render(what) if isinstance(what, list) else eng.tokenize(what)))
         except TandemError as e:
+            raise error_from(e) from None
+        except Exception as e:  # noqa: BLE001 — the tokenizer's own failure: logged, answered as JSON
+            log.error("tokenize failed", exc_info=e)
             raise error_from(e) from None
         return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
 
@@ -182,26 +211,29 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             job = queue.submit(body.to_generation(settings.default_max_tokens))
         except TandemError as e:
             raise error_from(e) from None
-        # The first event decides the status: an error before any text is a proper HTTP error.
-        first = await next_event(request, job)
-        if first is None:
-            return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
-        if first[0] == "error":
-            raise error_from(first[1])
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        shape = ChunkShape(rid, int(time.time()), settings.model_id, chat)
-        if body.stream:
-            return StreamingResponse(sse(request, job, first, shape, body.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        parts, event = [], first
-        while event[0] == "text":
-            parts.append(event[1])
-            event = await next_event(request, job)
-            if event is None:
-                return JSONResponse({}, status_code=499)
-        if event[0] == "error":
-            raise error_from(event[1])
-        return shape.whole(event[1])
+        watcher = asyncio.create_task(cancel_on_disconnect(request, job))
+        try:
+            # The first event decides the status: an error before any text is a proper HTTP error.
+            first = await next_event(job)
+            if first is None:
+                return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
+            if first[0] == "error":
+                raise error_from(first[1])
+            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+            shape = ChunkShape(rid, int(time.time()), settings.model_id, chat)
+            if body.stream:  # from here the response watches for the disconnect itself (sse's finally)
+                return StreamingResponse(sse(job, first, shape, body.include_usage),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            event = first
+            while event[0] == "text":
+                event = await next_event(job)
+                if event is None:
+                    return JSONResponse({}, status_code=499)
+            if event[0] == "error":
+                raise error_from(event[1])
+            return shape.whole(event[1])
+        finally:
+            watcher.cancel()
 
     return app
 
@@ -225,15 +257,21 @@ class TokenizeRequest(BaseModel):
         return None
 
 
-async def next_event(request: Request, job: Job):
-    """The job's next event; None (and the job cancelled) when the client disconnected meanwhile."""
+async def cancel_on_disconnect(request: Request, job: Job) -> None:
+    """Wait for the client's disconnect (the body is read already: the next message is the
+    disconnect), then cancel the job — the engine drops it at its next step — and wake the reader."""
     while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancel()
-                return None
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            job.events.put_nowait(("gone", None))
+            return
+
+
+async def next_event(job: Job):
+    """The job's next event; None when the client has gone."""
+    event = await job.events.get()
+    return None if event[0] == "gone" else event
 
 
 @dataclass
@@ -273,7 +311,7 @@ def _data(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def sse(request: Request, job: Job, first, shape: ChunkShape, include_usage: bool):
+async def sse(job: Job, first, shape: ChunkShape, include_usage: bool):
     """Server-sent events: a role chunk (chat), text chunks, a finish chunk, usage if asked, [DONE]."""
     finished = False
     try:
@@ -292,7 +330,7 @@ async def sse(request: Request, job: Job, first, shape: ChunkShape, include_usag
                 if include_usage:
                     yield _data(shape.usage_chunk(value))
                 break
-            event = await next_event(request, job)
+            event = await next_event(job)
         finished = event is not None
         if finished:
             yield "data: [DONE]\n\n"
@@ -306,9 +344,14 @@ def serve(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", por
     """Run the server until interrupted (Ctrl-C / SIGTERM), then stop the engine's work and return."""
     import uvicorn
 
+    tandem_log = logging.getLogger("tandem")
+    if not tandem_log.handlers and not logging.getLogger().handlers:  # failures go to stderr, tracebacks and all
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        tandem_log.addHandler(handler)
     app = create_app(engine, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, http=app.state.guard.protocol())
     server = uvicorn.Server(config)
     if ready is not None:
         original = server.startup
