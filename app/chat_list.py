@@ -90,7 +90,10 @@ class ChatList(QWidget):
             self.chat_selected.emit(item.data(Qt.ItemDataRole.UserRole))
 
     def new_chat(self) -> str:
-        chat = self.store.create_chat(settings=self.store.setting("chat_defaults", None))
+        """Open an untouched chat: the one already waiting (no messages, not renamed) or a new one, so
+        pressing New chat twice does not leave a trail of empty chats."""
+        waiting = self.store.untouched_chat()
+        chat = waiting or self.store.create_chat(settings=self.store.setting("chat_defaults", None))
         self.select(chat.id)
         return chat.id
 

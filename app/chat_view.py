@@ -97,6 +97,7 @@ class MessageWidget(QFrame):
         lay.addWidget(self.body)
         self.editor = None
         self.outside = False  # left out of the prompt by the overflow policy
+        self.reading: tuple[int, int] | None = None  # prompt tokens read so far, of all (while it reads)
         self.stats_label = QLabel()
         self.stats_label.setObjectName("messageStats")
         self.stats_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -119,10 +120,18 @@ class MessageWidget(QFrame):
         if m.status == "error" and m.stats:
             self.stats_label.setText(f"{m.stats.get('what', '')} — {m.stats.get('remedy', '')}")
 
+    def set_reading(self, done: int, total: int) -> None:
+        """The engine is still reading the prompt: say how far, until the first words arrive."""
+        self.reading = (done, total)
+        self._update_tag()
+
     def _update_tag(self) -> None:
         tags = {"streaming": "generating…", "interrupted": "interrupted (the app closed mid-reply)",
                 "error": "failed"}
-        self.tag.setText("not sent: outside the context window" if self.outside else tags.get(self.message.status, ""))
+        text = tags.get(self.message.status, "")
+        if self.message.status == "streaming" and self.reading and not self.body.source_text:
+            text = f"reading {self.reading[0]:,} / {self.reading[1]:,} tokens…"
+        self.tag.setText("not sent: outside the context window" if self.outside else text)
 
     def set_outside_context(self, outside: bool) -> None:
         if outside == self.outside:

@@ -10,6 +10,9 @@ from PySide6.QtWidgets import (QFileDialog, QFrame, QHBoxLayout, QLabel, QPlainT
 from app.context import Attachment, ContextPlan
 
 
+PLACEHOLDER = "Message — Enter sends, Shift+Enter starts a new line"
+
+
 class MessageEdit(QPlainTextEdit):
     """Enter sends, Shift+Enter breaks the line; pasted or dropped files become attachments."""
 
@@ -71,8 +74,12 @@ class Composer(QWidget):
         self.chips_row.addStretch(1)
         lay.addLayout(self.chips_row)
         self.edit = MessageEdit()
-        self.edit.setPlaceholderText("Message (Enter sends, Shift+Enter for a new line; paste or drop text files)")
-        self.edit.setMaximumHeight(96)
+        # Short enough for the narrowest window (1280 px with both side panes), and two lines tall
+        # however the splitter squeezes it: a clipped hint reads as a broken box.
+        self.edit.setPlaceholderText(PLACEHOLDER)
+        line = self.edit.fontMetrics().lineSpacing()
+        self.edit.setMinimumHeight(2 * line + 16)
+        self.edit.setMaximumHeight(6 * line + 16)
         self.edit.submit.connect(self.send_requested)
         self.edit.files_pasted.connect(self.files_chosen)
         self.edit.textChanged.connect(self.changed)

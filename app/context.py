@@ -66,7 +66,10 @@ def plan_context(render: Callable[[list[dict]], list[int]], system_prompt: str, 
                  draft: str | None, max_context: int, max_new_tokens: int, policy: str) -> ContextPlan:
     """Count the prompt and apply the overflow policy. `history` alternates user/assistant turns."""
     limit = max_context - reply_reserve(max_context, max_new_tokens)
-    full = len(render(build_messages(system_prompt, history, draft)))
+    messages = build_messages(system_prompt, history, draft)
+    if not messages:  # a new chat with an empty box: nothing to send is 0 tokens (templates refuse [])
+        return ContextPlan(0, 0, limit, max_context, 0, "ok")
+    full = len(render(messages))
     if full <= limit:
         return ContextPlan(full, full, limit, max_context, 0, "ok")
     if policy != "drop_oldest":

@@ -30,6 +30,7 @@ class Job:
     message_id: int
     text: str = ""
     flushed_at: float = 0.0
+    reading: tuple[int, int] | None = None  # the engine's progress through the prompt, until the first token
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Conversation(QObject):
         self._replan.timeout.connect(self.replan)
         w = host.worker
         w.tokens.connect(self._on_tokens)
+        w.prefill_progress.connect(self._on_prefill)
         w.finished.connect(self._on_finished)
         w.failed.connect(self._on_failed)
         w.planned.connect(self._on_planned)
@@ -96,6 +98,7 @@ class Conversation(QObject):
         if self.job and self.job.chat_id == chat_id:  # a reply streams here: show it as far as it got
             w = self.view.widget_for(self.job.message_id)
             if w is not None:
+                w.reading = self.job.reading
                 w.refresh(self.job.text)
         self.view.set_actions_enabled(self.job is None)
         self.composer.setEnabled(bool(chat_id))
@@ -246,6 +249,16 @@ class Conversation(QObject):
             if w is not None:
                 w.refresh(job.text)
         self.streamed.emit(text)
+
+    def _on_prefill(self, job_id: str, done: int, total: int) -> None:
+        job = self.job
+        if job is None or job.job_id != job_id:
+            return
+        job.reading = (done, total)
+        if job.chat_id == self.chat_id:
+            w = self.view.widget_for(job.message_id)
+            if w is not None:
+                w.set_reading(done, total)
 
     def _on_finished(self, job_id: str, result: dict) -> None:
         if self.job is None or self.job.job_id != job_id:

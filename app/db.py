@@ -183,6 +183,12 @@ class ChatStore:
                 "(SELECT chat_id FROM messages WHERE content LIKE ?1 ESCAPE '\\') ORDER BY updated DESC", (like,))
         return [self._chat(r) for r in rows]
 
+    def untouched_chat(self) -> Chat | None:
+        """The newest chat nobody has written in or renamed yet (None when there is none)."""
+        row = self.conn.execute("SELECT * FROM chats WHERE title='New chat' AND NOT EXISTS "
+                                "(SELECT 1 FROM messages WHERE chat_id=chats.id) ORDER BY updated DESC LIMIT 1").fetchone()
+        return self._chat(row) if row else None
+
     @_guarded("renaming the chat")
     def rename_chat(self, chat_id: str, title: str) -> None:
         self.conn.execute("UPDATE chats SET title=? WHERE id=?", (title.strip() or "Untitled", chat_id))

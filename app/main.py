@@ -69,6 +69,12 @@ def install_error_hook(window) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(argv if argv is not None else sys.argv[1:]))
+    from app.qt_check import check_qt_platform
+
+    problem = check_qt_platform()  # before QApplication: without its libraries Qt aborts the process
+    if problem is not None:
+        print(f"error: {problem[0]}\nwhat to do: {problem[1]}", file=sys.stderr)
+        return 4
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QDialog, QMessageBox
 

@@ -51,6 +51,8 @@ class MainWindow(QMainWindow):
         super().__init__(parent)
         self.store, self.host = store, host
         self.overrides = dict(overrides or {})
+        self.working_settings = None  # the saved engine settings of the model that loaded last
+        self.loaded_model: str | None = None
         self.timeline = export.StatsTimeline()
         self.setWindowTitle("Tandem")
         self.resize(1280, 820)
@@ -118,7 +120,9 @@ class MainWindow(QMainWindow):
         w = host.worker
         w.load_progress.connect(self._load_progress)
         w.load_failed.connect(self._load_failed)
+        w.switch_failed.connect(self._switch_failed)
         w.stats.connect(self._stats)
+        w.prefill_progress.connect(self._reading)  # a bound method: queued to this thread, as a lambda is not
         host.state_changed.connect(self._engine_state)
         self._menus()
         self._engine_state(host.state)
@@ -213,7 +217,9 @@ class MainWindow(QMainWindow):
             self.model_label.setText(f"Loading {engine_config(self.store, self.overrides)['model']}…")
         elif state == "ready":
             self.load_bar.hide()
+            self.working_settings = self.store.setting("engine")  # what a failed switch goes back to
             i = self.host.info
+            self.loaded_model = i["model"]
             if i.get("backend") == "remote":
                 self.model_label.setText(f"<b>{i['model']}</b> — <b>remote</b> server {i.get('remote_url')} · "
                                          f"{i['max_context']:,}-token context ({i.get('context_source')})")
@@ -236,10 +242,27 @@ class MainWindow(QMainWindow):
 
     def _load_failed(self, what: str, remedy: str) -> None:
         self.model_label.setText("No model loaded.")
+        self.retry_btn.show()
         self.banner_text.setText(f"<b>The model could not be loaded:</b> {what}"
                                  + (f"<br><b>What to do:</b> {remedy}" if remedy else "")
                                  + "<br>Your chats are still here; you can read and export them.")
         self.banner.show()
+
+    def _switch_failed(self, what: str, remedy: str) -> None:
+        """Another model was chosen and could not be used: the working one stays, and so do its settings
+        (the next start loads what works, not the file that failed)."""
+        wanted = engine_config(self.store, self.overrides)["model"]
+        self.store.set_setting("engine", self.working_settings or {})  # {}: the defaults it started with
+        kept = self.loaded_model or "the previous model"
+        self.banner_text.setText(f"<b>{wanted} could not be loaded:</b> {what}"
+                                 + (f"<br><b>What to do:</b> {remedy}" if remedy else "")
+                                 + f"<br>Still using <b>{kept}</b>; nothing was changed.")
+        self.retry_btn.hide()  # retrying would load the same file again; choosing another is the way on
+        self.banner.show()
+        self.statusBar().showMessage(f"Kept {kept}: the new model could not be loaded.", 15000)
+
+    def _reading(self, _job_id: str, done: int, total: int) -> None:
+        self.dock.panels.set_reading(done, total)
 
     def _stats(self, snap: dict) -> None:
         self.timeline.add(snap)

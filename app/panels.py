@@ -72,11 +72,16 @@ def why_no_pcie(snap: dict) -> str | None:
 
 
 class Panel(QGroupBox):
+    """One panel. `fold(why)`: a panel that does not apply here shrinks to its title and one line
+    saying why (no empty charts, no columns of n/a); `fold(None)` opens it again."""
+
     def __init__(self, title: str, parent=None):
         super().__init__(title, parent)
         self.box = QVBoxLayout(self)
-        self.box.setContentsMargins(6, 4, 6, 6)
-        self.box.setSpacing(3)
+        self.box.setContentsMargins(8, 6, 8, 8)
+        self.box.setSpacing(4)
+        self.folded = False
+        self.reason_label: QLabel | None = None  # the label that carries the why when folded
 
     def label(self) -> QLabel:
         lab = QLabel()
@@ -84,50 +89,75 @@ class Panel(QGroupBox):
         self.box.addWidget(lab)
         return lab
 
+    def fold(self, why: str | None) -> None:
+        self.folded = why is not None
+        self.setProperty("folded", self.folded)
+        for i in range(self.box.count()):
+            w = self.box.itemAt(i).widget()
+            if w is not None and w is not self.reason_label:
+                w.setVisible(not self.folded)
+        self.style().unpolish(self)
+        self.style().polish(self)
+
 
 class LivePanels(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
+        lay.setSpacing(6)
+
+        self.speed = Panel("Speed")
+        self.speed_text = self.speed.label()
+        self.reading_text = self.speed.label()  # "reading 12,000 / 32,000 tokens" while a prompt is read
+        self.reading_text.setObjectName("readingText")
+        self.reading_text.hide()
+        self.speed_plot = Sparkline([Series("decode_tok_s", QColor("#59a14f"), label="decode")], unit="tok/s")
+        self.speed.box.addWidget(self.speed_plot)
+        self.kernel_text = self.speed.label()
+        self.kernel_text.setObjectName("panelNote")
+
+        self.memory = Panel("Memory on this computer")
+        self.host_text = self.memory.label()
+        self.kv_text = self.memory.label()
 
         self.vram = Panel("GPU memory by region")
         self.vram_bar = StackedBar()
         self.vram.box.addWidget(self.vram_bar)
         self.vram_text = self.vram.label()
-        self.host_text = self.vram.label()
+        self.vram.reason_label = self.vram_text
 
         self.r = Panel("CPU share of KV attention (r)")
         self.r_text = self.r.label()
-        self.r_plot = Sparkline([Series("r_deployed", QColor("#e15759")),
-                                 Series("r_target", QColor("#4e79a7"), dashed=True)], y_max=1.0)
+        self.r.reason_label = self.r_text
+        self.r_plot = Sparkline([Series("r_deployed", QColor("#e15759"), label="deployed"),
+                                 Series("r_target", QColor("#4e79a7"), dashed=True, label="target")],
+                                y_max=1.0, percent=True)
         self.r.box.addWidget(self.r_plot)
-        self.kv_text = self.r.label()
 
         self.experts = Panel("Expert cache")
         self.experts_text = self.experts.label()
-        self.hit_plot = Sparkline([Series("hit_rate", QColor("#59a14f"))], y_max=1.0)
+        self.experts.reason_label = self.experts_text
+        self.hit_plot = Sparkline([Series("hit_rate", QColor("#59a14f"), label="hit rate")], y_max=1.0, percent=True)
         self.experts.box.addWidget(self.hit_plot)
-        self.flow_plot = Sparkline([Series("fills_per_s", QColor("#f28e2b")),
-                                    Series("cpu_per_s", QColor("#b07aa1"))])
+        self.flow_plot = Sparkline([Series("fills_per_s", QColor("#f28e2b"), label="fills"),
+                                    Series("cpu_per_s", QColor("#b07aa1"), label="on CPU")], unit="/s")
         self.experts.box.addWidget(self.flow_plot)
         self.counts_text = self.experts.label()
+        self.counts_text.setObjectName("panelNote")
 
         self.pcie = Panel("PCIe transfers")
         self.pcie_text = self.pcie.label()
-        self.pcie_plot = Sparkline([Series("h2d_gbps", QColor("#4e79a7")), Series("d2h_gbps", QColor("#e15759"))])
+        self.pcie.reason_label = self.pcie_text
+        self.pcie_plot = Sparkline([Series("h2d_gbps", QColor("#4e79a7"), label="to GPU"),
+                                    Series("d2h_gbps", QColor("#e15759"), label="to host")], unit="GB/s")
         self.pcie.box.addWidget(self.pcie_plot)
 
-        self.speed = Panel("Speed")
-        self.speed_text = self.speed.label()
-        self.speed_plot = Sparkline([Series("decode_tok_s", QColor("#59a14f"))])
-        self.speed.box.addWidget(self.speed_plot)
-        self.kernel_text = self.speed.label()
-
-        for panel in (self.speed, self.vram, self.r, self.experts, self.pcie):
+        self.order = (self.speed, self.memory, self.vram, self.r, self.experts, self.pcie)
+        for panel in self.order:
             lay.addWidget(panel)
         lay.addStretch(1)
-        self.titles = {p: p.title() for p in (self.speed, self.vram, self.r, self.experts, self.pcie)}
+        self.titles = {p: p.title() for p in self.order}
         self.last: dict | None = None
         self.samples = 0
 
@@ -138,16 +168,26 @@ class LivePanels(QWidget):
             panel.setTitle(f"{title} — remote" if remote else title)
         self.samples += 1
         self._vram(snap)
+        self._memory(snap)
         self._r(snap)
         self._experts(snap, prev)
         self._pcie(snap)
         self._speed(snap)
+
+    def set_reading(self, done: int | None, total: int | None = None) -> None:
+        """The engine's progress through a long prompt (None: not reading one)."""
+        if done is None:
+            self.reading_text.hide()
+            return
+        self.reading_text.setText(f"reading the prompt: <b>{done:,} / {total:,}</b> tokens")
+        self.reading_text.show()
 
     def _vram(self, s: dict) -> None:
         v = s["vram"]
         self.vram_bar.set_data([Segment(label, v.get(key), QColor(color)) for key, label, color in VRAM_REGIONS],
                                v.get("budget"), v.get("device_total"))
         why = why_no_vram(s)
+        self.vram.fold(why)
         if why:
             self.vram_text.setText(why)
         else:
@@ -155,34 +195,40 @@ class LivePanels(QWidget):
             parts.append(f"budget {fmt_bytes(v.get('budget'))} · used {fmt_bytes(v.get('device_used'))} of "
                          f"{fmt_bytes(v.get('device_total'))}")
             self.vram_text.setText("<br>".join(parts))
+
+    def _memory(self, s: dict) -> None:
         h = s["host"]
-        self.host_text.setText(f"Host: process {fmt_bytes(h.get('rss'))} · KV pinned {fmt_bytes(h.get('kv_pinned'))}"
-                               f" · KV unpinned {fmt_bytes(h.get('kv_unpinned'))} · expert store "
-                               f"{fmt_bytes(h.get('expert_store'))}")
+        parts = [f"Tandem uses {fmt_bytes(h.get('rss'))}"]
+        parts += [f"{label} {fmt_bytes(h[key])}" for key, label in
+                  (("kv_pinned", "KV pinned"), ("kv_unpinned", "KV unpinned"), ("expert_store", "expert store"))
+                  if h.get(key) is not None]  # a region this engine does not keep is left out, not shown as n/a
+        self.host_text.setText("Host: " + " · ".join(parts))
+        t = (s["kv"].get("tokens") or {})
+        known = [(key, name) for key, name in (("resident", "resident"), ("dwindow", "D-window"),
+                                               ("pinned", "pinned"), ("unpinned", "unpinned")) if t.get(key) is not None]
+        self.kv_text.setText("KV tokens: " + (" · ".join(f"{name} {t[key]:,}" for key, name in known) or "none yet"))
 
     def _r(self, s: dict) -> None:
         kv = s["kv"]
-        self.r_plot.add({"r_deployed": kv.get("r_deployed"), "r_target": kv.get("r_target")})
+        self.r_plot.add({"r_deployed": kv.get("r_deployed"), "r_target": kv.get("r_target")}, s.get("t"))
         why = why_no_r(s)
+        self.r.fold(why)
         self.r_text.setText(why or f"r deployed {fmt(kv.get('r_deployed'))} · target {fmt(kv.get('r_target'))} · "
                                    f"A {fmt(kv.get('A_ns_per_token'), '.1f', ' ns/tok')} · "
                                    f"B {fmt(kv.get('B_ns_per_token'), '.1f', ' ns/tok')} · "
                                    f"Δ {fmt(kv.get('delta_ms'), '.2f', ' ms')}")
-        t = kv.get("tokens") or {}
-        self.kv_text.setText("KV tokens: " + " · ".join(
-            f"{name} {fmt(t.get(key), ',')}" for key, name in
-            (("resident", "resident"), ("dwindow", "D-window"), ("pinned", "pinned"), ("unpinned", "unpinned"))))
 
     def _experts(self, s: dict, prev: dict | None) -> None:
         ex = s["experts"]
-        self.hit_plot.add({"hit_rate": ex.get("hit_rate")})
+        self.hit_plot.add({"hit_rate": ex.get("hit_rate")}, s.get("t"))
         rates = {}
         for key, out in (("fills", "fills_per_s"), ("cpu_executed", "cpu_per_s")):
             old = prev["experts"].get(key) if prev else None
             dt = (s.get("t") or 0) - ((prev or {}).get("t") or 0)
             rates[out] = (ex[key] - old) / dt if ex.get(key) is not None and old is not None and dt > 0 else None
-        self.flow_plot.add(rates)
+        self.flow_plot.add(rates, s.get("t"))
         why = why_no_experts(s)
+        self.experts.fold(why)
         self.experts_text.setText(why or f"hit rate {fmt(ex.get('hit_rate'), '.1%')} (windowed) · "
                                          f"fills {fmt(rates['fills_per_s'], '.1f', '/s')} · "
                                          f"CPU-executed {fmt(rates['cpu_per_s'], '.1f', '/s')}")
@@ -196,19 +242,25 @@ class LivePanels(QWidget):
 
     def _pcie(self, s: dict) -> None:
         pc = s["pcie"]
-        self.pcie_plot.add({"h2d_gbps": pc.get("h2d_gbps"), "d2h_gbps": pc.get("d2h_gbps")})
+        self.pcie_plot.add({"h2d_gbps": pc.get("h2d_gbps"), "d2h_gbps": pc.get("d2h_gbps")}, s.get("t"))
         why = why_no_pcie(s)
+        self.pcie.fold(why)
         self.pcie_text.setText(why or f"H2D {fmt(pc.get('h2d_gbps'), '.2f', ' GB/s')} · "
                                       f"D2H {fmt(pc.get('d2h_gbps'), '.2f', ' GB/s')} · moved "
                                       f"{fmt_bytes(pc.get('h2d_bytes'))} / {fmt_bytes(pc.get('d2h_bytes'))}")
 
     def _speed(self, s: dict) -> None:
         sp = s["speed"]
-        busy = s.get("phase") not in (None, "idle")
-        self.speed_plot.add({"decode_tok_s": sp.get("decode_tok_s") if busy else None})
-        which = "now" if busy else "last reply"
+        phase = s.get("phase")
+        # The decode rate while it runs; other phases add a gap, so the last minute's replies stay drawn.
+        self.speed_plot.add({"decode_tok_s": sp.get("decode_tok_s") if phase == "decode" else None}, s.get("t"))
+        last = sp.get("decode_tok_s")
+        self.speed_plot.empty_text = (f"idle — last reply {last:.1f} tok/s" if last else "idle — no reply yet")
+        if phase != "prefill":
+            self.set_reading(None)
+        which = "now" if phase not in (None, "idle") else "last reply"
         where = "<b>remote</b>, measured here (network included) · " if is_remote(s) else ""
-        self.speed_text.setText(f"{where}phase <b>{s.get('phase')}</b> · {which}: decode "
+        self.speed_text.setText(f"{where}phase <b>{phase}</b> · {which}: decode "
                                 f"{fmt(sp.get('decode_tok_s'), '.1f', ' tok/s')} · prefill "
                                 f"{fmt(sp.get('prefill_tok_s'), '.1f', ' tok/s')} · TTFT "
                                 f"{fmt(sp.get('ttft_s'), '.2f', ' s')}")

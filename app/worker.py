@@ -27,10 +27,12 @@ import traceback
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from app.context import plan_context
+from app.model_files import ModelFileError, inspect_model, is_model_path
 
 TOKEN_BATCH_S = 0.04
 STATS_INTERVAL_S = 0.25
 IDLE_SAMPLE_HZ = 2
+PREFILL_REPORT_MIN_TOKENS = 256  # shorter prompts are read in well under a second: nothing to show
 
 
 class LoadCancelled(Exception):
@@ -42,14 +44,75 @@ def _unexpected(e: BaseException) -> tuple[str, str]:
     return f"{type(e).__name__}: {e}", "this is a bug in Tandem; your chats are kept — try again or restart the app"
 
 
+def preflight(config: dict) -> tuple[str, str] | None:
+    """(what, remedy) when the model file or folder is unusable by its header alone, else None."""
+    model = config.get("model")
+    if config.get("backend") == "remote" or not is_model_path(model):
+        return None
+    try:
+        inspect_model(model)
+    except ModelFileError as e:
+        return f"{model} cannot be used: {e.what}", e.remedy
+    return None
+
+
+def kv_tokens(snap: dict) -> int:
+    """Every token the engine's KV holds now, over all its regions and chats."""
+    return sum(v for v in ((snap.get("kv") or {}).get("tokens") or {}).values() if v)
+
+
+class PrefillWatch(threading.Thread):
+    """While the engine reads a prompt, sample its stats a few times a second (the worker thread is
+    inside generate, and no token comes yet to sample from) and say how far the reading got.
+
+    The engine reports no per-prompt progress, but its KV token count grows by every chunk it reads:
+    prompt tokens in the KV = what the chat kept from its last reply (`kept`) + the growth since the
+    job began (a crop of what changed counts as negative growth, so an edit comes out right too).
+    `Engine.stats()` is safe to call from another thread while a generation runs (engine telemetry)."""
+
+    def __init__(self, worker, job_id: str, total: int | None, base: int | None, kept: int, first_text):
+        super().__init__(name="tandem-prefill-watch", daemon=True)
+        self.worker, self.job_id, self.total, self.base, self.kept = worker, job_id, total, base, kept
+        self.first_text = first_text
+
+    def in_kv(self, snap: dict) -> int:
+        return max(0, min(self.total, self.kept + kv_tokens(snap) - self.base))
+
+    def run(self) -> None:
+        engine = self.worker.engine
+        while not self.first_text.wait(STATS_INTERVAL_S):
+            try:
+                snap = engine.stats().to_dict()
+            except Exception:  # noqa: BLE001 — a closed engine mid-quit: the job ends anyway
+                return
+            snap["t"] = time.time()
+            self.worker.stats.emit(snap)
+            if snap.get("phase") == "prefill":
+                self.worker.prefill_progress.emit(self.job_id, self.in_kv(snap), self.total)
+
+    def finish(self, session_id: str | None) -> None:
+        """After the job: remember what the chat's KV holds, for its next prompt's progress."""
+        if self.is_alive():
+            self.join()
+        if session_id is None or self.base is None or self.worker.engine is None:
+            return
+        try:
+            now = kv_tokens(self.worker.engine.stats().to_dict())
+        except Exception:  # noqa: BLE001
+            return
+        self.worker.session_tokens[session_id] = max(0, self.kept + now - self.base)
+
+
 class EngineWorker(QObject):
     load_progress = Signal(str, float)
     loaded = Signal(dict)  # Engine.info() plus max_context and the built-in model's description
-    load_failed = Signal(str, str)  # what, remedy
+    load_failed = Signal(str, str)  # what, remedy (no model is loaded now)
+    switch_failed = Signal(str, str)  # what, remedy: another model was asked for; the previous one stays
     tokens = Signal(str, str)  # job id, text since the last batch
     finished = Signal(str, dict)  # job id, GenerationResult fields (no token ids) plus wall_s
     failed = Signal(str, str, str)  # job id, what, remedy
     stats = Signal(dict)  # StatsSnapshot.to_dict() plus "t" (unix time)
+    prefill_progress = Signal(str, int, int)  # job id, prompt tokens in the KV so far, prompt tokens
     planned = Signal(int, object)  # request id, ContextPlan (or None when no model is loaded)
     counted = Signal(int, object)  # request id, token count (or None)
     closed = Signal()
@@ -57,18 +120,55 @@ class EngineWorker(QObject):
     def __init__(self, engine=None):
         super().__init__()
         self.engine = engine
+        self.config: dict | None = None  # what the loaded engine was made from (None: handed in)
+        self.session_tokens: dict[str, int] = {}  # chat id → tokens its KV held after its last reply
         self.owns_engine = engine is None  # an engine handed in belongs to its giver, who closes it
         self.cancel_load = threading.Event()  # set on quit: a load in progress gives up at its next step
 
     # -- model ----------------------------------------------------------------------------------
     @Slot(dict)
     def load(self, config: dict) -> None:
+        """Load `config`'s model. A switch that fails keeps the model that was working: a damaged file is
+        found from its header before anything is unloaded; a load that fails later puts the previous
+        model back. Either way `switch_failed` says why, then `loaded` announces the model in use."""
         try:
-            from engine.api import Engine, EngineConfig, TandemError, builtin_models
+            from engine.api import builtin_models
         except ImportError as e:
             self.load_failed.emit(f"the engine cannot be imported ({e})", "reinstall Tandem: pip install -e .")
             return
-        self._drop_engine()
+        previous, previous_config, owned = self.engine, self.config, self.owns_engine
+        if previous is not None:
+            problem = preflight(config)
+            if problem is not None:
+                self.switch_failed.emit(*problem)
+                self.loaded.emit(self._info(builtin_models()))
+                return
+            if owned:  # one model in memory at a time: a GPU rarely holds two
+                previous.close()
+            self.engine = None
+            self.session_tokens.clear()
+        engine, failure = self._open(config)
+        if engine is not None:
+            self.engine, self.owns_engine, self.config = engine, True, dict(config)
+            self.loaded.emit(self._info(builtin_models()))
+            return
+        if previous is None or failure[0] == "loading was cancelled":
+            self.load_failed.emit(*failure)
+            return
+        if not owned:  # an engine handed in was never closed: it is still whole
+            self.engine = previous
+        else:
+            self.engine, again = self._open(previous_config)
+            if self.engine is None:
+                self.load_failed.emit(failure[0], f"{failure[1]} (the previous model could not be loaded again "
+                                                  f"either: {again[0]})".strip())
+                return
+        self.switch_failed.emit(*failure)
+        self.loaded.emit(self._info(builtin_models()))
+
+    def _open(self, config: dict):
+        """(Engine, None) or (None, (what, remedy))."""
+        from engine.api import Engine, EngineConfig, TandemError
 
         def progress(step: str, frac: float) -> None:
             if self.cancel_load.is_set():
@@ -78,23 +178,17 @@ class EngineWorker(QObject):
         try:
             engine = Engine(EngineConfig(**config), progress=progress)
         except LoadCancelled:
-            self.load_failed.emit("loading was cancelled", "")
-            return
+            return None, ("loading was cancelled", "")
         except TandemError as e:
-            self.load_failed.emit(e.what, e.remedy)
-            return
+            return None, (e.what, e.remedy)
         except Exception as e:  # noqa: BLE001 — a failed load must leave the app usable
-            self.load_failed.emit(*_unexpected(e))
-            return
+            return None, _unexpected(e)
         if engine.tokenizer is None:  # weights only: fine for token-id tools, but a chat needs text
-            model = config.get("model")
             engine.close()
-            self.load_failed.emit(f"{model} has no tokenizer, so chat text cannot be turned into tokens",
-                                  "add the model's tokenizer.json (and tokenizer_config.json) next to its "
-                                  "weights, or choose a model that includes one")
-            return
-        self.engine, self.owns_engine = engine, True
-        self.loaded.emit(self._info(builtin_models()))
+            return None, (f"{config.get('model')} has no tokenizer, so chat text cannot be turned into tokens",
+                          "add the model's tokenizer.json (and tokenizer_config.json) next to its weights, or "
+                          "choose a model that includes one")
+        return engine, None
 
     @Slot()
     def adopt(self) -> None:
@@ -124,8 +218,11 @@ class EngineWorker(QObject):
             return
         buf: list[str] = []
         last = {"tokens": time.monotonic(), "stats": time.monotonic()}
+        first_text = threading.Event()
+        watcher = self._watch_prefill(job_id, request, first_text)
 
         def on_text(text: str) -> None:
+            first_text.set()
             buf.append(text)
             now = time.monotonic()
             if now - last["tokens"] >= TOKEN_BATCH_S:
@@ -147,12 +244,30 @@ class EngineWorker(QObject):
             self._flush(job_id, buf)
             self.failed.emit(job_id, *_unexpected(e))
             return
+        finally:
+            first_text.set()
+            watcher.finish(request.get("session_id"))
         self._flush(job_id, buf)
         fields = {k: getattr(result, k) for k in ("text", "finish_reason", "prompt_tokens", "prefilled_tokens",
                                                   "completion_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s")}
         fields["wall_s"] = time.monotonic() - t0
         self._emit_stats()
         self.finished.emit(job_id, fields)
+
+    def _watch_prefill(self, job_id: str, request: dict, first_text: threading.Event) -> "PrefillWatch":
+        """Reading a long prompt takes a while before the first token: report how far it got."""
+        try:
+            from engine.api import GenerationRequest
+
+            total = len(self.engine.prompt_ids(GenerationRequest(**request)))
+            base = kv_tokens(self.engine.stats().to_dict())
+        except Exception:  # noqa: BLE001 — no progress line is better than no reply
+            total, base = None, None
+        kept = self.session_tokens.get(request.get("session_id"), 0)
+        watch = PrefillWatch(self, job_id, total, base, kept, first_text)
+        if total is not None and base is not None and total - kept >= PREFILL_REPORT_MIN_TOKENS:
+            watch.start()
+        return watch
 
     def _flush(self, job_id: str, buf: list[str]) -> None:
         if buf:
@@ -184,6 +299,7 @@ class EngineWorker(QObject):
 
     @Slot(str)
     def end_session(self, session_id: str) -> None:
+        self.session_tokens.pop(session_id, None)
         if self.engine is not None:
             self.engine.end_session(session_id)
 

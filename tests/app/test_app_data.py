@@ -79,6 +79,7 @@ def test_load_failure_is_explained_and_the_app_stays_usable(qtbot, open_window):
     assert w.choose_btn.isVisibleTo(w) and w.retry_btn.isVisibleTo(w)
     # Still usable: chats can be made, settings changed; sending says why it cannot.
     first = w.conv.chat_id
+    w.chat_list.rename(first, "First")  # an untouched "New chat" would be reused rather than added
     w.chat_list.new_chat()
     assert w.conv.chat_id != first and w.store.chat(w.conv.chat_id) is not None
     w.composer.edit.setPlainText("hello?")
