@@ -67,8 +67,9 @@ class MarkdownView(QTextBrowser):
 class MessageWidget(QFrame):
     edit_submitted = Signal(int, str)  # message id, new text
     regenerate_requested = Signal(int)  # message id of the reply to redo
+    alternative_requested = Signal(int, int)  # message id, -1 (‹) or +1 (›)
 
-    def __init__(self, message, parent=None):
+    def __init__(self, message, branch: tuple[int, int] | None = None, parent=None):
         super().__init__(parent)
         self.message = message
         self.setObjectName("userMessage" if message.role == "user" else "assistantMessage")
@@ -80,16 +81,26 @@ class MessageWidget(QFrame):
         self.tag = QLabel()
         self.tag.setObjectName("messageTag")
         head.addWidget(self.role_label)
+        self.prev_btn = self._button("‹", "The previous alternative here", lambda: self._step(-1))
+        self.branch_label = QLabel()
+        self.branch_label.setObjectName("branchLabel")
+        self.next_btn = self._button("›", "The next alternative here", lambda: self._step(1))
+        for w in (self.prev_btn, self.branch_label, self.next_btn):
+            head.addWidget(w)
+        self.prev_btn.setObjectName("branchButton")
+        self.next_btn.setObjectName("branchButton")
+        self.set_branch(branch)
         head.addWidget(self.tag)
         head.addStretch(1)
         self.copy_btn = self._button("Copy", "Copy this message as Markdown", self.copy)
         head.addWidget(self.copy_btn)
         self.edit_btn = self.regen_btn = None
         if message.role == "user":
-            self.edit_btn = self._button("Edit", "Edit this message and send it again", self.begin_edit)
+            self.edit_btn = self._button("Edit", "Edit and send again; the original stays as an alternative (‹ ›)",
+                                         self.begin_edit)
             head.addWidget(self.edit_btn)
         else:
-            self.regen_btn = self._button("Regenerate", "Drop this reply and generate a new one",
+            self.regen_btn = self._button("Regenerate", "Generate another reply; this one stays as an alternative (‹ ›)",
                                           lambda: self.regenerate_requested.emit(self.message.id))
             head.addWidget(self.regen_btn)
         lay.addLayout(head)
@@ -103,6 +114,19 @@ class MessageWidget(QFrame):
         self.stats_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         lay.addWidget(self.stats_label)
         self.refresh()
+
+    def set_branch(self, branch: tuple[int, int] | None) -> None:
+        """‹ 2/3 ›: this message has alternatives (regenerated replies, edited questions)."""
+        self.branch = branch
+        for w in (self.prev_btn, self.branch_label, self.next_btn):
+            w.setVisible(branch is not None)
+        if branch is not None:
+            self.branch_label.setText(f"{branch[0]}/{branch[1]}")
+            self.prev_btn.setEnabled(branch[0] > 1)
+            self.next_btn.setEnabled(branch[0] < branch[1])
+
+    def _step(self, step: int) -> None:
+        self.alternative_requested.emit(self.message.id, step)
 
     def _button(self, text, tip, slot) -> QPushButton:
         b = QPushButton(text)
@@ -145,6 +169,9 @@ class MessageWidget(QFrame):
     def set_actions_enabled(self, enabled: bool, is_last_reply: bool = False) -> None:
         if self.edit_btn is not None:
             self.edit_btn.setEnabled(enabled)
+        if self.branch is not None:  # no switching branches under a reply that is streaming
+            self.prev_btn.setEnabled(enabled and self.branch[0] > 1)
+            self.next_btn.setEnabled(enabled and self.branch[0] < self.branch[1])
         if self.regen_btn is not None:
             self.regen_btn.setVisible(is_last_reply)
             self.regen_btn.setEnabled(enabled)
@@ -189,6 +216,7 @@ class MessageWidget(QFrame):
 class ChatView(QScrollArea):
     edit_submitted = Signal(int, str)
     regenerate_requested = Signal(int)
+    alternative_requested = Signal(int, int)
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -214,20 +242,21 @@ class ChatView(QScrollArea):
         self.verticalScrollBar().rangeChanged.connect(self._on_range)
         self.verticalScrollBar().valueChanged.connect(self._on_scroll)
 
-    def set_messages(self, messages) -> None:
+    def set_messages(self, messages, branches: dict | None = None) -> None:
         for w in self.widgets:
             w.deleteLater()
         self.widgets = []
         for m in messages:
-            self.append(m)
+            self.append(m, (branches or {}).get(m.id))
         self.empty_label.setVisible(not messages)
         self._stick_to_bottom = True
         self.scroll_to_bottom()
 
-    def append(self, message) -> MessageWidget:
-        w = MessageWidget(message)
+    def append(self, message, branch: tuple[int, int] | None = None) -> MessageWidget:
+        w = MessageWidget(message, branch)
         w.edit_submitted.connect(self.edit_submitted)
         w.regenerate_requested.connect(self.regenerate_requested)
+        w.alternative_requested.connect(self.alternative_requested)
         self.vbox.insertWidget(self.vbox.count() - 1, w)
         self.widgets.append(w)
         self.empty_label.hide()

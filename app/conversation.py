@@ -41,7 +41,7 @@ class Pending:
     chat_id: str
     history: list[Message]
     draft: str
-    delete_from: int | None  # message id: this and later messages go once the plan allows it
+    branch_at: int | None  # regenerate/edit: the message the new one follows (a new branch there; None: the root)
 
 
 def history_dicts(messages: list[Message]) -> list[dict]:
@@ -85,6 +85,7 @@ class Conversation(QObject):
         composer.files_chosen.connect(self.attach)
         view.edit_submitted.connect(self.edit)
         view.regenerate_requested.connect(self.regenerate)
+        view.alternative_requested.connect(self.show_alternative)
 
     # -- chat selection -------------------------------------------------------------------------
     def settings(self) -> dict:
@@ -94,7 +95,7 @@ class Conversation(QObject):
     def set_chat(self, chat_id: str) -> None:
         self.chat_id = chat_id
         self.messages = self.store.messages(chat_id) if chat_id else []
-        self.view.set_messages(self.messages)
+        self.view.set_messages(self.messages, self.store.branches(self.messages))
         if self.job and self.job.chat_id == chat_id:  # a reply streams here: show it as far as it got
             w = self.view.widget_for(self.job.message_id)
             if w is not None:
@@ -150,14 +151,14 @@ class Conversation(QObject):
             self.composer.set_attachment_tokens(a, n)
 
     # -- actions --------------------------------------------------------------------------------
-    def _request(self, kind: str, history: list[Message], draft: str, delete_from: int | None) -> bool:
+    def _request(self, kind: str, history: list[Message], draft: str, branch_at: int | None) -> bool:
         if self.job is not None or self.pending is not None:
             self.notice.emit("Wait for the current reply to finish (or stop it) first.")
             return False
         if self.host.state != "ready":
             self.notice.emit("No model is loaded yet; the message was not sent.")
             return False
-        self.pending = Pending(kind, self.chat_id, history, draft, delete_from)
+        self.pending = Pending(kind, self.chat_id, history, draft, branch_at)
         self.pending_req = self.host.plan(self._plan_args(history, draft))
         self._set_busy(True)
         return True
@@ -172,7 +173,7 @@ class Conversation(QObject):
         if i is None or i == 0 or self.messages[i].role != "assistant":
             return
         user = self.messages[i - 1]  # the reply's question is sent again as the draft
-        self._request("regenerate", self.messages[:i - 1], user.content, message_id)
+        self._request("regenerate", self.messages[:i - 1], user.content, user.id)  # a sibling of this reply
 
     def regenerate_last(self) -> None:
         last = next((m for m in reversed(self.messages) if m.role == "assistant"), None)
@@ -182,7 +183,7 @@ class Conversation(QObject):
     def edit(self, message_id: int, text: str) -> None:
         i = next((i for i, m in enumerate(self.messages) if m.id == message_id), None)
         if i is not None and self.messages[i].role == "user":
-            self._request("edit", self.messages[:i], text, message_id)
+            self._request("edit", self.messages[:i], text, self.messages[i].parent_id)  # a sibling of the original
 
     def _act(self, p: Pending, plan) -> None:
         if plan is None or not plan.fits or p.chat_id != self.chat_id:
@@ -196,8 +197,8 @@ class Conversation(QObject):
                 self.notice.emit("Not sent: " + plan.describe())
             return
         try:
-            if p.delete_from is not None:
-                self.store.delete_from(p.chat_id, p.delete_from)
+            if p.kind != "send":  # a new branch: what followed stays reachable through ‹ › on the message
+                self.store.show_branch_end(p.chat_id, p.branch_at)
             if p.kind != "regenerate":  # a regenerated reply answers the user message already stored
                 self.store.add_message(p.chat_id, "user", p.draft)
             self._maybe_title(p.chat_id, p.draft)
@@ -259,6 +260,20 @@ class Conversation(QObject):
             w = self.view.widget_for(job.message_id)
             if w is not None:
                 w.set_reading(done, total)
+
+    def show_alternative(self, message_id: int, step: int) -> None:
+        """‹ / ›: show the previous or next alternative at this message's place (and its branch)."""
+        if self.job is not None or self.pending is not None:
+            self.notice.emit("Wait for the current reply to finish (or stop it) first.")
+            return
+        m = next((m for m in self.messages if m.id == message_id), None)
+        if m is None:
+            return
+        sib = self.store.siblings(m)
+        i = sib.index(m.id) + step
+        if 0 <= i < len(sib):
+            self.store.show_branch(self.chat_id, sib[i])
+            self.set_chat(self.chat_id)
 
     def _on_finished(self, job_id: str, result: dict) -> None:
         if self.job is None or self.job.job_id != job_id:

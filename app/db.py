@@ -6,6 +6,12 @@ a crash) because the WAL frames are already in the OS; only a power cut or kerne
 the last few commits, and even then the file stays consistent. FULL would add an fsync per commit,
 and the assistant reply is committed every ~0.5 s while it streams — NORMAL keeps that free.
 
+Branches: a regenerated reply is a sibling of the reply it replaces (same parent, the user message), an
+edited message a sibling of the original; nothing is deleted. Each message points at its parent, each
+chat at the last message of the branch on screen (`leaf_id`), so the chat shows the path from the root to
+that leaf, and ‹ 2/3 › on a message moves the leaf into a sibling's branch. A file of version 1 (a flat
+list per chat) is upgraded in place on open: each message's parent is the one before it.
+
 The assistant's reply is one row created when generation starts (status 'streaming'), its text
 updated in place as it grows and closed with status 'done' and its stats. A row still 'streaming'
 when the file is opened was cut off by a crash: it becomes 'interrupted' and keeps the text it had.
@@ -22,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: messages form a tree (parent_id), each chat shows one branch of it (leaf_id)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -31,7 +37,8 @@ CREATE TABLE IF NOT EXISTS chats (
     title TEXT NOT NULL,
     created REAL NOT NULL,
     updated REAL NOT NULL,
-    settings TEXT NOT NULL DEFAULT '{}'
+    settings TEXT NOT NULL DEFAULT '{}',
+    leaf_id INTEGER
 );
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -40,7 +47,8 @@ CREATE TABLE IF NOT EXISTS messages (
     content TEXT NOT NULL,
     status TEXT NOT NULL DEFAULT 'done' CHECK (status IN ('done', 'streaming', 'interrupted', 'error')),
     stats TEXT,
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    parent_id INTEGER
 );
 CREATE INDEX IF NOT EXISTS messages_by_chat ON messages (chat_id, id);
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -123,6 +131,7 @@ class Message:
     status: str
     stats: dict | None
     created: float
+    parent_id: int | None = None  # the message it follows (None: the chat's first)
 
 
 class ChatStore:
@@ -146,9 +155,24 @@ class ChatStore:
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.execute("PRAGMA foreign_keys=ON")
         self.conn.executescript(SCHEMA)
+        self._upgrade()
         self.conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         self.recovered = self.conn.execute(
             "UPDATE messages SET status='interrupted' WHERE status='streaming'").rowcount
+
+    def _upgrade(self) -> None:
+        """Version 1 → 2: add the tree's columns and chain each chat's messages in their order."""
+        cols = {r["name"] for r in self.conn.execute("PRAGMA table_info(messages)")}
+        if "parent_id" in cols:
+            return
+        with self.conn:
+            self.conn.execute("BEGIN")
+            self.conn.execute("ALTER TABLE messages ADD COLUMN parent_id INTEGER")
+            self.conn.execute("ALTER TABLE chats ADD COLUMN leaf_id INTEGER")
+            self.conn.execute("UPDATE messages SET parent_id = (SELECT max(p.id) FROM messages p "
+                              "WHERE p.chat_id = messages.chat_id AND p.id < messages.id)")
+            self.conn.execute("UPDATE chats SET leaf_id = (SELECT max(id) FROM messages WHERE chat_id = chats.id)")
+            self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
     def close(self) -> None:
         if self.conn is not None:
@@ -160,7 +184,7 @@ class ChatStore:
     def create_chat(self, title: str = "New chat", settings: dict | None = None) -> Chat:
         now = time.time()
         chat = Chat(uuid.uuid4().hex, title, now, now, {**DEFAULT_CHAT_SETTINGS, **(settings or {})})
-        self.conn.execute("INSERT INTO chats VALUES (?, ?, ?, ?, ?)",
+        self.conn.execute("INSERT INTO chats (id, title, created, updated, settings) VALUES (?, ?, ?, ?, ?)",
                           (chat.id, chat.title, now, now, json.dumps(chat.settings)))
         return chat
 
@@ -205,19 +229,71 @@ class ChatStore:
         self.conn.execute("UPDATE chats SET updated=? WHERE id=?", (time.time(), chat_id))
 
     # -- messages -------------------------------------------------------------------------------
+    def _message(self, r) -> Message:
+        return Message(r["id"], r["chat_id"], r["role"], r["content"], r["status"],
+                       json.loads(r["stats"]) if r["stats"] else None, r["created"], r["parent_id"])
+
+    def leaf(self, chat_id: str) -> int | None:
+        row = self.conn.execute("SELECT leaf_id FROM chats WHERE id=?", (chat_id,)).fetchone()
+        return row["leaf_id"] if row else None
+
     def messages(self, chat_id: str) -> list[Message]:
-        rows = self.conn.execute("SELECT * FROM messages WHERE chat_id=? ORDER BY id", (chat_id,))
-        return [Message(r["id"], r["chat_id"], r["role"], r["content"], r["status"],
-                        json.loads(r["stats"]) if r["stats"] else None, r["created"]) for r in rows]
+        """The branch on screen: from the first message to the chat's leaf, in order."""
+        leaf = self.leaf(chat_id)
+        if leaf is None:
+            return []
+        rows = self.conn.execute(
+            "WITH RECURSIVE path(id) AS (SELECT ?1 UNION ALL SELECT m.parent_id FROM messages m JOIN path "
+            "ON m.id = path.id WHERE m.parent_id IS NOT NULL) "
+            "SELECT * FROM messages WHERE chat_id=?2 AND id IN (SELECT id FROM path) ORDER BY id", (leaf, chat_id))
+        return [self._message(r) for r in rows]
+
+    def siblings(self, message: Message) -> list[int]:
+        """The alternatives at this message's place (itself included), oldest first."""
+        rows = self.conn.execute("SELECT id FROM messages WHERE chat_id=? AND parent_id IS ? ORDER BY id",
+                                 (message.chat_id, message.parent_id))
+        return [r["id"] for r in rows]
+
+    def branches(self, messages: list[Message]) -> dict[int, tuple[int, int]]:
+        """message id → (its 1-based place, how many alternatives) for those that have alternatives."""
+        out = {}
+        for m in messages:
+            sib = self.siblings(m)
+            if len(sib) > 1:
+                out[m.id] = (sib.index(m.id) + 1, len(sib))
+        return out
+
+    @_guarded("switching branches")
+    def show_branch(self, chat_id: str, message_id: int | None) -> None:
+        """Show the branch through `message_id`: it and, below it, the newest reply at each step."""
+        leaf = message_id
+        while leaf is not None:
+            row = self.conn.execute("SELECT max(id) AS id FROM messages WHERE chat_id=? AND parent_id=?",
+                                    (chat_id, leaf)).fetchone()
+            if row["id"] is None:
+                break
+            leaf = row["id"]
+        self.conn.execute("UPDATE chats SET leaf_id=? WHERE id=?", (leaf, chat_id))
+
+    @_guarded("switching branches")
+    def show_branch_end(self, chat_id: str, message_id: int | None) -> None:
+        """End the branch on screen at `message_id` (None: before the first message), so that the next
+        message added there starts a new alternative beside the ones that follow it."""
+        self.conn.execute("UPDATE chats SET leaf_id=? WHERE id=?", (message_id, chat_id))
 
     @_guarded("saving the message")
     def add_message(self, chat_id: str, role: str, content: str, status: str = "done",
-                    stats: dict | None = None) -> int:
-        with self.conn:  # one transaction: the message and the chat's new timestamp together
+                    stats: dict | None = None, parent_id: int | None | str = "leaf") -> int:
+        """A message after `parent_id` (default: the end of the branch on screen), which it then ends."""
+        with self.conn:  # one transaction: the message, the chat's leaf and its new timestamp together
             self.conn.execute("BEGIN")
+            if parent_id == "leaf":
+                parent_id = self.leaf(chat_id)
             cur = self.conn.execute(
-                "INSERT INTO messages (chat_id, role, content, status, stats, created) VALUES (?, ?, ?, ?, ?, ?)",
-                (chat_id, role, content, status, json.dumps(stats) if stats else None, time.time()))
+                "INSERT INTO messages (chat_id, role, content, status, stats, created, parent_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, role, content, status, json.dumps(stats) if stats else None, time.time(), parent_id))
+            self.conn.execute("UPDATE chats SET leaf_id=? WHERE id=?", (cur.lastrowid, chat_id))
             self._touch(chat_id)
         return cur.lastrowid
 
@@ -235,10 +311,6 @@ class ChatStore:
     def edit_message(self, message_id: int, content: str) -> None:
         self.conn.execute("UPDATE messages SET content=? WHERE id=?", (content, message_id))
 
-    @_guarded("deleting messages")
-    def delete_from(self, chat_id: str, message_id: int) -> None:
-        """Delete this message and every later one of the chat (regenerate, edit-and-resend)."""
-        self.conn.execute("DELETE FROM messages WHERE chat_id=? AND id>=?", (chat_id, message_id))
 
     # -- settings -------------------------------------------------------------------------------
     def setting(self, key: str, default=None):
