@@ -75,3 +75,33 @@ def test_on_the_gpu_choosing_a_token_does_not_wait_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert 0 <= int(chosen) < 1000
+
+
+def test_a_tiny_temperature_is_greedy_not_nan():
+    """logits / 1e-38 overflowed to inf, the softmax turned NaN and the draw returned the last id."""
+    from engine.runtime.sampling import MIN_TEMPERATURE
+
+    logits = torch.tensor([0.5, 3.0, 2.9, -1.0, 0.0])
+    for t in (1e-38, 1e-30, MIN_TEMPERATURE / 2):
+        assert {Sampler(SamplingParams(temperature=t, seed=s))(logits, []) for s in range(20)} == {1}
+
+
+def test_out_of_range_settings_are_refused_before_sampling():
+    from engine.errors import ConfigError
+
+    for bad in (dict(repetition_penalty=1e-300), dict(repetition_penalty=1e300), dict(repetition_penalty=0.0),
+                dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=float("nan")),
+                dict(seed=2**64), dict(seed=-1), dict(seed=1.5), dict(top_k=-1)):
+        with pytest.raises(ConfigError):
+            Sampler(SamplingParams(**bad))
+    Sampler(SamplingParams(seed=2**64 - 1, repetition_penalty=0.01))  # the edges themselves are fine
+
+
+def test_unusable_probabilities_fall_back_to_the_best_finite_logit():
+    """A row whose logits are NaN or all -inf has no distribution to draw from: the best finite
+    logit (or id 0), never the vocabulary's last id by default."""
+    nan_row = torch.tensor([0.1, float("nan"), 2.0, 0.3])
+    masked = torch.full((5,), float("-inf"))
+    s = Sampler(SamplingParams(temperature=1.0, seed=0))
+    assert s(nan_row, []) == 2
+    assert s(masked, []) == 0

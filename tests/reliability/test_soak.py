@@ -33,5 +33,6 @@ def test_soak_300_steps(tmp_path, capsys):
     assert record["windows"][-1]["pcie_d2h_bytes"] > 0  # D-window flushes happened
     g = record["growth"]
     assert g["checked"] and g["ok"], g
-    assert g["fds"]["growth"] == 0 and g["pinned"]["growth"] == 0
+    # no growth: ≤ 0 (a file closed during the run, e.g. a lazily opened log, counts as a fall, not a leak)
+    assert g["fds"]["growth"] <= 0 and g["pinned"]["growth"] <= 0, g
     assert g["rss"]["growth"] <= soak.RSS_BOUND_BYTES
