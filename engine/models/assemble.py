@@ -41,7 +41,8 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
     with torch.device("meta"):
         model = Decoder(args, make_mlp)
     tensors = dict(tensors)
-    if args.tie_embeddings or "lm_head.weight" not in tensors:
+    tied = args.tie_embeddings or "lm_head.weight" not in tensors  # a file without an output layer ties it
+    if tied:
         tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
 
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -66,7 +67,7 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
     model.load_state_dict(placed, assign=True, strict=True)
     for layer in model.model.layers:
         layer.self_attn.fuse_qkv()  # q, k, v projected by one GEMM (views: no memory added)
-    if args.tie_embeddings:
+    if tied:  # one tensor, not a second copy on the device
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(args.max_position, device, dtype)
     if args.is_moe:

@@ -16,6 +16,7 @@ from engine.models import builtin, families
 
 
 def _gguf_meta(path: Path) -> dict:
+    """The metadata fields, and under "tensors.names" the tensor names (the header: no data read)."""
     import gguf
 
     try:
@@ -23,7 +24,7 @@ def _gguf_meta(path: Path) -> dict:
     except Exception as e:
         raise ModelFileError(f"{path} could not be read as GGUF ({type(e).__name__}: {e})",
                              "the file is truncated or corrupt: download or copy it again") from e
-    meta = {}
+    meta: dict = {"tensors.names": {t.name for t in reader.tensors}}
     for key, fld in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and not key.endswith("_id"):
             continue  # vocabularies: large, and no part of the shape
@@ -49,11 +50,14 @@ def model_args(model: str):
             raise ModelFileError(f"{path} has no config.json", "point at a Hugging Face model folder")
         config = json.loads(config_file.read_text())
         family = families.for_model_type(config.get("model_type"), path)
+        args = family.args_from_config(config)
     else:
         meta = _gguf_meta(path)
         family = families.for_gguf_arch(meta.get("general.architecture"), path)
         config = family.config_from_gguf(meta)
-    args = family.args_from_config(config)
+        args = family.args_from_config(config)
+        if "output.weight" not in meta["tensors.names"]:  # no output layer: the embeddings serve (assemble)
+            args = replace(args, tie_embeddings=True)
     if upcycle is not None:  # the same recipe builtin.upcycle_to_moe applies to the weights
         args = replace(args, n_experts=upcycle.n_experts, top_k=upcycle.top_k, expert_ffn_dim=args.ffn_dim)
     return args

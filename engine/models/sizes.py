@@ -23,10 +23,10 @@ def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
     if args.qk_norm:
         attention += 2 * hs if args.qk_norm_scope == "head" else q + kv
     moe = args.moe_layer_ids()
-    dense_ffn = 3 * H * args.ffn_dim
+    dense_ffn = 3 * H * (args.ffn_dim or 0)
     layer_params = [attention + (args.n_experts * H if i in moe else dense_ffn) for i in range(args.n_layers)]
     mean_layer = sum(layer_params) // max(args.n_layers, 1)
-    expert_params = 3 * H * args.expert_ffn_dim if args.is_moe else 0
+    expert_params = 3 * H * (args.expert_ffn_dim or 0) if args.is_moe else 0
     return ModelParts(
         name=name, n_layers=args.n_layers,
         embed_bytes=(args.vocab_size * H + H) * dtype_bytes,

@@ -105,12 +105,16 @@ def placement_plan(config, profile=None) -> Plan:
                 block_size=config.block_size, cpu_parts=cpu_parts)
 
 
-def apply_plan(config, p: Plan):
+def apply_plan(config, p: Plan | None):
     """The config that runs: `auto` policies (and the device and slots they imply) from the plan.
-    Refuses a model that fits nowhere, with the sizes and what would make it fit."""
+    Refuses a model that fits nowhere, with the sizes and what would make it fit. Without a plan,
+    `auto` is `resident` (whose KV still turns writescope when it does not fit: runtime/kv_setup.py)."""
     auto_kv, auto_experts = config.kv_policy == "auto", config.expert_policy == "auto"
     if not (auto_kv or auto_experts):
         return config
+    if p is None:
+        return replace(config, kv_policy="resident" if auto_kv else config.kv_policy,
+                       expert_policy="resident" if auto_experts else config.expert_policy)
     if not p.fits:
         raise OutOfMemoryError(p.problem, p.remedy)
     if p.device == "cpu" and config.device.startswith("cuda"):

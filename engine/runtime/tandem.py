@@ -31,7 +31,7 @@ class TandemBackend:
         self.profile = hw_profile.load(config.profile_path)  # None: not calibrated (or another machine's)
         self.plan = _plan_or_none(config, self.profile)
         # the engine's config describes what runs: `auto` resolved by the plan (refused if nothing fits)
-        self.config = config = apply_plan(config, self.plan) if self.plan is not None else config
+        self.config = config = apply_plan(config, self.plan)
         self.parts = load_parts(config, progress, self.profile)
         p = self.parts
         self.generator = Generator(p.model, p.kv, p.device, p.max_context, config.max_batch, self.telemetry)
@@ -190,10 +190,8 @@ class TandemBackend:
 
 
 def _plan_or_none(config, profile):
-    """The placement plan; with explicit policies a model the planner cannot size still loads (the
-    plan is then only information), while `auto` needs it."""
-    if "auto" in (config.kv_policy, config.expert_policy):
-        return placement_plan(config, profile)
+    """The placement plan, or None when the planner cannot size this model (a planner fault must not
+    cost the user a model that loads: `auto` then means the resident defaults)."""
     try:
         return placement_plan(config, profile)
     except TandemError:
