@@ -72,8 +72,8 @@ def why_no_pcie(snap: dict) -> str | None:
 
 
 class Panel(QGroupBox):
-    """One panel. `fold(why)`: a panel that does not apply here shrinks to its title and one line
-    saying why (no empty charts, no columns of n/a); `fold(None)` opens it again."""
+    """One panel. `fold(why)`: a panel that does not apply here hides, and the "Not in use here" panel
+    says in one line what it is and why (no empty charts, no columns of n/a); `fold(None)` shows it again."""
 
     def __init__(self, title: str, parent=None):
         super().__init__(title, parent)
@@ -81,7 +81,7 @@ class Panel(QGroupBox):
         self.box.setContentsMargins(8, 6, 8, 8)
         self.box.setSpacing(4)
         self.folded = False
-        self.reason_label: QLabel | None = None  # the label that carries the why when folded
+        self.why: str | None = None
 
     def label(self) -> QLabel:
         lab = QLabel()
@@ -91,13 +91,8 @@ class Panel(QGroupBox):
 
     def fold(self, why: str | None) -> None:
         self.folded = why is not None
-        self.setProperty("folded", self.folded)
-        for i in range(self.box.count()):
-            w = self.box.itemAt(i).widget()
-            if w is not None and w is not self.reason_label:
-                w.setVisible(not self.folded)
-        self.style().unpolish(self)
-        self.style().polish(self)
+        self.why = why
+        self.setVisible(not self.folded)
 
 
 class LivePanels(QWidget):
@@ -125,11 +120,9 @@ class LivePanels(QWidget):
         self.vram_bar = StackedBar()
         self.vram.box.addWidget(self.vram_bar)
         self.vram_text = self.vram.label()
-        self.vram.reason_label = self.vram_text
 
         self.r = Panel("CPU share of KV attention (r)")
         self.r_text = self.r.label()
-        self.r.reason_label = self.r_text
         self.r_plot = Sparkline([Series("r_deployed", QColor("#e15759"), label="deployed"),
                                  Series("r_target", QColor("#4e79a7"), dashed=True, label="target")],
                                 y_max=1.0, percent=True)
@@ -137,7 +130,6 @@ class LivePanels(QWidget):
 
         self.experts = Panel("Expert cache")
         self.experts_text = self.experts.label()
-        self.experts.reason_label = self.experts_text
         self.hit_plot = Sparkline([Series("hit_rate", QColor("#59a14f"), label="hit rate")], y_max=1.0, percent=True)
         self.experts.box.addWidget(self.hit_plot)
         self.flow_plot = Sparkline([Series("fills_per_s", QColor("#f28e2b"), label="fills"),
@@ -148,13 +140,17 @@ class LivePanels(QWidget):
 
         self.pcie = Panel("PCIe transfers")
         self.pcie_text = self.pcie.label()
-        self.pcie.reason_label = self.pcie_text
         self.pcie_plot = Sparkline([Series("h2d_gbps", QColor("#4e79a7"), label="to GPU"),
                                     Series("d2h_gbps", QColor("#e15759"), label="to host")], unit="GB/s")
         self.pcie.box.addWidget(self.pcie_plot)
 
+        self.not_here = Panel("Not in use on this machine")
+        self.not_here_text = self.not_here.label()
+        self.not_here_text.setObjectName("panelNote")
+        self.not_here.hide()
+
         self.order = (self.speed, self.memory, self.vram, self.r, self.experts, self.pcie)
-        for panel in self.order:
+        for panel in (*self.order, self.not_here):
             lay.addWidget(panel)
         lay.addStretch(1)
         self.titles = {p: p.title() for p in self.order}
@@ -173,6 +169,10 @@ class LivePanels(QWidget):
         self._experts(snap, prev)
         self._pcie(snap)
         self._speed(snap)
+        folded = [p for p in self.order if p.folded]
+        self.not_here_text.setText("<br>".join(f"<b>{self.titles[p]}</b>: {p.why.removeprefix('n/a — ')}"
+                                               for p in folded))
+        self.not_here.setVisible(bool(folded))
 
     def set_reading(self, done: int | None, total: int | None = None) -> None:
         """The engine's progress through a long prompt (None: not reading one)."""

@@ -2,7 +2,12 @@
 
 from gui_helpers import send_and_wait, set_chat
 
+from PySide6.QtCore import QTimer
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QWidget
+
 from app.panels import LivePanels, fmt_bytes
+from app.plots import Series, Sparkline, axis_number, nice_top
 from engine.api import StatsSnapshot
 
 
@@ -61,3 +66,61 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
     assert "H2D 24.50 GB/s" in panels.pcie_text.text() and "D2H 1.50 GB/s" in panels.pcie_text.text()
     img = panels.grab()
     assert not img.isNull() and img.width() > 100
+
+
+def test_panels_that_do_not_apply_fold_into_one_line(qtbot, open_window):
+    w = open_window()
+    set_chat(w, greedy=True, max_new_tokens=4)
+    send_and_wait(qtbot, w, "Hi")
+    qtbot.waitUntil(lambda: w.dock.panels.last is not None, timeout=5000)
+    p = w.dock.panels
+    for panel, text in ((p.vram, p.vram_text), (p.r, p.r_text), (p.experts, p.experts_text), (p.pcie, p.pcie_text)):
+        assert panel.folded and not panel.isVisibleTo(p) and text.text().startswith("n/a — ")
+        line = f"<b>{p.titles[panel]}</b>: {text.text().removeprefix('n/a — ')}"
+        assert line in p.not_here_text.text().split("<br>")  # one line each: what it is, and why not here
+    assert p.not_here.isVisibleTo(p)
+    assert not p.speed.folded and p.speed_plot.isVisibleTo(p) and not p.memory.folded
+    assert "n/a" not in p.host_text.text()  # what this engine does not keep is left out, not listed as n/a
+    assert p.not_here.sizeHint().height() < 0.25 * 720  # no longer a quarter of the window
+
+
+def test_charts_have_axes_and_keep_the_last_minute():
+    chart = Sparkline([Series("v", QColor("red"), label="v")], unit="tok/s")
+    for i, v in enumerate([3.0, 7.7, None, 5.0]):
+        chart.add({"v": v}, t=1000.0 + i)
+    assert chart.top() == 10.0 and nice_top(0.42) == 0.5 and nice_top(130) == 200
+    chart.add({"v": None}, t=1000.0 + 59)  # idle for a minute: the reply is still on the chart
+    assert chart.has_values() and len(chart.visible()) == 5
+    chart.add({"v": None}, t=1000.0 + 70)
+    assert not chart.has_values()  # an empty minute says so in words, not as a flat zero
+    pct = Sparkline([Series("r", QColor("blue"))], y_max=1.0, percent=True)
+    assert pct.y_label(0.5) == "50%" and axis_number(2500) == "2.5k"
+    img = chart.grab()
+    assert not img.isNull()
+
+
+def test_a_long_prompt_shows_reading_progress(qtbot, open_window, moe_engine):
+    w = open_window()
+    w.chat_list.new_chat()
+    set_chat(w, greedy=True, max_new_tokens=2)
+    paste = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog near the river bank." for i in range(110))
+    seen_card, seen_panel = [], []
+
+    def look():  # what a person would see, several times a second while the reply is under way
+        seen_card.extend(x.tag.text() for x in w.view.widgets if x.message.role == "assistant")
+        p = w.dock.panels
+        if p.reading_text.isVisibleTo(p):
+            seen_panel.append((p.reading_text.text(), p.last["phase"]))
+
+    timer = QTimer()
+    timer.timeout.connect(look)
+    timer.start(40)
+    prompt = len(moe_engine.render([{"role": "user", "content": paste}]))
+    assert prompt > 1500  # four prefill chunks: a few seconds here
+    send_and_wait(qtbot, w, paste)
+    timer.stop()
+    readings = [t for t in seen_card if t.startswith("reading ")]
+    assert readings, seen_card
+    assert all(t.endswith(f" / {prompt:,} tokens…") for t in readings)
+    assert any(f"/ {prompt:,}</b> tokens" in text and phase == "prefill" for text, phase in seen_panel)
+    assert not w.dock.panels.reading_text.isVisibleTo(w.dock.panels)  # gone once the reply is done
