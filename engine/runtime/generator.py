@@ -2,9 +2,9 @@
 
 Continuous batching: sequences are admitted at any time and join the batch at the next step; each
 step first runs prefill for the sequences that joined (one sequence per forward, T prompt tokens,
-chunked: at most PREFILL_CHUNK tokens of prefill per step, so a long prompt never holds the others'
-decode for more than one chunk), then one decode step over every sequence past its prefill (B
-sequences, one token each). A sequence that finishes, is cancelled (its own `cancel`, checked before
+chunked; while others decode, at most PREFILL_BUDGET prompt tokens per step, shortest first, so a
+long prompt never holds the others' next token for long), then one decode step over every sequence
+past its prefill (B sequences, one token each). A sequence that finishes, is cancelled (its own `cancel`, checked before
 every step) or fails leaves at once; its `on_done` runs on the thread that stepped. A failure is the
 failing sequence's alone: a prefill is one sequence's forward; a batched decode step that raises is
 re-run one sequence at a time, and only those that fail alone end with the error (`SeqRun.error`).
@@ -45,8 +45,9 @@ from engine.runtime.textstream import TextStream
 
 log = logging.getLogger("tandem")
 
-PREFILL_CHUNK = 512  # tokens per prefill forward, and of prefill per step: bounds activation memory on
-# long prompts, and how long a joining prompt holds up the decode step of the sequences already running
+PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory on long prompts
+PREFILL_BUDGET = 128  # prompt tokens per step while other sequences decode: how long joining prompts may
+# hold up their next token (512 tokens of prefill took ~2 s on the 2-core machine, a dozen decode steps)
 
 
 @dataclass
@@ -262,8 +263,17 @@ class Generator:
         self.telemetry.phase = "idle"
 
     def _prefill_some(self) -> None:
-        timer, budget = self.timer, PREFILL_CHUNK
-        for r in [r for r in self.live if not r.ended and not r.decoding]:
+        """Prefill of joined sequences: with nobody decoding, whole chunks; while others decode, up to
+        PREFILL_BUDGET tokens, shortest remaining prompt first (a one-line question gets its first
+        token at the next step even while a long document is being read in)."""
+        waiting = [r for r in self.live if not r.ended and not r.decoding]
+        if not waiting:
+            return
+        others_decode = any(r.decoding and not r.ended for r in self.live)
+        timer, budget = self.timer, PREFILL_BUDGET if others_decode else PREFILL_CHUNK
+        if others_decode:
+            waiting.sort(key=lambda r: len(r.prompt) - r.next_pos)
+        for r in waiting:
             if budget <= 0:
                 break
             self.telemetry.phase = "prefill"
@@ -271,7 +281,8 @@ class Generator:
             try:
                 logits = None
                 while r.next_pos < len(r.prompt) and budget > 0:
-                    chunk = r.prompt[r.next_pos:r.next_pos + PREFILL_CHUNK]
+                    size = PREFILL_CHUNK if not others_decode else min(PREFILL_CHUNK, budget)
+                    chunk = r.prompt[r.next_pos:r.next_pos + size]
                     logits = self._forward([r.session], torch.tensor([chunk]))[0]  # (V,)
                     r.session.cached.extend(chunk)
                     r.next_pos += len(chunk)
