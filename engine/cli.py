@@ -123,7 +123,8 @@ def cmd_plan(args) -> int:
     if not p["fits"]:
         print(f"does not fit: {p['problem']}\n{p['remedy']}")
         return 1
-    print(f"placement  device {p['device']} · kv_policy {p['kv_policy']} · expert_policy {p['expert_policy']}"
+    device = p["device"] + (" (simulated on the CPU)" if p["simulated"] and p["device"] == "gpu" else "")
+    print(f"placement  device {device} · kv_policy {p['kv_policy']} · expert_policy {p['expert_policy']}"
           + (f" · {p['expert_cache_slots']} expert slots" if p["expert_cache_slots"] is not None else "")
           + (f" · D-window {p['d_window']}, r {p['r_start']:.2f} at the full context" if p["r_start"] is not None else ""))
     print(f"context    {p['max_context']:,} tokens × {p['max_batch']} chats; KV on the GPU: {p['kv_gpu_tokens']:,} tokens a chat")

@@ -88,7 +88,7 @@ def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int) -> Machine
 
         kv = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=gpu and not simulated).roofline
     return MachineCosts(gpu=gpu, vram_bytes=vram, ram_bytes=ram, experts=experts, kv=kv, dram_gbps=dram,
-                        cpu_tflops=cpu_tflops, budget_source=source, costs_source=costs_source)
+                        cpu_tflops=cpu_tflops, budget_source=source, costs_source=costs_source, simulated=simulated)
 
 
 def placement_plan(config, profile=None) -> Plan:
@@ -101,8 +101,19 @@ def placement_plan(config, profile=None) -> Plan:
     costs = machine_costs(config, args, profile, dev_bytes)
     parts = model_parts(args, dev_bytes, config.model)
     cpu_parts = parts if cpu_bytes == dev_bytes else model_parts(args, cpu_bytes, config.model)
-    return plan(parts, costs, max_context=max_context, max_batch=config.max_batch, d_window=config.d_window,
-                block_size=config.block_size, cpu_parts=cpu_parts)
+    return plan(parts, costs, max_context=max_context, max_batch=config.max_batch,
+                spill_device_bytes=spill_device_bytes(config, args, dev_bytes, max_context, gpu and not simulated),
+                d_window=config.d_window, block_size=config.block_size, cpu_parts=cpu_parts)
+
+
+def spill_device_bytes(config, args: ModelArgs, dtype_bytes: int, max_context: int, cuda: bool) -> int:
+    """VRAM of writescope's D-window and ping-pong buffers, as kv/partition.py lays them out."""
+    from engine.kv.partition import PartitionSpec
+
+    dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
+    spec = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=cuda, block_size=config.block_size,
+                                   d_window=config.d_window, max_context=max_context)
+    return spec.device_bytes(args.n_layers, config.max_batch, args.n_kv_heads, args.head_dim, dtype)
 
 
 def apply_plan(config, p: Plan | None):

@@ -90,6 +90,7 @@ class MachineCosts:
     hbm_gbps: float = DEFAULT_HBM_GBPS
     cpu_tflops: float = DEFAULT_CPU_TFLOPS
     budget_source: str = "budget"  # "budget" (vram_budget_gb) | "free VRAM" | "no GPU"
+    simulated: bool = False  # the GPU side is simulated on the CPU (tests, CI)
     costs_source: str = "defaults"  # "calibrated (<profile>)" | "defaults"
 
 
@@ -128,6 +129,7 @@ class Plan:
     problem: str | None = None  # when it does not fit: what
     remedy: str | None = None  # … and what would make it fit
     costs_source: str = "defaults"
+    simulated: bool = False  # the "GPU" is the CPU standing in for one (simulate_hybrid)
     candidates: list[dict] = field(default_factory=list)  # every placement considered, with its prediction
 
     def to_dict(self) -> dict:
@@ -275,31 +277,17 @@ def prefill_ms(p: _Placement, m: ModelParts, c: MachineCosts, prompt: int) -> tu
 
 # -- choosing --------------------------------------------------------------------------------------
 
-def writescope_device_bytes(m: ModelParts, max_batch: int, d_window: int, pingpong_tokens: int) -> int:
-    """The D-window of every chat and the two ping-pong buffers (kv/partition.py's device_bytes)."""
-    layer_token = m.kv_bytes_per_token // max(m.n_layers, 1)
-    return layer_token * (m.n_layers * max_batch * d_window + 2 * 2 * pingpong_tokens)
-
-
-def pingpong_tokens_for(m: ModelParts, d_window: int, max_context: int) -> int:
-    """kv/partition.py's default: one extent-layer about 8 MiB, at most one context."""
-    layer_token = max(1, m.kv_bytes_per_token // max(m.n_layers, 1))
-    e = min(16384, (8 << 20) // layer_token, max_context)
-    return max(d_window, e // d_window * d_window)
-
-
 def _candidates(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, max_context: int, max_batch: int,
-                d_window: int, block_size: int) -> list[_Placement]:
+                d_window: int, block_size: int, spill_device_bytes: int) -> list[_Placement]:
     ctx = -(-max_context // block_size) * block_size
     kv_full = m.kv_bytes(ctx, max_batch)
     out = [_Placement("cpu", "resident", "resident", 0, 0, cpu_m.kv_bytes(ctx, max_batch))]
     if not c.gpu:
         return out
     reserve = min(DEVICE_RESERVE_BYTES, c.vram_bytes // 10)
-    ws_dev = writescope_device_bytes(m, max_batch, d_window, pingpong_tokens_for(m, d_window, max_context))
     kv_choices = [("resident", kv_full, 0)]
     if ctx > d_window:
-        kv_choices.append(("writescope", ws_dev, kv_full))
+        kv_choices.append(("writescope", spill_device_bytes, kv_full))
     for kv_policy, kv_gpu, kv_host in kv_choices:
         room = c.vram_bytes - reserve - m.dense_bytes - kv_gpu
         if room < 0:
@@ -344,17 +332,20 @@ def _label(p: _Placement) -> str:
     return f"{p.device}: kv {p.kv_policy}, experts {p.expert_policy}" + (f" ({p.slots} slots)" if p.slots else "")
 
 
-def plan(m: ModelParts, c: MachineCosts, *, max_context: int, max_batch: int, d_window: int = 256,
-         block_size: int = 64, cpu_parts: ModelParts | None = None) -> Plan:
+def plan(m: ModelParts, c: MachineCosts, *, max_context: int, max_batch: int, spill_device_bytes: int,
+         d_window: int = 256, block_size: int = 64, cpu_parts: ModelParts | None = None) -> Plan:
     """The fastest placement of `m` that fits, by predicted decode time over a chat's life (the mean
     of its start and its full context), ties to the one using less VRAM; or a Plan with fits=False
-    saying what does not fit and what would. cpu_parts: the model in the CPU's dtype, when the
-    engine computes in another one there (fp32 on the CPU, bf16 on a GPU); default `m`."""
+    saying what does not fit and what would.
+
+    spill_device_bytes: what spilled KV keeps on the GPU (the D-window of every chat and the two
+    ping-pong buffers: kv/partition.py's PartitionSpec.device_bytes). cpu_parts: the model in the
+    CPU's dtype, when the engine computes in another one there (fp32 on the CPU, bf16 on a GPU)."""
     cpu_m = cpu_parts or m
     host_room = c.ram_bytes - HOST_RESERVE_BYTES
     best: tuple | None = None
     considered = []
-    for p in _candidates(m, cpu_m, c, max_context, max_batch, d_window, block_size):
+    for p in _candidates(m, cpu_m, c, max_context, max_batch, d_window, block_size, spill_device_bytes):
         mp = cpu_m if p.device == "cpu" else m
         rows, vram, ram = _memory(p, mp)
         if ram > host_room:
@@ -369,7 +360,7 @@ def plan(m: ModelParts, c: MachineCosts, *, max_context: int, max_batch: int, d_
         if best is None or key < best[0]:
             best = (key, p, mp, rows, vram, ram, full, short, bound)
     if best is None:
-        return _refusal(m, cpu_m, c, max_context, max_batch, d_window, block_size, considered)
+        return _refusal(m, cpu_m, c, max_context, max_batch, d_window, block_size, spill_device_bytes, considered)
     _, p, mp, rows, vram, ram, full, short, bound = best
     all_ms, _ = decode_ms(p, mp, c, max_context, max_batch, d_window)
     pre_ms, pre_bound = prefill_ms(p, mp, c, max_context)
@@ -387,7 +378,7 @@ def plan(m: ModelParts, c: MachineCosts, *, max_context: int, max_batch: int, d_
         max_batch=max_batch, decode_tok_s=1000.0 / full, decode_tok_s_short=1000.0 / short,
         decode_tok_s_all=1000.0 * max_batch / all_ms, prefill_tok_s=1000.0 * max_context / pre_ms,
         bottleneck=f"decode: {bound}; prefill: {pre_bound}", reason=_reason(p, mp, c),
-        costs_source=c.costs_source, candidates=considered)
+        costs_source=c.costs_source, simulated=c.simulated, candidates=considered)
 
 
 def _reason(p: _Placement, m: ModelParts, c: MachineCosts) -> str:
@@ -402,29 +393,29 @@ def _reason(p: _Placement, m: ModelParts, c: MachineCosts) -> str:
 
 
 def _fits(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, context: int, max_batch: int, d_window: int,
-          block_size: int) -> bool:
+          block_size: int, spill_device_bytes: int) -> bool:
     host_room = c.ram_bytes - HOST_RESERVE_BYTES
-    for p in _candidates(m, cpu_m, c, context, max_batch, d_window, block_size):
+    for p in _candidates(m, cpu_m, c, context, max_batch, d_window, block_size, spill_device_bytes):
         if _memory(p, cpu_m if p.device == "cpu" else m)[2] <= host_room:
             return True
     return False
 
 
 def _refusal(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, max_context: int, max_batch: int, d_window: int,
-             block_size: int, considered: list[dict]) -> Plan:
+             block_size: int, spill_device_bytes: int, considered: list[dict]) -> Plan:
     ctx = -(-max_context // block_size) * block_size
     kv = m.kv_bytes(ctx, max_batch)
     tips = []
     lo, hi = 0, ctx // block_size  # the longest context (in blocks) that fits, if any does
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _fits(m, cpu_m, c, mid * block_size, max_batch, d_window, block_size):
+        if _fits(m, cpu_m, c, mid * block_size, max_batch, d_window, block_size, spill_device_bytes):
             lo = mid
         else:
             hi = mid - 1
     if lo:
         tips.append(f"a context of at most {lo * block_size:,} tokens (max_context)")
-    if max_batch > 1 and _fits(m, cpu_m, c, max_context, 1, d_window, block_size):
+    if max_batch > 1 and _fits(m, cpu_m, c, max_context, 1, d_window, block_size, spill_device_bytes):
         tips.append("one chat at a time (max_batch 1)")
     tips.append("a smaller or more quantised model file")
     tips.append("closing other programs to free RAM")

@@ -2,12 +2,23 @@
 MoE), tiny and too-big models, with and without calibrated costs, with and without a GPU."""
 
 import pytest
+import torch
 
+from engine.kv.partition import PartitionSpec
 from engine.models import families, synthetic
 from engine.models.sizes import model_parts
+from engine.sched import placement
 from engine.sched.expert_cost import ExpertCostModel
-from engine.sched.placement import GiB, MachineCosts, ModelParts, decode_ms, lru_hit_rate, plan, unique_experts
+from engine.sched.placement import GiB, MachineCosts, ModelParts, decode_ms, lru_hit_rate, unique_experts
 from engine.sched.roofline import RooflineParams
+
+
+def plan(m: ModelParts, c: MachineCosts, *, max_context: int, max_batch: int, kv_shape=(4, 128, torch.bfloat16)):
+    """placement.plan with the spilled KV's device bytes laid out as the engine lays them out."""
+    n_kv, hs, dtype = kv_shape
+    spec = PartitionSpec.for_shape(n_kv, hs, dtype, cuda=True, max_context=max_context)
+    spill = spec.device_bytes(m.n_layers, max_batch, n_kv, hs, dtype)
+    return placement.plan(m, c, max_context=max_context, max_batch=max_batch, spill_device_bytes=spill)
 
 
 def preset(name: str, dtype_bytes: int = 2) -> ModelParts:
@@ -79,7 +90,8 @@ def test_a_budget_of_zero_runs_everything_on_the_cpu():
 def test_a_cpu_only_machine_runs_from_ram():
     builtin = ModelParts("builtin", 30, 576 * 49153 * 4, 0, 3_600_000, 30, 8, 2, 10_616_832, 2 * 576 * 1536 * 3,
                          2 * 30 * 3 * 64 * 4, 2e7, 576)
-    p = plan(builtin, machine(0, ram_gb=16, gpu=False), max_context=8192, max_batch=4)
+    p = plan(builtin, machine(0, ram_gb=16, gpu=False), max_context=8192, max_batch=4,
+             kv_shape=(3, 64, torch.float32))
     assert p.fits and p.device == "cpu" and (p.kv_policy, p.expert_policy) == ("resident", "resident")
     assert p.reason.startswith("no GPU") and p.decode_tok_s > 0
     assert {r.where for r in p.rows} == {"RAM"}
