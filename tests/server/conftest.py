@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.server import launch
+from strict_limits import STRICT
 
-STRICT = {"header_timeout": 1.0, "body_timeout": 1.0, "max_connections": 4, "time_limit": 2.0}
+from engine.server import launch
 
 
 @pytest.fixture(scope="session")

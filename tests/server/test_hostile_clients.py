@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conftest import STRICT
+from strict_limits import STRICT
 from test_serve_api import QUESTION, assert_openai_error, client
 
 
