@@ -110,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     previous_hook = sys.excepthook
     try:
         if not store.setting("wizard_done") and not args.skip_wizard:
-            wiz = SetupWizard(engine_config(store, overrides))
+            wiz = SetupWizard(engine_config(store, overrides), model_folders=store.setting("model_folders", []))
             if wiz.exec() == QDialog.DialogCode.Accepted:
                 save_engine_settings(store, wiz.values())
+                store.set_setting("model_folders", wiz.model_folders())
                 store.set_setting("wizard_done", True)
                 overrides["model"] = None  # the wizard's choice wins over --model from here on
         host = EngineHost()

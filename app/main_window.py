@@ -270,9 +270,10 @@ class MainWindow(QMainWindow):
 
     def open_wizard(self, start: int = HARDWARE) -> bool:
         current = engine_config(self.store, self.overrides)
-        wiz = SetupWizard(current, start, self)
+        wiz = SetupWizard(current, start, self, model_folders=self.store.setting("model_folders", []))
         if wiz.exec() != QDialog.DialogCode.Accepted:
             return False
+        self.store.set_setting("model_folders", wiz.model_folders())
         # A new calibration profile is read when the engine loads: reload to put it to use.
         self.apply_setup(wiz.values(), reload=wiz.calibration.result is not None)
         return True

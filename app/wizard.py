@@ -48,7 +48,8 @@ class DonePage(QWizardPage):
 
 
 class SetupWizard(QWizard):
-    def __init__(self, current: dict | None = None, start: int = HARDWARE, parent=None):
+    def __init__(self, current: dict | None = None, start: int = HARDWARE, parent=None,
+                 model_folders: list[str] | None = None):
         super().__init__(parent)
         self.setWindowTitle("Tandem setup")
         self.setWizardStyle(QWizard.WizardStyle.ModernStyle)
@@ -56,7 +57,7 @@ class SetupWizard(QWizard):
         self.setPage(HARDWARE, HardwarePage())
         self.calibration = CalibrationPage()
         self.setPage(CALIBRATION, self.calibration)
-        self.model_page = ModelPage(current or {})
+        self.model_page = ModelPage(current or {}, model_folders)
         self.setPage(MODEL, self.model_page)
         self.setPage(DONE, DonePage())
         self.setStartId(start)
@@ -68,8 +69,23 @@ class SetupWizard(QWizard):
     def values(self) -> dict:
         return self.model_page.values()
 
+    def model_folders(self) -> list[str]:
+        """The folders the user added to the model list (saved as the setting "model_folders")."""
+        return list(self.model_page.folders)
+
     def reject(self) -> None:
         if self.calibration.busy():
             self.calibration.cancel()
             self.calibration.task.wait()
+        self.finish_tasks()
         super().reject()
+
+    def finish_tasks(self) -> None:
+        """A model scan still reading headers ends before the wizard goes (it only reads, so it is quick)."""
+        task = self.model_page.scan_task
+        if task is not None:
+            task.wait()
+
+    def done(self, result: int) -> None:
+        self.finish_tasks()
+        super().done(result)

@@ -19,10 +19,19 @@ class Task(QThread):
     done = Signal(object)
     failed = Signal(str, str)
 
+    RUNNING: set = set()  # a running task outlives its page: Qt aborts the process if a live thread is deleted
+
     def __init__(self, fn, parent=None):
-        super().__init__(parent)
+        super().__init__(None)  # no parent, for the same reason; `parent` is kept as a plain reference
+        self.owner = parent
         self.fn = fn
         self.cancelled = False
+
+    def start(self, *args) -> None:
+        # Forget the tasks that have ended (here, on the GUI thread: a thread must not drop itself).
+        Task.RUNNING.difference_update([t for t in Task.RUNNING if t.isFinished()])
+        Task.RUNNING.add(self)
+        super().start(*args)
 
     def report(self, *args) -> None:
         if self.cancelled:

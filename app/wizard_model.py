@@ -3,12 +3,29 @@ remote server; and how much memory and context it may use."""
 
 from __future__ import annotations
 
-from PySide6.QtWidgets import (QButtonGroup, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel,
-                               QLineEdit, QPushButton, QRadioButton, QSpinBox, QVBoxLayout, QWizardPage)
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (QAbstractItemView, QButtonGroup, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout,
+                               QHeaderView, QLabel, QLineEdit, QPushButton, QRadioButton, QSpinBox, QTreeWidget,
+                               QTreeWidgetItem, QVBoxLayout, QWidget, QWizardPage)
+
+from app.model_files import ModelInfo
+from app.model_scan import find_models, size_text
+from app.wizard_common import Task
+
+FOUND_COLUMNS = ("Model", "Size", "Quantisation", "Context", "Found in", "Fit")
+FOUND_MAX_HEIGHT = 150  # the list scrolls; the page still fits 1280×720
+
+
+def fit_badge(info: ModelInfo) -> str:
+    """The one place where a model's fit on this machine is shown in the list ("fits", "CPU only", …).
+
+    It will come from the engine's placement plan (engine.api.plan, being built); until then the app
+    shows no verdict rather than a guess of its own, and the Fit column stays hidden."""
+    return ""
 
 
 class ModelPage(QWizardPage):
-    def __init__(self, current: dict, parent=None):
+    def __init__(self, current: dict, folders: list[str] | None = None, parent=None):
         super().__init__(parent)
         self.setTitle("Model and memory")
         self.setSubTitle("Which model to load, and how much memory it may use.")
@@ -17,10 +34,10 @@ class ModelPage(QWizardPage):
         self.group = QButtonGroup(self)
         self.builtin_box = QVBoxLayout()
         self.lay.addLayout(self.builtin_box)
-        self.local_radio = QRadioButton("A local model: a .gguf file or a Hugging Face folder (config.json + "
-                                        "*.safetensors)")
+        self.local_radio = QRadioButton("A model on this computer: a .gguf file or a Hugging Face folder")
         self.group.addButton(self.local_radio)
         self.lay.addWidget(self.local_radio)
+        self._found_list(folders or [])
         row = QHBoxLayout()
         self.path = QLineEdit()
         self.path.setPlaceholderText("path to model.gguf or a model folder")
@@ -61,6 +78,75 @@ class ModelPage(QWizardPage):
         self.radios: dict[str, QRadioButton] = {}
         self.group.buttonToggled.connect(lambda *_: self.completeChanged.emit())
 
+    def _found_list(self, folders: list[str]) -> None:
+        """GGUF files and Hugging Face folders already on disk, newest first; a click picks one."""
+        self.folders = list(folders)
+        self.found = QTreeWidget()
+        self.found.setObjectName("foundModels")
+        self.found.setHeaderLabels(list(FOUND_COLUMNS))
+        self.found.setRootIsDecorated(False)
+        self.found.setUniformRowHeights(True)
+        self.found.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.found.setMaximumHeight(FOUND_MAX_HEIGHT)
+        self.found.header().setStretchLastSection(False)
+        self.found.header().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        for col in range(1, len(FOUND_COLUMNS)):
+            self.found.header().setSectionResizeMode(col, QHeaderView.ResizeMode.ResizeToContents)
+        self.found.setColumnHidden(FOUND_COLUMNS.index("Fit"), True)
+        self.found.itemClicked.connect(self._found_clicked)
+        self.lay.addWidget(self.found)
+        row = QHBoxLayout()
+        self.found_note = QLabel("Looking for models on this computer…")
+        self.found_note.setObjectName("panelNote")
+        self.found_note.setWordWrap(True)
+        row.addWidget(self.found_note, 1)
+        add = QPushButton("Add a folder…")
+        add.setToolTip("Also look in a folder of your own (kept for next time)")
+        add.clicked.connect(lambda: self.add_folder(QFileDialog.getExistingDirectory(self, "A folder with models")))
+        row.addWidget(add)
+        self.lay.addLayout(row)
+        self.models: list[ModelInfo] = []
+        self.unusable: list = []
+        self.scan_task = None
+
+    def scan(self) -> None:
+        """Look for models on a background thread (reading many headers takes a moment)."""
+        self.scan_task = Task(lambda _progress: find_models(self.folders), self)
+        self.scan_task.done.connect(self.show_found)
+        self.scan_task.start()
+
+    def add_folder(self, folder: str) -> None:
+        if folder and folder not in self.folders:
+            self.folders.append(folder)
+            self.scan()
+
+    def show_found(self, result) -> None:
+        self.models, self.unusable = result
+        self.found.clear()
+        badges = False
+        for m in self.models:
+            badge = fit_badge(m)
+            badges = badges or bool(badge)
+            item = QTreeWidgetItem([m.name, size_text(m.size_bytes), m.quant or "?",
+                                    f"{m.context_length:,}" if m.context_length else "?", m.source, badge])
+            item.setData(0, Qt.ItemDataRole.UserRole, str(m.path))
+            item.setToolTip(0, f"{m.path}\n{m.architecture or 'unknown architecture'}")
+            self.found.addTopLevelItem(item)
+            if str(m.path) == self.path.text():
+                self.found.setCurrentItem(item)
+        self.found.setColumnHidden(FOUND_COLUMNS.index("Fit"), not badges)
+        where = sorted({m.source for m in self.models})
+        note = (f"{len(self.models)} found ({', '.join(where)}); nothing is downloaded." if self.models else
+                "None found in the Hugging Face cache, LM Studio's or llama.cpp's folders. Add a folder, or pick "
+                "a file below.")
+        if self.unusable:
+            note += f" {len(self.unusable)} could not be read (hover for why)."
+            self.found_note.setToolTip("\n".join(f"{u.path}: {u.what}" for u in self.unusable))
+        self.found_note.setText(note)
+
+    def _found_clicked(self, item: QTreeWidgetItem) -> None:
+        self.path.setText(item.data(0, Qt.ItemDataRole.UserRole))
+
     def _remote_fields(self, current: dict) -> None:
         """A model on another machine: any OpenAI-compatible server (another Tandem, llama.cpp, vLLM…)."""
         self.remote_radio = QRadioButton("A remote server (OpenAI-compatible: another Tandem, llama.cpp, vLLM, …)")
@@ -77,7 +163,12 @@ class ModelPage(QWizardPage):
         remote.addRow("Address", self.remote_url)
         remote.addRow("API key", self.remote_key)
         remote.addRow("Model", self.remote_model)
-        self.lay.addLayout(remote)
+        self.remote_box = QWidget()  # shown only when a remote server is the choice: the page stays short
+        self.remote_box.setLayout(remote)
+        remote.setContentsMargins(24, 0, 0, 0)
+        self.remote_box.setVisible(current.get("backend") == "remote")
+        self.remote_radio.toggled.connect(self.remote_box.setVisible)
+        self.lay.addWidget(self.remote_box)
         for w in (self.remote_url, self.remote_key, self.remote_model):
             w.textEdited.connect(lambda _t: (self.remote_radio.setChecked(True), self.completeChanged.emit()))
 
@@ -91,6 +182,8 @@ class ModelPage(QWizardPage):
 
     def initializePage(self) -> None:
         facts = self.wizard().facts or {}
+        if self.scan_task is None:
+            self.scan()
         if not self.radios:
             for m in facts.get("models", []):
                 rb = QRadioButton(f"{m['name']}{'  (default)' if m['default'] else ''}\n{m['description']}")
