@@ -5,9 +5,9 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QScrollArea, QSizePolicy,
-                               QTextBrowser, QVBoxLayout, QWidget)
+                               QTextBrowser, QToolButton, QVBoxLayout, QWidget)
 
-from app.markdown import render_markdown
+from app.markdown import code_groups, render_markdown
 
 FINISH_REASONS = {"stop": "end of turn", "length": "reply length limit", "stopped": "stopped by you",
                   "context_full": "context window full"}
@@ -43,17 +43,48 @@ class MarkdownView(QTextBrowser):
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.viewport().setAutoFillBackground(False)
         self.source_text = ""
+        self.copy_buttons: list[QToolButton] = []
 
     def set_text(self, text: str) -> None:
         self.source_text = text
         base = self.palette().color(QPalette.ColorRole.Base)
-        shade = QColor(base).darker(108) if base.lightness() > 128 else QColor(base).lighter(140)
+        shade = QColor(base).darker(106) if base.lightness() > 128 else QColor(base).lighter(135)
         render_markdown(self.document(), text, shade)
         self._fit()
+        self._place_copy_buttons()
 
     def resizeEvent(self, event):
         super().resizeEvent(event)
         self._fit()
+        self._place_copy_buttons()
+
+    def _place_copy_buttons(self) -> None:
+        """A "Copy" button at the top right of every code block (what people copy from a reply)."""
+        groups = code_groups(self.document())
+        while len(self.copy_buttons) < len(groups):
+            b = QToolButton(self.viewport())
+            b.setObjectName("copyCode")
+            b.setText("Copy")
+            b.setToolTip("Copy this code block")
+            b.setCursor(Qt.CursorShape.PointingHandCursor)
+            b.clicked.connect(lambda _=False, b=b: self._copy_code(b))
+            self.copy_buttons.append(b)
+        layout = self.document().documentLayout()
+        for i, b in enumerate(self.copy_buttons):
+            if i >= len(groups):
+                b.hide()
+                continue
+            first, text = groups[i]
+            b.code = text
+            b.adjustSize()
+            top = layout.blockBoundingRect(first).top() - self.verticalScrollBar().value()
+            b.move(self.viewport().width() - b.width() - 4, int(top) + 2)
+            b.show()
+
+    def _copy_code(self, button) -> None:
+        QGuiApplication.clipboard().setText(button.code)
+        button.setText("Copied")
+        QTimer.singleShot(1500, button, lambda: button.setText("Copy"))  # cancelled if the reply is redrawn
 
     def _fit(self) -> None:
         self.document().setTextWidth(self.viewport().width())

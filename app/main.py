@@ -36,7 +36,9 @@ def make_application(argv: list[str]):
         app.setWindowIcon(QIcon(str(icon)))
     style = ASSETS / "style.qss"
     if style.is_file():
-        app.setStyleSheet(style.read_text())
+        from app.theme import style_sheet
+
+        app.setStyleSheet(style_sheet(style))  # light or dark, as the system's palette is
     return app
 
 

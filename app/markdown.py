@@ -39,17 +39,24 @@ def render_markdown(doc: QTextDocument, text: str, code_background: QColor) -> N
     cursor.endEditBlock()
 
 
-def code_blocks(doc: QTextDocument) -> list[str]:
-    """The text of each code block (consecutive code lines joined), for tests and 'copy code'."""
-    out, current = [], []
+def code_groups(doc: QTextDocument) -> list[tuple[object, str]]:
+    """(first block, text) of each code block (consecutive code lines joined), for its copy button."""
+    out, first, lines = [], None, []
     block = doc.begin()
     while block.isValid():
         if _is_code(block):
-            current.append(block.text())
-        elif current:
-            out.append("\n".join(current))
-            current = []
+            if first is None:
+                first = block
+            lines.append(block.text())
+        elif first is not None:
+            out.append((first, "\n".join(lines)))
+            first, lines = None, []
         block = block.next()
-    if current:
-        out.append("\n".join(current))
+    if first is not None:
+        out.append((first, "\n".join(lines)))
     return out
+
+
+def code_blocks(doc: QTextDocument) -> list[str]:
+    """The text of each code block, for tests and 'copy code'."""
+    return [text for _, text in code_groups(doc)]

@@ -90,3 +90,34 @@ def test_tandem_gui_reaches_the_app(app_data, capsys):
     assert "already running" in capsys.readouterr().err
     held.release()
     assert os.path.isdir(app_data)
+
+
+def test_style_follows_the_light_or_dark_palette(qtbot):
+    from PySide6.QtGui import QColor, QPalette
+
+    from app.main import ASSETS
+    from app.theme import DARK, LIGHT, is_dark, style_sheet
+
+    dark = QPalette()
+    dark.setColor(QPalette.ColorRole.Window, QColor("#202124"))
+    light = QPalette()
+    light.setColor(QPalette.ColorRole.Window, QColor("#f0f0f0"))
+    assert is_dark(dark) and not is_dark(light)
+    for pal, colours in ((dark, DARK), (light, LIGHT)):
+        qss = style_sheet(ASSETS / "style.qss", pal)
+        assert "$" not in qss and f"background: {colours['bg']}" in qss
+
+
+def test_code_blocks_have_a_copy_button(qtbot):
+    view = MarkdownView()
+    qtbot.addWidget(view)
+    view.resize(500, 100)
+    view.show()
+    view.set_text("Two blocks:\n\n```python\nprint(1)\n```\n\nand\n\n```sh\nls -l\n```\n")
+    buttons = [b for b in view.copy_buttons if b.isVisibleTo(view)]
+    assert [b.code for b in buttons] == ["print(1)", "ls -l"]
+    assert buttons[0].y() < buttons[1].y() and buttons[0].x() + buttons[0].width() <= view.viewport().width()
+    buttons[1].click()
+    assert QGuiApplication.clipboard().text() == "ls -l" and buttons[1].text() == "Copied"
+    view.set_text("No code any more.")
+    assert not any(b.isVisibleTo(view) for b in view.copy_buttons)
