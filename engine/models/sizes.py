@@ -2,14 +2,14 @@
 tensor read), as the engine would hold them in one dtype: what the placement planner divides.
 
 The count follows models/common.py's modules: per layer q/k/v/o projections (biases where the
-family has them), two RMSNorms and the optional q/k norms, then either the router (MoE layers) or
-the dense SwiGLU FFN; token embeddings, the final norm and the output projection unless tied.
+family has them), two RMSNorms and the optional q/k norms, then either the router and the shared
+experts (MoE layers: dense weights every token reads, on the GPU side) or the dense SwiGLU FFN; token embeddings, the final norm and the output projection unless tied.
 """
 
 from __future__ import annotations
 
 from engine.models.common import ModelArgs
-from engine.sched.placement import ModelParts
+from engine.sched.placement_speed import ModelParts
 
 
 def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
@@ -24,7 +24,11 @@ def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
         attention += 2 * hs if args.qk_norm_scope == "head" else q + kv
     moe = args.moe_layer_ids()
     dense_ffn = 3 * H * (args.ffn_dim or 0)
-    layer_params = [attention + (args.n_experts * H if i in moe else dense_ffn) for i in range(args.n_layers)]
+    # a MoE layer's dense part: the router (and its score bias) and the shared experts every token runs
+    moe_dense = args.n_experts * H + 3 * H * args.shared_expert_ffn_dim
+    if args.router_score_bias:
+        moe_dense += args.n_experts
+    layer_params = [attention + (moe_dense if i in moe else dense_ffn) for i in range(args.n_layers)]
     mean_layer = sum(layer_params) // max(args.n_layers, 1)
     expert_params = 3 * H * (args.expert_ffn_dim or 0) if args.is_moe else 0
     return ModelParts(

@@ -22,7 +22,9 @@ from engine.models.common import ModelArgs
 from engine.models.shape import model_args
 from engine.models.sizes import model_parts
 from engine.sched.expert_cost import ExpertCostModel
-from engine.sched.placement import DEFAULT_CPU_TFLOPS, DEFAULT_DRAM_GBPS, GiB, MachineCosts, Plan, plan
+from engine.runtime.generator import PREFILL_CHUNK
+from engine.sched.placement import Plan, plan
+from engine.sched.placement_speed import DEFAULT_CPU_TFLOPS, DEFAULT_DRAM_GBPS, GiB, MachineCosts
 
 log = logging.getLogger("tandem")
 
@@ -103,6 +105,7 @@ def placement_plan(config, profile=None) -> Plan:
     cpu_parts = parts if cpu_bytes == dev_bytes else model_parts(args, cpu_bytes, config.model)
     return plan(parts, costs, max_context=max_context, max_batch=config.max_batch,
                 spill_device_bytes=spill_device_bytes(config, args, dev_bytes, max_context, gpu and not simulated),
+                prefill_chunk=PREFILL_CHUNK,
                 d_window=config.d_window, block_size=config.block_size, cpu_parts=cpu_parts)
 
 

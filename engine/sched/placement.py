@@ -7,91 +7,20 @@ Pure arithmetic over bytes and milliseconds, no tensors. Three steps:
 2. Enumerate the placements the engine can run — everything on the GPU; KV resident or spilled
    (writescope) × experts resident, cached in the slots the rest of the budget leaves, or all on the
    CPU; everything on the CPU when the dense weights do not fit the GPU — and predict each one's
-   decode step from the same cost models the engine schedules with (sched/roofline.py for the KV,
-   sched/expert_cost.py for the experts).
+   decode step (sched/placement_speed.py).
 3. Keep the fastest. VRAM is thereby shared between KV and experts by value per byte: a byte of KV
    on the GPU is read at every step, an expert slot only when its expert is routed (top-k of E), so
    a long context or many chats hand the budget to the KV, a short one to the expert cache.
-
-Units: bytes, milliseconds, GB/s (1e6 bytes/ms), TFLOP/s (1e9 FLOP/ms). The constants below were
-measured on the GPU machine (16 layers of Qwen3-30B-A3B, bf16, H200, CUDA graphs); a calibration
-profile replaces the bandwidths and expert costs (`MachineCosts`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from engine.sched.expert_cost import BYTES_PER_MS_PER_GBPS, FLOP_PER_MS_PER_TFLOPS, ExpertCostModel
-from engine.sched.roofline import RooflineParams
+from engine.sched.placement_speed import GiB, MachineCosts, ModelParts, Placement, decode_ms, prefill_ms
 
-GiB = 2**30
 DEVICE_RESERVE_BYTES = 1 << 30  # activations, grouped-GEMM intermediates, allocator slack (at most 10% of the budget)
 HOST_RESERVE_BYTES = 2 << 30  # the process itself: torch, the tokenizer, the loader's transient copies
-PREFILL_CHUNK = 512  # tokens per prefill forward (runtime/generator.py)
-GPU_LAYER_MS = 0.05  # one decoder layer's kernels in a captured decode step, weight reads aside (resident 2K:
-#                     650 tok/s, 1.54 ms a token over 16 layers, of which ~0.04 ms a layer reads weights)
-GPU_KV_READ_GBPS = 900.0  # decode attention over resident KV (resident 2K → 32K: +1.15 ms a token for 1 GiB of KV)
-CPU_LAYER_MS = 0.25  # one layer's operator overhead in eager CPU decode (the 30-layer built-in model, 2 cores)
-CPU_STREAM_EFFICIENCY = 0.6  # share of the DRAM read rate a CPU decode step reaches over its weights
-DEFAULT_DRAM_GBPS = 20.0  # without a profile: a dual-channel desktop's read rate, conservative
-DEFAULT_HBM_GBPS = 3000.0  # without a profile: weight reads on the GPU (sched/expert_cost.py's gpu_gbps)
-DEFAULT_CPU_TFLOPS = 1.0  # without a profile: prefill matmuls on the CPU
-
-
-@dataclass(frozen=True)
-class ModelParts:
-    """A model's parts in bytes, as the engine holds them (one dtype), read from headers alone."""
-
-    name: str
-    n_layers: int
-    embed_bytes: int  # token embeddings (read one row a token; kept on the compute device)
-    output_bytes: int  # the output projection (0: tied to the embeddings)
-    layer_dense_bytes: int  # one layer's attention, norms, router and dense FFN or shared experts
-    moe_layers: int  # layers with routed experts
-    n_experts: int  # routed experts per MoE layer (0: a dense model)
-    top_k: int
-    expert_bytes: int  # one routed expert (gate, up, down)
-    expert_flops_per_token: float  # 6·H·I
-    kv_bytes_per_token: int  # one chat's K and V of one token over all layers
-    dense_flops_per_token: float  # 2 × the dense parameters a token multiplies through (prefill compute)
-    attn_width: int  # n_heads · head_dim: attention FLOPs per (query, key) pair are 4 × this per layer
-
-    @property
-    def dense_bytes(self) -> int:
-        return self.embed_bytes + self.output_bytes + self.n_layers * self.layer_dense_bytes
-
-    @property
-    def n_routed(self) -> int:
-        return self.moe_layers * self.n_experts
-
-    @property
-    def routed_bytes(self) -> int:
-        return self.n_routed * self.expert_bytes
-
-    @property
-    def weights_bytes(self) -> int:
-        return self.dense_bytes + self.routed_bytes
-
-    def kv_bytes(self, tokens: int, chats: int) -> int:
-        return self.kv_bytes_per_token * tokens * chats
-
-
-@dataclass(frozen=True)
-class MachineCosts:
-    """What the planner knows of the machine: the memory it may use and the calibrated rates."""
-
-    gpu: bool  # a GPU side exists (CUDA, or the simulated hybrid)
-    vram_bytes: int  # what Tandem may use on the GPU: the budget, else free VRAM less a margin
-    ram_bytes: int  # host memory available
-    experts: ExpertCostModel  # B_P, B_H, CPU and GPU expert costs (a profile's, else the defaults)
-    kv: RooflineParams  # A, B, Δ per KV token per layer-step
-    dram_gbps: float = DEFAULT_DRAM_GBPS
-    hbm_gbps: float = DEFAULT_HBM_GBPS
-    cpu_tflops: float = DEFAULT_CPU_TFLOPS
-    budget_source: str = "budget"  # "budget" (vram_budget_gb) | "free VRAM" | "no GPU"
-    simulated: bool = False  # the GPU side is simulated on the CPU (tests, CI)
-    costs_source: str = "defaults"  # "calibrated (<profile>)" | "defaults"
 
 
 @dataclass
@@ -161,127 +90,11 @@ class Plan:
         return ", ".join(s for s in (where, speed) if s)
 
 
-# -- the decode and prefill models -----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Placement:
-    device: str  # "gpu" | "cpu"
-    kv_policy: str  # "resident" | "writescope"
-    expert_policy: str  # "resident" | "adaptive" | "cpu-only"
-    slots: int  # expert cache slots (offloaded policies)
-    kv_gpu_bytes: int
-    kv_host_bytes: int
-
-
-def unique_experts(n_experts: int, top_k: int, tokens: int) -> float:
-    """Expected distinct experts one layer routes `tokens` tokens to, top-k of E each, uniformly."""
-    if n_experts == 0 or tokens <= 0:
-        return 0.0
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
-
-
-def lru_hit_rate(slots: int, n_routed: int, touched_per_pass: float) -> float:
-    """Hit rate of an LRU cache shared by all layers under uniform routing (the synthetic models'
-    random routers, a worst case: trained routers are more local). A step or chunk that touches more
-    experts than the cache holds evicts them all before they come round again (LRU's cyclic worst
-    case: prefill chunks); otherwise each expert is cached with probability slots / n_routed."""
-    if n_routed == 0:
-        return 1.0
-    if touched_per_pass > slots:
-        return 0.0
-    return min(1.0, slots / n_routed)
-
-
-def _expert_layer_ms(p: _Placement, m: ModelParts, c: MachineCosts, tokens: int, prefill: bool) -> tuple[float, str]:
-    """(ms, which side bounds it) for one MoE layer's routed experts over `tokens` tokens."""
-    e = c.experts
-    u = unique_experts(m.n_experts, m.top_k, tokens)
-    routed = tokens * m.top_k
-    if p.device == "cpu":  # resident in RAM: the decode step streams the routed experts' weights
-        stream = u * m.expert_bytes / (c.dram_gbps * CPU_STREAM_EFFICIENCY * BYTES_PER_MS_PER_GBPS)
-        return stream + routed * m.expert_flops_per_token / (c.cpu_tflops * FLOP_PER_MS_PER_TFLOPS), "CPU experts"
-    if p.expert_policy == "resident":  # inside the captured step: weight reads and FLOPs, no launch cost
-        return (u * m.expert_bytes / (c.hbm_gbps * BYTES_PER_MS_PER_GBPS)
-                + routed * m.expert_flops_per_token / (e.gpu_tflops * FLOP_PER_MS_PER_TFLOPS)), "GPU layers"
-    if p.expert_policy == "cpu-only":
-        return e.cpu_ms(round(u), routed), "CPU experts"
-    h = lru_hit_rate(p.slots, m.n_routed, u * m.moe_layers)
-    hits = round(u * h)
-    misses = max(0, round(u) - hits)
-    per = routed / max(u, 1.0)  # tokens per touched expert
-    if prefill:  # token-heavy: every miss fills (the cost model's q is the whole miss set)
-        t_gpu, t_cpu = e.layer_ms(hits, round(hits * per), [round(per)] * misses, [])
-        return max(t_gpu, t_cpu), "PCIe fills"
-    q, t_gpu, t_cpu = e.best_split([max(1, round(per))] * misses, hits, round(hits * per), misses)
-    bound = "PCIe fills" if t_gpu >= t_cpu and q else "CPU experts" if t_cpu > t_gpu else "GPU compute"
-    return max(t_gpu, t_cpu), bound
-
-
-def _attention_layer_ms(p: _Placement, m: ModelParts, c: MachineCosts, context: int, chats: int,
-                        d_window: int) -> float:
-    layer_token_bytes = m.kv_bytes_per_token / max(m.n_layers, 1)
-    if p.device == "cpu":
-        return chats * context * layer_token_bytes / (c.dram_gbps * CPU_STREAM_EFFICIENCY * BYTES_PER_MS_PER_GBPS)
-    if p.kv_policy == "resident":
-        return chats * context * layer_token_bytes / (GPU_KV_READ_GBPS * BYTES_PER_MS_PER_GBPS)
-    placed = max(0, context - d_window) * chats  # spilled tokens: split between CPU (A) and GPU stream (B)
-    window = min(context, d_window) * chats * layer_token_bytes / (GPU_KV_READ_GBPS * BYTES_PER_MS_PER_GBPS)
-    if placed == 0:
-        return window
-    A, B = c.kv.A_ns_per_token, c.kv.B_ns_per_token
-    both = placed * A * B / (A + B) * 1e-6 + max(c.kv.c_cpu_ms, c.kv.c_cpu_ms + c.kv.delta_ms)
-    return window + both
-
-
-def decode_ms(p: _Placement, m: ModelParts, c: MachineCosts, context: int, chats: int, d_window: int
-              ) -> tuple[float, str]:
-    """One decode step of `chats` chats at `context` tokens each: (ms, the bottleneck in words)."""
-    parts: dict[str, float] = {}
-    if p.device == "cpu":
-        rate = c.dram_gbps * CPU_STREAM_EFFICIENCY * BYTES_PER_MS_PER_GBPS
-        parts["CPU weights"] = (m.output_bytes or m.embed_bytes) / rate + m.n_layers * (
-            CPU_LAYER_MS + m.layer_dense_bytes / rate)
-    else:
-        parts["GPU layers"] = (m.output_bytes or m.embed_bytes) / (c.hbm_gbps * BYTES_PER_MS_PER_GBPS) + m.n_layers * (
-            GPU_LAYER_MS + m.layer_dense_bytes / (c.hbm_gbps * BYTES_PER_MS_PER_GBPS))
-    attn = m.n_layers * _attention_layer_ms(p, m, c, context, chats, d_window)
-    parts["KV in host memory" if p.kv_policy != "resident" and p.device != "cpu" else "attention"] = attn
-    if m.n_experts:
-        ms, bound = _expert_layer_ms(p, m, c, chats, prefill=False)
-        parts[bound] = parts.get(bound, 0.0) + m.moe_layers * ms
-    total = sum(parts.values())
-    return total, max(parts, key=parts.get)
-
-
-def prefill_ms(p: _Placement, m: ModelParts, c: MachineCosts, prompt: int) -> tuple[float, str]:
-    """A prompt of `prompt` tokens in chunks of PREFILL_CHUNK: (ms, the bottleneck in words)."""
-    parts: dict[str, float] = {}
-    tflops = c.cpu_tflops if p.device == "cpu" else c.experts.gpu_tflops
-    dense = 0.0
-    start = 0
-    while start < prompt:
-        n = min(PREFILL_CHUNK, prompt - start)
-        # matmuls through the dense weights, attention over the keys so far (causal: start + n/2 each)
-        flops = n * m.dense_flops_per_token + m.n_layers * 4.0 * n * (start + n / 2) * m.attn_width
-        dense += flops / (tflops * FLOP_PER_MS_PER_TFLOPS)
-        if m.n_experts:
-            ms, bound = _expert_layer_ms(p, m, c, n, prefill=True)
-            parts[bound] = parts.get(bound, 0.0) + m.moe_layers * ms
-        start += n
-    parts["CPU compute" if p.device == "cpu" else "GPU compute"] = dense
-    if p.kv_policy == "writescope" and p.device != "cpu":  # the chats' KV leaves the GPU as it is written
-        parts["PCIe KV writes"] = m.kv_bytes(prompt, 1) / (c.experts.pcie_gbps * BYTES_PER_MS_PER_GBPS)
-    total = sum(parts.values())
-    return total, max(parts, key=parts.get)
-
-
-# -- choosing --------------------------------------------------------------------------------------
-
 def _candidates(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, max_context: int, max_batch: int,
-                d_window: int, block_size: int, spill_device_bytes: int) -> list[_Placement]:
+                d_window: int, block_size: int, spill_device_bytes: int) -> list[Placement]:
     ctx = -(-max_context // block_size) * block_size
     kv_full = m.kv_bytes(ctx, max_batch)
-    out = [_Placement("cpu", "resident", "resident", 0, 0, cpu_m.kv_bytes(ctx, max_batch))]
+    out = [Placement("cpu", "resident", "resident", 0, 0, cpu_m.kv_bytes(ctx, max_batch))]
     if not c.gpu:
         return out
     reserve = min(DEVICE_RESERVE_BYTES, c.vram_bytes // 10)
@@ -293,16 +106,16 @@ def _candidates(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, max_context: 
         if room < 0:
             continue
         if m.routed_bytes <= room:
-            out.append(_Placement("gpu", kv_policy, "resident", 0, kv_gpu, kv_host))
+            out.append(Placement("gpu", kv_policy, "resident", 0, kv_gpu, kv_host))
             continue
         slots = int(room // max(m.expert_bytes, 1))
         if slots > 0:
-            out.append(_Placement("gpu", kv_policy, "adaptive", slots, kv_gpu, kv_host))
-        out.append(_Placement("gpu", kv_policy, "cpu-only", 0, kv_gpu, kv_host))
+            out.append(Placement("gpu", kv_policy, "adaptive", slots, kv_gpu, kv_host))
+        out.append(Placement("gpu", kv_policy, "cpu-only", 0, kv_gpu, kv_host))
     return out
 
 
-def _memory(p: _Placement, m: ModelParts) -> tuple[list[PlanRow], int, int]:
+def _memory(p: Placement, m: ModelParts) -> tuple[list[PlanRow], int, int]:
     rows: list[PlanRow] = []
     dense_where = "GPU" if p.device == "gpu" else "RAM"
     rows.append(PlanRow("embeddings and output layer", dense_where, m.embed_bytes + m.output_bytes))
@@ -328,19 +141,20 @@ def _memory(p: _Placement, m: ModelParts) -> tuple[list[PlanRow], int, int]:
     return rows, vram, ram
 
 
-def _label(p: _Placement) -> str:
+def _label(p: Placement) -> str:
     return f"{p.device}: kv {p.kv_policy}, experts {p.expert_policy}" + (f" ({p.slots} slots)" if p.slots else "")
 
 
 def plan(m: ModelParts, c: MachineCosts, *, max_context: int, max_batch: int, spill_device_bytes: int,
-         d_window: int = 256, block_size: int = 64, cpu_parts: ModelParts | None = None) -> Plan:
+         prefill_chunk: int, d_window: int = 256, block_size: int = 64, cpu_parts: ModelParts | None = None) -> Plan:
     """The fastest placement of `m` that fits, by predicted decode time over a chat's life (the mean
     of its start and its full context), ties to the one using less VRAM; or a Plan with fits=False
     saying what does not fit and what would.
 
     spill_device_bytes: what spilled KV keeps on the GPU (the D-window of every chat and the two
     ping-pong buffers: kv/partition.py's PartitionSpec.device_bytes). cpu_parts: the model in the
-    CPU's dtype, when the engine computes in another one there (fp32 on the CPU, bf16 on a GPU)."""
+    CPU's dtype, when the engine computes in another one there (fp32 on the CPU, bf16 on a GPU).
+    prefill_chunk: tokens per prefill forward (runtime/generator.py)."""
     cpu_m = cpu_parts or m
     host_room = c.ram_bytes - HOST_RESERVE_BYTES
     best: tuple | None = None
@@ -363,7 +177,7 @@ def plan(m: ModelParts, c: MachineCosts, *, max_context: int, max_batch: int, sp
         return _refusal(m, cpu_m, c, max_context, max_batch, d_window, block_size, spill_device_bytes, considered)
     _, p, mp, rows, vram, ram, full, short, bound = best
     all_ms, _ = decode_ms(p, mp, c, max_context, max_batch, d_window)
-    pre_ms, pre_bound = prefill_ms(p, mp, c, max_context)
+    pre_ms, pre_bound = prefill_ms(p, mp, c, max_context, prefill_chunk)
     r_start = None
     if p.device == "gpu" and p.kv_policy == "writescope":
         A, B = c.kv.A_ns_per_token, c.kv.B_ns_per_token
@@ -381,7 +195,7 @@ def plan(m: ModelParts, c: MachineCosts, *, max_context: int, max_batch: int, sp
         costs_source=c.costs_source, simulated=c.simulated, candidates=considered)
 
 
-def _reason(p: _Placement, m: ModelParts, c: MachineCosts) -> str:
+def _reason(p: Placement, m: ModelParts, c: MachineCosts) -> str:
     if not c.gpu:
         return "no GPU: every part runs on the CPU from RAM"
     if p.device == "cpu":
@@ -431,5 +245,4 @@ def _refusal(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, max_context: int
                 costs_source=c.costs_source, candidates=considered)
 
 
-__all__ = ["MachineCosts", "ModelParts", "Plan", "PlanRow", "decode_ms", "lru_hit_rate", "plan", "prefill_ms",
-           "unique_experts"]
+__all__ = ["GiB", "MachineCosts", "ModelParts", "Plan", "PlanRow", "plan"]

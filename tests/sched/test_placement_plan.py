@@ -9,7 +9,8 @@ from engine.models import families, synthetic
 from engine.models.sizes import model_parts
 from engine.sched import placement
 from engine.sched.expert_cost import ExpertCostModel
-from engine.sched.placement import GiB, MachineCosts, ModelParts, decode_ms, lru_hit_rate, unique_experts
+from engine.sched.placement_speed import (GiB, MachineCosts, ModelParts, Placement, decode_ms, lru_hit_rate,
+                                          unique_experts)
 from engine.sched.roofline import RooflineParams
 
 
@@ -18,7 +19,8 @@ def plan(m: ModelParts, c: MachineCosts, *, max_context: int, max_batch: int, kv
     n_kv, hs, dtype = kv_shape
     spec = PartitionSpec.for_shape(n_kv, hs, dtype, cuda=True, max_context=max_context)
     spill = spec.device_bytes(m.n_layers, max_batch, n_kv, hs, dtype)
-    return placement.plan(m, c, max_context=max_context, max_batch=max_batch, spill_device_bytes=spill)
+    return placement.plan(m, c, max_context=max_context, max_batch=max_batch, spill_device_bytes=spill,
+                          prefill_chunk=512)
 
 
 def preset(name: str, dtype_bytes: int = 2) -> ModelParts:
@@ -145,10 +147,8 @@ def test_cache_and_routing_arithmetic():
 
 
 def test_spilled_kv_costs_grow_with_context_and_resident_kv_does_not_spill():
-    from engine.sched.placement import _Placement
-
     c = machine(8)
-    spill = _Placement("gpu", "writescope", "resident", 0, 0, 0)
+    spill = Placement("gpu", "writescope", "resident", 0, 0, 0)
     short, _ = decode_ms(spill, L16, c, 1024, 1, 256)
     long, bound = decode_ms(spill, L16, c, 65536, 1, 256)
     assert long > short and bound == "KV in host memory"
