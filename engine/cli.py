@@ -265,11 +265,11 @@ def cmd_bench_soak(argv: list[str]) -> int:
 
 
 def cmd_bench_own_flags(kind: str, argv: list[str]) -> int:
-    """`tandem bench kv|e2e|experts|transformers …`: these benchmarks parse their own flags."""
-    from engine.bench import e2e, experts, kv, transformers_peer
+    """`tandem bench kv|e2e|experts|transformers|suite …`: these benchmarks parse their own flags."""
+    from engine.bench import e2e, experts, kv, suite, transformers_peer
     from engine.bench.common import write_json
 
-    mod = {"kv": kv, "e2e": e2e, "transformers": transformers_peer, "experts": experts}[kind]
+    mod = {"kv": kv, "e2e": e2e, "transformers": transformers_peer, "experts": experts, "suite": suite}[kind]
     p = argparse.ArgumentParser(prog=f"tandem bench {kind}")
     mod.add_arguments(p)
     ns = p.parse_args(argv)
@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("gui", help="open the desktop app", add_help=False).set_defaults(func=cmd_gui)
 
     b = sub.add_parser("bench", help="run a benchmark, print (and save) its JSON record")
-    b.add_argument("kind", help="builtin | cpu-kernels | kv | e2e | experts | transformers | serve (these five: `tandem bench kv --help`)")
+    b.add_argument("kind", help="suite | builtin | cpu-kernels | kv | e2e | experts | transformers | serve (these six: `tandem bench kv --help`)")
     b.add_argument("--json", default=None, help="also write the record here")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--new-tokens", type=int, default=128)
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         return _guarded(lambda: cmd_bench_serve(argv[2:]))
     if argv[:2] == ["bench", "soak"]:
         return _guarded(lambda: cmd_bench_soak(argv[2:]))
-    if argv[:1] == ["bench"] and argv[1:2] in (["kv"], ["experts"], ["e2e"], ["transformers"]):
+    if argv[:1] == ["bench"] and argv[1:2] in (["kv"], ["experts"], ["e2e"], ["transformers"], ["suite"]):
         return _guarded(lambda: cmd_bench_own_flags(argv[1], argv[2:]))
     if argv[:1] and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["gui", *argv]  # `tandem --data-dir X`: the app's own options without the word `gui`

@@ -268,13 +268,21 @@ def write_gguf(out: Path, *, family: str, config: dict, args: ModelArgs, tensors
 
 
 def export(model: str, out: str | Path, *, dtype: str = "bf16", device: str = "cpu", seed: int | None = None,
-           tokenizer_from: str | Path | None = None, progress: Callable[[str, float], None] | None = None) -> dict:
+           tokenizer_from: str | Path | None = None, progress: Callable[[str, float], None] | None = None,
+           routing: str | None = None) -> dict:
     """Export `model` (synthetic:…, a model folder or a .gguf) to the GGUF file `out`.
 
     Synthetic models are drawn tensor by tensor on `device` (bf16, as Tandem draws them) with the
     tokenizer's vocabulary size; other models are read with Tandem's loader. Returns the writer's
-    stats plus the model's description.
+    stats plus the model's description. `routing` ("zipf[:s]", synthetic models only) rescales each
+    layer's router rows for Zipf-skewed expert popularity (engine/bench/routing.py); both engines
+    then read that skewed model from the file.
     """
+    from engine.bench import routing as routing_mod
+
+    skew = routing_mod.parse(routing)
+    if skew is not None and not model.startswith("synthetic:"):
+        raise ConfigError(f"routing '{routing}' applies to synthetic models only", "leave routing out")
     from engine.models import synthetic
 
     own_tokenizer = None
@@ -294,7 +302,21 @@ def export(model: str, out: str | Path, *, dtype: str = "bf16", device: str = "c
         config, family = ckpt.config, ckpt.family
         tensors = ((k, ckpt.tensors[k]) for k in tensor_shapes(families.get(family).args_from_config(config)))
     args = families.get(family).args_from_config(config)
+    if skew is not None:
+        tensors = _skewed(tensors, skew, args.top_k, kwargs.get("seed", 0))
     stats = write_gguf(Path(out), family=family, config=config, args=args, tensors=tensors, tokenizer=tokenizer,
                        dtype=dtype, name=f"tandem export of {model}", progress=progress)
     return {**stats, "model": model, "arch": GGUF_ARCH[family], "dtype": dtype, "vocab_size": args.vocab_size,
-            "layers": args.n_layers, "experts": args.n_experts, "device": device}
+            "layers": args.n_layers, "experts": args.n_experts, "device": device,
+            "routing": routing_mod.label(routing)}
+
+
+def _skewed(tensors, s: float, top_k: int, seed: int):
+    """The routers (`model.layers.N.mlp.gate.weight`) rescaled for Zipf(s) popularity, the rest as drawn."""
+    from engine.bench.routing import skew_router
+
+    for name, t in tensors:
+        if name.endswith(".mlp.gate.weight"):
+            layer = int(name.split(".")[2])
+            t = skew_router(t.float().cpu(), s, layer, top_k, seed).to(device=t.device, dtype=t.dtype)
+        yield name, t

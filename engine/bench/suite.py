@@ -1,0 +1,357 @@
+"""`tandem bench suite`: the canonical cells, each with its peer or bound measured in the same run.
+
+    tandem bench suite --quick --json benchmarks/suite/cpu.json          # the CPU cells
+    tandem bench suite --json out.json                                   # every cell this machine can run
+    tandem bench suite --cells cpu-builtin --against HEAD~3 --rounds 5   # A/B against another commit
+
+A cell is one question ("how fast does Tandem decode the built-in model, against llama.cpp on the
+same file?") answered by one command (`tandem bench suite --cells ID`). Every cell measures Tandem
+and its peer (another engine on the same weights) or its bound (what the hardware allows, measured
+in the same run) in several rounds, taking turns, the order reversed every other round, so a slow
+spell of a shared machine falls on both sides; each figure is the median of the rounds, with the
+spread (min–max), and the ratio Tandem / peer is the median of the per-round ratios.
+
+Every Tandem measurement runs in a fresh process (`suite_probe.py`, or a `tandem bench` command of
+the tree) with PYTHONPATH set to the source tree under test. `--against COMMIT` adds a git worktree
+of that commit as a second tree; its rounds alternate with this tree's, and each row gains the A/B
+ratio (this tree / that one). That is the one way A/B runs are made: no source is edited for a run.
+Cells whose hardware is absent are skipped with the reason. The record is one JSON object; the
+markdown table (`suite_table.py`) is written beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from engine.bench.common import header
+
+PROBE = Path(__file__).with_name("suite_probe.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Tree:
+    """A source tree whose Tandem is measured: this checkout, or a worktree of another commit."""
+    label: str
+    path: Path
+    commit: str
+    dirty: int = 0  # files changed against the commit (this checkout only: others' work in progress)
+
+    @property
+    def name(self) -> str:
+        return f"tandem@{self.commit[:8]}"
+
+
+@dataclass
+class Ctx:
+    trees: list[Tree]
+    rounds: int = 3
+    quick: bool = False
+    work: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / "tandem-bench-suite")
+    routings: tuple = ("random", "zipf:1.0")
+    threads: int | None = None
+    llama_source: str | None = None
+    progress: Callable[[str], None] = lambda s: None
+
+    def tandem_names(self) -> list[str]:
+        return ["tandem"] if len(self.trees) == 1 else [t.name for t in self.trees]
+
+    def tree_of(self, name: str) -> Tree:
+        return self.trees[0] if name == "tandem" else next(t for t in self.trees if t.name == name)
+
+
+class Skip(Exception):
+    """A cell that cannot run here: the reason goes in the record and the table."""
+
+
+# ---- running things ----------------------------------------------------------------------------
+
+def env_for(tree: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(tree) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def probe(tree: Path, spec: dict, timeout: float = 1800) -> dict:
+    """One suite_probe.py measurement with `tree`'s engine (a fresh process)."""
+    proc = subprocess.run([sys.executable, str(PROBE), json.dumps(spec)], cwd=tree, env=env_for(tree),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    lines = [x for x in proc.stdout.strip().splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"probe failed ({proc.returncode}): {proc.stderr.strip()[-1500:]}")
+    return json.loads(lines[-1])
+
+
+def tandem_cli(tree: Path, args: list[str], timeout: float = 1800) -> dict:
+    """`tandem bench …` of `tree` (its own code), returning the JSON record it writes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "record.json"
+        proc = subprocess.run([sys.executable, "-m", "engine.cli", *args, "--json", str(out)], cwd=tree,
+                              env=env_for(tree), capture_output=True, text=True, timeout=timeout, check=False)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"tandem {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()[-1500:]}")
+        return json.loads(out.read_text())
+
+
+def alternate(ctx: Ctx, systems: dict[str, Callable[[], dict]]) -> dict[str, list[dict]]:
+    """Each system once per round, the order reversed every other round → {system: [result per round]}."""
+    out: dict[str, list[dict]] = {name: [] for name in systems}
+    names = list(systems)
+    for r in range(ctx.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            ctx.progress(f"round {r + 1}/{ctx.rounds}: {name}")
+            out[name].append(systems[name]())
+    return out
+
+
+# ---- statistics and rows -----------------------------------------------------------------------
+
+def stats(samples: list[float]) -> dict:
+    xs = [x for x in samples if x is not None]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "spread": None, "samples": samples}
+    med = statistics.median(xs)
+    return {"median": round(med, 3), "min": round(min(xs), 3), "max": round(max(xs), 3),
+            # (max − min) / median: how far apart the rounds were
+            "spread": round((max(xs) - min(xs)) / med, 3) if med else None, "samples": [round(x, 3) for x in xs]}
+
+
+def ratio(a: list[float], b: list[float]) -> dict:
+    """Median and list of the per-round ratios a/b (rounds where both were measured)."""
+    per = [x / y for x, y in zip(a, b) if x is not None and y]
+    return {"median": round(statistics.median(per), 3) if per else None, "per_round": [round(x, 3) for x in per]}
+
+
+def row(ctx: Ctx, metric: str, condition: str, samples: dict[str, list[float]], peer: str, peer_kind: str = "peer",
+        **extra) -> dict:
+    """One table row: every system's figures, each Tandem tree over the peer, and the A/B ratio."""
+    out = {"metric": metric, "condition": condition, "peer": peer, "peer_kind": peer_kind,
+           "systems": {name: stats(xs) for name, xs in samples.items()},
+           "ratio": {name: ratio(samples[name], samples[peer]) for name in ctx.tandem_names()}, **extra}
+    if len(ctx.trees) == 2:
+        this, other = (t.name for t in ctx.trees)
+        out["ab"] = {"this": this, "against": other, **ratio(samples[this], samples[other])}
+    return out
+
+
+# ---- the CPU cells ------------------------------------------------------------------------------
+
+def cell_cpu_builtin(ctx: Ctx) -> list[dict]:
+    """Built-in SmolLM2-135M: Tandem's default plan against llama.cpp (llama-cpp-python) on the same GGUF."""
+    threads = ctx.threads or os.cpu_count() or 1
+    spec = {"prefill": 128 if ctx.quick else 512, "decode_prompt": 32, "new_tokens": 48 if ctx.quick else 128,
+            "seed": 0, "warmup": True}
+    tandem = {"model": "builtin:smollm2-135m", "backend": "tandem", "device": "cpu", "cpu_threads": threads}
+    # llama.cpp has no hybrid policies: its backend takes the resident ones explicitly
+    llama = {"model": "builtin:smollm2-135m", "backend": "llamacpp", "cpu_threads": threads, "max_context": 2048,
+             "kv_policy": "resident", "expert_policy": "resident"}
+    systems = {name: (lambda t=ctx.tree_of(name): probe(t.path, {**spec, "config": tandem}))
+               for name in ctx.tandem_names()}
+    systems["llama.cpp"] = lambda: probe(ctx.trees[0].path, {**spec, "config": llama})
+    res = alternate(ctx, systems)
+    info = {name: rs[-1].get("info") for name, rs in res.items()}
+    plans = {name: rs[-1].get("plan") for name, rs in res.items() if rs[-1].get("plan")}
+    cond = f"{threads} threads, greedy, EOS ignored"
+    return [row(ctx, "decode tok/s", f"{spec['new_tokens']} tokens after a {spec['decode_prompt']}-token prompt, {cond}",
+                {n: [r["decode_tok_s"] for r in rs] for n, rs in res.items()}, "llama.cpp", info=info, plan=plans),
+            row(ctx, "prefill tok/s", f"{spec['prefill']}-token prompt, {cond}",
+                {n: [r["prefill_tok_s"] for r in rs] for n, rs in res.items()}, "llama.cpp",
+                target="prefill ≥ 50% of llama.cpp")]
+
+
+def cell_cpu_kernels(ctx: Ctx) -> list[dict]:
+    """The native CPU kernels against the STREAM read of the same call (the bound)."""
+    threads = ctx.threads or os.cpu_count() or 1
+    args = ["bench", "cpu-kernels", "--sections", "stream,attention,experts", "--thread-counts", str(threads),
+            "--lengths", "32k", "--batches", "1", "--tokens", "1,4", "--no-torch-sdpa", "--repeats", "5"]
+    if ctx.quick:
+        args.append("--quick")
+    systems = {name: (lambda t=ctx.tree_of(name): tandem_cli(t.path, args)) for name in ctx.tandem_names()}
+    res = alternate(ctx, systems)
+
+    def stream(rec):
+        return next(s["read_GBps"] for s in rec["stream"] if s["threads"] == threads)
+
+    def attention(rec):
+        return next(a["native_GBps"] for a in rec["attention"] if a["threads"] == threads and a["batch"] == 1)
+
+    def expert(rec, n):
+        return next(p["native_GBps"] for p in rec["experts"]["points"] if p["threads"] == threads and p["tokens"] == n)
+
+    rows = []
+    for metric, cond, get, target in (
+            ("decode attention, GB/s of KV", f"one Qwen3-30B-A3B layer, bf16 KV, 32K tokens, bs=1, {threads} threads",
+             attention, "≥ 80% of the STREAM read"),
+            ("expert FFN, GB/s of weights", f"2048×768 bf16 SwiGLU expert, 1 token, {threads} threads",
+             lambda r: expert(r, 1), "≥ 70 GB/s on the H200 host"),
+            ("expert FFN, GB/s of weights", f"2048×768 bf16 SwiGLU expert, 4 tokens, {threads} threads",
+             lambda r: expert(r, 4), "≥ 70 GB/s on the H200 host")):
+        samples = {n: [get(r) for r in rs] for n, rs in res.items()}
+        # the bound of each Tandem run is the STREAM read of that same call
+        bound = {f"STREAM read ({n})" if len(ctx.trees) > 1 else "STREAM read": [stream(r) for r in rs]
+                 for n, rs in res.items()}
+        peer = next(iter(bound))
+        samples.update(bound)
+        rows.append(row(ctx, metric, cond, samples, peer, peer_kind="bound", target=target,
+                        kernel=res[ctx.tandem_names()[0]][-1]["attention"][0].get("kernel")))
+    return rows
+
+
+@dataclass
+class Cell:
+    id: str
+    title: str
+    needs: str  # "cpu" or "cuda"
+    target: str
+    run: Callable[[Ctx], list[dict]]
+    routed: bool = False  # offloads experts: reported under every routing
+
+
+def cells() -> list[Cell]:
+    from engine.bench import suite_gpu
+
+    return [
+        Cell("cpu-builtin", "Built-in SmolLM2-135M on the CPU, same GGUF (Q4_1)", "cpu",
+             "decode ≥ 50% of llama.cpp", cell_cpu_builtin),
+        Cell("cpu-kernels", "Native CPU kernels against the STREAM read", "cpu",
+             "per row", cell_cpu_kernels),
+        *suite_gpu.cells(Cell),
+    ]
+
+
+# ---- the suite ----------------------------------------------------------------------------------
+
+def git(*args, cwd: Path = REPO) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def this_tree() -> Tree:
+    changed = [x for x in git("status", "--porcelain", "--untracked-files=no").splitlines() if x.strip()]
+    return Tree("this", REPO, git("rev-parse", "HEAD"), dirty=len(changed))
+
+
+def add_worktree(commit: str, progress=print) -> Tree:
+    """A detached git worktree of `commit` in a temp dir, with the native extension it needs: this
+    tree's build when native/ and setup.py are the same at both, else built there."""
+    sha = git("rev-parse", "--verify", commit + "^{commit}")
+    path = Path(tempfile.mkdtemp(prefix=f"tandem-ab-{sha[:8]}-"))
+    git("worktree", "add", "--detach", str(path), sha)
+    same_native = subprocess.run(["git", "diff", "--quiet", sha, "--", "native", "setup.py"], cwd=REPO).returncode == 0
+    built = sorted((REPO / "engine").glob("_native*.so"))
+    if same_native and built:
+        for so in built:
+            shutil.copy2(so, path / "engine" / so.name)
+    else:
+        progress(f"[suite] building the native extension of {sha[:8]} (native/ differs)")
+        subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=path, capture_output=True,
+                       check=False)
+    return Tree("against", path, sha)
+
+
+def remove_worktree(tree: Tree) -> None:
+    subprocess.run(["git", "worktree", "remove", "--force", str(tree.path)], cwd=REPO, capture_output=True)
+    shutil.rmtree(tree.path, ignore_errors=True)
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def run_cells(ctx: Ctx, selected: list[Cell]) -> list[dict]:
+    cuda = has_cuda()
+    out = []
+    for cell in selected:
+        entry = {"id": cell.id, "title": cell.title, "needs": cell.needs, "target": cell.target,
+                 "command": f"tandem bench suite --cells {cell.id}" + (" --quick" if ctx.quick else ""),
+                 "status": "ran", "reason": None, "rows": []}
+        t0 = time.perf_counter()
+        try:
+            if cell.needs == "cuda" and not cuda:
+                raise Skip("no CUDA device")
+            ctx.progress(f"[suite] {cell.id}: {cell.title}")
+            entry["rows"] = cell.run(ctx)
+        except Skip as e:
+            entry.update(status="skipped", reason=str(e))
+        except Exception as e:  # a failing cell is reported; the others still run
+            entry.update(status="failed", reason=f"{type(e).__name__}: {str(e)[-600:]}")
+        entry["seconds"] = round(time.perf_counter() - t0, 1)
+        ctx.progress(f"[suite] {cell.id}: {entry['status']} in {entry['seconds']} s"
+                     + (f" ({entry['reason']})" if entry["reason"] else ""))
+        out.append(entry)
+    return out
+
+
+def run(*, quick: bool = False, rounds: int | None = None, cell_ids: list[str] | None = None,
+        against: str | None = None, threads: int | None = None, routings: tuple | None = None,
+        work: str | None = None, llama_source: str | None = None, progress=print) -> dict:
+    all_cells = cells()
+    known = {c.id for c in all_cells}
+    if cell_ids:
+        unknown = sorted(set(cell_ids) - known)
+        if unknown:
+            raise ValueError(f"unknown cells {unknown}; the cells are: {', '.join(sorted(known))}")
+        selected = [c for c in all_cells if c.id in cell_ids]
+    else:
+        selected = [c for c in all_cells if c.needs == "cpu"] if quick else all_cells
+    trees = [this_tree()]
+    if against:
+        trees.append(add_worktree(against, progress))
+    ctx = Ctx(trees=trees, rounds=rounds or 3, quick=quick, threads=threads, progress=progress,
+              routings=tuple(routings or ("random", "zipf:1.0")), llama_source=llama_source,
+              **({"work": Path(work)} if work else {}))
+    ctx.work.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    try:
+        results = run_cells(ctx, selected)
+    finally:
+        if against:
+            remove_worktree(trees[1])
+    return {**header(), "bench": "suite", "quick": quick, "rounds": ctx.rounds, "routings": list(ctx.routings),
+            "trees": [{"label": t.label, "commit": t.commit, "files_changed": t.dirty} for t in trees],
+            # the machine may be shared: the 1-minute load average before and after says how much
+            "load_average": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
+            "seconds": round(time.perf_counter() - t0, 1), "cells": results}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--quick", action="store_true", help="the CPU cells only, shorter runs")
+    p.add_argument("--cells", default=None, help="comma list of cell ids (default: every cell; --quick: the CPU ones)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per cell, systems taking turns (default 3)")
+    p.add_argument("--against", default=None, metavar="COMMIT",
+                   help="also measure a git worktree of COMMIT, alternated with this tree; rows gain the A/B ratio")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--routing", default="random,zipf:1.0",
+                   help="routings of the cells that offload experts (random, zipf[:exponent]): each is reported")
+    p.add_argument("--work", default=None, help="folder for GGUF exports and the llama.cpp build (kept between runs)")
+    p.add_argument("--llama-cpp-source", default=None,
+                   help="llama.cpp sources for the GPU cells' llama-bench build (sdist, pruned tarball or folder)")
+    p.add_argument("--json", default=None, help="write the record here (and the markdown table beside it)")
+    p.add_argument("--markdown", default=None, help="write the markdown table here (default: --json with .md)")
+
+
+def from_args(ns) -> dict:
+    from engine.bench import suite_table
+
+    record = run(quick=ns.quick, rounds=ns.rounds, cell_ids=ns.cells.split(",") if ns.cells else None,
+                 against=ns.against, threads=ns.threads, routings=tuple(ns.routing.split(",")), work=ns.work,
+                 llama_source=ns.llama_cpp_source, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    md = ns.markdown or (str(Path(ns.json).with_suffix(".md")) if ns.json else None)
+    if md:
+        Path(md).write_text(suite_table.markdown(record, record_path=ns.json))
+    return record

@@ -1,0 +1,207 @@
+"""The suite's GPU cells: Tandem's default plan against llama.cpp on the same BF16 GGUF.
+
+The model is `synthetic:qwen3-30b-a3b` cut to 16 layers (20 GB in BF16) or whole (48 layers, 61 GB),
+exported once per routing (engine/bench/routing.py) into the suite's work folder; both engines read
+that file. llama.cpp is built from the llama.cpp sources given to the suite (engine/bench/llamacpp_build:
+`llama-bench` for one chat, `llama-batched-bench` for four chats decoded together).
+
+Tandem runs with no policy flags (kv_policy and expert_policy "auto": the placement planner decides),
+under the cell's VRAM budget. llama.cpp runs its best setting that fits the same budget: all layers on
+the GPU (`-ngl 99`, flash attention) and the routed experts of the first N layers in host memory
+(`-ncmoe N`), N the smallest whose estimated VRAM fits (`fitting_ncmoe`). The KV-spill cell gives
+llama.cpp `-nkvo` (its KV cache in host memory) as Tandem's planner may spill KV to the host.
+
+Decode is measured after a prompt of the cell's context, untimed (llama-bench `-d`); 32 new tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from engine.bench.suite import Ctx, Skip, alternate, probe, row
+
+L16, L48 = "synthetic:qwen3-30b-a3b-L16", "synthetic:qwen3-30b-a3b"
+NEW_TOKENS = 32
+# VRAM llama.cpp needs beyond weights and KV (CUDA context, compute buffers, graph), for the fit
+# estimate only: an allowance we set, not a measurement; a fit that is off shows as an OOM in the cell.
+LLAMA_OVERHEAD_GIB = 1.5
+
+
+def cells(Cell) -> list:
+    return [
+        Cell("gpu-resident-L16", "Qwen3-30B-A3B (16 layers), everything on the GPU, same BF16 GGUF", "cuda",
+             "decode ≥ 50% of llama.cpp", lambda ctx: decode_cell(ctx, L16, None, (2048, 32768), (1, 4))),
+        Cell("gpu-hybrid-8gb-L16", "16 layers under an 8 GB VRAM budget, default plan vs best fitting -ncmoe", "cuda",
+             "decode ≥ llama.cpp", lambda ctx: decode_cell(ctx, L16, 8.0, (2048, 32768), (1, 4)), routed=True),
+        Cell("gpu-hybrid-24gb-L48", "48 layers under a 24 GB VRAM budget, default plan vs best fitting -ncmoe",
+             "cuda", "decode ≥ llama.cpp", lambda ctx: decode_cell(ctx, L48, 24.0, (2048, 32768), (1, 4)),
+             routed=True),
+        Cell("gpu-prefill-32k", "Prefill of a 32K prompt under 8 GB (16 layers) and 24 GB (48 layers)", "cuda",
+             "prefill ≥ llama.cpp", prefill_cell, routed=True),
+        Cell("gpu-kv-spill", "4 chats × 32K, 48 layers, 24 GB: KV beyond the budget, against llama.cpp -nkvo", "cuda",
+             "decode ≥ 1.5× llama.cpp -nkvo", lambda ctx: decode_cell(ctx, L48, 24.0, (32768,), (4,), nkvo=True),
+             routed=True),
+    ]
+
+
+# ---- what the cells need built -------------------------------------------------------------------
+
+def gguf_for(ctx: Ctx, model: str, routing: str | None) -> Path:
+    """The BF16 export of `model` under `routing`, made once into the work folder."""
+    from engine.bench import gguf_export, routing as routing_mod
+
+    out = ctx.work / f"{model.split(':')[1]}-{routing_mod.label(routing)}.gguf"
+    if not out.exists():
+        ctx.progress(f"[suite] exporting {model} ({routing_mod.label(routing)} routing) to {out.name}")
+        gguf_export.export(model, out, device="cuda", routing=routing)
+    return out
+
+
+def llama_binaries(ctx: Ctx) -> dict:
+    from engine.bench import llamacpp_build
+
+    build_dir = ctx.work / "llamacpp"
+    targets = ("llama-bench", "llama-batched-bench")
+    found = {t: p for t in targets for p in build_dir.glob(f"build-cuda/bin/{t}")}
+    if len(found) == len(targets):
+        return {t: str(p) for t, p in found.items()}
+    if not ctx.llama_source:
+        raise Skip("llama.cpp CUDA build missing and no --llama-cpp-source given")
+    ctx.progress("[suite] building llama.cpp (CUDA)")
+    built = llamacpp_build.build(Path(ctx.llama_source), build_dir, targets=targets)
+    if not built.get("cuda"):
+        raise Skip("llama.cpp built without CUDA (no nvcc)")
+    return built["binaries"]
+
+
+def gguf_sizes(path: Path) -> dict:
+    """Bytes of the routed experts per layer, of everything else, and the KV shape, from the file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    experts, other = {}, 0
+    for t in reader.tensors:
+        if "_exps" in t.name:
+            layer = int(t.name.split(".")[1])
+            experts[layer] = experts.get(layer, 0) + int(t.n_bytes)
+        else:
+            other += int(t.n_bytes)
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+
+    def field(key):
+        f = reader.fields[f"{arch}.{key}"]
+        return int(f.parts[f.data[0]][0])
+
+    heads_kv, dim, heads = field("attention.head_count_kv"), field("embedding_length"), field("attention.head_count")
+    head_dim = field("attention.key_length") if f"{arch}.attention.key_length" in reader.fields else dim // heads
+    kv_per_token = 2 * heads_kv * head_dim * 2 * len(experts)  # K and V, f16, every layer
+    return {"expert_bytes": [experts[i] for i in sorted(experts)], "other_bytes": other,
+            "kv_bytes_per_token": kv_per_token}
+
+
+def fitting_ncmoe(sizes: dict, budget_gib: float, kv_tokens: int, kv_on_host: bool = False) -> int:
+    """The smallest N whose layout (experts of the first N layers in host memory) fits the budget."""
+    layers = sizes["expert_bytes"]
+    fixed = sizes["other_bytes"] + (0 if kv_on_host else kv_tokens * sizes["kv_bytes_per_token"])
+    fixed += LLAMA_OVERHEAD_GIB * 2**30
+    for n in range(len(layers) + 1):
+        if fixed + sum(layers[n:]) <= budget_gib * 2**30:
+            return n
+    raise Skip(f"llama.cpp cannot fit {budget_gib} GB even with every layer's experts on the CPU")
+
+
+# ---- llama.cpp runs ---------------------------------------------------------------------------------
+
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} failed ({proc.returncode}): {proc.stderr[-1500:]}")
+    return proc.stdout
+
+
+def llama_decode(bins: dict, gguf: Path, context: int, chats: int, ncmoe: int | None, nkvo: bool) -> float:
+    """llama.cpp decode tok/s (all chats) after `context` tokens of prompt, one repetition."""
+    if chats == 1:
+        from engine.bench import llamacpp_bench
+
+        rec = llamacpp_bench.run(bins["llama-bench"], gguf, n_gpu_layers=99, flash_attn=1, depth=context, n_prompt=0,
+                                 n_gen=NEW_TOKENS, reps=1, n_cpu_moe=ncmoe, no_kv_offload=1 if nkvo else None)
+        return rec["results"][0]["tok_s"]
+    cmd = [bins["llama-batched-bench"], "-m", str(gguf), "-ngl", "99", "-fa", "on", "-c",
+           str(chats * (context + NEW_TOKENS) + 256), "-npp", str(context), "-ntg", str(NEW_TOKENS),
+           "-npl", str(chats), "--output-format", "jsonl"]
+    cmd += ["-ncmoe", str(ncmoe)] if ncmoe else []
+    cmd += ["-nkvo"] if nkvo else []
+    return parse_batched(_run(cmd))["speed_tg"]
+
+
+def llama_prefill(bins: dict, gguf: Path, n: int, ncmoe: int | None) -> float:
+    from engine.bench import llamacpp_bench
+
+    rec = llamacpp_bench.run(bins["llama-bench"], gguf, n_gpu_layers=99, flash_attn=1, n_prompt=n, n_gen=0, reps=1,
+                             n_cpu_moe=ncmoe)
+    return rec["results"][0]["tok_s"]
+
+
+def parse_batched(stdout: str) -> dict:
+    """llama-batched-bench's jsonl: one object per (pp, tg, pl); the last one."""
+    rows = [json.loads(x) for x in stdout.splitlines() if x.strip().startswith("{")]
+    if not rows:
+        raise ValueError("llama-batched-bench printed no jsonl row")
+    return rows[-1]
+
+
+# ---- the cells ----------------------------------------------------------------------------------------
+
+def _routings(ctx: Ctx, budget: float | None) -> list:
+    return [None] if budget is None else list(ctx.routings)  # all resident: no cache, routing does not matter
+
+
+def decode_cell(ctx: Ctx, model: str, budget: float | None, contexts, chats_list, nkvo: bool = False) -> list[dict]:
+    from engine.bench import routing as routing_mod
+
+    bins = llama_binaries(ctx)
+    rows = []
+    for routing in _routings(ctx, budget):
+        gguf = gguf_for(ctx, model, routing)
+        sizes = gguf_sizes(gguf) if budget else None
+        for context in contexts:
+            for chats in chats_list:
+                ncmoe = fitting_ncmoe(sizes, budget, chats * (context + NEW_TOKENS), nkvo) if budget else None
+                config = {"model": str(gguf), "backend": "tandem", "max_context": context + NEW_TOKENS + 64,
+                          "max_batch": chats, **({"vram_budget_gb": budget} if budget else {})}
+                spec = {"config": config, "decode_prompt": context, "new_tokens": NEW_TOKENS, "batch": chats}
+                systems = {n: (lambda t=ctx.tree_of(n): probe(t.path, spec)) for n in ctx.tandem_names()}
+                systems["llama.cpp"] = lambda c=context, k=chats, m=ncmoe: {
+                    "decode_tok_s": llama_decode(bins, gguf, c, k, m, nkvo)}
+                res = alternate(ctx, systems)
+                flags = "-ngl 99 -fa" + (f" -ncmoe {ncmoe}" if ncmoe else "") + (" -nkvo" if nkvo else "")
+                rows.append(row(ctx, "decode tok/s (all chats)",
+                                f"{context // 1024}K context, {chats} chat{'s' * (chats > 1)}, "
+                                f"{'VRAM ' + format(budget, 'g') + ' GB' if budget else 'all on the GPU'}",
+                                {n: [r["decode_tok_s"] for r in rs] for n, rs in res.items()}, "llama.cpp",
+                                routing=routing_mod.label(routing), llama_flags=flags,
+                                plan={n: rs[-1].get("plan") for n, rs in res.items() if n != "llama.cpp"}))
+    return rows
+
+
+def prefill_cell(ctx: Ctx) -> list[dict]:
+    from engine.bench import routing as routing_mod
+
+    bins = llama_binaries(ctx)
+    rows, n = [], 32768
+    for model, budget in ((L16, 8.0), (L48, 24.0)):
+        for routing in ctx.routings:
+            gguf = gguf_for(ctx, model, routing)
+            ncmoe = fitting_ncmoe(gguf_sizes(gguf), budget, n)
+            spec = {"config": {"model": str(gguf), "backend": "tandem", "vram_budget_gb": budget,
+                               "max_context": n + 64}, "prefill": n}
+            systems = {name: (lambda t=ctx.tree_of(name): probe(t.path, spec)) for name in ctx.tandem_names()}
+            systems["llama.cpp"] = lambda g=gguf, m=ncmoe: {"prefill_tok_s": llama_prefill(bins, g, n, m)}
+            res = alternate(ctx, systems)
+            rows.append(row(ctx, "prefill tok/s", f"32K prompt, {model.split(':')[1]}, VRAM {budget:g} GB",
+                            {k: [r["prefill_tok_s"] for r in rs] for k, rs in res.items()}, "llama.cpp",
+                            routing=routing_mod.label(routing), llama_flags=f"-ngl 99 -fa 1 -ncmoe {ncmoe}"))
+    return rows

@@ -1,0 +1,87 @@
+"""One measurement of one engine, in its own process: what `tandem bench suite` runs each round.
+
+    python suite_probe.py '{"config": {"model": "builtin:smollm2-135m", "backend": "tandem"}, ...}'
+
+The suite starts this file as a script with PYTHONPATH set to the source tree under test (this one,
+or a git worktree of another commit for `--against`), so it must run on any commit's engine: it
+imports only the names DESIGN.md §9 keeps stable (`engine.api`'s Engine, EngineConfig,
+GenerationRequest) and the standard library, and nothing else of the tree that starts it.
+
+Spec keys: config (EngineConfig fields), prefill (prompt tokens of the timed prefill; 0: none),
+decode_prompt (prompt tokens before the timed decode), new_tokens, batch (chats decoded together),
+seed, warmup (an untimed short generation first: kernel compiles, allocator growth, graph capture).
+Prompts are fixed pseudo-random token ids (seeded; the same for every engine and round), as
+`tandem generate --random-prompt` makes them. Prints one JSON object on its last line of stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+VOCAB_FLOOR = 32_000  # ids drawn below this: every vocabulary the suite loads is at least this large
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, VOCAB_FLOOR) for _ in range(n)]
+
+
+def measure(spec: dict) -> dict:
+    from engine.api import Engine, EngineConfig, GenerationRequest
+
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(**spec["config"]))
+    load_s = time.perf_counter() - t0
+    seed, batch = int(spec.get("seed", 0)), int(spec.get("batch", 1))
+    out = {"load_s": round(load_s, 2)}
+    try:
+        def req(ids, n):
+            return GenerationRequest(prompt_ids=ids, max_new_tokens=n, greedy=True, ignore_eos=True)
+
+        if spec.get("warmup", True):
+            engine.generate_batch([req(prompt(16, seed + 99 + b), 8) for b in range(batch)])
+        if spec.get("prefill"):
+            res = engine.generate_batch([req(prompt(int(spec["prefill"]), seed + b), 1) for b in range(batch)])
+            # the engine's own prefill timer; a batch's rate counts every sequence's tokens
+            out["prefill_tok_s"] = res[0].prefill_tok_s
+            out["prefill_tokens"] = sum(r.prefilled_tokens for r in res)
+        if spec.get("new_tokens"):
+            ids = [prompt(int(spec.get("decode_prompt", 32)), seed + 10 + b) for b in range(batch)]
+            res = engine.generate_batch([req(i, int(spec["new_tokens"])) for i in ids])
+            # decode-phase tokens / decode-phase seconds, first token excluded (all sequences of a batch)
+            out["decode_tok_s"] = res[0].decode_tok_s
+            out["decode_tokens"] = sum(r.completion_tokens for r in res)
+        info = engine.info()
+        out["info"] = {k: info.get(k) for k in ("backend", "model", "device", "dtype", "kv_policy", "expert_policy",
+                                                 "llama_cpp", "native")}
+        plan = info.get("plan")
+        if isinstance(plan, dict):  # what the default (auto) plan chose, kept short
+            out["plan"] = {k: plan.get(k) for k in ("kv_policy", "expert_policy", "expert_cache_slots", "bottleneck",
+                                                     "predicted_decode_tok_s", "predicted_prefill_tok_s")
+                           if k in plan}
+    finally:
+        engine.close()
+    return out
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    threads = spec.get("config", {}).get("cpu_threads")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    result = measure(spec)
+    sys.stdout.flush()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    # The tree under test comes first on the path, never this file's own folder's parents.
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p) != os.path.dirname(os.path.abspath(__file__))]
+    sys.exit(main(sys.argv))
