@@ -47,6 +47,12 @@ class ModelArgs:
     expert_ffn_dim: int = 0
     norm_topk_prob: bool = True
     moe_layers: list[int] | None = None  # layers whose FFN is routed; None: every layer (when n_experts > 0)
+    rotary_dim: int | None = None  # RoPE turns the first rotary_dim of each head (GLM: hs/2); None: all hs
+    shared_expert_ffn_dim: int = 0  # a SwiGLU every token runs beside its routed experts (GLM); 0: none
+    router_score_bias: bool = False  # a per-expert bias on the scores that choose, not on the weights (GLM)
+    router_groups: int = 1  # group-limited top-k: experts in groups, only the best groups_used compete
+    router_groups_used: int = 1
+    routed_scaling: float = 1.0  # the routed experts' weights times this (GLM's routed_scaling_factor)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -106,6 +112,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dims of each head, the rest unchanged (GLM-4.5's partial RoPE).
+    x: (B, nh, T, hs); cos, sin: (B, 1, T, rd) with rd < hs."""
+    rd = cos.shape[-1]
+    return torch.cat((apply_rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
@@ -117,6 +130,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
         self.norm_all_heads = args.qk_norm_scope == "all"
         self.clip_qkv = args.clip_qkv
+        self.rotary_dim = args.rotary_dim or args.head_dim  # < hs: the rest of each head passes unrotated
         if args.qk_norm:
             q_dim = args.n_heads * args.head_dim if self.norm_all_heads else args.head_dim
             k_dim = args.n_kv_heads * args.head_dim if self.norm_all_heads else args.head_dim
@@ -131,8 +145,9 @@ class Attention(nn.Module):
     def fuse_qkv(self) -> None:
         """Lay q_proj, k_proj and v_proj's weights (and biases) out as one tensor, the three parameters
         becoming views of it: no memory added, and a GPU decode step projects with one GEMM.
-        OLMoE's whole-projection norms and clipping keep the three projections."""
-        if self.norm_all_heads or self.clip_qkv is not None:
+        OLMoE's whole-projection norms and clipping keep the three projections, and partial RoPE
+        (GLM) the unfused path: the fused kernel rotates whole heads."""
+        if self.norm_all_heads or self.clip_qkv is not None or self.rotary_dim != self.head_dim:
             return
         projections = (self.q_proj, self.k_proj, self.v_proj)
         sizes = [p.out_features for p in projections]
@@ -176,10 +191,13 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.norm_all_heads:  # Qwen3: each head on its own
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope_gpu.available(q, cos) and k.is_contiguous():  # one kernel each, the same rounding
+        partial = self.rotary_dim != self.head_dim
+        if not partial and rope_gpu.available(q, cos) and k.is_contiguous():  # one kernel each, the same rounding
             q, k = rope_gpu.rope(q, cos, sin), rope_gpu.rope(k, cos, sin)
             return (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if partial:  # cos, sin: (B, 1, T, rotary_dim)
+            return apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin), v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -214,14 +232,29 @@ class MoEFeedForward(nn.Module):
         self.renormalise = args.norm_topk_prob
         self.route = route
         self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.route_options = {}  # the family rule's extra settings, when the config has any
+        if args.router_score_bias:  # (E,), under the checkpoints' name for it
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(args.n_experts))
+            self.route_options = dict(groups=args.router_groups, groups_used=args.router_groups_used,
+                                      scale=args.routed_scaling)
+        # Shared experts run for every token: dense weights, on the compute device with the rest.
+        self.shared_experts = FeedForward(args.dim, args.shared_expert_ffn_dim) if args.shared_expert_ffn_dim else None
         self.experts = None  # ExpertExecutor, attached by the builder
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
-        logits = self.gate(flat)  # (B·T, E)
-        weights, ids = self.route(logits, self.top_k, self.renormalise)  # (B·T, k) each
-        return self.experts.run(self.expert_layer, flat, ids, weights.to(x.dtype)).view(B, T, H)
+        if self.route_options:  # a sigmoid router choosing by small score differences: fp32, as the reference
+            bias = self.gate.e_score_correction_bias
+            logits = F.linear(flat.float(), self.gate.weight.float())  # (B·T, E)
+            weights, ids = self.route(logits, self.top_k, self.renormalise, score_bias=bias, **self.route_options)
+        else:
+            logits = self.gate(flat)  # (B·T, E)
+            weights, ids = self.route(logits, self.top_k, self.renormalise)  # (B·T, k) each
+        y = self.experts.run(self.expert_layer, flat, ids, weights.to(x.dtype))  # (B·T, H)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view(B, T, H)
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,11 +293,11 @@ class Decoder(nn.Module):
         self.model.layers = nn.ModuleList(Block(args, i, make_mlp(i)) for i in range(args.n_layers))
         self.model.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.rope_cos = self.rope_sin = None  # (max_position, hs), set by init_rope
+        self.rope_cos = self.rope_sin = None  # (max_position, rotary_dim or hs), set by init_rope
 
     def init_rope(self, n_pos: int, device, dtype) -> None:
         a = self.args
-        self.rope_cos, self.rope_sin = rope_tables(a.head_dim, a.rope_theta, n_pos, device, dtype,
+        self.rope_cos, self.rope_sin = rope_tables(a.rotary_dim or a.head_dim, a.rope_theta, n_pos, device, dtype,
                                                    a.rope_inv_freq, a.rope_attention_factor)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, last_only: bool = True) -> torch.Tensor:

@@ -109,6 +109,40 @@ PRESETS: dict[str, dict] = {
         "bos_token_id": None,
         "eos_token_id": 50279,
     },
+    # zai-org/GLM-4.5-Air config.json: 46 layers (the first dense), 128 experts (top 8) of 1408 plus one
+    # shared, sigmoid routing with a correction bias, RoPE on half of each 128-wide head, q/k/v
+    # biases, 106 B parameters (its multi-token-prediction layer is not part of decoding).
+    "glm-4.5-air": {
+        "model_type": "glm4_moe",
+        "vocab_size": 151552,
+        "hidden_size": 4096,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 46,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "use_qk_norm": False,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 128,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False,
+        "pad_token_id": 151329,
+        "bos_token_id": None,
+        "eos_token_id": [151329, 151336, 151338],
+    },
 }
 
 _NAME = re.compile(r"synthetic:(?P<preset>[a-z0-9.-]+?)(?:-L(?P<layers>\d+))?")
@@ -190,7 +224,7 @@ def generate(name: str, config: dict, *, device: torch.device, dtype: torch.dtyp
         std = init_std(tensor_name, shape)
         if std is not None:
             t.normal_(0.0, std, generator=generators[key])
-        elif tensor_name.endswith(".bias"):
+        elif tensor_name.endswith("bias"):  # biases, and GLM's e_score_correction_bias: zero
             t.zero_()
         else:
             t.fill_(1.0)
