@@ -98,7 +98,9 @@ def open_offloaded(executor: OffloadedExperts, model, kv, config, device: torch.
     moe = [(i, layer.mlp) for i, layer in enumerate(model.model.layers)
            if getattr(layer.mlp, "experts", None) is executor]
     if executor.planner.prefetches and moe:
-        routers = {i: mlp.gate.weight for i, mlp in moe}  # (E, H) each, already on the device
+        # keyed by the executor's layer index (MoE layers only): a model with dense layers (GLM's
+        # first, Qwen's mlp_only_layers) numbers its decoder layers differently
+        routers = {mlp.expert_layer: mlp.gate.weight for _, mlp in moe}  # (E, H) each, already on the device
         executor.attach_predictor(GateLookahead(routers, moe[0][1].route, moe[0][1].top_k))
     if executor.cache is None:
         return
