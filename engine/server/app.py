@@ -27,7 +27,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from engine.api import Engine, GenerationResult
 from engine.errors import ConfigError, ContextOverflowError, TandemError
@@ -248,7 +248,7 @@ class TokenizeRequest(BaseModel):
     (ending with the assistant's turn, as a generation would see them)."""
 
     prompt: str | None = None
-    messages: list[TokenizeMessage] | None = None
+    messages: list[TokenizeMessage] | None = Field(None, min_length=1)  # the template refuses an empty chat
     model: str | None = None
 
     def unsupported(self):
