@@ -49,7 +49,9 @@ class Tree:
 
     @property
     def name(self) -> str:
-        return f"tandem@{self.commit[:8]}"
+        # unique even for an A/B of HEAD against itself: this tree may carry uncommitted changes
+        return f"tandem@{self.commit[:8]}" + (" (against)" if self.label == "against" else
+                                               " + changes" if self.dirty else "")
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Ctx:
     routings: tuple = ("random", "zipf:1.0")
     threads: int | None = None
     llama_source: str | None = None
+    tokenizer_from: str | None = None  # the GGUF exports' tokenizer (default: the built-in SmolLM2's)
     progress: Callable[[str], None] = lambda s: None
 
     def tandem_names(self) -> list[str]:
@@ -298,7 +301,8 @@ def run_cells(ctx: Ctx, selected: list[Cell]) -> list[dict]:
 
 def run(*, quick: bool = False, rounds: int | None = None, cell_ids: list[str] | None = None,
         against: str | None = None, threads: int | None = None, routings: tuple | None = None,
-        work: str | None = None, llama_source: str | None = None, progress=print) -> dict:
+        work: str | None = None, llama_source: str | None = None, tokenizer_from: str | None = None,
+        progress=print) -> dict:
     all_cells = cells()
     known = {c.id for c in all_cells}
     if cell_ids:
@@ -313,6 +317,7 @@ def run(*, quick: bool = False, rounds: int | None = None, cell_ids: list[str] |
         trees.append(add_worktree(against, progress))
     ctx = Ctx(trees=trees, rounds=rounds or 3, quick=quick, threads=threads, progress=progress,
               routings=tuple(routings or ("random", "zipf:1.0")), llama_source=llama_source,
+              tokenizer_from=tokenizer_from,
               **({"work": Path(work)} if work else {}))
     ctx.work.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
@@ -341,6 +346,8 @@ def add_arguments(p) -> None:
     p.add_argument("--work", default=None, help="folder for GGUF exports and the llama.cpp build (kept between runs)")
     p.add_argument("--llama-cpp-source", default=None,
                    help="llama.cpp sources for the GPU cells' llama-bench build (sdist, pruned tarball or folder)")
+    p.add_argument("--tokenizer-from", default=None,
+                   help="a GGUF whose tokenizer the GPU cells' exports carry (default: the built-in SmolLM2's)")
     p.add_argument("--json", default=None, help="write the record here (and the markdown table beside it)")
     p.add_argument("--markdown", default=None, help="write the markdown table here (default: --json with .md)")
 
@@ -350,7 +357,8 @@ def from_args(ns) -> dict:
 
     record = run(quick=ns.quick, rounds=ns.rounds, cell_ids=ns.cells.split(",") if ns.cells else None,
                  against=ns.against, threads=ns.threads, routings=tuple(ns.routing.split(",")), work=ns.work,
-                 llama_source=ns.llama_cpp_source, progress=lambda m: print(m, file=sys.stderr, flush=True))
+                 llama_source=ns.llama_cpp_source, tokenizer_from=ns.tokenizer_from,
+                 progress=lambda m: print(m, file=sys.stderr, flush=True))
     md = ns.markdown or (str(Path(ns.json).with_suffix(".md")) if ns.json else None)
     if md:
         Path(md).write_text(suite_table.markdown(record, record_path=ns.json))

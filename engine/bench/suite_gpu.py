@@ -55,7 +55,7 @@ def gguf_for(ctx: Ctx, model: str, routing: str | None) -> Path:
     out = ctx.work / f"{model.split(':')[1]}-{routing_mod.label(routing)}.gguf"
     if not out.exists():
         ctx.progress(f"[suite] exporting {model} ({routing_mod.label(routing)} routing) to {out.name}")
-        gguf_export.export(model, out, device="cuda", routing=routing)
+        gguf_export.export(model, out, device="cuda", routing=routing, tokenizer_from=ctx.tokenizer_from)
     return out
 
 

@@ -7,9 +7,9 @@ or a git worktree of another commit for `--against`), so it must run on any comm
 imports only the names DESIGN.md §9 keeps stable (`engine.api`'s Engine, EngineConfig,
 GenerationRequest) and the standard library, and nothing else of the tree that starts it.
 
-Spec keys: config (EngineConfig fields), prefill (prompt tokens of the timed prefill; 0: none),
-decode_prompt (prompt tokens before the timed decode), new_tokens, batch (chats decoded together),
-seed, warmup (an untimed short generation first: kernel compiles, allocator growth, graph capture).
+Spec keys: config (EngineConfig fields), vocab (prompt ids are drawn below it), prefill (prompt
+tokens of the timed prefill; 0: none), decode_prompt (prompt tokens before the timed decode),
+new_tokens, batch (chats decoded together), seed, warmup (an untimed short generation first: kernel compiles, allocator growth, graph capture).
 Prompts are fixed pseudo-random token ids (seeded; the same for every engine and round), as
 `tandem generate --random-prompt` makes them. Prints one JSON object on its last line of stdout.
 """
@@ -22,12 +22,12 @@ import random
 import sys
 import time
 
-VOCAB_FLOOR = 32_000  # ids drawn below this: every vocabulary the suite loads is at least this large
+VOCAB_FLOOR = 32_000  # ids drawn below this by default: the suite's models all have larger vocabularies
 
 
-def prompt(n: int, seed: int) -> list[int]:
+def prompt(n: int, seed: int, vocab: int = VOCAB_FLOOR) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(100, VOCAB_FLOOR) for _ in range(n)]
+    return [rng.randrange(min(100, vocab // 2), vocab) for _ in range(n)]
 
 
 def measure(spec: dict) -> dict:
@@ -36,21 +36,24 @@ def measure(spec: dict) -> dict:
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(**spec["config"]))
     load_s = time.perf_counter() - t0
-    seed, batch = int(spec.get("seed", 0)), int(spec.get("batch", 1))
-    out = {"load_s": round(load_s, 2)}
+    import engine as engine_package
+
+    seed, batch, vocab = int(spec.get("seed", 0)), int(spec.get("batch", 1)), int(spec.get("vocab", VOCAB_FLOOR))
+    # which tree's engine ran: what an A/B run checks
+    out = {"load_s": round(load_s, 2), "tree": os.path.dirname(os.path.dirname(os.path.abspath(engine_package.__file__)))}
     try:
         def req(ids, n):
             return GenerationRequest(prompt_ids=ids, max_new_tokens=n, greedy=True, ignore_eos=True)
 
         if spec.get("warmup", True):
-            engine.generate_batch([req(prompt(16, seed + 99 + b), 8) for b in range(batch)])
+            engine.generate_batch([req(prompt(16, seed + 99 + b, vocab), 8) for b in range(batch)])
         if spec.get("prefill"):
-            res = engine.generate_batch([req(prompt(int(spec["prefill"]), seed + b), 1) for b in range(batch)])
+            res = engine.generate_batch([req(prompt(int(spec["prefill"]), seed + b, vocab), 1) for b in range(batch)])
             # the engine's own prefill timer; a batch's rate counts every sequence's tokens
             out["prefill_tok_s"] = res[0].prefill_tok_s
             out["prefill_tokens"] = sum(r.prefilled_tokens for r in res)
         if spec.get("new_tokens"):
-            ids = [prompt(int(spec.get("decode_prompt", 32)), seed + 10 + b) for b in range(batch)]
+            ids = [prompt(int(spec.get("decode_prompt", 32)), seed + 10 + b, vocab) for b in range(batch)]
             res = engine.generate_batch([req(i, int(spec["new_tokens"])) for i in ids])
             # decode-phase tokens / decode-phase seconds, first token excluded (all sequences of a batch)
             out["decode_tok_s"] = res[0].decode_tok_s

@@ -1,0 +1,167 @@
+"""`tandem bench suite`: the record format, the table writer, skipping, the Zipf router, the A/B worktree."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.bench import routing, suite, suite_gpu, suite_table
+from helpers import write_tiny_llama_folder
+
+
+def _ctx(trees=None, rounds=3):
+    return suite.Ctx(trees=trees or [suite.Tree("this", suite.REPO, "a" * 40)], rounds=rounds)
+
+
+def test_rounds_alternate_and_reverse_every_other_round():
+    calls = []
+    ctx = _ctx(rounds=4)
+    out = suite.alternate(ctx, {"a": lambda: calls.append("a") or {"x": 1}, "b": lambda: calls.append("b") or {"x": 2}})
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert out == {"a": [{"x": 1}] * 4, "b": [{"x": 2}] * 4}
+
+
+def test_a_row_has_median_spread_and_the_median_of_per_round_ratios():
+    r = suite.row(_ctx(), "decode tok/s", "cond", {"tandem": [10.0, 12.0, 9.0], "llama.cpp": [20.0, 20.0, 10.0]},
+                  "llama.cpp")
+    t = r["systems"]["tandem"]
+    assert (t["median"], t["min"], t["max"], t["spread"]) == (10.0, 9.0, 12.0, 0.3)
+    assert r["ratio"]["tandem"] == {"median": 0.6, "per_round": [0.5, 0.6, 0.9]}
+    assert "ab" not in r
+
+
+def test_two_trees_give_each_its_ratio_and_the_ab_ratio():
+    trees = [suite.Tree("this", Path("."), "1" * 40), suite.Tree("against", Path("."), "1" * 40)]
+    ctx = _ctx(trees)
+    a, b = (t.name for t in trees)
+    r = suite.row(ctx, "m", "c", {a: [2.0, 4.0], b: [1.0, 1.0], "peer": [2.0, 2.0]}, "peer")
+    assert set(r["ratio"]) == {a, b}
+    assert r["ab"] == {"this": a, "against": b, "median": 3.0, "per_round": [2.0, 4.0]}
+
+
+def _fake_cell(ctx):
+    return [suite.row(ctx, "decode tok/s", "tiny", {"tandem": [1.0, 2.0, 3.0], "peer": [2.0, 2.0, 2.0]}, "peer")]
+
+
+def test_the_record_names_machine_commit_command_and_every_cell(monkeypatch):
+    monkeypatch.setattr(suite, "cells", lambda: [
+        suite.Cell("fake", "a fake CPU cell", "cpu", "≥ 1×", _fake_cell),
+        suite.Cell("boom", "a cell that fails", "cpu", "–", lambda ctx: 1 / 0),
+        suite.Cell("gpu", "a CUDA cell", "cuda", "≥ 1×", _fake_cell)])
+    monkeypatch.setattr(suite, "has_cuda", lambda: False)
+    rec = suite.run(quick=True, cell_ids=["fake", "boom", "gpu"], progress=lambda s: None)
+    json.dumps(rec)  # plain JSON
+    assert rec["bench"] == "suite" and rec["rounds"] == 3
+    assert {"date", "command", "machine", "load_average", "trees"} <= set(rec)
+    assert len(rec["trees"][0]["commit"]) == 40
+    by_id = {c["id"]: c for c in rec["cells"]}
+    assert by_id["fake"]["status"] == "ran" and by_id["fake"]["command"] == "tandem bench suite --cells fake --quick"
+    assert by_id["boom"]["status"] == "failed" and "ZeroDivisionError" in by_id["boom"]["reason"]
+    assert by_id["gpu"] == {**by_id["gpu"], "status": "skipped", "reason": "no CUDA device", "rows": []}
+
+
+def test_quick_selects_the_cpu_cells_and_every_gpu_cell_is_defined():
+    cells = suite.cells()
+    ids = {c.id for c in cells}
+    assert {"cpu-builtin", "cpu-kernels"} <= ids
+    assert {"gpu-resident-L16", "gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-prefill-32k", "gpu-kv-spill"} <= ids
+    assert all(c.routed for c in cells if c.id in ("gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-kv-spill"))
+    with pytest.raises(ValueError, match="unknown cells"):
+        suite.run(cell_ids=["no-such-cell"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without CUDA")
+def test_gpu_cells_are_skipped_with_the_reason_here():
+    rec = suite.run(cell_ids=["gpu-kv-spill", "gpu-resident-L16"], progress=lambda s: None)
+    assert [(c["status"], c["reason"]) for c in rec["cells"]] == [("skipped", "no CUDA device")] * 2
+
+
+def test_the_table_has_a_line_per_row_and_per_skipped_cell(monkeypatch):
+    ctx = _ctx()
+    record = {"date": "2026-12-01T00:00:00+00:00", "command": "tandem bench suite --quick", "rounds": 3,
+              "machine": {"cpu": "X", "logical_cores": 2, "ram_gib": 8, "gpu": None, "python": "3.11", "torch": "2"},
+              "load_average": {"before": 1.0, "after": 2.0},
+              "trees": [{"label": "this", "commit": "abcdef0123", "files_changed": 0}],
+              "cells": [{"id": "fake", "status": "ran", "reason": None, "target": "≥ 1×",
+                         "command": "tandem bench suite --cells fake", "rows": _fake_cell(ctx)},
+                        {"id": "gpu", "status": "skipped", "reason": "no CUDA device", "target": "≥ 2×",
+                         "command": "tandem bench suite --cells gpu", "rows": []}]}
+    md = suite_table.markdown(record, record_path="benchmarks/suite/x.json")
+    lines = md.splitlines()
+    assert "| fake | decode tok/s: tiny | 2.00 | 2.00 peer | 1.00 | 1.00–3.00; 2.00–2.00 | ≥ 1× |" in lines
+    assert "| gpu | skipped: no CUDA device | – | – | – | – | ≥ 2× |" in lines
+    assert "abcdef01" in md and "benchmarks/suite/x.json" in md and "shared machine" in md
+
+
+def test_fitting_ncmoe_is_the_fewest_cpu_layers_within_the_budget():
+    gib = 2**30
+    sizes = {"expert_bytes": [1 * gib] * 10, "other_bytes": 1 * gib, "kv_bytes_per_token": 1024}
+    overhead = suite_gpu.LLAMA_OVERHEAD_GIB
+    # 1 GiB other + overhead + 2 GiB KV (2M tokens × 1 KiB): 6 GiB budget leaves room for floor(6 - 3 - o) layers
+    n = suite_gpu.fitting_ncmoe(sizes, 6.0, 2 * 2**20)
+    assert n == 10 - int(6 - 3 - overhead)
+    assert suite_gpu.fitting_ncmoe(sizes, 6.0, 2 * 2**20, kv_on_host=True) == n - 2
+    with pytest.raises(suite.Skip):
+        suite_gpu.fitting_ncmoe(sizes, 1.0, 0)
+
+
+def test_batched_bench_jsonl_is_parsed():
+    out = 'main: n_kv_max = 1\n{"pp": 2048, "tg": 32, "pl": 4, "speed_tg": 123.5, "speed_pp": 900.0}\n'
+    assert suite_gpu.parse_batched(out)["speed_tg"] == 123.5
+
+
+def test_zipf_routing_skews_the_picks_of_a_random_router():
+    assert routing.parse("random") is None and routing.parse("zipf") == 1.0 and routing.label("zipf:1.2") == "zipf-1.2"
+    with pytest.raises(ValueError):
+        routing.parse("lru")
+    target = routing.zipf_targets(64, 4, 1.0)
+    assert abs(target.sum().item() - 4) < 1e-9 and target.max().item() <= routing.CAP + 1e-9
+    hidden = 256
+    w = torch.randn(64, hidden, generator=torch.Generator().manual_seed(0)) / hidden ** 0.5
+    h = torch.randn(4000, hidden, generator=torch.Generator().manual_seed(1))
+
+    def rates(weight):
+        picks = (h @ weight.T).topk(4, dim=1).indices.flatten()
+        return torch.bincount(picks, minlength=64).double().sort(descending=True).values / len(h)
+
+    flat, skewed = rates(w), rates(routing.skew_router(w, 1.0, layer=0, top_k=4))
+    assert flat[0] < 0.15  # random: near 4/64 each
+    assert skewed[0] > 0.3 and skewed[-8:].mean() < 0.03  # hot experts near the cap, a cold tail
+    assert not torch.equal(routing.skew_router(w, 1.0, 0, 4), routing.skew_router(w, 1.0, 1, 4))  # per-layer order
+
+
+def test_ab_against_a_worktree_runs_each_tree_on_its_own_code(tmp_path, monkeypatch):
+    """One round, a 2-layer model, 4 tokens: the worktree's probe imports the worktree's engine."""
+    model = write_tiny_llama_folder(tmp_path / "tiny")
+    seen = {}
+
+    def tiny_cell(ctx):
+        spec = {"config": {"model": str(model), "backend": "tandem", "device": "cpu", "cpu_threads": 1},
+                "vocab": 64, "decode_prompt": 8, "new_tokens": 4, "warmup": False}
+        systems = {n: (lambda t=ctx.tree_of(n): suite.probe(t.path, spec)) for n in ctx.tandem_names()}
+        systems["peer"] = lambda: suite.probe(ctx.trees[0].path, spec)
+        res = suite.alternate(ctx, systems)
+        seen.update({n: (rs[0]["tree"], ctx.tree_of(n).path if n != "peer" else None) for n, rs in res.items()})
+        return [suite.row(ctx, "decode tok/s", "tiny", {n: [r["decode_tok_s"] for r in rs] for n, rs in res.items()},
+                          "peer")]
+
+    monkeypatch.setattr(suite, "cells", lambda: [suite.Cell("tiny", "tiny A/B", "cpu", "–", tiny_cell)])
+    rec = suite.run(cell_ids=["tiny"], rounds=1, against="HEAD", progress=lambda s: None)
+    cell = rec["cells"][0]
+    assert cell["status"] == "ran", cell["reason"]
+    this, other = rec["trees"]
+    assert other["label"] == "against" and len(other["commit"]) == 40
+    row = cell["rows"][0]
+    names = list(row["ratio"])
+    assert len(names) == 2 and names[1] == f"tandem@{other['commit'][:8]} (against)" and row["ab"]["median"]
+    for name, (ran_in, expected) in seen.items():
+        if expected is not None:
+            assert Path(ran_in).resolve() == Path(expected).resolve(), name
+    worktree = seen[names[1]][1]
+    assert worktree != suite.REPO and not Path(worktree).exists()  # removed after the run
+    listed = subprocess.run(["git", "worktree", "list"], cwd=suite.REPO, capture_output=True, text=True).stdout
+    assert str(worktree) not in listed
