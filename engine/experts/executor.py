@@ -14,7 +14,7 @@ import torch
 
 from engine.kernels import moe_decode_gpu
 from engine.kernels.experts_gpu import MAX_GROUPS, moe_experts_grouped, uses_grouped_mm
-from engine.kernels.experts_torch import moe_experts
+from engine.kernels.experts_torch import ClampedSwiGLU, moe_experts, moe_experts_form
 
 
 class ExpertExecutor(ABC):
@@ -40,10 +40,19 @@ class ResidentExperts(ExpertExecutor):
     def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]):
         self.gate_up, self.down = gate_up, down  # per layer: (E, 2I, H), (E, H, I)
         self.tokens_routed = 0
+        self.forms: dict[int, ClampedSwiGLU] = {}  # layers whose experts are not plain SwiGLU (gpt-oss)
+
+    def set_form(self, layer: int, form: ClampedSwiGLU) -> None:
+        """The layer's experts compute `form` (biases, clamped activation): the torch path runs them,
+        the grouped and decode kernels know only plain SwiGLU (telemetry says so)."""
+        self.forms[layer] = form
 
     def run(self, layer, x, ids, weights):
         self.tokens_routed += ids.numel()
         gate_up, down = self.gate_up[layer], self.down[layer]
+        form = self.forms.get(layer)
+        if form is not None:
+            return moe_experts_form(x, ids, weights, gate_up, down, form)
         if moe_decode_gpu.available(x):  # a few tokens: matrix-vector products over the chosen experts in place
             return moe_decode_gpu.moe_decode(x, ids, weights, gate_up, down)
         # Decode-sized batches: one grouped GEMM pair, no per-expert launch or host sync. Prefill keeps
@@ -64,4 +73,7 @@ class ResidentExperts(ExpertExecutor):
         return total
 
     def telemetry(self) -> dict:
-        return {"policy": self.policy, "bytes": self.nbytes()}
+        tel = {"policy": self.policy, "bytes": self.nbytes()}
+        if self.forms:
+            tel["kernel"] = "torch (expert biases, clamped SwiGLU)"
+        return tel

@@ -70,3 +70,48 @@ def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, excluded: t
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """excluded: padding_mask(lengths, S), built once per step; every row must keep at least one key."""
     return _math(q, k, v, scale, key_mask=excluded)
+
+
+def sink_scale(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention sinks (gpt-oss) after the fact: a learned logit s_h per head joins the softmax's
+    denominator with a zero value, so an output over the real keys, with their LSE, becomes
+    o · e^lse / (e^lse + e^s) = o · σ(lse − s). lse (…, nh) fp32, sinks (nh,) → the factor (…, nh)."""
+    return torch.sigmoid(lse - sinks.float())
+
+
+SINK_PAD = 8  # extra head dims that carry the sink logit; keeps hs a multiple of 8 for the fused kernels
+
+
+def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA whose softmax also holds each head's sink logit, exactly: the sink is one extra key at
+    the front that every query sees, with a zero value, and a score of s_h. The score comes from two
+    extra head dims (q carries s_h/scale split into a high and a low part in q's dtype, the sink key
+    carries 1, 1; every real key 0, 0), so GQA needs no per-query-head keys and the real scores are
+    untouched.
+
+    q (B, nh, T, hs); k, v (B, n_kv, S, hs); sinks (nh,); mask (B|1, 1, T, S) bool, True = visible,
+    or None for causal (query i sees keys ≤ S − T + i) → (B, nh, T, hs).
+    """
+    B, nh, T, hs = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    scale = hs ** -0.5
+    target = sinks.float() / scale  # (nh,)
+    hi = target.to(q.dtype)
+    lo = (target - hi.float()).to(q.dtype)
+    q_extra = q.new_zeros((B, nh, T, SINK_PAD))
+    q_extra[..., 0] = hi[None, :, None]
+    q_extra[..., 1] = lo[None, :, None]
+    sink_key = k.new_zeros((B, n_kv, 1, hs + SINK_PAD))
+    sink_key[..., hs:hs + 2] = 1.0
+    q2 = torch.cat((q, q_extra), dim=-1)  # (B, nh, T, hs + pad)
+    k2 = torch.cat((sink_key, torch.cat((k, k.new_zeros((B, n_kv, S, SINK_PAD))), dim=-1)), dim=2)  # (B, n_kv, 1+S, ·)
+    v2 = torch.cat((v.new_zeros((B, n_kv, 1, hs)), v), dim=2)  # (B, n_kv, 1+S, hs)
+    if mask is None:
+        i = torch.arange(T, device=q.device)[:, None]
+        j = torch.arange(S, device=q.device)[None, :]
+        mask = (j <= S - T + i)[None, None]  # (1, 1, T, S)
+    visible = torch.ones((*mask.shape[:-1], 1), dtype=torch.bool, device=mask.device)
+    mask2 = torch.cat((visible, mask), dim=-1)  # (·, 1, T, 1+S): the sink is always visible
+    return torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask2, scale=scale,
+                                                            enable_gqa=True)

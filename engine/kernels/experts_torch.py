@@ -7,6 +7,8 @@ first, down (E, H, I). This is the reference implementation; grouped GPU and nat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -43,5 +45,47 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         tok = tokens[start:start + n]
         y = expert_ffn(x[tok], gate_up[e], down[e]) * flat_w[start:start + n, None]  # (n, H)
         out.index_add_(0, tok, y)
+        start += n
+    return out
+
+
+@dataclass
+class ClampedSwiGLU:
+    """gpt-oss's expert FFN, for a layer's experts (the engine's gate-first layout):
+
+        g, u = (W_gu x + b_gu).chunk(2)          g, u: (n, I)
+        g = min(g, limit); u = clamp(u, ±limit)
+        y = W_d ((u + 1) · g · σ(alpha · g)) + b_d
+
+    gate_up_bias (E, 2I) gate half first, down_bias (E, H); on the weights' device.
+    """
+
+    gate_up_bias: torch.Tensor
+    down_bias: torch.Tensor
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def ffn(self, x: torch.Tensor, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """x: (n, H); gate_up: (2I, H); down: (H, I) of `expert` → (n, H)."""
+        gate, up = F.linear(x, gate_up, self.gate_up_bias[expert]).chunk(2, dim=-1)  # (n, I) each
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return F.linear((up + 1) * gate * torch.sigmoid(gate * self.alpha), down, self.down_bias[expert])
+
+
+def moe_experts_form(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                     down: torch.Tensor, form: ClampedSwiGLU) -> torch.Tensor:
+    """moe_experts with the expert FFN of `form` (biases, another activation): the same grouping."""
+    N, k = ids.shape
+    order, counts = group_by_expert(ids, gate_up.shape[0])
+    tokens = order // k
+    flat_w = weights.flatten()[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = tokens[start:start + n]
+        out.index_add_(0, tok, form.ffn(x[tok], e, gate_up[e], down[e]) * flat_w[start:start + n, None])
         start += n
     return out

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ContextOverflowError, OutOfMemoryError
-from engine.kernels import paged_attention_gpu
+from engine.kernels import attention_gpu, paged_attention_gpu
 from engine.kv.backend import KVBackend
 from engine.kv.regions import BlockAllocator, SequenceBlocks
 
@@ -24,6 +24,7 @@ from engine.kv.regions import BlockAllocator, SequenceBlocks
 class ResidentKV(KVBackend):
     policy = "resident"
     supports_sliding_window = True
+    supports_sinks = True  # and a window per layer (attend's sinks, window)
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int,
                  max_batch: int, block_size: int, device: torch.device, dtype: torch.dtype,
@@ -98,23 +99,32 @@ class ResidentKV(KVBackend):
         total = max(lengths) + n_new  # S: keys per sequence after the step, padded to the longest
         write = torch.cat([s.slots(s.length, s.length + n_new) for s in seqs])  # (B·T,)
         positions = (torch.tensor(lengths)[:, None] + torch.arange(n_new)).to(self.device)  # (B, T)
-        read = mask = None
-        if fresh and self.window is not None and n_new > self.window:  # prefill longer than the window
-            pos = torch.arange(n_new)
-            mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window))[None, None]
-            mask = mask.to(self.device)  # (1, 1, T, T)
+        read = None
         if not fresh:
             read = torch.stack([F.pad(s.slots(0, s.length + n_new), (0, total - s.length - n_new))
                                 for s in seqs])  # (B, S): padding points at slot 0, masked out
-            key_pos = torch.arange(total)  # (S,)
-            query_pos = torch.tensor(lengths)[:, None] + torch.arange(n_new)  # (B, T)
-            mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (B, T, S)
-            if self.window is not None:
-                mask &= key_pos[None, None, :] > query_pos[:, :, None] - self.window
-            mask = mask.unsqueeze(1)  # (B, 1, T, S)
-            read, mask = read.to(self.device), mask.to(self.device)
+            read = read.to(self.device)
+        self._mask_args = (fresh, lengths, n_new, total)
+        self._masks = {}  # window → this step's mask, for layers whose window is not the model's
+        mask = self._step_mask(self.window)
         self._step = (seqs, n_new, write.to(self.device), read, mask)
         return positions
+
+    def _step_mask(self, window: int | None) -> torch.Tensor | None:
+        """The begun step's mask under `window`: None when plain causal (or no) masking does."""
+        fresh, lengths, n_new, total = self._mask_args
+        if fresh:
+            if window is None or n_new <= window:
+                return None
+            pos = torch.arange(n_new)  # prefill longer than the window
+            mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window))[None, None]
+            return mask.to(self.device)  # (1, 1, T, T)
+        key_pos = torch.arange(total)  # (S,)
+        query_pos = torch.tensor(lengths)[:, None] + torch.arange(n_new)  # (B, T)
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (B, T, S)
+        if window is not None:
+            mask &= key_pos[None, None, :] > query_pos[:, :, None] - window
+        return mask.unsqueeze(1).to(self.device)  # (B, 1, T, S)
 
     def _begin_paged_decode(self, seqs: list[SequenceBlocks]) -> torch.Tensor:
         """Fill the step buffer and hand out views of it: the same addresses every step of a batch size."""
@@ -139,7 +149,12 @@ class ResidentKV(KVBackend):
         self._paged_step = (dev[3 * mb:].view(mb, W)[:B], dev[2 * mb:2 * mb + B])  # (B, W) table, (B,) keys
         return dev[mb:mb + B].view(B, 1)  # (B, 1) positions
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None, window: int | None | str = "model") -> torch.Tensor:
+        """sinks (nh,): per-head sink logits (gpt-oss); window: this layer's own sliding window (None:
+        full attention) where layers differ, "model": the window the cache was built with."""
+        if sinks is not None or window != "model":
+            return self._attend_layer(layer, q, k, v, sinks, self.window if window == "model" else window)
         seqs, n_new, write, read, mask = self._step
         B, n_kv, T, hs = k.shape
         self.k[layer][write] = k.transpose(1, 2).reshape(B * T, n_kv, hs)
@@ -161,6 +176,40 @@ class ResidentKV(KVBackend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
         keys = self.k[layer][read].transpose(1, 2)  # (B, n_kv, S, hs)
         values = self.v[layer][read].transpose(1, 2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+    def _attend_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+        """attend with this layer's window and optional sinks: the paged decode rescales its output
+        by the sinks through its LSE, the gathering paths put the sink into the softmax."""
+        seqs, n_new, write, read, _ = self._step
+        B, n_kv, T, hs = k.shape
+        self.k[layer][write] = k.transpose(1, 2).reshape(B * T, n_kv, hs)
+        self.v[layer][write] = v.transpose(1, 2).reshape(B * T, n_kv, hs)
+        if self._paged_step is not None:
+            table, keys = self._paged_step
+            splits, scratch = self._scratch[B]
+            if scratch is None:
+                scratch = paged_attention_gpu.scratch_for(B, q.shape[1], hs, splits, self.device)
+                self._scratch[B] = (splits, scratch)
+            o, lse = paged_attention_gpu.paged_decode(
+                q[:, :, 0], self.k[layer], self.v[layer], table, keys, self.block_size,
+                hs ** -0.5, splits, window=window, scratch=scratch, out=q.new_empty(B, q.shape[1], hs))
+            if sinks is not None:  # (B, nh, hs) · σ(lse − s)
+                o = o * attention_gpu.sink_scale(lse, sinks).unsqueeze(-1).to(o.dtype)
+            return o.unsqueeze(2)  # (B, nh, 1, hs)
+        if window not in self._masks:
+            self._masks[window] = self._step_mask(window)
+        mask = self._masks[window]
+        if read is None:
+            keys, values = k, v  # (B, n_kv, T, hs): prefill from empty
+        else:
+            keys = self.k[layer][read].transpose(1, 2)  # (B, n_kv, S, hs)
+            values = self.v[layer][read].transpose(1, 2)
+        if sinks is not None:
+            return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=True)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def replayable_step(self) -> bool:

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.errors import ConfigError
 from engine.kernels import qkv_rope_gpu, rmsnorm_gpu, rope_gpu, route_gpu
+from engine.kernels.experts_torch import ClampedSwiGLU
 
 
 @dataclass
@@ -53,6 +55,13 @@ class ModelArgs:
     router_groups: int = 1  # group-limited top-k: experts in groups, only the best groups_used compete
     router_groups_used: int = 1
     routed_scaling: float = 1.0  # the routed experts' weights times this (GLM's routed_scaling_factor)
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases on every expert's gate_up and down projections (gpt-oss)
+    expert_act: str = "silu"  # "silu": SwiGLU; "clamped": gpt-oss's clamped SwiGLU (expert_alpha, expert_limit)
+    expert_alpha: float = 1.702
+    expert_limit: float = 7.0
+    attn_sinks: bool = False  # a learned per-head logit in each softmax's denominator (gpt-oss)
+    layer_windows: list[int | None] | None = None  # per layer: its sliding window or None (full); None: sliding_window
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -138,6 +147,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(k_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.zeros(args.n_heads)) if args.attn_sinks else None  # (nh,)
+        # what the KV backend is told beyond q, k, v: the sinks, and this layer's window where they differ
+        self.attend_options = {} if args.layer_windows is None else {"window": args.layer_windows[layer_idx]}
         # set by fuse_qkv; buffers, so that a later .to() moves them too (outside the state dict)
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
@@ -166,7 +178,14 @@ class Attention(nn.Module):
             q, k, v = self._qkv_fused(x, cos, sin)
         else:
             q, k, v = self._qkv(x, cos, sin)
-        y = kv.attend(self.layer_idx, q, k, v)  # (B, nh, T, hs): stores k, v, attends over the past
+        if self.sinks is None and not self.attend_options:
+            y = kv.attend(self.layer_idx, q, k, v)  # (B, nh, T, hs): stores k, v, attends over the past
+        else:
+            if not getattr(kv, "supports_sinks", False):
+                raise ConfigError(f"kv_policy '{kv.policy}' cannot honour this model's attention sinks and "
+                                  "per-layer windows exactly yet", "use kv_policy resident")
+            sinks = {"sinks": self.sinks} if self.sinks is not None else {}
+            y = kv.attend(self.layer_idx, q, k, v, **sinks, **self.attend_options)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def _qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -231,7 +250,7 @@ class MoEFeedForward(nn.Module):
         self.top_k = args.top_k
         self.renormalise = args.norm_topk_prob
         self.route = route
-        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=args.router_bias)
         self.route_options = {}  # the family rule's extra settings, when the config has any
         if args.router_score_bias:  # (E,), under the checkpoints' name for it
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(args.n_experts))
@@ -239,7 +258,33 @@ class MoEFeedForward(nn.Module):
                                       scale=args.routed_scaling)
         # Shared experts run for every token: dense weights, on the compute device with the rest.
         self.shared_experts = FeedForward(args.dim, args.shared_expert_ffn_dim) if args.shared_expert_ffn_dim else None
+        self.form = None  # experts that are not plain SwiGLU: what the executor is told to compute
+        if args.expert_bias or args.expert_act != "silu":
+            if args.expert_act != "clamped" or not args.expert_bias:
+                raise ValueError(f"no expert FFN of activation {args.expert_act!r} (biases: {args.expert_bias})")
+            I = args.expert_ffn_dim
+            self.expert_gate_up_bias = nn.Parameter(torch.zeros(args.n_experts, 2 * I))  # (E, 2I) gate half first
+            self.expert_down_bias = nn.Parameter(torch.zeros(args.n_experts, args.dim))  # (E, H)
+            self.form = (args.expert_alpha, args.expert_limit)
         self.experts = None  # ExpertExecutor, attached by the builder
+
+    @property
+    def experts(self):
+        return self._experts
+
+    @experts.setter
+    def experts(self, executor) -> None:
+        """The builder attaches the executor; experts of another form are registered with it, and an
+        executor that cannot compute them is refused then, at load, not at the first token."""
+        self._experts = executor
+        if self.form is None or executor is None or not hasattr(executor, "policy"):
+            return  # plain SwiGLU, or a decode graph's stand-in for the executor already told
+        if not hasattr(executor, "set_form"):
+            raise ConfigError(f"expert_policy '{executor.policy}' does not compute this model's experts "
+                              "(biases, clamped SwiGLU) yet", "use expert_policy resident")
+        alpha, limit = self.form
+        executor.set_form(self.expert_layer, ClampedSwiGLU(self.expert_gate_up_bias, self.expert_down_bias,
+                                                           alpha, limit))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape

@@ -2,8 +2,9 @@
 tensor read), as the engine would hold them in one dtype: what the placement planner divides.
 
 The count follows models/common.py's modules: per layer q/k/v/o projections (biases where the
-family has them), two RMSNorms and the optional q/k norms, then either the router and the shared
-experts (MoE layers: dense weights every token reads, on the GPU side) or the dense SwiGLU FFN; token embeddings, the final norm and the output projection unless tied.
+family has them, attention sinks), two RMSNorms and the optional q/k norms, then either the router
+(its biases), the shared experts and the experts' biases (MoE layers: dense weights, on the GPU
+side) or the dense SwiGLU FFN; token embeddings, the final norm and the output projection unless tied.
 """
 
 from __future__ import annotations
@@ -22,12 +23,18 @@ def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
         attention += H
     if args.qk_norm:
         attention += 2 * hs if args.qk_norm_scope == "head" else q + kv
+    if args.attn_sinks:
+        attention += args.n_heads  # one sink logit per head
     moe = args.moe_layer_ids()
     dense_ffn = 3 * H * (args.ffn_dim or 0)
     # a MoE layer's dense part: the router (and its score bias) and the shared experts every token runs
     moe_dense = args.n_experts * H + 3 * H * args.shared_expert_ffn_dim
     if args.router_score_bias:
         moe_dense += args.n_experts
+    if args.router_bias:
+        moe_dense += args.n_experts
+    if args.expert_bias:  # every expert's biases: small, kept with the dense weights on the device
+        moe_dense += args.n_experts * (2 * args.expert_ffn_dim + H)
     layer_params = [attention + (moe_dense if i in moe else dense_ffn) for i in range(args.n_layers)]
     mean_layer = sum(layer_params) // max(args.n_layers, 1)
     expert_params = 3 * H * (args.expert_ffn_dim or 0) if args.is_moe else 0

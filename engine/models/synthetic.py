@@ -143,6 +143,34 @@ PRESETS: dict[str, dict] = {
         "bos_token_id": None,
         "eos_token_id": [151329, 151336, 151338],
     },
+    # openai/gpt-oss-20b config.json: 24 layers alternating a 128-token window with full attention
+    # (even layers slide), attention sinks, 32 experts (top 4) of 2880 with biases and a clamped
+    # SwiGLU, YaRN ×32 over 4096 positions, 21 B parameters (BF16 here; the release is MXFP4).
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss",
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        "sliding_window": 128,
+        "attention_bias": True,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "pad_token_id": 199999,
+        "bos_token_id": None,
+        "eos_token_id": 200002,
+    },
 }
 
 _NAME = re.compile(r"synthetic:(?P<preset>[a-z0-9.-]+?)(?:-L(?P<layers>\d+))?")
@@ -224,7 +252,7 @@ def generate(name: str, config: dict, *, device: torch.device, dtype: torch.dtyp
         std = init_std(tensor_name, shape)
         if std is not None:
             t.normal_(0.0, std, generator=generators[key])
-        elif tensor_name.endswith("bias"):  # biases, and GLM's e_score_correction_bias: zero
+        elif tensor_name.endswith(("bias", "sinks")):  # biases, GLM's correction bias, gpt-oss's sinks: zero
             t.zero_()
         else:
             t.fill_(1.0)
