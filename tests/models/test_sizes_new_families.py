@@ -44,3 +44,15 @@ def test_planner_keeps_glm_shared_experts_on_the_gpu():
     assert plan.fits and plan.device == "gpu" and plan.expert_policy != "resident"
     shared = 7 * 3 * 4096 * 1408 * 2  # the shared experts of layers 1-7
     assert p.dense_bytes > shared and plan.vram_bytes >= p.dense_bytes
+
+
+def test_gpt_oss_sinks_and_biases_count_as_dense_layer_bytes():
+    args, p = parts("synthetic:gpt-oss-20b")
+    H, I, E = 2880, 2880, 32
+    q, kv = 64 * 64, 8 * 64
+    attention = 2 * H * q + 2 * H * kv + 2 * H + (q + 2 * kv) + H + 64  # projections, norms, biases, sinks
+    layer = attention + E * H + E + E * (2 * I + H)  # router and its bias, the experts' biases
+    assert p.layer_dense_bytes == layer * 2
+    assert p.expert_bytes == 3 * H * I * 2 and p.n_routed == 24 * E
+    total = p.embed_bytes + p.output_bytes + 24 * p.layer_dense_bytes + p.routed_bytes
+    assert total / 2 / 1e9 == pytest.approx(20.91, abs=0.01)
