@@ -80,9 +80,9 @@ class LlamaCppBackend:
             raise ConfigError("llama-cpp-python is not installed",
                               "pip install llama-cpp-python (builds llama.cpp from source, ~5 min), "
                               "or use backend tandem") from e
-        if config.kv_policy != "resident" or config.expert_policy != "resident":
+        if {config.kv_policy, config.expert_policy} - {"auto", "resident"}:  # llama.cpp places for itself
             raise ConfigError("the llama.cpp backend has no hybrid KV or expert policies",
-                              "use backend tandem for kv_policy/expert_policy other than resident")
+                              "use backend tandem for kv_policy/expert_policy other than auto or resident")
         self.config = config
         self.version = llama_cpp.__version__
         report("reading model file", 0.0)

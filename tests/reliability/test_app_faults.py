@@ -109,6 +109,7 @@ def test_model_without_tokenizer_is_refused_with_a_reason(qtbot, tmp_path, chat_
     qtbot.waitUntil(lambda: w.host.state == "failed", timeout=60_000)
     text = w.banner_text.text()
     assert "has no tokenizer" in text and "tokenizer.json" in text and "Traceback" not in text
+    store.add_message(store.chats()[0].id, "user", "hello")  # a chat in use: "New chat" makes another
     w.chat_list.new_chat()  # still usable
     assert len(store.chats()) == 2
     w.close()
