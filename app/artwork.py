@@ -128,7 +128,7 @@ def take_screenshots(out: Path, size: tuple[int, int] = (1366, 768)) -> list[Pat
     def on_state(s):
         if s == "ready" and stage["now"] == "load":
             stage["now"] = "first"
-            settings(greedy=True, max_new_tokens=120, system_prompt="You are a helpful assistant.")
+            settings(greedy=True, max_new_tokens=60, system_prompt="You are a helpful assistant.")
             w.composer.edit.setPlainText("Write a Python function that reverses a string.")
             w.conv.send()
         elif s == "failed":
@@ -137,7 +137,7 @@ def take_screenshots(out: Path, size: tuple[int, int] = (1366, 768)) -> list[Pat
     def on_finished(status, result):
         if stage["now"] == "first":
             stage["now"] = "alternatives"
-            settings(greedy=False, temperature=0.9, seed=None, max_new_tokens=60)
+            settings(greedy=False, temperature=0.9, seed=None, max_new_tokens=24)
             w.composer.edit.setPlainText("Name three colours of the sea, in one line.")
             w.conv.send()
         elif stage["now"] == "alternatives":
@@ -155,7 +155,7 @@ def take_screenshots(out: Path, size: tuple[int, int] = (1366, 768)) -> list[Pat
             app.exit(0)
 
     def on_streamed(_text):
-        if stage["now"] == "second" and w.conv.job and len(w.conv.job.text) > 220:
+        if stage["now"] == "second" and w.conv.job and len(w.conv.job.text) > 160:
             stage["now"] = "done"
             grab(w, "main-window-mid-reply.png")
             w.conv.stop()

@@ -203,8 +203,8 @@ class MessageWidget(QFrame):
         if self.branch is not None:  # no switching branches under a reply that is streaming
             self.prev_btn.setEnabled(enabled and self.branch[0] > 1)
             self.next_btn.setEnabled(enabled and self.branch[0] < self.branch[1])
-        if self.regen_btn is not None:
-            self.regen_btn.setVisible(is_last_reply)
+        if self.regen_btn is not None:  # not on a reply still being written: there is nothing to redo yet
+            self.regen_btn.setVisible(is_last_reply and self.message.status != "streaming")
             self.regen_btn.setEnabled(enabled)
 
     def copy(self) -> None:

@@ -99,7 +99,7 @@ def profile_line(profile: dict | None, saved: bool = True) -> str:
     fit = (h2d.get("pinned_fit") or {}).get("GBps") if isinstance(h2d, dict) else None
     if fit is None and isinstance(h2d, dict) and h2d.get("pinned"):
         fit = max(p.get("GBps") or 0 for p in h2d["pinned"]) or None
-    parts.append(f"PCIe {fit:.0f} GB/s" if fit else "no GPU transfers (CPU only)")
+    parts.append(f"PCIe {fit:.0f} GB/s" if fit else "CPU only")
     ram = (profile.get("memory") or {}).get("read_GBps")
     if ram:
         parts.append(f"RAM {ram:.0f} GB/s")

@@ -87,11 +87,26 @@ def missing_qt_libraries() -> list[str]:
     plugin, ldd = xcb_plugin(), shutil.which("ldd")
     if plugin is None or ldd is None:
         return []
+    # Where this Qt's own libraries are (and, in a desktop bundle, everything it carries): ldd runs in a
+    # process of its own, so it is told the folders the app's process loads from.
+    extra = [str(plugin.parents[2] / "lib")] + ([getattr(sys, "_MEIPASS")] if hasattr(sys, "_MEIPASS") else [])
+    env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(extra + [os.environ.get("LD_LIBRARY_PATH", "")]))
     try:
-        run = subprocess.run([ldd, str(plugin)], capture_output=True, text=True, timeout=20)
+        run = subprocess.run([ldd, str(plugin)], capture_output=True, text=True, timeout=20, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return missing_from_ldd(run.stdout)
+    return [name for name in missing_from_ldd(run.stdout) if not _loadable(name)]
+
+
+def _loadable(soname: str) -> bool:
+    """Whether this process can load `soname` after all (a library it already holds counts)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(soname)
+    except OSError:
+        return False
+    return True
 
 
 def describe_missing(sonames: list[str]) -> tuple[str, str]:
