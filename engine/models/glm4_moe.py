@@ -144,6 +144,10 @@ def config_from_gguf(meta: dict) -> dict:
     config["norm_topk_prob"] = bool(get("expert_weights_norm", True))
     config["n_group"] = int(get("expert_group_count", 1) or 1)
     config["topk_group"] = int(get("expert_group_used_count", 1) or config["n_group"])
+    names = meta.get("tensors.names")  # a header-only read (models/shape.py): the tensors' names tell
+    if names:
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+        config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
     return config
 
 

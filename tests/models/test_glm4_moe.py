@@ -256,3 +256,13 @@ def test_synthetic_glm_runs(monkeypatch):
     logits = engine_logits(engine, PROMPT, prefill=6)
     assert torch.isfinite(logits).all() and logits.std() > 0.1
     assert len(engine.generate_ids(PROMPT, 4)) == 4
+
+
+def test_gguf_header_gives_the_shape(tmp_path):
+    """models/shape.py reads the header only (what the planner sizes): biases and norms from the names."""
+    from engine.models.shape import model_args
+
+    ref = tiny(seed=7, use_qk_norm=True)
+    args = model_args(str(write_glm_gguf(ref, tmp_path / "m.gguf")))
+    assert args.arch == "glm4_moe" and args.n_layers == 3 and args.qkv_bias and args.qk_norm
+    assert args.moe_layer_ids() == [1, 2] and args.shared_expert_ffn_dim == 16 and args.rotary_dim == 8
