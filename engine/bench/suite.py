@@ -152,8 +152,9 @@ def row(ctx: Ctx, metric: str, condition: str, samples: dict[str, list[float]], 
 def cell_cpu_builtin(ctx: Ctx) -> list[dict]:
     """Built-in SmolLM2-135M: Tandem's default plan against llama.cpp (llama-cpp-python) on the same GGUF."""
     threads = ctx.threads or os.cpu_count() or 1
-    spec = {"prefill": 128 if ctx.quick else 512, "decode_prompt": 32, "new_tokens": 48 if ctx.quick else 128,
-            "seed": 0, "warmup": True}
+    # --quick: short enough that three rounds of both engines fit in minutes on a busy 2-core machine
+    spec = {"prefill": 64 if ctx.quick else 512, "decode_prompt": 32, "new_tokens": 24 if ctx.quick else 128,
+            "seed": 0, "warmup": True, "warmup_tokens": 4 if ctx.quick else 8}
     tandem = {"model": "builtin:smollm2-135m", "backend": "tandem", "device": "cpu", "cpu_threads": threads}
     # llama.cpp has no hybrid policies: its backend takes the resident ones explicitly
     llama = {"model": "builtin:smollm2-135m", "backend": "llamacpp", "cpu_threads": threads, "max_context": 2048,
@@ -177,8 +178,8 @@ def cell_cpu_kernels(ctx: Ctx) -> list[dict]:
     threads = ctx.threads or os.cpu_count() or 1
     args = ["bench", "cpu-kernels", "--sections", "stream,attention,experts", "--thread-counts", str(threads),
             "--lengths", "32k", "--batches", "1", "--tokens", "1,4", "--no-torch-sdpa", "--repeats", "5"]
-    if ctx.quick:
-        args.append("--quick")
+    # not `--quick` even in the quick suite: its smaller buffers let rotated experts sit in L3, and
+    # then the STREAM read is no bound for them
     systems = {name: (lambda t=ctx.tree_of(name): tandem_cli(t.path, args)) for name in ctx.tandem_names()}
     res = alternate(ctx, systems)
 

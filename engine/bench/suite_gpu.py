@@ -96,7 +96,7 @@ def gguf_sizes(path: Path) -> dict:
 
     heads_kv, dim, heads = field("attention.head_count_kv"), field("embedding_length"), field("attention.head_count")
     head_dim = field("attention.key_length") if f"{arch}.attention.key_length" in reader.fields else dim // heads
-    kv_per_token = 2 * heads_kv * head_dim * 2 * len(experts)  # K and V, f16, every layer
+    kv_per_token = 2 * heads_kv * head_dim * 2 * field("block_count")  # K and V in f16, every layer
     return {"expert_bytes": [experts[i] for i in sorted(experts)], "other_bytes": other,
             "kv_bytes_per_token": kv_per_token}
 

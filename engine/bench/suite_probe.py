@@ -9,7 +9,8 @@ GenerationRequest) and the standard library, and nothing else of the tree that s
 
 Spec keys: config (EngineConfig fields), vocab (prompt ids are drawn below it), prefill (prompt
 tokens of the timed prefill; 0: none), decode_prompt (prompt tokens before the timed decode),
-new_tokens, batch (chats decoded together), seed, warmup (an untimed short generation first: kernel compiles, allocator growth, graph capture).
+new_tokens, batch (chats decoded together), seed, warmup and warmup_tokens (an untimed short
+generation first: kernel compiles, allocator growth, graph capture).
 Prompts are fixed pseudo-random token ids (seeded; the same for every engine and round), as
 `tandem generate --random-prompt` makes them. Prints one JSON object on its last line of stdout.
 """
@@ -46,7 +47,8 @@ def measure(spec: dict) -> dict:
             return GenerationRequest(prompt_ids=ids, max_new_tokens=n, greedy=True, ignore_eos=True)
 
         if spec.get("warmup", True):
-            engine.generate_batch([req(prompt(16, seed + 99 + b, vocab), 8) for b in range(batch)])
+            n = int(spec.get("warmup_tokens", 8))
+            engine.generate_batch([req(prompt(16, seed + 99 + b, vocab), n) for b in range(batch)])
         if spec.get("prefill"):
             res = engine.generate_batch([req(prompt(int(spec["prefill"]), seed + b, vocab), 1) for b in range(batch)])
             # the engine's own prefill timer; a batch's rate counts every sequence's tokens

@@ -165,3 +165,13 @@ def test_ab_against_a_worktree_runs_each_tree_on_its_own_code(tmp_path, monkeypa
     assert worktree != suite.REPO and not Path(worktree).exists()  # removed after the run
     listed = subprocess.run(["git", "worktree", "list"], cwd=suite.REPO, capture_output=True, text=True).stdout
     assert str(worktree) not in listed
+
+
+def test_gguf_sizes_reads_the_kv_shape_and_expert_bytes_from_the_file(tmp_path):
+    from helpers import TINY, write_tiny_llama_gguf
+
+    sizes = suite_gpu.gguf_sizes(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
+    head_dim = TINY["dim"] // TINY["heads"]
+    assert sizes["expert_bytes"] == []  # a dense model: nothing for -ncmoe to move
+    assert sizes["kv_bytes_per_token"] == 2 * TINY["kv_heads"] * head_dim * 2 * TINY["layers"]
+    assert sizes["other_bytes"] > 0
