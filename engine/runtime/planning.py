@@ -101,8 +101,12 @@ def placement_plan(config, profile=None) -> Plan:
     dev_bytes = _dtype_bytes(config, "cuda" if gpu and not simulated else "cpu")
     cpu_bytes = _dtype_bytes(config, "cpu")
     costs = machine_costs(config, args, profile, dev_bytes)
-    parts = model_parts(args, dev_bytes, config.model)
-    cpu_parts = parts if cpu_bytes == dev_bytes else model_parts(args, cpu_bytes, config.model)
+    # what the engine's hybrid paths cannot run for this model (runtime/loading.py and the families refuse it)
+    windowed = bool(args.sliding_window and args.sliding_window < max_context) or bool(args.layer_windows)
+    can = dict(can_spill_kv=not (windowed or args.attn_sinks),
+               can_offload_experts=not args.expert_bias and args.expert_act == "silu")
+    parts = replace(model_parts(args, dev_bytes, config.model), **can)
+    cpu_parts = parts if cpu_bytes == dev_bytes else replace(model_parts(args, cpu_bytes, config.model), **can)
     return plan(parts, costs, max_context=max_context, max_batch=config.max_batch,
                 spill_device_bytes=spill_device_bytes(config, args, dev_bytes, max_context, gpu and not simulated),
                 prefill_chunk=PREFILL_CHUNK,

@@ -99,7 +99,7 @@ def _candidates(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, max_context: 
         return out
     reserve = min(DEVICE_RESERVE_BYTES, c.vram_bytes // 10)
     kv_choices = [("resident", kv_full, 0)]
-    if ctx > d_window:
+    if ctx > d_window and m.can_spill_kv:
         kv_choices.append(("writescope", spill_device_bytes, kv_full))
     for kv_policy, kv_gpu, kv_host in kv_choices:
         room = c.vram_bytes - reserve - m.dense_bytes - kv_gpu
@@ -107,6 +107,8 @@ def _candidates(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, max_context: 
             continue
         if m.routed_bytes <= room:
             out.append(Placement("gpu", kv_policy, "resident", 0, kv_gpu, kv_host))
+            continue
+        if not m.can_offload_experts:
             continue
         slots = int(room // max(m.expert_bytes, 1))
         if slots > 0:

@@ -45,6 +45,8 @@ class ModelParts:
     kv_bytes_per_token: int  # one chat's K and V of one token over all layers
     dense_flops_per_token: float  # 2 × the dense parameters a token multiplies through (prefill compute)
     attn_width: int  # n_heads · head_dim: attention FLOPs per (query, key) pair are 4 × this per layer
+    can_spill_kv: bool = True  # the hybrid KV honours this model's attention (no sinks, no window < context)
+    can_offload_experts: bool = True  # the offloading executors take its experts (plain SwiGLU, no biases)
 
     @property
     def dense_bytes(self) -> int:

@@ -152,3 +152,15 @@ def test_spilled_kv_costs_grow_with_context_and_resident_kv_does_not_spill():
     short, _ = decode_ms(spill, L16, c, 1024, 1, 256)
     long, bound = decode_ms(spill, L16, c, 65536, 1, 256)
     assert long > short and bound == "KV in host memory"
+
+
+def test_what_the_hybrid_paths_cannot_run_is_never_planned():
+    """A model whose attention the hybrid KV cannot honour (sinks, windows) or whose experts the
+    offloading executors cannot take (biases, another activation) stays resident, on the CPU if need be."""
+    from dataclasses import replace
+
+    fixed = replace(L16, can_spill_kv=False, can_offload_experts=False)
+    p = plan(fixed, machine(8), max_context=2048, max_batch=1)
+    assert p.fits and (p.device, p.kv_policy, p.expert_policy) == ("cpu", "resident", "resident")
+    roomy = plan(fixed, machine(48), max_context=2048, max_batch=1)
+    assert (roomy.device, roomy.kv_policy, roomy.expert_policy) == ("gpu", "resident", "resident")
