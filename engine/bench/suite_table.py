@@ -47,9 +47,10 @@ def _spread(s: dict) -> str:
 
 def markdown(record: dict, record_path: str | None = None) -> str:
     trees = record.get("trees", [])
-    commits = ", ".join(f"{t['commit'][:8]} ({t['label']}" + (f", {t['files_changed']} files changed"
-                                                               if t.get("files_changed") else "") + ")"
-                        for t in trees)
+    def changed(n: int) -> str:  # uncommitted edits in the tree that ran (others' work in progress)
+        return f", {n} uncommitted file{'s' * (n != 1)}" if n else ""
+
+    commits = ", ".join(f"{t['commit'][:8]} ({t['label']}{changed(t.get('files_changed') or 0)})" for t in trees)
     ab = len(trees) > 1
     lines = [f"Machine: {machine_line(record)}.",
              f"Date: {record['date']}. Commit: {commits}. Rounds per cell: {record['rounds']} (systems taking turns, "
@@ -74,3 +75,11 @@ def markdown(record: dict, record_path: str | None = None) -> str:
     lines.append("Each cell re-runs alone with the command `tandem bench suite --cells CELL` (add `--quick` for the "
                  "shorter CPU runs).")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m engine.bench.suite_table RECORD.json: the table of a saved record
+    import json
+    import sys
+
+    with open(sys.argv[1]) as f:
+        print(markdown(json.load(f), record_path=sys.argv[1]), end="")
