@@ -17,6 +17,7 @@ Decode is measured after a prompt of the cell's context, untimed (llama-bench `-
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -54,9 +55,25 @@ def gguf_for(ctx: Ctx, model: str, routing: str | None) -> Path:
 
     out = ctx.work / f"{model.split(':')[1]}-{routing_mod.label(routing)}.gguf"
     if not out.exists():
+        need, free = export_bytes(model), shutil.disk_usage(ctx.work).free
+        if need > free:  # the 48-layer export is 61 GB; a one-GPU machine's disk may not hold two
+            raise Skip(f"the {model} export needs {need / 1e9:.0f} GB of disk, {free / 1e9:.0f} GB free "
+                       f"(--work on a larger disk, or fewer --routing)")
         ctx.progress(f"[suite] exporting {model} ({routing_mod.label(routing)} routing) to {out.name}")
         gguf_export.export(model, out, device="cuda", routing=routing, tokenizer_from=ctx.tokenizer_from)
     return out
+
+
+def export_bytes(model: str) -> int:
+    """BF16 bytes of a synthetic model's tensors (the GGUF's size, near enough: its header is small)."""
+    import math
+
+    from engine.models import families, synthetic
+    from engine.models.assemble import tensor_shapes
+
+    config = synthetic.config_for(model, vocab_size=49152)  # the borrowed SmolLM2 tokenizer's size
+    args = families.for_model_type(config["model_type"], Path(model)).args_from_config(config)
+    return sum(2 * math.prod(shape) for shape in tensor_shapes(args).values())
 
 
 def llama_binaries(ctx: Ctx) -> dict:

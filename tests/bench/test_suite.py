@@ -175,3 +175,13 @@ def test_gguf_sizes_reads_the_kv_shape_and_expert_bytes_from_the_file(tmp_path):
     assert sizes["expert_bytes"] == []  # a dense model: nothing for -ncmoe to move
     assert sizes["kv_bytes_per_token"] == 2 * TINY["kv_heads"] * head_dim * 2 * TINY["layers"]
     assert sizes["other_bytes"] > 0
+
+
+def test_the_export_size_is_known_before_writing(tmp_path, monkeypatch):
+    # 16 layers of Qwen3-30B-A3B with the borrowed 49,152-token vocabulary: the recorded export was 20.35 GB
+    assert 20.0e9 < suite_gpu.export_bytes(suite_gpu.L16) < 20.7e9
+    assert suite_gpu.export_bytes(suite_gpu.L48) > 2.9 * suite_gpu.export_bytes(suite_gpu.L16)
+    ctx = suite.Ctx(trees=[], work=tmp_path)
+    monkeypatch.setattr(suite_gpu.shutil, "disk_usage", lambda p: type("U", (), {"free": 10**9})())
+    with pytest.raises(suite.Skip, match="needs 60 GB of disk"):
+        suite_gpu.gguf_for(ctx, suite_gpu.L48, "zipf:1.0")
