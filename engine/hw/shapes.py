@@ -8,7 +8,6 @@ floor never imports the models package above it.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 
 from engine.errors import ConfigError
@@ -87,44 +86,3 @@ class ModelShape:
     def from_dict(cls, d: dict) -> "ModelShape":
         return cls(d["name"], KVShape(**d["kv"]), ExpertShape(**d["expert"]) if d.get("expert") else None,
                    d["n_layers"], d.get("n_experts", 0), d.get("top_k", 0))
-
-
-@dataclass(frozen=True)
-class _Ref:
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    dim: int
-    expert_ffn_dim: int
-    n_experts: int
-    top_k: int
-    ffn_dim: int = 0
-
-
-# Published configs of the models the synthetic presets reproduce (config.json of each checkpoint),
-# so a machine can be calibrated for a model it does not hold.
-REFERENCE_SHAPES = {
-    "qwen3-30b-a3b": _Ref(n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, dim=2048, expert_ffn_dim=768,
-                          n_experts=128, top_k=8),
-    "mixtral-8x7b": _Ref(n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, dim=4096, expert_ffn_dim=14336,
-                         n_experts=8, top_k=2),
-    "olmoe-1b-7b": _Ref(n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128, dim=2048, expert_ffn_dim=1024,
-                        n_experts=64, top_k=8),
-}
-
-
-def reference_shape(name: str, dtype) -> ModelShape:
-    """'synthetic:qwen3-30b-a3b' (optionally '-L<n>' for the first n layers) → its ModelShape."""
-    key = name.removeprefix("synthetic:")
-    m = re.fullmatch(r"(.+?)(?:-L(\d+))?", key)
-    base, layers = m.group(1), m.group(2)
-    if base not in REFERENCE_SHAPES:
-        raise ConfigError(f"no reference shape for '{name}'",
-                          f"use one of: {', '.join('synthetic:' + k for k in REFERENCE_SHAPES)}")
-    ref = REFERENCE_SHAPES[base]
-    shape = ModelShape.of(ref, dtype, name)
-    if layers:
-        shape = ModelShape(shape.name, shape.kv, shape.expert, min(int(layers), ref.n_layers),
-                           shape.n_experts, shape.top_k)
-    return shape

@@ -11,8 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.errors import ModelFileError
-from engine.hw.shapes import ModelShape, reference_shape
-from engine.models import builtin, families
+from engine.hw.shapes import ModelShape
+from engine.models import builtin, families, synthetic
 
 
 def _gguf_meta(path: Path) -> dict:
@@ -36,7 +36,11 @@ def _gguf_meta(path: Path) -> dict:
 
 
 def model_args(model: str):
-    """ModelArgs of `model` (builtin:…, a .gguf file or a model folder) from its metadata only."""
+    """ModelArgs of `model` (builtin:…, synthetic:…, a .gguf file or a model folder) from its metadata
+    only (a synthetic preset from its published config)."""
+    if model.startswith("synthetic:"):
+        config = synthetic.config_for(model)
+        return families.for_model_type(config["model_type"], Path(model)).args_from_config(config)
     upcycle = None
     if model.startswith("builtin:"):
         path, upcycle = builtin.resolve(model)
@@ -65,6 +69,4 @@ def model_args(model: str):
 
 def model_shape(model: str, dtype) -> ModelShape:
     """The calibration shape of `model` computing in `dtype` (synthetic:… from published configs)."""
-    if model.startswith("synthetic:"):
-        return reference_shape(model, dtype)
     return ModelShape.of(model_args(model), dtype, model)

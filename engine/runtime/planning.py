@@ -17,7 +17,6 @@ import psutil
 import torch
 
 from engine.errors import ConfigError, OutOfMemoryError
-from engine.models import families, synthetic
 from engine.models.common import ModelArgs
 from engine.models.shape import model_args
 from engine.models.sizes import model_parts
@@ -29,13 +28,6 @@ from engine.sched.placement_speed import DEFAULT_CPU_TFLOPS, DEFAULT_DRAM_GBPS, 
 log = logging.getLogger("tandem")
 
 FREE_VRAM_USE = 0.9  # without a budget: the share of the GPU's free memory the plan may give away
-
-
-def _args_of(model: str) -> ModelArgs:
-    if model.startswith("synthetic:"):
-        config = synthetic.config_for(model)
-        return families.for_model_type(config["model_type"], None).args_from_config(config)
-    return model_args(model)
 
 
 def _dtype_bytes(config, device_type: str) -> int:
@@ -95,7 +87,7 @@ def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int) -> Machine
 
 def placement_plan(config, profile=None) -> Plan:
     """The plan for `config` on this machine (reads the model's headers only)."""
-    args = _args_of(config.model)
+    args = model_args(config.model)
     max_context = min(config.max_context or args.max_position, args.max_position)
     gpu, simulated = _gpu_side(config)
     dev_bytes = _dtype_bytes(config, "cuda" if gpu and not simulated else "cpu")
