@@ -154,7 +154,12 @@ class Sparkline(QWidget):
                     drawing = True
             p.drawPath(path)
         legend = [s for s in self.series if s.label]
-        x = plot.right() - 4 - sum(13 + fm.horizontalAdvance(s.label) + 10 for s in legend) + 10
+        width = sum(13 + fm.horizontalAdvance(s.label) + 10 for s in legend) - 10
+        x = plot.right() - 4 - width
+        if legend:  # on a backing of its own: a line running under it stays behind, the words stay readable
+            back = QColor(pal.color(QPalette.ColorRole.Base))
+            back.setAlpha(220)
+            p.fillRect(QRectF(x - 3, plot.top() + 1, width + 6, fm.height()), back)
         for s in legend:  # legend along the top right, inside the plot, clear of the y axis's top label
             p.setPen(QPen(s.color, 2))
             p.drawLine(QPointF(x, plot.top() + 7), QPointF(x + 10, plot.top() + 7))

@@ -4,7 +4,6 @@ from gui_helpers import send_and_wait, set_chat
 
 from PySide6.QtCore import QTimer
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QWidget
 
 from app.panels import LivePanels, fmt_bytes
 from app.plots import Series, Sparkline, axis_number, nice_top
@@ -84,7 +83,7 @@ def test_panels_that_do_not_apply_fold_into_one_line(qtbot, open_window):
     assert p.not_here.sizeHint().height() < 0.25 * 720  # no longer a quarter of the window
 
 
-def test_charts_have_axes_and_keep_the_last_minute():
+def test_charts_have_axes_and_keep_the_last_minute(qtbot):
     chart = Sparkline([Series("v", QColor("red"), label="v")], unit="tok/s")
     for i, v in enumerate([3.0, 7.7, None, 5.0]):
         chart.add({"v": v}, t=1000.0 + i)
