@@ -112,9 +112,8 @@ def test_wizard_calibration_cancel_keeps_the_old_profile(qtbot, isolated_profile
     assert engine.api.load_profile() == before
 
 
-# A real GPU machine's probe, as the engine recorded it in a calibration profile (H200 host).
-H200_PROBE = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "h200" / "2026-12-01-CX" /
-                         "hw-profile-1.json").read_text())
+# A real GPU machine's probe, as the engine recorded it in a calibration profile (H200 host, 2026-12-01).
+H200_PROBE = json.loads((Path(__file__).resolve().parent / "data" / "h200-profile.json").read_text())
 
 
 def test_hardware_and_profile_in_words():
