@@ -24,7 +24,8 @@ from app.server_dialog import ServerDialog
 from app.wizard import CALIBRATION, HARDWARE, MODEL, SetupWizard
 
 DEFAULT_MODEL = "builtin:smollm2-135m-moe"
-CONFIG_KEYS = ("model", "vram_budget_gb", "max_context", "cpu_threads")
+# simulate_hybrid and max_batch are not on any page: a saved setting (tests run the hybrid path with it)
+CONFIG_KEYS = ("model", "vram_budget_gb", "max_context", "cpu_threads", "simulate_hybrid", "max_batch")
 REMOTE_CONFIG_KEYS = ("backend", "remote_url")  # a remote server picked in the model page (its key: a secret file)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QDockWidget, QGroupBox, QLabel, QScrollArea, QVBoxLayout, QWidget
 
+from app.plan_words import plan_line
 from app.plots import Segment, Series, Sparkline, StackedBar
 
 VRAM_REGIONS = [("weights", "weights", "#4e79a7"), ("expert_cache", "expert cache", "#f28e2b"),
@@ -212,7 +213,9 @@ class LivePanels(QWidget):
         parts += [f"{label} {fmt_bytes(h[key])}" for key, label in
                   (("kv_pinned", "KV pinned"), ("kv_unpinned", "KV unpinned"), ("expert_store", "expert store"))
                   if h.get(key) is not None]  # a region this engine does not keep is left out, not shown as n/a
-        self.host_text.setText("Host: " + " · ".join(parts))
+        plan = (s.get("model") or {}).get("plan")
+        line = plan_line(plan) if plan else ""
+        self.host_text.setText("Host: " + " · ".join(parts) + (f"<br>Plan: {line}" if line else ""))
         t = (s["kv"].get("tokens") or {})
         known = [(key, name) for key, name in (("resident", "resident"), ("dwindow", "D-window"),
                                                ("pinned", "pinned"), ("unpinned", "unpinned")) if t.get(key) is not None]

@@ -3,25 +3,18 @@ remote server; and how much memory and context it may use."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (QAbstractItemView, QButtonGroup, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout,
                                QHeaderView, QLabel, QLineEdit, QPushButton, QRadioButton, QSpinBox, QTreeWidget,
                                QTreeWidgetItem, QVBoxLayout, QWidget, QWizardPage)
 
 from app.model_files import ModelInfo
 from app.model_scan import find_models, size_text
+from app.plan_words import fit_badge, plan_for, plan_line
 from app.wizard_common import Task
 
 FOUND_COLUMNS = ("Model", "Size", "Quantisation", "Context", "Found in", "Fit")
 FOUND_MAX_HEIGHT = 150  # the list scrolls; the page still fits 1280×720
-
-
-def fit_badge(info: ModelInfo) -> str:
-    """The one place where a model's fit on this machine is shown in the list ("fits", "CPU only", …).
-
-    It will come from the engine's placement plan (engine.api.plan, being built); until then the app
-    shows no verdict rather than a guess of its own, and the Fit column stays hidden."""
-    return ""
 
 
 class ModelPage(QWizardPage):
@@ -74,10 +67,22 @@ class ModelPage(QWizardPage):
         self.note = QLabel()
         self.note.setWordWrap(True)
         self.lay.addWidget(self.note)
+        self.plan_note = QLabel()  # the engine's placement plan for the choice on this page
+        self.plan_note.setObjectName("planNote")
+        self.plan_note.setWordWrap(True)
+        self.lay.addWidget(self.plan_note)
         self.lay.addStretch(1)
         self.radios: dict[str, QRadioButton] = {}
         self.descriptions: dict[str, QLabel] = {}
         self.group.buttonToggled.connect(lambda *_: self.completeChanged.emit())
+        self.plan_task = None
+        self.plan_timer = QTimer(self)  # re-plan once the user stops changing the choice
+        self.plan_timer.setSingleShot(True)
+        self.plan_timer.setInterval(300)
+        self.plan_timer.timeout.connect(self.replan)
+        self.completeChanged.connect(self.plan_timer.start)
+        for spin in (self.vram, self.ctx):
+            spin.valueChanged.connect(lambda _v: self.plan_timer.start())
 
     def _found_list(self, folders: list[str]) -> None:
         """GGUF files and Hugging Face folders already on disk, newest first; a click picks one."""
@@ -111,8 +116,15 @@ class ModelPage(QWizardPage):
         self.scan_task = None
 
     def scan(self) -> None:
-        """Look for models on a background thread (reading many headers takes a moment)."""
-        self.scan_task = Task(lambda _progress: find_models(self.folders), self)
+        """Look for models on a background thread (reading many headers takes a moment), each with
+        the engine's plan for it under this page's budget and context (its fit badge)."""
+        folders, limits = list(self.folders), self.limits()
+
+        def find(_progress):
+            models, unusable = find_models(folders)
+            return models, unusable, [plan_for({"model": str(m.path), **limits}) for m in models]
+
+        self.scan_task = Task(find, self)
         self.scan_task.done.connect(self.show_found)
         self.scan_task.start()
 
@@ -122,11 +134,11 @@ class ModelPage(QWizardPage):
             self.scan()
 
     def show_found(self, result) -> None:
-        self.models, self.unusable = result
+        self.models, self.unusable, plans = result
         self.found.clear()
         badges = False
-        for m in self.models:
-            badge = fit_badge(m)
+        for m, plan in zip(self.models, plans):
+            badge = fit_badge(plan)
             badges = badges or bool(badge)
             item = QTreeWidgetItem([m.name, size_text(m.size_bytes), m.quant or "?",
                                     f"{m.context_length:,}" if m.context_length else "?", m.source, badge])
@@ -229,9 +241,23 @@ class ModelPage(QWizardPage):
             return self.remote_url.text().strip().startswith(("http://", "https://"))
         return bool(self.model())
 
+    def limits(self) -> dict:
+        """The memory and context the user allows, as EngineConfig fields."""
+        return {"vram_budget_gb": self.vram.value() or None, "max_context": self.ctx.value() or None}
+
+    def replan(self) -> None:
+        """The plan of the current choice, computed off the GUI thread; the newest choice wins."""
+        if self.remote() or not self.model():
+            self.plan_note.setText("")
+            return
+        config = {"model": self.model(), **self.limits(),
+                  **{k: self.current[k] for k in ("simulate_hybrid", "max_batch") if self.current.get(k)}}
+        task = self.plan_task = Task(lambda _progress: plan_for(config), self)
+        task.done.connect(lambda plan: self.plan_task is task and self.plan_note.setText(plan_line(plan)))
+        task.start()
+
     def values(self) -> dict:
-        v = {"model": self.model(), "vram_budget_gb": self.vram.value() or None,
-             "max_context": self.ctx.value() or None, "cpu_threads": self.threads.value() or None}
+        v = {"model": self.model(), **self.limits(), "cpu_threads": self.threads.value() or None}
         if self.remote():  # the key goes to an owner-only file, not the settings database (main_window)
             v.update(backend="remote", remote_url=self.remote_url.text().strip(),
                      remote_api_key=self.remote_key.text().strip())
