@@ -28,7 +28,7 @@ from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from app.context import plan_context
 from app.model_files import ModelFileError, inspect_model, is_model_path
-from app.prefill_watch import PREFILL_REPORT_MIN_TOKENS, STATS_INTERVAL_S, PrefillWatch, kv_tokens
+from app.prefill_watch import STATS_INTERVAL_S, PrefillWatch
 
 TOKEN_BATCH_S = 0.04
 IDLE_SAMPLE_HZ = 2
@@ -73,7 +73,6 @@ class EngineWorker(QObject):
         super().__init__()
         self.engine = engine
         self.config: dict | None = None  # what the loaded engine was made from (None: handed in)
-        self.session_tokens: dict[str, int] = {}  # chat id → tokens its KV held after its last reply
         self.owns_engine = engine is None  # an engine handed in belongs to its giver, who closes it
         self.cancel_load = threading.Event()  # set on quit: a load in progress gives up at its next step
 
@@ -98,7 +97,6 @@ class EngineWorker(QObject):
             if owned:  # one model in memory at a time: a GPU rarely holds two
                 previous.close()
             self.engine = None
-            self.session_tokens.clear()
         engine, failure = self._open(config)
         if engine is not None:
             self.engine, self.owns_engine, self.config = engine, True, dict(config)
@@ -171,7 +169,7 @@ class EngineWorker(QObject):
         buf: list[str] = []
         last = {"tokens": time.monotonic(), "stats": time.monotonic()}
         first_text = threading.Event()
-        watcher = self._watch_prefill(job_id, request, first_text)
+        watcher = self._watch_prefill(job_id, first_text)
 
         def on_text(text: str) -> None:
             first_text.set()
@@ -198,7 +196,7 @@ class EngineWorker(QObject):
             return
         finally:
             first_text.set()
-            watcher.finish(request.get("session_id"))
+            watcher.finish()
         self._flush(job_id, buf)
         fields = {k: getattr(result, k) for k in ("text", "finish_reason", "prompt_tokens", "prefilled_tokens",
                                                   "completion_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s")}
@@ -206,19 +204,10 @@ class EngineWorker(QObject):
         self._emit_stats()
         self.finished.emit(job_id, fields)
 
-    def _watch_prefill(self, job_id: str, request: dict, first_text: threading.Event) -> "PrefillWatch":
+    def _watch_prefill(self, job_id: str, first_text: threading.Event) -> "PrefillWatch":
         """Reading a long prompt takes a while before the first token: report how far it got."""
-        try:
-            from engine.api import GenerationRequest
-
-            total = len(self.engine.prompt_ids(GenerationRequest(**request)))
-            base = kv_tokens(self.engine.stats().to_dict())
-        except Exception:  # noqa: BLE001 — no progress line is better than no reply
-            total, base = None, None
-        kept = self.session_tokens.get(request.get("session_id"), 0)
-        watch = PrefillWatch(self, job_id, total, base, kept, first_text)
-        if total is not None and base is not None and total - kept >= PREFILL_REPORT_MIN_TOKENS:
-            watch.start()
+        watch = PrefillWatch(self, job_id, first_text)
+        watch.start()
         return watch
 
     def _flush(self, job_id: str, buf: list[str]) -> None:
@@ -251,7 +240,6 @@ class EngineWorker(QObject):
 
     @Slot(str)
     def end_session(self, session_id: str) -> None:
-        self.session_tokens.pop(session_id, None)
         if self.engine is not None:
             self.engine.end_session(session_id)
 

@@ -203,6 +203,7 @@ class Generator:
                 break
             self.telemetry.phase = "prefill"
             t0, computed = time.perf_counter(), 0
+            self.telemetry.prefill_read = (r.next_pos, len(r.prompt))
             try:
                 logits = None
                 while r.next_pos < len(r.prompt) and budget > 0:
@@ -213,12 +214,14 @@ class Generator:
                     r.next_pos += len(chunk)
                     computed += len(chunk)
                     budget -= len(chunk)
+                    self.telemetry.prefill_read = (r.next_pos, len(r.prompt))  # "reading 12,000 / 32,000"
                 if r.next_pos == len(r.prompt):
                     self._accept(r, logits)
                     r.t_first = time.perf_counter()
                     timer.ttft_s = r.ttft_s
             except Exception as e:  # noqa: BLE001 — this sequence's alone
                 self._fail(r, e)
+            self.telemetry.prefill_read = None
             dt = time.perf_counter() - t0
             r.prefilled += computed
             r.prefill_s += dt

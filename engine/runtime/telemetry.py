@@ -22,7 +22,7 @@ class StatsSnapshot:
     kv: dict  # policy, tokens {dwindow, pinned, unpinned, resident}, r_target, r_deployed, A_ns_per_token, B_ns_per_token, delta_ms
     experts: dict  # policy, hits, misses, fills, cpu_executed, evictions, prefetch_used, prefetch_wasted, hit_rate
     pcie: dict  # h2d_bytes, d2h_bytes, h2d_gbps, d2h_gbps
-    speed: dict  # prefill_tok_s, decode_tok_s, ttft_s (of the last generation)
+    speed: dict  # prefill_tok_s, decode_tok_s, ttft_s (of the last generation); prefill_done/_total (now)
     kernels: dict  # implementation behind cpu_attention and cpu_experts (None: not run on the CPU)
     profile: str | None  # calibration profile in use
     model: dict = field(default_factory=dict)  # name, family, layers, experts, device, dtype
@@ -58,6 +58,8 @@ class Telemetry:
     def __init__(self):
         self.phase = "idle"
         self.last: GenerationTimer | None = None
+        # the prompt being read now: its tokens in the KV (reused or computed) and in all; None between prefills
+        self.prefill_read: tuple[int, int] | None = None
 
     def snapshot(self, *, device: torch.device, weights_bytes: int, kv_tel: dict, experts_tel: dict | None,
                  vram_budget_bytes: int | None, model_info: dict, profile: str | None) -> StatsSnapshot:
@@ -97,8 +99,9 @@ class Telemetry:
             if extra is not None:
                 pcie[key] = (pcie[key] or 0) + extra
         t = self.last
+        read = self.prefill_read
         speed = {"prefill_tok_s": t and t.prefill_tok_s, "decode_tok_s": t and t.decode_tok_s,
-                 "ttft_s": t and t.ttft_s}
+                 "ttft_s": t and t.ttft_s, "prefill_done": read and read[0], "prefill_total": read and read[1]}
         kernels = {"cpu_attention": kv_tel.get("cpu_kernel") or ("torch-sdpa" if device.type == "cpu" else None),
                    "cpu_experts": (experts_tel or {}).get("cpu_kernel")}
         return StatsSnapshot(phase=self.phase, vram=vram, host=host, kv=kv, experts=experts, pcie=pcie,
