@@ -17,11 +17,14 @@ import psutil
 import torch
 
 from engine.errors import ConfigError, OutOfMemoryError
+from engine.kv.partition import PartitionSpec
 from engine.models.common import ModelArgs
 from engine.models.shape import model_args
 from engine.models.sizes import model_parts
-from engine.sched.expert_cost import ExpertCostModel
+from engine.runtime.expert_placement import costs_from_profile
 from engine.runtime.generator import PREFILL_CHUNK
+from engine.runtime.kv_setup import roofline_from_profile
+from engine.sched.expert_cost import ExpertCostModel
 from engine.sched.placement import Plan, plan
 from engine.sched.placement_speed import DEFAULT_CPU_TFLOPS, DEFAULT_DRAM_GBPS, GiB, MachineCosts
 
@@ -63,9 +66,6 @@ def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int) -> Machine
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
     experts, kv, dram, cpu_tflops, costs_source = None, None, DEFAULT_DRAM_GBPS, DEFAULT_CPU_TFLOPS, "defaults"
     if profile is not None:
-        from engine.runtime.expert_placement import costs_from_profile
-        from engine.runtime.kv_setup import roofline_from_profile
-
         if args.is_moe:
             experts = costs_from_profile(profile, args.dim, args.expert_ffn_dim, dtype)
         kv = roofline_from_profile(profile, args, dtype, config.max_batch)
@@ -78,8 +78,6 @@ def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int) -> Machine
     if experts is None:
         experts = ExpertCostModel.from_shape(args.dim, max(args.expert_ffn_dim, 1), dtype_bytes)
     if kv is None:
-        from engine.kv.partition import PartitionSpec
-
         kv = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=gpu and not simulated).roofline
     return MachineCosts(gpu=gpu, vram_bytes=vram, ram_bytes=ram, experts=experts, kv=kv, dram_gbps=dram,
                         cpu_tflops=cpu_tflops, budget_source=source, costs_source=costs_source, simulated=simulated)
@@ -107,8 +105,6 @@ def placement_plan(config, profile=None) -> Plan:
 
 def spill_device_bytes(config, args: ModelArgs, dtype_bytes: int, max_context: int, cuda: bool) -> int:
     """VRAM of writescope's D-window and ping-pong buffers, as kv/partition.py lays them out."""
-    from engine.kv.partition import PartitionSpec
-
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
     spec = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=cuda, block_size=config.block_size,
                                    d_window=config.d_window, max_context=max_context)
