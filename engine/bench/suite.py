@@ -166,7 +166,8 @@ def cell_cpu_builtin(ctx: Ctx) -> list[dict]:
     info = {name: rs[-1].get("info") for name, rs in res.items()}
     plans = {name: rs[-1].get("plan") for name, rs in res.items() if rs[-1].get("plan")}
     cond = f"{threads} threads, greedy, EOS ignored"
-    return [row(ctx, "decode tok/s", f"{spec['new_tokens']} tokens after a {spec['decode_prompt']}-token prompt, {cond}",
+    decode_cond = f"{spec['new_tokens']} tokens after a {spec['decode_prompt']}-token prompt, {cond}"
+    return [row(ctx, "decode tok/s", decode_cond,
                 {n: [r["decode_tok_s"] for r in rs] for n, rs in res.items()}, "llama.cpp", info=info, plan=plans),
             row(ctx, "prefill tok/s", f"{spec['prefill']}-token prompt, {cond}",
                 {n: [r["prefill_tok_s"] for r in rs] for n, rs in res.items()}, "llama.cpp",

@@ -41,7 +41,8 @@ def measure(spec: dict) -> dict:
 
     seed, batch, vocab = int(spec.get("seed", 0)), int(spec.get("batch", 1)), int(spec.get("vocab", VOCAB_FLOOR))
     # which tree's engine ran: what an A/B run checks
-    out = {"load_s": round(load_s, 2), "tree": os.path.dirname(os.path.dirname(os.path.abspath(engine_package.__file__)))}
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(engine_package.__file__)))
+    out = {"load_s": round(load_s, 2), "tree": tree}
     try:
         def req(ids, n):
             return GenerationRequest(prompt_ids=ids, max_new_tokens=n, greedy=True, ignore_eos=True)

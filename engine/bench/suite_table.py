@@ -61,8 +61,8 @@ def markdown(record: dict, record_path: str | None = None) -> str:
              "| --- | --- | --- | --- | --- | --- | " + ("--- | " if ab else "") + "--- |"]
     for r in rows(record):
         if r["status"] != "ran":
-            lines.append(f"| {r['cell']} | {r['status']}: {r['reason']} | – | – | – | – | " + ("– | " if ab else "")
-                         + f"{r['target']} |")
+            blank = "– | " * (5 if ab else 4)
+            lines.append(f"| {r['cell']} | {r['status']}: {r['reason']} | {blank}{r['target']} |")
             continue
         routing = f", {r['routing']} routing" if r.get("routing") else ""
         who = f" ({r['system']})" if ab else ""
