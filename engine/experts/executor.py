@@ -14,7 +14,7 @@ import torch
 
 from engine.kernels import moe_decode_gpu
 from engine.kernels.experts_gpu import MAX_GROUPS, moe_experts_grouped, uses_grouped_mm
-from engine.kernels.experts_torch import ClampedSwiGLU, moe_experts, moe_experts_form
+from engine.kernels.experts_torch import ClampedSwiGLU, moe_experts
 
 
 class ExpertExecutor(ABC):
@@ -52,7 +52,7 @@ class ResidentExperts(ExpertExecutor):
         gate_up, down = self.gate_up[layer], self.down[layer]
         form = self.forms.get(layer)
         if form is not None:
-            return moe_experts_form(x, ids, weights, gate_up, down, form)
+            return moe_experts(x, ids, weights, gate_up, down, form)
         if moe_decode_gpu.available(x):  # a few tokens: matrix-vector products over the chosen experts in place
             return moe_decode_gpu.moe_decode(x, ids, weights, gate_up, down)
         # Decode-sized batches: one grouped GEMM pair, no per-expert launch or host sync. Prefill keeps

@@ -28,10 +28,11 @@ def group_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, li
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                gate_up: torch.Tensor, down: torch.Tensor, form: "ClampedSwiGLU | None" = None) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) for every token t.
 
-    x: (N, H); ids, weights: (N, k); gate_up: (E, 2I, H); down: (E, H, I).
+    x: (N, H); ids, weights: (N, k); gate_up: (E, 2I, H); down: (E, H, I). form: another expert FFN
+    (biases, another activation); None: SwiGLU.
     """
     N, k = ids.shape
     order, counts = group_by_expert(ids, gate_up.shape[0])
@@ -43,7 +44,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         if n == 0:
             continue
         tok = tokens[start:start + n]
-        y = expert_ffn(x[tok], gate_up[e], down[e]) * flat_w[start:start + n, None]  # (n, H)
+        y = expert_ffn(x[tok], gate_up[e], down[e]) if form is None else form.ffn(x[tok], e, gate_up[e], down[e])
+        y = y * flat_w[start:start + n, None]  # (n, H)
         out.index_add_(0, tok, y)
         start += n
     return out
@@ -71,21 +73,3 @@ class ClampedSwiGLU:
         gate = gate.clamp(max=self.limit)
         up = up.clamp(-self.limit, self.limit)
         return F.linear((up + 1) * gate * torch.sigmoid(gate * self.alpha), down, self.down_bias[expert])
-
-
-def moe_experts_form(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                     down: torch.Tensor, form: ClampedSwiGLU) -> torch.Tensor:
-    """moe_experts with the expert FFN of `form` (biases, another activation): the same grouping."""
-    N, k = ids.shape
-    order, counts = group_by_expert(ids, gate_up.shape[0])
-    tokens = order // k
-    flat_w = weights.flatten()[order]
-    out = torch.zeros_like(x)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        tok = tokens[start:start + n]
-        out.index_add_(0, tok, form.ffn(x[tok], e, gate_up[e], down[e]) * flat_w[start:start + n, None])
-        start += n
-    return out

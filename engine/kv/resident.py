@@ -105,9 +105,9 @@ class ResidentKV(KVBackend):
                                 for s in seqs])  # (B, S): padding points at slot 0, masked out
             read = read.to(self.device)
         self._mask_args = (fresh, lengths, n_new, total)
-        self._masks = {}  # window → this step's mask, for layers whose window is not the model's
-        mask = self._step_mask(self.window)
-        self._step = (seqs, n_new, write.to(self.device), read, mask)
+        # window → this step's mask; a layer whose window differs adds its own at its first attend
+        self._masks = {self.window: self._step_mask(self.window)}
+        self._step = (seqs, n_new, write.to(self.device), read)
         return positions
 
     def _step_mask(self, window: int | None) -> torch.Tensor | None:
@@ -145,17 +145,19 @@ class ResidentKV(KVBackend):
             self._decode_copied.record()
         if B not in self._scratch:
             self._scratch[B] = (paged_attention_gpu.split_count(self.max_context, B, self.n_kv_heads, self.device), None)
-        self._step = (seqs, 1, dev[:B], None, None)
+        self._step = (seqs, 1, dev[:B], None)
         self._paged_step = (dev[3 * mb:].view(mb, W)[:B], dev[2 * mb:2 * mb + B])  # (B, W) table, (B,) keys
         return dev[mb:mb + B].view(B, 1)  # (B, 1) positions
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sinks: torch.Tensor | None = None, window: int | None | str = "model") -> torch.Tensor:
-        """sinks (nh,): per-head sink logits (gpt-oss); window: this layer's own sliding window (None:
-        full attention) where layers differ, "model": the window the cache was built with."""
-        if sinks is not None or window != "model":
-            return self._attend_layer(layer, q, k, v, sinks, self.window if window == "model" else window)
-        seqs, n_new, write, read, mask = self._step
+        """Store this step's k, v and attend over the sequence so far: (B, nh, T, hs).
+
+        sinks (nh,): per-head sink logits (gpt-oss): the paged decode rescales its output by them
+        through its LSE, the gathering paths put the sink into the softmax. window: this layer's own
+        sliding window (None: full attention) where layers differ; "model": the cache's window."""
+        window = self.window if window == "model" else window
+        seqs, n_new, write, read = self._step
         B, n_kv, T, hs = k.shape
         self.k[layer][write] = k.transpose(1, 2).reshape(B * T, n_kv, hs)
         self.v[layer][write] = v.transpose(1, 2).reshape(B * T, n_kv, hs)
@@ -165,36 +167,10 @@ class ResidentKV(KVBackend):
             if scratch is None:  # first step of this batch size: one set of partials for every layer and step
                 scratch = paged_attention_gpu.scratch_for(B, q.shape[1], hs, splits, self.device)
                 self._scratch[B] = (splits, scratch)
-            o, _ = paged_attention_gpu.paged_decode(
-                q[:, :, 0], self.k[layer], self.v[layer], table, keys, self.block_size,
-                hs ** -0.5, splits, window=self.window, scratch=scratch,
-                out=q.new_empty(B, q.shape[1], hs))  # (B, nh, hs) in q's dtype
-            return o.unsqueeze(2)  # (B, nh, 1, hs)
-        if read is None:
-            if mask is not None:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
-        keys = self.k[layer][read].transpose(1, 2)  # (B, n_kv, S, hs)
-        values = self.v[layer][read].transpose(1, 2)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-
-    def _attend_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
-        """attend with this layer's window and optional sinks: the paged decode rescales its output
-        by the sinks through its LSE, the gathering paths put the sink into the softmax."""
-        seqs, n_new, write, read, _ = self._step
-        B, n_kv, T, hs = k.shape
-        self.k[layer][write] = k.transpose(1, 2).reshape(B * T, n_kv, hs)
-        self.v[layer][write] = v.transpose(1, 2).reshape(B * T, n_kv, hs)
-        if self._paged_step is not None:
-            table, keys = self._paged_step
-            splits, scratch = self._scratch[B]
-            if scratch is None:
-                scratch = paged_attention_gpu.scratch_for(B, q.shape[1], hs, splits, self.device)
-                self._scratch[B] = (splits, scratch)
             o, lse = paged_attention_gpu.paged_decode(
                 q[:, :, 0], self.k[layer], self.v[layer], table, keys, self.block_size,
-                hs ** -0.5, splits, window=window, scratch=scratch, out=q.new_empty(B, q.shape[1], hs))
+                hs ** -0.5, splits, window=window, scratch=scratch,
+                out=q.new_empty(B, q.shape[1], hs))  # (B, nh, hs) in q's dtype
             if sinks is not None:  # (B, nh, hs) · σ(lse − s)
                 o = o * attention_gpu.sink_scale(lse, sinks).unsqueeze(-1).to(o.dtype)
             return o.unsqueeze(2)  # (B, nh, 1, hs)
