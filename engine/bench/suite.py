@@ -1,6 +1,6 @@
 """`tandem bench suite`: the canonical cells, each with its peer or bound measured in the same run.
 
-    tandem bench suite --quick --json benchmarks/suite/cpu.json          # the CPU cells
+    tandem bench suite --quick --json benchmarks/suite/cpu-quick.json    # the CPU cells
     tandem bench suite --json out.json                                   # every cell this machine can run
     tandem bench suite --cells cpu-builtin --against HEAD~3 --rounds 5   # A/B against another commit
 
@@ -241,8 +241,11 @@ def git(*args, cwd: Path = REPO) -> str:
 
 
 def this_tree() -> Tree:
-    changed = [x for x in git("status", "--porcelain", "--untracked-files=no").splitlines() if x.strip()]
-    return Tree("this", REPO, git("rev-parse", "HEAD"), dirty=len(changed))
+    try:
+        changed = [x for x in git("status", "--porcelain", "--untracked-files=no").splitlines() if x.strip()]
+        return Tree("this", REPO, git("rev-parse", "HEAD"), dirty=len(changed))
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (an installed bundle): no commit to name
+        return Tree("this", REPO, "unknown")
 
 
 def add_worktree(commit: str, progress=print) -> Tree:
