@@ -67,7 +67,9 @@ def markdown(record: dict, record_path: str | None = None) -> str:
         routing = f", {r['routing']} routing" if r.get("routing") else ""
         who = f" ({r['system']})" if ab else ""
         peer = f"{fmt(r['peer']['median'])} {r['peer_name']}" + (" (bound)" if r["peer_kind"] == "bound" else "")
-        ab_cell = f"{fmt((r.get('ab') or {}).get('median'))} | " if ab else ""
+        # the A/B ratio once per measure, on this tree's line
+        this_line = r.get("ab") and r["system"] == r["ab"]["this"]
+        ab_cell = (f"{fmt(r['ab']['median'])} | " if this_line else "– | ") if ab else ""
         lines.append(f"| {r['cell']} | {r['metric']}{who}: {r['condition']}{routing} | {fmt(r['tandem']['median'])} | "
                      f"{peer} | {fmt(r['ratio']['median'])} | {_spread(r['tandem'])}; {_spread(r['peer'])} | "
                      f"{ab_cell}{r['target']} |")

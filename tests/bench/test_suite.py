@@ -185,3 +185,15 @@ def test_the_export_size_is_known_before_writing(tmp_path, monkeypatch):
     monkeypatch.setattr(suite_gpu.shutil, "disk_usage", lambda p: type("U", (), {"free": 10**9})())
     with pytest.raises(suite.Skip, match="needs 60 GB of disk"):
         suite_gpu.gguf_for(ctx, suite_gpu.L48, "zipf:1.0")
+
+
+def test_an_ab_table_gives_the_ab_ratio_once_per_measure():
+    trees = [suite.Tree("this", Path("."), "1" * 40), suite.Tree("against", Path("."), "2" * 40)]
+    ctx = _ctx(trees)
+    a, b = (t.name for t in trees)
+    record = {"date": "d", "command": "c", "rounds": 2, "machine": {}, "cells": [
+                  {"id": "x", "status": "ran", "reason": None, "target": "t", "command": "c",
+                   "rows": [suite.row(ctx, "m", "c", {a: [2.0, 4.0], b: [1.0, 1.0], "peer": [2.0, 2.0]}, "peer")]}],
+              "trees": [{"label": "this", "commit": "1" * 40}, {"label": "against", "commit": "2" * 40}]}
+    lines = [x for x in suite_table.markdown(record).splitlines() if x.startswith("| x |")]
+    assert len(lines) == 2 and lines[0].split(" | ")[6] == "3.00" and lines[1].split(" | ")[6] == "–"
