@@ -188,15 +188,17 @@ class Generator:
         self.telemetry.phase = "idle"
 
     def _prefill_some(self) -> None:
-        """Prefill of joined sequences: with nobody decoding, whole chunks; while others decode, up to
-        PREFILL_BUDGET tokens, shortest remaining prompt first (a one-line question gets its first
-        token at the next step even while a long document is being read in)."""
+        """Prefill of joined sequences: one alone, whole chunks; beside others (decoding or waiting),
+        up to PREFILL_BUDGET tokens a step, shortest remaining prompt first (a one-line question gets
+        its first token at the next step even while a long document is being read in)."""
         waiting = [r for r in self.live if not r.ended and not r.decoding]
         if not waiting:
             return
-        others_decode = any(r.decoding and not r.ended for r in self.live)
-        timer, budget = self.timer, PREFILL_BUDGET if others_decode else PREFILL_CHUNK
-        if others_decode:
+        # Others in the batch (decoding, or waiting to be read too): share the step, shortest prompt first,
+        # so a long prompt read whole does not hold up a short question that came beside it.
+        shared = any(r.decoding and not r.ended for r in self.live) or len(waiting) > 1
+        timer, budget = self.timer, PREFILL_BUDGET if shared else PREFILL_CHUNK
+        if shared:
             waiting.sort(key=lambda r: len(r.prompt) - r.next_pos)
         for r in waiting:
             if budget <= 0:
@@ -207,7 +209,7 @@ class Generator:
             try:
                 logits = None
                 while r.next_pos < len(r.prompt) and budget > 0:
-                    size = PREFILL_CHUNK if not others_decode else min(PREFILL_CHUNK, budget)
+                    size = PREFILL_CHUNK if not shared else min(PREFILL_CHUNK, budget)
                     chunk = r.prompt[r.next_pos:r.next_pos + size]
                     logits = self._forward([r.session], torch.tensor([chunk]))[0]  # (V,)
                     r.session.cached.extend(chunk)

@@ -149,3 +149,25 @@ def test_engine_generate_and_the_live_batch_share_one_batch(dense_engine):
     other.join(60)
     assert done["a"][1] is None and done["a"][0].token_ids == solo_a
     assert done["b"].token_ids == solo_b
+
+
+def test_a_short_prompt_beside_a_long_one_is_not_held_up_by_its_reading(dense_engine):
+    """Two prompts joined in the same step, nobody decoding yet: the long one is read in shares beside
+    the short one, which gets its first token at the first step (read whole, the long prompt's
+    1,500 tokens would have come first: head-of-line blocking, seen in the tail of `bench serve`)."""
+    from engine.runtime.generator import PREFILL_BUDGET
+    from engine.runtime.sampling import Sampler, SamplingParams
+    from engine.runtime.sequences import SeqRun
+
+    g = dense_engine.backend.generator
+    long = SeqRun(list(range(100, 1600)), 4, Sampler(SamplingParams(greedy=True)), set())
+    short = SeqRun(list(range(200, 220)), 4, Sampler(SamplingParams(greedy=True)), set())
+    for r in (long, short):
+        g.admit(r)
+    g.step()
+    assert short.decoding and short.next_pos == len(short.prompt)
+    assert 0 < long.next_pos <= PREFILL_BUDGET and not long.decoding
+    while not (long.ended and short.ended):
+        g.step()
+    dense_engine.backend.parts.kv.free(long.session.seq_id)
+    dense_engine.backend.parts.kv.free(short.session.seq_id)
