@@ -59,6 +59,11 @@ def _found_models_home() -> Path:
     return home
 
 
+# A long prompt for the mid-prefill picture: a few thousand tokens, read in several chunks.
+LONG_TEXT = " ".join(["The river rose through the night, and by morning the old bridge stood in water to its "
+                      "arches; the town gathered on the hill to watch, and nobody spoke of leaving."] * 90)
+
+
 def take_screenshots(out: Path, size: tuple[int, int] = (1366, 768)) -> list[Path]:
     import os
 
@@ -151,8 +156,22 @@ def take_screenshots(out: Path, size: tuple[int, int] = (1366, 768)) -> list[Pat
             settings(greedy=False, temperature=0.7, seed=7, max_new_tokens=300)
             w.composer.edit.setPlainText("Now explain how the string function works, step by step.")
             w.conv.send()
-        elif stage["now"] == "done":
+        elif stage["now"] == "done":  # a long prompt: the reply card and the speed panel say how far it was read
+            stage["now"] = "long"
+            settings(greedy=True, max_new_tokens=8)
+            w.composer.edit.setPlainText("Summarise this in one line:\n\n" + LONG_TEXT)
+            w.conv.send()
+            watch_reading()
+        elif stage["now"] == "long":
             app.exit(0)
+
+    def watch_reading():
+        reading = w.dock.panels.reading_text
+        if reading.isVisible() and "reading" in reading.text() and not reading.text().startswith("reading the prompt: <b>0 "):
+            grab(w, "long-prompt-mid-prefill.png")
+            return
+        if stage["now"] == "long":
+            QTimer.singleShot(50, watch_reading)
 
     def on_streamed(_text):
         if stage["now"] == "second" and w.conv.job and len(w.conv.job.text) > 160:
