@@ -307,11 +307,6 @@ class ChatStore:
         self.conn.execute("UPDATE messages SET content=?, stats=?, status=? WHERE id=?",
                           (content, json.dumps(stats) if stats else None, status, message_id))
 
-    @_guarded("saving the edit")
-    def edit_message(self, message_id: int, content: str) -> None:
-        self.conn.execute("UPDATE messages SET content=? WHERE id=?", (content, message_id))
-
-
     # -- settings -------------------------------------------------------------------------------
     def setting(self, key: str, default=None):
         row = self.conn.execute("SELECT value FROM settings WHERE key=?", (key,)).fetchone()

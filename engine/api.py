@@ -12,7 +12,7 @@ worker thread. Errors meant for the user are `engine.errors.TandemError`s.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable
 
 from engine.errors import ConfigError, TandemError
@@ -45,10 +45,6 @@ class EngineConfig:
     remote_url: str | None = None  # backend remote: an OpenAI-compatible server, e.g. http://host:8000/v1
     remote_api_key: str | None = None  # backend remote: its key (sent as a Bearer token)
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs where KV and experts allow (resident, CUDA)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 def choose_backend(config: EngineConfig) -> str:

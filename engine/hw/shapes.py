@@ -81,8 +81,3 @@ class ModelShape:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelShape":
-        return cls(d["name"], KVShape(**d["kv"]), ExpertShape(**d["expert"]) if d.get("expert") else None,
-                   d["n_layers"], d.get("n_experts", 0), d.get("top_k", 0))

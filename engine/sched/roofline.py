@@ -58,10 +58,6 @@ class CostTracker:
         self._time_ns += seconds * 1e9
 
     @property
-    def n_samples(self) -> int:
-        return len(self._samples)
-
-    @property
     def per_token_ns(self) -> float:
         if not self._samples:
             return self.initial_ns
