@@ -1,8 +1,8 @@
 """The device's side of the CPU mailbox: a captured kernel hands part of a layer's misses to the CPU.
 
-Inside the one decode graph (engine/experts/zero_copy.py) every miss used to be read over PCIe: at
-32K with one chat that bound the step to the link (~130 misses a step at 35 GB/s on the H200,
-benchmarks/RESULTS.md phases CL-CM). Seed 004 splits a layer's misses between the link and the
+Inside the one decode graph (engine/experts/zero_copy.py) a miss not sent to the CPU is read over
+PCIe: at 32K with one chat that alone binds the step to the link (~130 misses a step at ~35 GB/s of
+in-place reads over PCIe Gen5). Seed 004 splits a layer's misses between the link and the
 CPU, computing in place from host DRAM. Here the split is made on the device, per layer, with no host
 call between layers:
 

@@ -2,7 +2,7 @@
 
 `torch.cuda.current_stream(device)` for a device without an index, and every `torch.cuda.stream(s)`
 context, look the current device up through an NVML-based availability check: 30–50 µs a call on
-the H200 host (cProfile of offloaded decode, phase AQ), where the decode path switches streams and
+a server host, where the decode path switches streams and
 asks for the compute stream several times per layer. A device with its index, and a switch that
 knows the stream to go back to, skip those lookups. Small host tensors reach the GPU without
 making the host wait for the stream (`to_device_async`).
@@ -39,9 +39,8 @@ class Switch:
 def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on `device`, queued without waiting. A copy from pageable memory to a GPU
     blocks the host until the stream has run everything queued before it: at decode that is the
-    whole step just launched (~8 ms a token of host time at 2K bs=1 on the H200 when the sampler
-    did it, cProfile, benchmarks/h200/2026-12-01-CJ), and the next step could not be queued behind
-    it. From pinned memory the copy is queued and the host goes on."""
+    whole step just launched (~8 ms a token of host time at 2K bs=1 for the sampler's copies), and
+    the next step could not be queued behind it. From pinned memory the copy is queued and the host goes on."""
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

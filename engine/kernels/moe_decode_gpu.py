@@ -2,10 +2,9 @@
 
 At decode (1–8 tokens, top-k of 8 out of 128 experts) the grouped GEMM path sorts the pairs, gathers
 the rows, runs two CUTLASS grouped GEMMs over 128 mostly empty groups and scatters back: ~12 kernels
-and ~44 µs a layer on the H200 where the 75 MB of weights need ~16 µs at HBM speed
-(benchmarks/h200/2026-11-29-H/1-graphs/profile-bs1.json). Here each (token, choice) pair is a
-matrix-vector product straight out of the fused expert tensors; on the H200 the three kernels take
-~27 µs a layer at one token (…/3-expert-kernels-retiled/profile-bs1.json):
+and ~44 µs a layer on an H200 where the 75 MB of weights need ~16 µs at HBM speed. Here each
+(token, choice) pair is a matrix-vector product straight out of the fused expert tensors; on an
+H200 the three kernels take ~27 µs a layer at one token:
 
   1. gate_up: program (pair p, row tile) computes gate and up rows of expert ids[p] for token p // k,
      applies SiLU(gate) · up and writes act (P, I);
@@ -183,7 +182,7 @@ def claim_free_slots(ids: torch.Tensor, offsets: torch.Tensor, spares: torch.Ten
     counter (1,) int32 is the number handed out so far (reset by the caller between steps).
     out (N·k,) int64, optional: written instead of a new tensor. log (N·k,) int64, optional: each pair's
     expert id is written there too. The zero-copy decode keeps both per layer for the host; written
-    here, they cost no copy kernels of their own (two a layer, ~2 µs each in a graph on the H200).
+    here, they cost no copy kernels of their own (two a layer, ~2 µs each in a graph on an H200).
     evict = (victims (S,) int64, table (L·E,) int64, host_table (L·E,) int64), optional: a listed slot may
     still hold a cached expert, victims[c] its flat (layer · E + expert) index in the offset table
     (-1: the slot is free); the pair that claims it points that entry back to the store

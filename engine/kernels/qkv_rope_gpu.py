@@ -1,11 +1,10 @@
 """q, k and v out of one fused projection, with per-head RMSNorm and RoPE on q and k, as one GPU kernel.
 
-A decode layer ran three projections, then q_norm, k_norm, rope(q) and rope(k): seven kernels where
-the work is a few hundred KB, so each costs about its launch. Here the projection is one GEMM over the
-concatenated weights (`Attention.fuse_qkv`) and this kernel does the rest: two kernels a layer. With the
-other fusions of that change (28 → 18 kernels a layer) a 48-layer decode step at 2K, bs=1, took about
-1 ms less on the H200, and resident decode of 16 layers ran 17% faster (benchmarks/RESULTS.md,
-phases BZ and CA).
+Unfused, a decode layer runs three projections, then q_norm, k_norm, rope(q) and rope(k): seven
+kernels where the work is a few hundred KB, so each costs about its launch. Here the projection is one GEMM over the
+concatenated weights (`Attention.fuse_qkv`) and this kernel does the rest: two kernels a layer. With
+the norm fusions beside it a decode layer is 18 kernels instead of 28, about 1 ms off a 48-layer
+decode step at 2K, bs=1, on an H200 (resident decode of 16 layers: 17% faster).
 
 The rounding is the reference's (engine/models/common.py): the norm normalises in fp32, rounds to the
 activations' dtype and multiplies by the weight in that dtype; RoPE rounds x·cos and rotate_half(x)·sin

@@ -1,6 +1,6 @@
-"""RMSNorm as one GPU kernel: a decode step ran it as eight (cast, pow, mean, add, rsqrt, mul, cast,
-mul) for each of the 4 norms of a Qwen3 layer, ~0.5 ms of an 8K step's 3.5 ms of kernels on the H200
-(benchmarks/h200/2026-11-29-H/1-graphs/profile-bs1.json).
+"""RMSNorm as one GPU kernel: in torch ops it is eight kernels (cast, pow, mean, add, rsqrt, mul, cast,
+mul) for each of the 4 norms of a Qwen3 layer, ~0.5 ms of an 8K decode step's 3.5 ms of kernels on
+an H200.
 
 The rounding is the reference's (engine/models/common.py RMSNorm): normalise in fp32, round to the
 activations' dtype, then multiply by the weight in that dtype. Only the fp32 sum of squares is

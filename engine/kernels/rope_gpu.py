@@ -3,8 +3,9 @@ apply_rope: slice, negate, concatenate, two products, a sum) is six kernels for 
 every layer of a decode step.
 
 The rounding asked for is the reference's: x·cos and rotate_half(x)·sin each rounded to the
-activations' dtype, then added. On the H200 Triton kept the products in fp32 up to the sum, so an
-element can differ from the reference by one bf16 step (tests/kernels/test_rope_route_gpu.py).
+activations' dtype, then added. Triton may keep the products in fp32 up to the sum (it does on an
+H200), so an element can differ from the reference by one bf16 step
+(tests/kernels/test_rope_route_gpu.py).
 
     rope(x, cos, sin) -> y      x (B, T, n_heads, hs) contiguous; cos, sin (B, 1, T, hs) contiguous
 """

@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step: the whole model's forward for B sequences, one token each, replayed.
 
 A decode step of an MoE model launches ~70 small kernels per layer; eagerly, Python and the launch
-path take ~2 ms per layer on the H200 (benchmarks/RESULTS.md), far more than the kernels' own time.
+path take ~2 ms per layer on a fast host, far more than the kernels' own time.
 Captured once per batch size, the step becomes one graph launch.
 
 What makes the step capturable: the resident KV puts the step's inputs (write slots, positions, key
@@ -191,8 +191,8 @@ class DecodeGraphs:
         if entry is None:
             entry = self._capture(B, positions, graph_form)
             # Where the mailbox is open (after the first warm-up) the other one graph is captured at
-            # once too: the gate opening later would otherwise compile and capture in mid-decode (on
-            # the H200 a 2K bs=4 round ran 2.60 s instead of 1.74 for its 128 tokens: phase CS).
+            # once too: the gate opening later would otherwise compile and capture in mid-decode, a
+            # stall of most of a second that a user sees as a pause in the reply.
             other = {"graph": "graph+cpu", "graph+cpu": "graph"}.get(graph_form)
             if entry is not None and other and self.zero_copy is not None and self.zero_copy.mailbox is not None \
                     and (B, other) not in self.steps:

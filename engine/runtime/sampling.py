@@ -82,8 +82,8 @@ class Sampler:
     def choose(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
         """The chosen id as a 0-d int64 tensor where the logits are, without waiting for it (the decode
         loop reads it a step later). The arithmetic runs where the logits are: copying a 152K
-        vocabulary's logits to the host and drawing there took ~1.3 ms a token on the H200 (cProfile of
-        a bs=1 decode step, benchmarks/h200/2026-11-30-BQ). The caller's tensor is not changed."""
+        vocabulary's logits to the host and drawing there costs ~1.3 ms of host time a token (bs=1). The
+        caller's tensor is not changed."""
         logits = logits.float()  # (V,)
         V, p = logits.numel(), self.p
         if p.repetition_penalty != 1.0 and history:

@@ -215,8 +215,8 @@ def compute_failure(e: Exception, device: torch.device) -> TandemError:
                             "the reply was stopped and your chat is kept; try again. If it happens again, "
                             "restart Tandem (a GPU fault can leave the device unusable) and check the driver")
     if isinstance(e, (LookupError, AssertionError, AttributeError, TypeError, NameError)):
-        # Tandem's own bookkeeping, not a kernel: switching kernels would not help (the H200 bench met a
-        # KeyError from the expert cache's accounting, phase BI, and was told to try TANDEM_NATIVE=0)
+        # Tandem's own bookkeeping, not a kernel: switching kernels would not help, so the remedy does
+        # not offer TANDEM_NATIVE=0 (a KeyError from the expert cache's accounting is such a fault)
         return ComputeError(f"an internal error stopped the reply ({detail})",
                             "the reply was stopped and your chat is kept; try again. If it happens again, "
                             "restart Tandem and report the log (it holds the traceback)")
