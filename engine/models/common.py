@@ -254,6 +254,7 @@ class MoEFeedForward(nn.Module):
         self.route_options = {}  # the family rule's extra settings, when the config has any
         if args.router_score_bias:  # (E,), under the checkpoints' name for it
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(args.n_experts))
+        if args.router_score_bias or args.router_groups > 1 or args.routed_scaling != 1.0:
             self.route_options = dict(groups=args.router_groups, groups_used=args.router_groups_used,
                                       scale=args.routed_scaling)
         # Shared experts run for every token: dense weights, on the compute device with the rest.
@@ -289,8 +290,8 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
-        if self.route_options:  # a sigmoid router choosing by small score differences: fp32, as the reference
-            bias = self.gate.e_score_correction_bias
+        if self.route_options:  # routers choosing by small score differences (groups, biases): fp32, as the reference
+            bias = getattr(self.gate, "e_score_correction_bias", None)
             logits = F.linear(flat.float(), self.gate.weight.float())  # (B·T, E)
             weights, ids = self.route(logits, self.top_k, self.renormalise, score_bias=bias, **self.route_options)
         else:
@@ -317,7 +318,8 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = Attention(args, layer_idx)
+        # a family whose attention is not the q/k/v form (MLA: engine/models/mla.py) names its module on its args
+        self.self_attn = getattr(args, "attention_module", Attention)(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = mlp
 
