@@ -21,6 +21,7 @@ from engine.errors import ConfigError, OutOfMemoryError, TandemError
 from engine.hw.shapes import KVShape, dtype_name
 from engine.kv.backend import KVBackend
 from engine.kv.inplace import PartitionSpec
+from engine.kv.latent import LatentResidentKV
 from engine.kv.monolithic import MonolithicKV
 from engine.kv.resident import ResidentKV
 from engine.kv.writescope import WriteScopeKV
@@ -105,8 +106,13 @@ def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dt
     shape = dict(n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
     resident_bytes = resident_kv_bytes(args.n_layers, args.n_kv_heads, args.head_dim, max_context,
                                        config.max_batch, config.block_size, dtype)
+    mla = getattr(args, "mla", None)
+    if mla is not None:
+        resident_bytes //= 2  # K-only rows: the values are the latent columns of the keys
     check_weights_fit(config, device, device_weights_bytes(model, experts, device))
     policy = choose_policy(config, device, resident_bytes, device_weights_bytes(model, experts, device))
+    if mla is not None:
+        return _latent_kv(config, args, policy, device, dtype, max_context)
     if policy == "resident":
         return ResidentKV(args.n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
                           max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype,
@@ -125,3 +131,14 @@ def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dt
                                    max_context=max_context, vram_budget_bytes=room)
     return WriteScopeKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device,
                         dtype=dtype, spec=spec, policy=policy)
+
+
+def _latent_kv(config, args, policy: str, device: torch.device, dtype: torch.dtype, max_context: int) -> KVBackend:
+    """Multi-head latent attention (DeepSeek-V2) caches one [latent, RoPE key] row per token; only the
+    resident backend holds such rows yet (the hybrid regions lay out per-head K and V)."""
+    if policy != "resident":
+        raise ConfigError(f"kv_policy '{policy}' does not hold the latent KV rows of this {args.arch} model yet",
+                          "use kv_policy resident (its latent cache is small: "
+                          f"{args.head_dim * args.n_layers * dtype.itemsize / 1024:.0f} KiB per token)")
+    return LatentResidentKV(args.n_layers, args.mla.row_width, args.mla.kv_lora_rank, max_context=max_context,
+                            max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype)
