@@ -72,20 +72,38 @@ def groups_of(offs: torch.Tensor) -> list[tuple[int, int, int]]:
 MAX_GROUPS = 512  # torch._grouped_mm refused a 1024-group call on torch 2.11 (its limit is below that)
 
 
-def _grouped_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _activate(h: torch.Tensor, form, rows: torch.Tensor | None) -> torch.Tensor:
+    """The gate/up projection's output h (S, 2I) → the down projection's input (S, I): SwiGLU, or
+    `form`'s activation after its per-expert bias (rows (S,): the expert of each row)."""
+    if form is None:
+        gate, up = h.chunk(2, dim=-1)  # (S, I) each
+        return F.silu(gate) * up
+    gate, up = (h + form.gate_up_bias[rows]).chunk(2, dim=-1)
+    return form.activation(gate, up)
+
+
+def _down_bias(y: torch.Tensor, form, rows: torch.Tensor | None) -> torch.Tensor:
+    return y if form is None else y + form.down_bias[rows]  # (S, H)
+
+
+def _grouped_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor,
+                 form=None, rows: torch.Tensor | None = None) -> torch.Tensor:
     h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # (S, 2I)
-    gate, up = h.chunk(2, dim=-1)  # (S, I) each
-    return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (S, H)
+    y = torch._grouped_mm(_activate(h, form, rows), down.transpose(1, 2), offs=offs)  # (S, H)
+    return _down_bias(y, form, rows)
 
 
 def grouped_expert_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor,
-                       groups: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
-    """SwiGLU per group: xs (S, H); gate_up (G, 2I, H) gate rows first; down (G, H, I);
-    offs (G,) int32 cumulative group ends; groups: the same as host triples, if known → (S, H)."""
+                       groups: list[tuple[int, int, int]] | None = None, form=None,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The expert FFN per group: xs (S, H); gate_up (G, 2I, H) gate rows first; down (G, H, I);
+    offs (G,) int32 cumulative group ends; groups: the same as host triples, if known → (S, H).
+    form (experts_torch.ClampedSwiGLU: biases and a clamped activation) needs rows (S,), the expert
+    id of each row, to pick its biases; None: plain SwiGLU."""
     if uses_grouped_mm(xs.device, xs.dtype):
         G = gate_up.shape[0]
         if G <= MAX_GROUPS:
-            return _grouped_swiglu(xs, gate_up, down, offs)
+            return _grouped_ffn(xs, gate_up, down, offs, form, rows)
         # torch's grouped GEMM takes at most MAX_GROUPS groups: run the slot pool in windows of them
         groups = groups_of(offs) if groups is None else groups
         out = xs.new_zeros((xs.shape[0], down.shape[1]))
@@ -95,15 +113,16 @@ def grouped_expert_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
             if not inside:
                 continue
             r0, r1 = inside[0][0], inside[-1][1]  # rows are sorted by group: one contiguous range
-            out[r0:r1] = _grouped_swiglu(xs[r0:r1], gate_up[g0:g1], down[g0:g1], offs[g0:g1] - r0)
+            out[r0:r1] = _grouped_ffn(xs[r0:r1], gate_up[g0:g1], down[g0:g1], offs[g0:g1] - r0, form,
+                                      None if rows is None else rows[r0:r1])
         return out
     groups = groups_of(offs) if groups is None else groups
-    gate, up = _loop_linear(xs, gate_up, groups).chunk(2, dim=-1)
-    return _loop_linear(F.silu(gate) * up, down, groups)
+    h = _loop_linear(xs, gate_up, groups)  # (S, 2I)
+    return _down_bias(_loop_linear(_activate(h, form, rows), down, groups), form, rows)
 
 
 def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                        down: torch.Tensor) -> torch.Tensor:
+                        down: torch.Tensor, form=None) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) as two grouped GEMMs over all experts of the layer:
     no per-expert launch and no host sync (so a CUDA graph can capture it) (the reference `experts_torch.moe_experts` has both).
 
@@ -116,6 +135,6 @@ def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     # group ends by binary search, not bincount: bincount reads its input's max back to the host,
     # which a CUDA graph cannot capture
     offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)  # (E,) int32
-    y = grouped_expert_ffn(x[tokens], gate_up, down, offs)  # (N·k, H); E ≤ MAX_GROUPS: no host sync
+    y = grouped_expert_ffn(x[tokens], gate_up, down, offs, form=form, rows=sorted_ids)  # (N·k, H); no host sync
     y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, y)

@@ -70,6 +70,10 @@ class ClampedSwiGLU:
     def ffn(self, x: torch.Tensor, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """x: (n, H); gate_up: (2I, H); down: (H, I) of `expert` → (n, H)."""
         gate, up = F.linear(x, gate_up, self.gate_up_bias[expert]).chunk(2, dim=-1)  # (n, I) each
+        return F.linear(self.activation(gate, up), down, self.down_bias[expert])
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up (n, I), their biases added → the down projection's input (n, I)."""
         gate = gate.clamp(max=self.limit)
         up = up.clamp(-self.limit, self.limit)
-        return F.linear((up + 1) * gate * torch.sigmoid(gate * self.alpha), down, self.down_bias[expert])
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
