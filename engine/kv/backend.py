@@ -38,6 +38,11 @@ class KVBackend(ABC):
     def length(self, seq_id: int) -> int:
         """Tokens of the sequence whose KV is cached."""
 
+    def resume_point(self, seq_id: int, n_tokens: int) -> int:
+        """The longest prefix ≤ n_tokens that `crop` can keep: KV blocks can be cut anywhere; a
+        recurrent state (kv/recurrent.py) only where it was kept."""
+        return n_tokens
+
     @abstractmethod
     def begin_step(self, seq_ids: list[int], n_new: int) -> torch.Tensor:
         """Make room for n_new tokens in each sequence; returns positions (B, T) on the device."""

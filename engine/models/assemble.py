@@ -39,7 +39,7 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
         return FeedForward(args.dim, args.ffn_dim)
 
     with torch.device("meta"):
-        model = Decoder(args, make_mlp)
+        model = decoder_class(args)(args, make_mlp)
     tensors = dict(tensors)
     tied = args.tie_embeddings or "lm_head.weight" not in tensors  # a file without an output layer ties it
     if tied:
@@ -66,7 +66,8 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
     placed = {name: _place(tensors[name], device, dtype) for name in expected}
     model.load_state_dict(placed, assign=True, strict=True)
     for layer in model.model.layers:
-        layer.self_attn.fuse_qkv()  # q, k, v projected by one GEMM (views: no memory added)
+        if hasattr(layer, "self_attn"):  # (a hybrid model's linear-attention layers have none)
+            layer.self_attn.fuse_qkv()  # q, k, v projected by one GEMM (views: no memory added)
     if tied:  # one tensor, not a second copy on the device
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(args.max_position, device, dtype)
@@ -76,6 +77,14 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
             model.model.layers[i].mlp.experts = executor
     model.eval()
     return model
+
+
+def decoder_class(args: ModelArgs):
+    """The family's own decoder where it has one (`Model`: Qwen3.5's hybrid blocks), else the common one."""
+    from engine.models import families  # (families imports the family files, which import this floor)
+
+    family = families.FAMILIES.get(args.arch)
+    return getattr(family, "Model", Decoder)
 
 
 def _check(source: str, name: str, t: torch.Tensor | None, shape: tuple) -> None:
@@ -95,7 +104,7 @@ def tensor_shapes(args: ModelArgs) -> dict[str, tuple]:
         return MoEFeedForward(args, i, route=None) if i in moe_layers else FeedForward(args.dim, args.ffn_dim)
 
     with torch.device("meta"):
-        model = Decoder(args, make_mlp)
+        model = decoder_class(args)(args, make_mlp)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if args.tie_embeddings:
         shapes.pop("lm_head.weight")

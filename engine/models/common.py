@@ -62,12 +62,22 @@ class ModelArgs:
     expert_limit: float = 7.0
     attn_sinks: bool = False  # a learned per-head logit in each softmax's denominator (gpt-oss)
     layer_windows: list[int | None] | None = None  # per layer: its sliding window or None (full); None: sliding_window
+    # hybrid linear/full attention (Qwen3.5): layers whose attention keeps KV (the rest carry a recurrent
+    # state instead, shaped by linear_attn: a gated_deltanet.DeltaNetShape); None: every layer
+    attention_layers: list[int] | None = None
+    linear_attn: object | None = None
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate: o_proj(attn · σ(gate)) (Qwen3.5)
+    shared_expert_gate: bool = False  # the shared expert's output times σ(a learned scalar of x) (Qwen3.5)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    def kv_layer_ids(self) -> list[int]:
+        """Decoder layers whose attention stores KV, ascending (the KV backend's layers, in order)."""
+        return list(range(self.n_layers)) if self.attention_layers is None else sorted(self.attention_layers)
 
     def moe_layer_ids(self) -> list[int]:
         """Decoder layers with routed experts, ascending; the rest have a dense FFN of ffn_dim."""

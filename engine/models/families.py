@@ -7,10 +7,10 @@ from pathlib import Path
 
 from engine.errors import UnsupportedModelError
 from engine.models import llama
-from engine.models import deepseek_v2, glm4_moe, gpt_oss, mixtral, olmoe, qwen3_moe
+from engine.models import deepseek_v2, glm4_moe, gpt_oss, mixtral, olmoe, qwen3_5_moe, qwen3_moe
 
 FAMILIES = {m.NAME: m for m in (llama,)}
-for _family in (qwen3_moe, mixtral, olmoe, glm4_moe, gpt_oss, deepseek_v2):
+for _family in (qwen3_moe, mixtral, olmoe, glm4_moe, gpt_oss, qwen3_5_moe, deepseek_v2):
     FAMILIES[_family.NAME] = _family
 
 

@@ -49,6 +49,8 @@ log = logging.getLogger("tandem")
 
 def unsupported_reason(kv, experts, device: torch.device, max_batch: int) -> str | None:
     """Why decode steps cannot be replayed as graphs here, or None when they can."""
+    if getattr(kv, "recurrent", False):
+        return "the linear-attention layers' recurrent states are new tensors every step (a graph holds addresses)"
     if not isinstance(kv, ResidentKV):
         return f"the {kv.policy} KV decides placement on the host every step"
     if device.type != "cuda":

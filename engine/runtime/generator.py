@@ -120,7 +120,7 @@ class Generator:
             if a != b:
                 break
             common += 1
-        common = min(common, len(r.prompt) - 1)
+        common = self.kv.resume_point(s.seq_id, min(common, len(r.prompt) - 1))
         self.kv.crop(s.seq_id, common)
         del s.cached[common:]
         r.next_pos = common

@@ -23,6 +23,7 @@ from engine.kv.backend import KVBackend
 from engine.kv.inplace import PartitionSpec
 from engine.kv.latent import LatentResidentKV
 from engine.kv.monolithic import MonolithicKV
+from engine.kv.recurrent import RecurrentKV
 from engine.kv.resident import ResidentKV
 from engine.kv.writescope import WriteScopeKV
 from engine.sched.roofline import RooflineParams
@@ -102,9 +103,19 @@ def roofline_from_profile(profile, args, dtype: torch.dtype, batch: int) -> Roof
 def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dtype, max_context: int, *,
              sliding_window: int | None = None, profile=None) -> KVBackend:
     """The KV backend of `config.kv_policy` (resident turns into writescope when it does not fit).
-    profile: the machine's calibration (engine.hw.profile.MachineProfile) or None."""
-    shape = dict(n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
-    resident_bytes = resident_kv_bytes(args.n_layers, args.n_kv_heads, args.head_dim, max_context,
+    profile: the machine's calibration (engine.hw.profile.MachineProfile) or None. A hybrid model's
+    KV covers its full-attention layers only, with the recurrent layers' state kept beside it."""
+    kv = _build_attention_kv(config, args, model, experts, device, dtype, max_context,
+                             sliding_window=sliding_window, profile=profile)
+    n_recurrent = args.n_layers - len(args.kv_layer_ids())
+    return RecurrentKV(kv, n_recurrent) if n_recurrent else kv
+
+
+def _build_attention_kv(config, args, model, experts, device: torch.device, dtype: torch.dtype, max_context: int,
+                        *, sliding_window: int | None, profile) -> KVBackend:
+    n_layers = len(args.kv_layer_ids())
+    shape = dict(n_layers=n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
+    resident_bytes = resident_kv_bytes(n_layers, args.n_kv_heads, args.head_dim, max_context,
                                        config.max_batch, config.block_size, dtype)
     mla = getattr(args, "mla", None)
     if mla is not None:
@@ -114,7 +125,7 @@ def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dt
     if mla is not None:
         return _latent_kv(config, args, policy, device, dtype, max_context)
     if policy == "resident":
-        return ResidentKV(args.n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
+        return ResidentKV(n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
                           max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype,
                           sliding_window=sliding_window)
     if device.type != "cuda" and not config.simulate_hybrid:

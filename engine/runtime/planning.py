@@ -93,7 +93,8 @@ def placement_plan(config, profile=None) -> Plan:
     costs = machine_costs(config, args, profile, dev_bytes)
     # what the engine's hybrid paths cannot run for this model (runtime/loading.py and the families refuse it)
     windowed = bool(args.sliding_window and args.sliding_window < max_context) or bool(args.layer_windows)
-    can = dict(can_spill_kv=not (windowed or args.attn_sinks),
+    latent = getattr(args, "mla", None) is not None  # latent KV rows: the hybrid regions hold per-head K and V only
+    can = dict(can_spill_kv=not (windowed or args.attn_sinks or latent),
                can_offload_experts=not args.expert_bias and args.expert_act == "silu")
     parts = replace(model_parts(args, dev_bytes, config.model), **can)
     cpu_parts = parts if cpu_bytes == dev_bytes else replace(model_parts(args, cpu_bytes, config.model), **can)
@@ -108,7 +109,7 @@ def spill_device_bytes(config, args: ModelArgs, dtype_bytes: int, max_context: i
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
     spec = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=cuda, block_size=config.block_size,
                                    d_window=config.d_window, max_context=max_context)
-    return spec.device_bytes(args.n_layers, config.max_batch, args.n_kv_heads, args.head_dim, dtype)
+    return spec.device_bytes(len(args.kv_layer_ids()), config.max_batch, args.n_kv_heads, args.head_dim, dtype)
 
 
 def apply_plan(config, p: Plan | None):
