@@ -13,6 +13,16 @@ from engine.models.common import ModelArgs
 from engine.sched.placement_speed import ModelParts
 
 
+def _mla_attention(args: ModelArgs) -> int:
+    """Parameters of one multi-head latent attention (engine/models/mla.py) and the block's two norms."""
+    m, H, nh = args.mla, args.dim, args.n_heads
+    q_width = nh * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    q = H * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * q_width if m.q_lora_rank else H * q_width
+    latent = H * m.row_width + m.kv_lora_rank + m.kv_lora_rank * nh * (m.qk_nope_head_dim + m.v_head_dim)
+    biases = ((m.q_lora_rank or 0) + m.row_width if args.qkv_bias else 0) + (H if args.o_bias else 0)
+    return q + latent + nh * m.v_head_dim * H + biases + 2 * H
+
+
 def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
     H, hs = args.dim, args.head_dim
     q, kv = args.n_heads * hs, args.n_kv_heads * hs
@@ -25,6 +35,12 @@ def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
         attention += 2 * hs if args.qk_norm_scope == "head" else q + kv
     if args.attn_sinks:
         attention += args.n_heads  # one sink logit per head
+    kv_rows = 2  # a K and a V per token and KV head
+    mla = getattr(args, "mla", None)
+    if mla is not None:  # one [latent, RoPE key] row per token: hs = r + dr, n_kv = 1, no V
+        attention, kv_rows = _mla_attention(args), 1
+        # absorbed attention per (query, key): nh·(r + dr) multiply-adds for the score, nh·r for the value
+        q = args.n_heads * (mla.kv_lora_rank + mla.qk_rope_head_dim // 2)
     moe = args.moe_layer_ids()
     dense_ffn = 3 * H * (args.ffn_dim or 0)
     # a MoE layer's dense part: the router (and its score bias) and the shared experts every token runs
@@ -45,5 +61,5 @@ def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
         layer_dense_bytes=mean_layer * dtype_bytes,
         moe_layers=len(moe), n_experts=args.n_experts, top_k=args.top_k,
         expert_bytes=expert_params * dtype_bytes, expert_flops_per_token=2.0 * expert_params,
-        kv_bytes_per_token=2 * args.n_layers * kv * dtype_bytes,
+        kv_bytes_per_token=kv_rows * args.n_layers * kv * dtype_bytes,
         dense_flops_per_token=2.0 * sum(layer_params), attn_width=q)

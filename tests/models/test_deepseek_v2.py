@@ -1,0 +1,288 @@
+"""DeepSeek-V2 (MLA) against transformers' DeepseekV2ForCausalLM on tiny random configs (fp32, CPU).
+
+The baby models have a dense first layer, MoE layers with a shared expert and softmax routing, and
+multi-head latent attention whose KV is cached as latent rows (r + dr wide, no V) and attended in
+the absorbed form; variants add a q LoRA, group-limited top-k, routed scaling, attention biases and
+YaRN RoPE (its mscale in the softmax scale). Tolerance: moe_helpers.FP32_ATOL (1e-4 absolute on O(1)
+logits; the absorbed form sums in another order than the expanded one), greedy tokens equal.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV2ForCausalLM"):
+    pytest.skip("this transformers has no deepseek_v2", allow_module_level=True)
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
+
+from moe_helpers import PROMPT, assert_parity, build_hf, engine_logits, tiny_engine, write_layout  # noqa: E402
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+
+def tiny(seed: int = 0, **overrides):
+    heads = overrides.get("num_attention_heads", 4)
+    cfg = dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+               num_hidden_layers=3, num_attention_heads=heads, num_key_value_heads=heads,  # MLA needs nh = n_kv
+               q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+               topk_method="greedy", max_position_embeddings=256, initializer_range=0.2,
+               tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg.update(overrides)
+    model = build_hf(DeepseekV2Config, DeepseekV2ForCausalLM, seed=seed, **cfg)
+    with torch.no_grad():  # transformers initialises biases and norms plainly: make them matter
+        g = torch.Generator().manual_seed(seed + 100)
+        for name, t in model.named_parameters():
+            if name.endswith(".bias"):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+            elif name.endswith("layernorm.weight"):
+                t.copy_(1 + torch.randn(t.shape, generator=g) * 0.2)
+    return model
+
+
+def test_saved_folder_matches_transformers(tmp_path):
+    """save_pretrained's folder read back by both sides: dense layer 0, MoE layers with a shared expert,
+    no q LoRA (V2-Lite's form); the KV holds latent rows only."""
+    from engine.kv.latent import LatentResidentKV
+
+    tiny().save_pretrained(tmp_path / "m")
+    ref = DeepseekV2ForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+    engine = tiny_engine(tmp_path / "m")
+    info, args = engine.info(), engine.parts.args
+    assert info["family"] == "deepseek_v2" and info["experts"] == 8
+    assert args.moe_layer_ids() == [1, 2] and args.shared_expert_ffn_dim == 16
+    assert (args.n_kv_heads, args.head_dim, args.rotary_dim) == (1, 16 + 4, 4)
+    kv = engine.parts.kv
+    assert isinstance(kv, LatentResidentKV) and kv.v is None and kv.k.shape[-2:] == (1, 20)
+    assert type(engine.parts.model.model.layers[0].self_attn).__name__ == "MLAttention"
+    assert_parity(engine, ref)
+
+
+def test_q_lora_groups_scaling_biases(tmp_path):
+    """DeepSeek-V2's full form: q through a LoRA with its norm, group-limited top-k (4 groups, best 2),
+    routed_scaling_factor, biases on the a-projections and o_proj, two dense layers, per-expert names."""
+    ref = tiny(seed=1, q_lora_rank=12, n_routed_experts=16, num_experts_per_tok=3, topk_method="group_limited_greedy",
+               n_group=4, topk_group=2, routed_scaling_factor=2.5, attention_bias=True,
+               first_k_dense_replace=2, num_hidden_layers=4, n_shared_experts=2)
+    engine = tiny_engine(write_layout(ref, tmp_path / "m", "per_expert"))
+    args = engine.parts.args
+    assert args.mla.q_lora_rank == 12 and args.router_groups == 4 and args.router_groups_used == 2
+    assert args.moe_layer_ids() == [2, 3] and args.routed_scaling == 2.5 and args.qkv_bias
+    assert_parity(engine, ref)
+
+
+def test_groups_change_the_choice(tmp_path):
+    """Guard: the group limit really moves experts (the same weights routed greedily differ)."""
+    kw = dict(n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=1)
+    ref = tiny(seed=2, topk_method="group_limited_greedy", **kw)
+    limited = engine_logits(tiny_engine(write_layout(ref, tmp_path / "g", "fused")), PROMPT)
+    ref.config.topk_method = "greedy"
+    greedy = engine_logits(tiny_engine(write_layout(ref, tmp_path / "n", "fused")), PROMPT)
+    assert (limited - greedy).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("mscales", [(0.707, 0.707), (1.0, 0.5)])
+def test_yarn_rope_and_its_softmax_scale(tmp_path, mscales):
+    """YaRN as the published models scale it (mscale = mscale_all_dim: the cos/sin factor is 1, the
+    softmax scale gains mscale²), and with the two apart (a cos/sin factor ≠ 1 too)."""
+    from engine.models.mla import yarn_mscale
+
+    rope = dict(YARN, mscale=mscales[0], mscale_all_dim=mscales[1])
+    ref = tiny(seed=3, rope_parameters=rope)
+    engine = tiny_engine(write_layout(ref, tmp_path / "m", "fused"))
+    expected_scale = (8 + 4) ** -0.5 * yarn_mscale(4.0, mscales[1]) ** 2
+    assert engine.parts.args.mla.softmax_scale == pytest.approx(expected_scale)
+    assert engine.parts.args.rope_inv_freq is not None
+    assert_parity(engine, ref)
+
+
+def test_batched_decode_of_unequal_lengths(tmp_path):
+    """Two sequences of different lengths decoding in one step (padded latent rows masked out) give
+    each sequence's own logits."""
+    ref = tiny(seed=4)
+    engine = tiny_engine(write_layout(ref, tmp_path / "m", "fused"))
+    p, kv = engine.parts, engine.parts.kv
+    prompts = [PROMPT[:5], PROMPT[:9]]
+    with torch.inference_mode():
+        ids = [kv.new_sequence() for _ in prompts]
+        for sid, prompt in zip(ids, prompts):
+            positions = kv.begin_step([sid], len(prompt))
+            p.model(torch.tensor([prompt]), positions, kv)
+            kv.end_step()
+        positions = kv.begin_step(ids, 1)
+        both = p.model(torch.tensor([[7], [7]]), positions, kv)  # (2, vocab)
+        kv.end_step()
+    for row, prompt in zip(both, prompts):
+        expected = ref(torch.tensor([prompt + [7]])).logits[0, -1]
+        torch.testing.assert_close(row, expected.detach(), atol=1e-4, rtol=0)
+
+
+def test_hybrid_kv_policies_are_refused_by_name(tmp_path):
+    from engine.errors import ConfigError
+
+    folder = write_layout(tiny(seed=5), tmp_path / "m", "fused")
+    with pytest.raises(ConfigError, match="latent KV rows") as e:
+        tiny_engine(folder, kv_policy="writescope", simulate_hybrid=True)
+    assert "kv_policy resident" in e.value.remedy
+
+
+# -- GGUF, as llama.cpp's converter writes deepseek2 ------------------------------------------------
+
+_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.o_proj": "attn_output",
+    "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
+
+
+def write_deepseek2_gguf(model, path, split_kv_b: bool = True):
+    """Names and metadata of llama.cpp's deepseek2 (MQA over latent rows: head_count_kv 1, key_length
+    r + dr, the per-head widths as *_mla). split_kv_b: kv_b_proj as attn_k_b (nh, r, dn) and attn_v_b
+    (nh, dv, r), as current converters write it; else whole, as older ones did."""
+    import gguf
+
+    c = model.config
+    nh, dn, dr, dv, r = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                         c.kv_lora_rank)
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(nh)
+    w.add_head_count_kv(1)
+    w.add_key_length(r + dr)
+    w.add_value_length(r)
+    w.add_key_length_mla(dn + dr)
+    w.add_value_length_mla(dv)
+    w.add_kv_lora_rank(r)
+    if c.q_lora_rank:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_rope_dimension_count(dr)
+    rope = c.rope_parameters
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd.pop("model.embed_tokens.weight"))
+    w.add_tensor("output_norm.weight", sd.pop("model.norm.weight"))
+    w.add_tensor("output.weight", sd.pop("lm_head.weight"))
+    for name, t in sd.items():
+        _, _, layer, rest = name.split(".", 3)
+        if rest == "mlp.experts.gate_up_proj":
+            inter = t.shape[1] // 2
+            for kind, part in (("ffn_gate_exps", t[:, :inter]), ("ffn_up_exps", t[:, inter:]),
+                               ("ffn_down_exps", sd[name.replace("gate_up_proj", "down_proj")])):
+                w.add_tensor(f"blk.{layer}.{kind}.weight", np.ascontiguousarray(part))
+        elif rest == "mlp.experts.down_proj":
+            continue
+        elif rest == "self_attn.kv_b_proj.weight" and split_kv_b:
+            kv_b = t.reshape(nh, dn + dv, r)
+            w.add_tensor(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :dn].transpose(0, 2, 1)))
+            w.add_tensor(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, dn:]))
+        elif rest == "self_attn.kv_b_proj.weight":
+            w.add_tensor(f"blk.{layer}.attn_kv_b.weight", np.ascontiguousarray(t))
+        else:
+            module, suffix = rest.rsplit(".", 1)
+            w.add_tensor(f"blk.{layer}.{_NAMES[module]}.{suffix}", np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_round_trip(tmp_path):
+    """V2-Lite's form with YaRN, kv_b split into attn_k_b / attn_v_b."""
+    ref = tiny(seed=6, rope_parameters=dict(YARN))
+    engine = tiny_engine(write_deepseek2_gguf(ref, tmp_path / "m.gguf"))
+    args = engine.parts.args
+    assert engine.info()["family"] == "deepseek_v2" and args.mla.q_lora_rank is None
+    assert (args.mla.qk_nope_head_dim, args.mla.v_head_dim, args.mla.kv_lora_rank) == (8, 6, 16)
+    assert_parity(engine, ref)
+
+
+def test_gguf_whole_kv_b_and_q_lora(tmp_path):
+    ref = tiny(seed=7, q_lora_rank=12, routed_scaling_factor=1.5)
+    engine = tiny_engine(write_deepseek2_gguf(ref, tmp_path / "m.gguf", split_kv_b=False))
+    assert engine.parts.args.mla.q_lora_rank == 12 and engine.parts.args.routed_scaling == 1.5
+    assert_parity(engine, ref)
+
+
+def test_gguf_header_gives_the_shape(tmp_path):
+    """models/shape.py reads the header only (what the planner sizes)."""
+    from engine.models.shape import model_args
+
+    args = model_args(str(write_deepseek2_gguf(tiny(seed=8, q_lora_rank=12), tmp_path / "m.gguf")))
+    assert args.arch == "deepseek_v2" and args.moe_layer_ids() == [1, 2] and args.mla.q_lora_rank == 12
+    assert (args.n_kv_heads, args.head_dim) == (1, 20)
+
+
+# -- the synthetic preset ---------------------------------------------------------------------------
+
+def test_config_of_the_published_shape_reads():
+    """The preset's config (DeepSeek-V2-Lite) gives the published layer plan and MLA widths."""
+    from engine.models import synthetic
+    from engine.models.deepseek_v2 import args_from_config
+
+    args = args_from_config(json.loads(json.dumps(synthetic.config_for("synthetic:deepseek-v2-lite"))))
+    assert args.n_layers == 27 and args.moe_layer_ids() == list(range(1, 27))
+    assert (args.n_experts, args.top_k, args.expert_ffn_dim, args.shared_expert_ffn_dim) == (64, 6, 1408, 2816)
+    m = args.mla
+    assert (m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank) == (512, 128, 64, 128, None)
+    assert m.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * 0.707 * np.log(40) + 1) ** 2)
+
+
+def test_preset_has_the_published_size():
+    """DeepSeek-V2-Lite: "15.7B total parameters"; its latent KV is 576 values per token and layer."""
+    from engine.models import families, synthetic
+    from engine.models.assemble import tensor_shapes
+    from engine.models.sizes import model_parts
+
+    config = synthetic.config_for("synthetic:deepseek-v2-lite")
+    args = families.for_model_type(config["model_type"], "x").args_from_config(config)
+    n_params = sum(torch.Size(s).numel() for s in tensor_shapes(args).values())
+    assert n_params / 1e9 == pytest.approx(15.71, abs=0.01)
+    parts = model_parts(args, 2, "synthetic:deepseek-v2-lite")
+    assert parts.kv_bytes_per_token == 27 * 576 * 2  # bf16, no V
+    dense = parts.embed_bytes + parts.output_bytes + parts.layer_dense_bytes * 27
+    experts = parts.expert_bytes * parts.n_experts * parts.moe_layers
+    assert (dense + experts) / 2 == pytest.approx(n_params, rel=1e-3)  # the planner counts what the model holds
+    assert synthetic.config_for("synthetic:deepseek-v2-lite-L4")["num_hidden_layers"] == 4
+
+
+def test_synthetic_deepseek_runs(monkeypatch):
+    """The preset's recipe at a small width: generated weights load and decode finite logits."""
+    from engine.api import Engine, EngineConfig
+    from engine.models import synthetic
+
+    small = dict(synthetic.PRESETS["deepseek-v2-lite"], vocab_size=128, hidden_size=64, intermediate_size=96,
+                 moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2)
+    monkeypatch.setitem(synthetic.PRESETS, "tiny-deepseek", small)
+    engine = Engine(EngineConfig(model="synthetic:tiny-deepseek-L3", device="cpu", dtype="float32", max_context=64,
+                                 max_batch=1))
+    assert engine.parts.args.moe_layer_ids() == [1, 2]
+    logits = engine_logits(engine, PROMPT, prefill=6)
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+    assert len(engine.generate_ids(PROMPT, 4)) == 4
