@@ -152,8 +152,8 @@ class SlotLRU:
 
     def oldest(self, n: int, exclude=()) -> list[Key]:
         """The n least recently used unlocked entries not in `exclude`, oldest first (left cached)."""
-        # Only as far into the LRU order as needed: listing every unlocked entry took ~0.4 ms a call
-        # at 2,202 slots (development machine, cProfile), between two one-graph steps.
+        # Only as far into the LRU order as needed: listing every unlocked entry costs ~0.4 ms a call
+        # at 2,202 slots, between two one-graph steps.
         return list(islice((k for k in self.entries if k not in self.locked and k not in exclude), max(0, n)))
 
     def evict(self, key: Key) -> int:

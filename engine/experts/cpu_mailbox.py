@@ -1,7 +1,7 @@
 """CpuMailbox: the CPU computes part of each layer's misses inside the one decode graph.
 
-The graph reads every miss over PCIe (engine/experts/zero_copy.py); where the cache is tight that
-binds the step to the link while the CPU idles (RESULTS.md, 32K with one chat). Seed 004 sends part
+The graph reads every miss over PCIe (engine/experts/zero_copy.py); where the cache is tight (32K
+with one chat) that binds the step to the link while the CPU idles. Seed 004 sends part
 of the misses to the CPU instead, sized so that both sides finish together. Between layers of a
 graph there is no host call to split them, so the device splits them (`post`, in
 engine/kernels/cpu_mailbox_gpu.py), hands the CPU's share over through pinned host memory, and the
@@ -17,8 +17,8 @@ down in reverse order: the device is synchronised (no kernel waits on the worker
 stops, then the memory goes.
 
 The share of a layer's missed experts that go to the CPU is `share`: floor(share · misses) of them.
-GRAPH_CPU_SHARE is the share measured best on the H200; TANDEM_GRAPH_CPU_SHARE overrides it (0 turns
-the mailbox off).
+GRAPH_CPU_SHARE is the default; TANDEM_GRAPH_CPU_SHARE overrides it (0 turns the mailbox off: the
+remedy a failed CPU share names).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ HEADER_WORDS = 16  # int64 words before the arrays: the sequence number's line, 
 MAX_POLLS = 1 << 22
 
 
-# On the H200 at 32K, bs=1, 916 slots (benchmarks/RESULTS.md, phase CN): adaptive decoded 29.7 tok/s
-# with no CPU share, 38.2 / 48.7 / 53.5 with round(share · misses) at 0.31 / 0.5 / 0.75 (on-demand 31.4).
-# The cost model's own rates (0.31 here) undervalue the native kernel, which reads a one-token expert
-# at 70-80 GB/s from DRAM where the graph reads one over PCIe at ~35.
+# Three quarters of a churning layer's misses go to the CPU: the native kernel reads a one-token expert
+# at 70-80 GB/s from DRAM where the graph reads one over PCIe at ~35, so decode speed rises with the
+# share up to here (at 32K, bs=1, 916 slots of an H200: 29.7 tok/s at 0, 38.2 at 0.31, 48.7 at 0.5,
+# 53.5 at 0.75). The cost model's own rates (0.31 there) undervalue the native kernel.
 GRAPH_CPU_SHARE = 0.75
 
 
@@ -56,13 +56,12 @@ def default_share() -> float:
 
 # The share applies only while the cache churns (ChurnGate): more than this share of its slots missed
 # per step. CPU experts never enter the cache, so where it still learns the link's fills are worth
-# more. On the H200 (48 layers; phases CP-CR):
-# - at 2K, bs=1 (14-20 misses a step once warm, under 1% of 2,267 slots) a fresh cache learnt slower
-#   with the share: 96.9 against 105.1 tok/s (hit rate 0.915 against 0.941); gated at 2.5% (which a
-#   fresh cache's first steps pass) adaptive hit 0.918-0.927 and ran 94-98 tok/s, where the graph
-#   without the mailbox had hit 0.943-0.945 and run 108-110 (phase CL);
-# - at 2K, bs=4 (~380 misses a step, 17%) the graph ran 81-89 tok/s with it, 37 without;
-# - at 32K, bs=1 with 916 slots (~115-125, 13-14%) 48-51 with it, 30 without.
+# more. 8% lies between the two regimes (48 layers on an H200):
+# - a warm cache at 2K, bs=1 misses 14-20 experts a step, under 1% of 2,267 slots: there the share
+#   slows learning (hit rate 0.915 against 0.941, 97 against 105 tok/s), and a gate at 2.5% still
+#   opens on a fresh cache's first steps;
+# - 2K at bs=4 misses ~17% of the slots a step (the share: 81-89 tok/s against 37), 32K at bs=1 with
+#   916 slots 13-14% (48-51 against 30).
 CPU_CHURN_SHARE = 0.08
 
 
@@ -70,8 +69,8 @@ class ChurnGate:
     """The share of each layer's misses the CPU takes: `share` while the cache churns (more than
     CPU_CHURN_SHARE of its n_slots missed per step), else 0; `gated` False: always `share`. The
     measure is a moving average that starts at 0, so a fresh cache's first steps alone do not open
-    the gate (phase CR: at 2K bs=1 they did, and the CPU took 281-305 experts that never entered the
-    cache); a steady churn of 13-17% of the slots crosses 8% within 3-4 steps."""
+    the gate (else at 2K bs=1 the CPU takes ~300 experts that never enter the cache); a steady churn
+    of 13-17% of the slots crosses 8% within 3-4 steps."""
 
     def __init__(self, share: float, n_slots: int, gated: bool = True):
         self.share, self.n_slots, self.gated = share, n_slots, gated

@@ -6,8 +6,8 @@ straight from the store's block addresses (`native_cpu_set`: a table built by a 
 tensor view per expert); else from per-expert views (`cpu_set_inputs`, then `prepare` from
 `default_cpu_moe` or `per_expert_moe`).
 `CpuSetRunner` runs it beside the driving thread: a set that is one native call goes to the native
-worker thread (no Python there, so no GIL changes hands: phases AR–AW in benchmarks/RESULTS.md),
-anything else to a Python worker thread.
+worker thread (no Python there, so no GIL changes hands: a Python worker waits 0.09-0.17 ms per
+layer step to start a set), anything else to a Python worker thread.
 """
 
 from __future__ import annotations

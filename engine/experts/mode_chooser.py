@@ -2,9 +2,9 @@
 with the planner's CPU split (engine/runtime/decode_graph.py), chosen by timing both.
 
 Neither wins everywhere: the graph reads every miss over the link, pieces split misses with the CPU
-and pay host work per layer. With a small cache pieces ran 1.5x (one chat) and 2.5x (four) faster on
-the H200, and at 2K with one chat the graph did (benchmarks/RESULTS.md, phases BQ and V-X). So the chooser times both
-forms in turns on the live decode, keeps the faster, and re-times them now and then.
+and pay host work per layer. With a small cache pieces are 1.5x (one chat) and 2.5x (four) faster
+on an H200, and at 2K with one chat the graph is. So the chooser times both forms in turns on the
+live decode, keeps the faster, and re-times them now and then.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ PROBE_STEPS = 4  # steps timed per form before choosing
 # Probed forms take turns in runs of PROBE_RUN steps, and a run's first step is not timed: it pays for
 # the switch (the graph's table rebuilt from the LRU after pieces changed it, once the pieces' copies
 # have landed; the pieces' reading of the graph's last log). Timed step by step in turns, every graph
-# step paid that: on the H200 a probe of 19.6 ms a graph step against 16.9 for pieces chose pieces,
-# which then ran 11.7 ms a step where the graph ran 9.1 (48 layers, 2K, bs=1, phase CA).
+# step would pay that and the probe would mislead: 19.6 ms a graph step against 16.9 for pieces,
+# where in steady decode pieces run 11.7 ms and the graph 9.1 (48 layers, 2K, bs=1, H200).
 PROBE_RUN = 3
 # Decode steps a probe takes: PROBE_STEPS timed per form in runs of PROBE_RUN − 1 timed steps, and one
 # more step while the last sample is pending (a step is timed at the next one's start).
@@ -28,10 +28,9 @@ PROBE_LENGTH = 2 * PROBE_RUN * math.ceil(PROBE_STEPS / (PROBE_RUN - 1)) + 1
 REPROBE_EVERY = 256  # steps after which the form not in use is timed again
 # Pieces must probe this much faster to be chosen over the one graph. The probe runs while the cache
 # warms, which flatters pieces: the graph reads every miss over the link, pieces split misses with the
-# CPU, so the graph gains most as hits rise. On the H200 (2K, bs=1, 48 layers, phase BO) a probe of
-# 22.1 ms for pieces against 24.1 for the graph chose pieces, which then decoded at 18.8 ms a step
-# while the graph ran 12.2 in the other rounds. Where pieces is far faster (bs=4: 65–72 against
-# 128–135 ms) the margin changes nothing.
+# CPU, so the graph gains most as hits rise: a probe can time pieces at 22.1 ms against 24.1 for the
+# graph where warm decode runs pieces at 18.8 ms a step and the graph at 12.2 (2K, bs=1, 48 layers,
+# H200). Where pieces is far faster (bs=4: 65–72 against 128–135 ms) the margin changes nothing.
 GRAPH_MARGIN = 1.15
 
 

@@ -199,7 +199,7 @@ class OffloadedExperts(ExpertExecutor):
         plan = self.planner.plan(N, misses, counts[misses].tolist(), len(hits), int(counts[hits].sum()),
                                  capacity, self.predictor.hit_rate() if self.predictor else None)
         marks.append(time.perf_counter())
-        # The CPU set is the longest part of a bs=4 layer step (phases AQ, AW): it is prepared here and
+        # The CPU set is the longest part of a bs=4 layer step: it is prepared here and
         # handed over before the fills are issued and before any bookkeeping, so it starts as early as
         # the plan allows; its worker only computes.
         on_cpu = bool(plan.cpu)

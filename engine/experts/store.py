@@ -7,8 +7,8 @@ slot, which has the same layout, and the CPU computes on the block in place thro
 All blocks live in one (n_blocks, P) allocation on transparent huge pages where Linux has them (the
 CPU streams each block from DRAM: `hostmem.large_host_tensor`), pinned where CUDA exists by registering that
 ordinary memory with `cudaHostRegister` (exact size; `pin_memory=True` would round 58 GB up to
-64 GB) and unregistered before it is freed. NOTES measured no CPU slowdown on pinned pages (CPU
-attention: 3.5 ms pinned vs 3.9 ms pageable), so the CPU computes from the same pinned blocks;
+64 GB) and unregistered before it is freed. The CPU reads pinned pages no slower than pageable ones
+(CPU attention: 3.5 ms pinned vs 3.9 ms pageable), so it computes from the same pinned blocks;
 `engine.bench.experts.pinning_penalty` re-measures it for the expert FFN.
 
 Experts that are views of the same memory (the built-in upcycled model: 8 stride-0 copies of each

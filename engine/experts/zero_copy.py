@@ -1,15 +1,14 @@
 """Offloaded experts inside one decode graph: misses read in place over PCIe and kept on the way.
 
 The decode step in pieces (engine/runtime/decode_graph.py) hands every MoE layer to the host: one
-sync, an LRU lookup, the plan and the launches cost the driving thread 0.3–0.6 ms per layer on the
-H200 (benchmarks/RESULTS.md, 2026-11-30), more than the device work of a layer whose experts mostly
-hit. PDScope (seed 001, §4.4) compiles its decisions into a static graph with zero-copy I/O instead.
+sync, an LRU lookup, the plan and the launches cost the driving thread 0.3–0.6 ms per layer on a
+server host, more than the device work of a layer whose experts mostly hit. PDScope (seed 001, §4.4) compiles its decisions into a static graph with zero-copy I/O instead.
 Here the GPU finds each routed expert itself, through an offset table on the device, (L, E) int64:
 an expert's entry points into its cache slot or into the pinned host store, which the expert kernel
 (`moe_decode` with `offsets`) then reads in place over PCIe. A pair that reads from the store also
 claims a free slot from a list the host prepared and writes the weights it reads there: the miss is
-computed and filled by one PCIe read (no second copy over the link, which halved the rate of a first
-version that admitted misses by DMA beside the in-place reads: RESULTS.md, phase U). The whole step
+computed and filled by one PCIe read (a second copy over the link, a DMA beside the in-place read,
+would halve the rate at which misses are served). The whole step
 is one graph; the host's LRU follows behind it, between replays:
 
 1. The graph logs each MoE layer's routing and each pair's claimed slot; after the replay both come
@@ -32,8 +31,8 @@ A pair that claims a victim's slot first points the victim's table entry back to
 claim kernel, before any expert kernel of its layer reads the table: the victim's later layers in
 the step read it from the store, its earlier ones have finished. So a slot is never written while
 read, and a victim stays cached until a miss really takes its slot. (Evicting the listed entries
-ahead, as a first version did, held ~1.25 × a step's misses of the cache empty: at 32K bs=1 with 916
-slots that was about 190, and the one graph hit 0.61 where on-demand hit 0.66: RESULTS.md, phase CE.)
+ahead would hold ~1.25 × a step's misses of the cache empty: at 32K bs=1 with 916 slots about 190,
+enough to drop the hit rate from 0.66 to 0.61.)
 A step run the other way (pieces, eager prefill) changes the LRU behind the table's back; the table
 is then rebuilt from the LRU before the next graph replay.
 
@@ -58,9 +57,9 @@ SPARE_SHARE = 4  # at most 1/SPARE_SHARE of the cache waits as free slots for th
 # The host lists a step's slots while the step before runs (it reads that step's log afterwards) only
 # where a list is at most this share of the cache. Running ahead hides the host's work, but the
 # slots listed for the step in flight are out of reach of the next list and the LRU order is a step
-# old. On the H200 (48 layers, bs=1, phase CK): at 2K (2,267 slots, ~28 listed) decode ran 111 tok/s
-# against 101-103 waiting for the log; at 32K with 916 slots (~170 listed) it hit 0.630 against 0.650
-# and ran 28.8 against 29.4. There the host reads the last step's log first.
+# old. With 48 layers at bs=1 on an H200: at 2K (2,267 slots, ~28 listed) running ahead decodes 111
+# tok/s against 101-103 waiting for the log; at 32K with 916 slots (~170 listed) it hits 0.630 against
+# 0.650 and runs 28.8 against 29.4. There the host reads the last step's log first.
 LAG_LIST_SHARE = 0.05
 
 
