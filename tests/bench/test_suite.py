@@ -197,3 +197,38 @@ def test_an_ab_table_gives_the_ab_ratio_once_per_measure():
               "trees": [{"label": "this", "commit": "1" * 40}, {"label": "against", "commit": "2" * 40}]}
     lines = [x for x in suite_table.markdown(record).splitlines() if x.startswith("| x |")]
     assert len(lines) == 2 and lines[0].split(" | ")[6] == "3.00" and lines[1].split(" | ")[6] == "–"
+
+
+def test_contexts_narrow_the_gpu_decode_cells(monkeypatch):
+    ctx = _ctx(rounds=1)
+    ctx.contexts = (32768,)
+    seen = []
+    monkeypatch.setattr(suite_gpu, "llama_binaries", lambda c: {"llama-bench": "x", "llama-batched-bench": "y"})
+    monkeypatch.setattr(suite_gpu, "gguf_for", lambda c, m, r: Path("model.gguf"))
+    monkeypatch.setattr(suite_gpu, "probe", lambda tree, spec: seen.append(spec["decode_prompt"]) or {"decode_tok_s": 2.0})
+    monkeypatch.setattr(suite_gpu, "llama_decode", lambda *a: 1.0)
+    rows = suite_gpu.decode_cell(ctx, suite_gpu.L16, None, (2048, 32768), (1,))
+    assert seen == [32768] and [r["ratio"]["tandem"]["median"] for r in rows] == [2.0]
+    ctx.contexts = (4096,)
+    with pytest.raises(suite.Skip, match="contexts"):
+        suite_gpu.decode_cell(ctx, suite_gpu.L16, None, (2048, 32768), (1,))
+
+
+def test_the_prefill_cell_keeps_the_rows_of_the_model_whose_export_fits(monkeypatch):
+    ctx = _ctx(rounds=1)
+    ctx.routings = ("random",)
+
+    def gguf_for(c, model, routing):
+        if model == suite_gpu.L48:
+            raise suite.Skip("the export needs 123 GB of disk")
+        return Path("l16.gguf")
+
+    monkeypatch.setattr(suite_gpu, "llama_binaries", lambda c: {})
+    monkeypatch.setattr(suite_gpu, "gguf_for", gguf_for)
+    monkeypatch.setattr(suite_gpu, "gguf_sizes", lambda p: {"expert_bytes": [1] * 16, "other_bytes": 0,
+                                                            "kv_bytes_per_token": 0})
+    monkeypatch.setattr(suite_gpu, "probe", lambda tree, spec: {"prefill_tok_s": 300.0})
+    monkeypatch.setattr(suite_gpu, "llama_prefill", lambda *a: 100.0)
+    rows = suite_gpu.prefill_cell(ctx)
+    assert len(rows) == 1 and "qwen3-30b-a3b-L16" in rows[0]["condition"]
+    assert rows[0]["ratio"]["tandem"]["median"] == 3.0
