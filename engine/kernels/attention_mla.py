@@ -52,12 +52,32 @@ def latent_attention(q: torch.Tensor, rows: torch.Tensor, value_dim: int, scale:
     The scores of one step are materialised, (B, nh, T, S) fp32: meant for decode (T = 1, a few MB at
     32K keys); a prefill over many queries should go through a fused SDPA instead.
     """
-    keys = rows.float().unsqueeze(1)  # (B, 1, S, r + dr): one row shared by every head
-    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale  # (B, nh, T, S)
+    return latent_attention_planes(q, rows.unsqueeze(1), None, value_dim, scale, mask)
+
+
+def latent_attention_planes(q: torch.Tensor, first: torch.Tensor, second: torch.Tensor | None, value_dim: int,
+                            scale: float, mask: torch.Tensor | None = None, causal: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`latent_attention` over rows kept as two planes, row = [first | second], each (B, 1, S, w_i):
+    how the hybrid KV format holds a latent row (its K and V planes of (r + dr)/2 columns each), read
+    in place. second None: the whole row is `first`. causal: query i of T sees keys ≤ S − T + i
+    (the new tokens of a prefill over themselves). Shapes and results as `latent_attention`."""
+    w = first.shape[-1]
+    qf = q.float()
+    planes = [(qf[..., :w], first.float())]  # (B, nh, T, w), (B, 1, S, w)
+    if second is not None and second.shape[-1]:
+        planes.append((qf[..., w:], second.float()))
+    scores = sum(torch.matmul(qp, kp.transpose(-1, -2)) for qp, kp in planes) * scale  # (B, nh, T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
+    if causal:
+        T, S = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones((T, S), dtype=torch.bool, device=q.device).triu(1 + S - T),
+                                    float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (B, nh, T)
     finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # no key: exp(−inf − 0) = 0
     probs = torch.exp(scores - finite.unsqueeze(-1))  # (B, nh, T, S)
-    o = torch.matmul(probs, keys[..., :value_dim])  # (B, nh, T, r)
-    return o, lse
+    o = torch.matmul(probs, planes[0][1][..., :value_dim])  # (B, nh, T, min(r, w))
+    if value_dim > w:  # the latent continues into the second plane
+        o = torch.cat((o, torch.matmul(probs, planes[1][1][..., :value_dim - w])), dim=-1)
+    return o, lse  # (B, nh, T, r), (B, nh, T)

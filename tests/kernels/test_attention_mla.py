@@ -104,3 +104,23 @@ def test_rows_read_in_place_from_a_strided_view():
     ref_out, ref_lse = expanded_reference(q_nope, q_rope, latents, rope_keys, kv_b)
     torch.testing.assert_close(attention_mla.expand_values(o, w_uv).double(), ref_out, atol=ATOL, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_rows_held_as_two_planes(T):
+    """The hybrid format keeps each row as a K and a V plane of (r + dr)/2 columns: attention over
+    the two planes (the latent spans both) equals attention over whole rows; causal for a prefill's
+    new tokens over themselves (query i sees keys ≤ S − T + i)."""
+    B, S = 2, 40
+    q_nope, q_rope, latents, rope_keys, kv_b = random_case(B, T, S, seed=4)
+    w_uk, _ = attention_mla.kv_b_halves(kv_b, NH, DN)
+    q = torch.cat((attention_mla.absorb_queries(q_nope, w_uk), q_rope), dim=-1)
+    rows = torch.cat((latents, rope_keys), dim=-1)  # (B, S, 576)
+    half = (R + DR) // 2
+    planes = rows.view(B, 1, S, 2, half)  # the format's (…, 2, n_kv, hs) interleave, as views
+    causal = torch.ones(T, S, dtype=torch.bool).tril(S - T)  # (T, S) visible
+    o, lse = attention_mla.latent_attention_planes(q, planes[..., 0, :], planes[..., 1, :], R, SCALE, causal=True)
+    ref_o, ref_lse = attention_mla.latent_attention(q, rows, R, SCALE, mask=causal)
+    torch.testing.assert_close(o, ref_o, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0)
+    assert o.shape == (B, NH, T, R)
