@@ -1,8 +1,8 @@
 // SwiGLU expert FFN on AMX tiles (Intel Sapphire Rapids and later), for experts with more tokens than
 // the vector kernels (experts_kernel.h) handle at memory speed: there every token adds a VDPBF16PS per
 // 64 bytes of weights. One TDPBF16PS multiplies 16 weight rows × 32 elements by 32 elements × up to 16
-// tokens. Measured on the H200 host (benchmarks/RESULTS.md, phases AN–AP): 1.1–1.7× the vector tiles'
-// GB/s at 12–16 tokens and 3.6× at 128, level at 5, slower at 8 and below; kAmxMinTokensDefault follows.
+// tokens. On a Xeon server with AMX: 1.1–1.7× the vector tiles' GB/s at 12–16 tokens and 3.6× at
+// 128, level at 5, slower at 8 and below; kAmxMinTokensDefault follows.
 // Included inside the anonymous namespace of isa_amx.cpp, after simd_avx512.h and experts_kernel.h.
 //
 // Tile registers (one configuration per call, N = tokens per tile):
@@ -17,8 +17,8 @@
 // p of token t at 32-bit word p·N + t mod N of its group (amx_pair_column), so a tile step reads 16
 // pair rows of 2N elements.
 
-constexpr int kAmxMaxRows = 16;    // weight rows of an A tile (the plan's rows_per_unit; 8-row tiles measured
-                                   // the same on the H200 host, phase AN)
+constexpr int kAmxMaxRows = 16;    // weight rows of an A tile (the plan's rows_per_unit; the tile's most,
+                                   // and 8-row tiles are no faster)
 constexpr int kAmxStep = 32;       // elements of K per tile step (64 bytes of bf16)
 constexpr int kAmxMaxTokens = 16;  // columns of a C tile (64 bytes of fp32)
 
@@ -49,9 +49,8 @@ void load_tile_config(int rows, int n_tokens) {
 //   each row's reads, across the end of a row into the next block;
 // - every block: the next block's rows, one row after another, spread over this block's steps.
 //   The tile loads read R·M rows side by side (32 streams of 64 bytes a step); prefetching the next
-//   block row by row hands DRAM long sequential runs instead. Measured on the H200 host (phase BA,
-//   before this): in L2 these tiles read 104 GB/s of weights at 5 tokens and 78 at 8, from DRAM 56
-//   and 51.
+//   block row by row hands DRAM long sequential runs instead. Without it these tiles read 104 GB/s
+//   of weights from L2 at 5 tokens and 78 at 8, but from DRAM only 56 and 51.
 template <int R, int G>
 void amx_tiles(const uint16_t* const* a, int M, int64_t stride, int64_t next_block, bool first_block,
                const uint16_t* const* b, int N, int64_t K, float* c) {

@@ -161,11 +161,10 @@ constexpr int expert_tile_rows(int lanes, int tokens) { return lanes / tokens < 
 // AVX512_BF16, H = 2048, I = 768). Above 8: whichever of 4 and 8 pads less (9…12 → 4, 13…16 → 8,
 // 17…20 → 4, …); at equal padding 2 × 8 tiles measured 3–10% faster (16, 24, 32 tokens). More
 // tokens go through in groups (the kernels loop over them; later groups read the rows from L2).
-// 1 row × 16 tokens measured slower (a weight vector per 16 activation loads). 2 tokens ran as a
-// row-at-a-time 2-token tile until it measured 57.6 GB/s of weights on the H200 host, against 73.2 for
-// 4-token tiles in the same run (benchmarks/RESULTS.md, phase Z): its 2 dot products per weight
-// vector sit on 4 dependency chains, and a padded 4-token tile reads the same bytes (on the 2-core
-// Zen 4: 14.9 → 19.1–19.3 GB/s on one thread, 27.0 → 30.1–33.1 on two).
+// 1 row × 16 tokens measured slower (a weight vector per 16 activation loads). 2 tokens are padded to
+// a 4-token tile rather than run as a row-at-a-time 2-token tile, whose 2 dot products per weight
+// vector sit on 4 dependency chains while the padded tile reads the same bytes: 73.2 against 57.6
+// GB/s of weights on a Xeon server with AMX, 19.1–19.3 against 14.9 on one Zen 4 thread.
 inline int expert_tile_tokens(int64_t n, int lanes) {
   int tpt;
   if (n <= 1) tpt = 1;
@@ -174,8 +173,8 @@ inline int expert_tile_tokens(int64_t n, int lanes) {
   return tpt < lanes ? tpt : lanes;
 }
 
-// Tokens per expert from which AMX tiles beat the vector tiles: on the H200 host the vector tiles were
-// faster at 8 tokens in 3 of 4 same-host comparisons, AMX at 12 and 16 in all (benchmarks/RESULTS.md).
+// Tokens per expert from which AMX tiles beat the vector tiles: on a Xeon server with AMX the vector
+// tiles are faster at 8 tokens (3 of 4 comparisons), AMX at 12 and 16 (all).
 constexpr int kAmxMinTokensDefault = 9;
 
 // Defined by the ISA translation units (only those compiled for this target exist).

@@ -18,9 +18,9 @@ constexpr int kFma = 0;         // fp32 FMAs; weights widened to fp32 W at a tim
 constexpr int kDotPairs = 1;    // VDPBF16PS on bf16 pairs; bf16 activations
 // fp32 FMAs on bf16 weights read 2W at a time and widened by one op per W (Simd::bf16_even/odd: the
 // pairs' even and odd elements); fp32 activations stored split the same way (act_index kSplit).
-// load_f32 takes two ops per W, on the ports the FMAs use. On the 2-core development machine
-// (Sapphire Rapids-class; benchmarks/RESULTS.md, 2026-12-01), medians of 5 alternated runs, one
-// thread, expert in L2: avx2 +25% at 1 token, +10% at 6-8; avx512 +12% at 1, +4-12% at 4-8.
+// load_f32 takes two ops per W, on the ports the FMAs use. On a Sapphire Rapids-class core (one
+// thread, expert in L2) this is faster: avx2 +25% at 1 token, +10% at 6-8; avx512 +12% at 1, +4-12%
+// at 4-8.
 constexpr int kSplitPairs = 2;
 
 // Activations in bf16 when both stages can use pairwise bf16 dot products, else fp32.

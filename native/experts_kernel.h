@@ -12,8 +12,8 @@
 
 // The vector tiles' plan for P.n_tokens tokens (see expert_tile_tokens in common.h). 5 and 6 tokens:
 // a 4-token group and a 1- or 2-token one in the same pass (dot_groups), not two 4-token groups: at
-// 5–8 tokens the tiles are bound by their dot products on the H200 host (benchmarks/RESULTS.md, phase
-// AW: from L2 only 6–11% faster than from DRAM), and padding 5 tokens to 8 did 8 per weight vector.
+// 5–8 tokens the tiles are bound by their dot products (on a Xeon server with AMX from L2 only
+// 6–11% faster than from DRAM), and padding 5 tokens to 8 does 8 per weight vector.
 ExpertTiling expert_tiling(const ExpertProblem& P) {
   const int tpt = expert_tile_tokens(P.n_tokens, Simd::W);
   const int64_t n = P.n_tokens;

@@ -1,10 +1,9 @@
 // A thread of the module's own that runs one MoE layer's CPU set (moe_ffn) at a time, beside the
 // Python thread that drives the GPU. The driving thread hands a set over (`submit`) and collects it
 // (`wait`, without the GIL); the worker never runs Python, so no GIL changes hands between the two.
-// With a Python worker thread, the set waited 0.09–0.17 ms per layer step on the H200 host between
-// its submit and its start (cpu_queue_s, benchmarks/RESULTS.md phases AQ and AW): the worker had to
-// take the GIL from the driving thread, which was busy issuing the layer's fills.
-// The thread is the master of its own OpenMP team, as the Python worker thread was.
+// A Python worker thread would wait 0.09–0.17 ms per layer step between a set's submit and its start
+// (cpu_queue_s): it has to take the GIL from the driving thread, which is busy issuing the layer's
+// fills. The thread is the master of its own OpenMP team.
 #pragma once
 
 #include <chrono>

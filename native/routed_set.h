@@ -1,8 +1,7 @@
 // One decode layer's CPU set built from the layer's routing, in C++ on the driving thread, straight
-// into buffers the worker owns. The Python preparation it replaces (numpy grouping of the pairs, the
-// table rows, the checks and the hand-off) cost the driving thread ~0.12 ms per layer step on the
-// H200 host before the CPU set could start (benchmarks/RESULTS.md, phase BM); here it is a few
-// microseconds for the 8–64 (token, choice) pairs of a decode step.
+// into buffers the worker owns. Done in Python (numpy grouping of the pairs, the table rows, the
+// checks and the hand-off) it costs the driving thread ~0.12 ms per layer step before the CPU set can
+// start; here it is a few microseconds for the 8–64 (token, choice) pairs of a decode step.
 //
 // The set is laid out exactly as experts_cpu.prepare_moe_table takes it from Python: the chosen
 // experts in ascending order, each expert's pairs in (token, choice) order, so moe_ffn adds the same
