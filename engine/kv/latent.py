@@ -11,17 +11,35 @@ only the pool and the attention differ:
     fused kernel: the decode kernel materialises T × S scores).
 
 The paged CUDA decode kernel needs V of K's width and is not used; decode gathers the rows instead.
+
+The hybrid policies (`LatentWriteScopeKV`) keep the InplaceKVCache format exactly as it is: a row
+of r + dr columns is stored as that format's "K" and "V" planes of (r + dr)/2 columns each (one KV
+head), so every region, extent, DMA and byte count of the format applies unchanged and the rows
+take r + dr values per token, as resident. Only the attention over each part differs: the absorbed
+kernel reads the two planes in place (attention_mla.latent_attention_planes), on the device side
+and, in torch, on the CPU side; the parts merge by LSE as any model's do.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
 
 from engine.errors import OutOfMemoryError
 from engine.kernels import attention_mla
+from engine.kernels.lse import merge_pair
 from engine.kv.regions import BlockAllocator
 from engine.kv.resident import ResidentKV
+from engine.kv.writescope import WriteScopeKV
+
+
+def format_shape(args) -> tuple[int, int]:
+    """(n_kv, head_dim) of the KV format for a model's ModelArgs: its KV heads and head dim, or for
+    latent rows (args.mla) one head of half a row (LatentWriteScopeKV's two planes)."""
+    mla = getattr(args, "mla", None)
+    return (args.n_kv_heads, args.head_dim) if mla is None else (1, LatentWriteScopeKV.plane_width(mla.row_width))
 
 
 class LatentResidentKV(ResidentKV):
@@ -77,3 +95,62 @@ class LatentResidentKV(ResidentKV):
             "bytes": {"kv_resident": self.k.numel() * self.k.element_size()},
             "tokens": {"resident": sum(s.length for s in self.seqs.values())},
         }
+
+
+class LatentWriteScopeKV(WriteScopeKV):
+    """WriteScope over latent rows: each row's halves in the format's K and V planes (see above)."""
+
+    def __init__(self, n_layers: int, row_width: int, value_dim: int, **kw):
+        if row_width % 2:
+            raise ValueError(f"a latent row of {row_width} columns does not split into two planes")
+        self.half, self.value_dim = row_width // 2, value_dim
+        super().__init__(n_layers, 1, row_width // 2, **kw)
+
+    @staticmethod
+    def plane_width(row_width: int) -> int:
+        """The format's head dim for rows of this width (what PartitionSpec and its byte counts see)."""
+        return row_width // 2
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: None = None, *,
+               scale: float) -> torch.Tensor:
+        """q: (B, nh, T, r + dr) absorbed queries; k: (B, 1, T, r + dr) the new rows; v: None
+        → attended latents (B, nh, T, r)."""
+        if v is not None:
+            raise ValueError("latent KV rows carry their values; attend takes v=None")
+        return super().attend(layer, q, k[..., :self.half], k[..., self.half:], scale=scale)
+
+    def _part(self, q, k, v, scale, *, causal=False, excluded=None, fp32=True):
+        """k, v: the two planes (b, 1, S, (r + dr)/2); excluded (b, 1, 1, S): True past a row's keys."""
+        visible = None if excluded is None else ~excluded
+        return attention_mla.latent_attention_planes(q, k, v, self.value_dim, scale, visible, causal)
+
+    @torch.inference_mode()
+    def _cpu_part(self, layer, plan, q_host: torch.Tensor, ready, scale: float):
+        """The CPU's share, row by row and run by run over the unpinned planes in place, merged by LSE
+        (torch: the native kernel reads per-head K and V of one width)."""
+        ready.synchronize()
+        B, nh, T, _ = q_host.shape
+        slot, out, lse = self.exchange.result_buffers((B, nh, T, self.value_dim))
+        t0 = time.perf_counter()
+        o = torch.zeros((B, nh, T, self.value_dim))
+        l = torch.full((B, nh, T), float("-inf"))
+        for row, views in enumerate(self.cache.cpu_views(layer, plan)):
+            for k, v in views:  # (1, t, (r + dr)/2) each: one run of the region
+                part = attention_mla.latent_attention_planes(q_host[row:row + 1], k.unsqueeze(0), v.unsqueeze(0),
+                                                             self.value_dim, scale)
+                o[row:row + 1], l[row:row + 1] = merge_pair(o[row:row + 1], l[row:row + 1], *part)
+        seconds = time.perf_counter() - t0
+        if out is not None:  # a page-locked result buffer: one copy takes it to the device
+            out.copy_(o)
+            lse.copy_(l)
+            o, l = out, lse
+        return (slot, o, l), seconds
+
+    def telemetry(self) -> dict:
+        ran, self._cpu_ran = self._cpu_ran, False  # the base names the per-head kernel, which did not run
+        try:
+            t = super().telemetry()
+        finally:
+            self._cpu_ran = ran
+        t["cpu_kernel"] = "torch-mla" if ran else None
+        return t

@@ -99,11 +99,13 @@ class WriteScopeKV(KVBackend):
             self._loads_key = (len(seq_ids), tuple((row, tuple(pieces), n) for row, pieces, n in plan.chunks))
         return plan.positions
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        """scale: the softmax scale; None: hs^−½."""
         plan = self.plan
         nh, hs = q.shape[1], q.shape[3]
         self._n_heads = nh
-        scale = hs ** -0.5
+        scale = hs ** -0.5 if scale is None else scale
         compute = self.transport.compute_stream()
         cpu = None
         if plan.cpu_tokens:  # the CPU starts first (it reads placed tokens only); the GPU parts run meanwhile
@@ -118,12 +120,9 @@ class WriteScopeKV(KVBackend):
             fp32 = not self.transport.cuda  # on CUDA the merge kernel reads q's dtype and casts
             if plan.window_max:
                 wk, wv = self.cache.window_views(layer, plan)
-                if plan.window_excluded is None:
-                    parts.append(attend_dense(q, wk, wv, scale, fp32=fp32))
-                else:
-                    parts.append(attend_padded(q, wk, wv, plan.window_excluded, scale))
+                parts.append(self._part(q, wk, wv, scale, excluded=plan.window_excluded, fp32=fp32))
             if not plan.decode:  # the new tokens over themselves
-                parts.append(attend_dense(q, k, v, scale, causal=True, fp32=fp32))
+                parts.append(self._part(q, k, v, scale, causal=True, fp32=fp32))
             chunks = self._stream(layer, q, plan, scale, compute, fp32, timed) if plan.chunks else []
             if timed:
                 self._end_timing(timing, plan, compute)
@@ -145,6 +144,14 @@ class WriteScopeKV(KVBackend):
         self.cache.commit(plan)
 
     # -- the parts ----------------------------------------------------------------------------
+    def _part(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
+              excluded: torch.Tensor | None = None, fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """One device-side part (D-window, new tokens, a ping-pong load) → (o, lse): per-head K and V
+        here; a cache of other rows (engine/kv/latent.py) computes it its own way."""
+        if excluded is not None:
+            return attend_padded(q, k, v, excluded, scale)
+        return attend_dense(q, k, v, scale, causal=causal, fp32=fp32)
+
     @torch.inference_mode()
     def _cpu_part(self, layer: int, plan: StepPlan, q_host: torch.Tensor, ready, scale: float):
         ready.synchronize()
@@ -208,7 +215,7 @@ class WriteScopeKV(KVBackend):
                 loaded[j].record(h2d)
             tr.wait(compute, loaded[j])
             k, v = self._pingpong_kv[j]  # (1, n_kv, G·E, hs) views
-            parts.append(attend_dense(q[row:row + 1], k[:, :, :n], v[:, :, :n], scale, fp32=fp32))
+            parts.append(self._part(q[row:row + 1], k[:, :, :n], v[:, :, :n], scale, fp32=fp32))
             consumed[j].record(compute)
         return parts
 
@@ -230,7 +237,7 @@ class WriteScopeKV(KVBackend):
         (the D-window in decode, the new tokens in prefill). On CUDA: one cat of outputs, one of LSEs
         and one merge kernel, whatever the number of parts. A single part holds every key of every
         row (a first prefill, or a decode still inside its D-window): it is the result as it is, which
-        spares a 32K prefill a copy and a merge pass over its output (~0.5 ms a layer on the H200)."""
+        spares a 32K prefill a copy and a merge pass over its output (~0.5 ms a layer on an H200)."""
         B = len(plan.seqs)
         if len(parts) + len(chunks) == 1 and (parts or chunks)[0][0].shape[0] == B:
             return (parts or chunks)[0][0].to(dtype)

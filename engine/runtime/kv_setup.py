@@ -14,6 +14,7 @@ profile (`tandem calibrate`) when it has the KV costs; otherwise the documented 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -21,7 +22,7 @@ from engine.errors import ConfigError, OutOfMemoryError, TandemError
 from engine.hw.shapes import KVShape, dtype_name
 from engine.kv.backend import KVBackend
 from engine.kv.inplace import PartitionSpec
-from engine.kv.latent import LatentResidentKV
+from engine.kv.latent import LatentResidentKV, LatentWriteScopeKV, format_shape
 from engine.kv.monolithic import MonolithicKV
 from engine.kv.recurrent import RecurrentKV
 from engine.kv.resident import ResidentKV
@@ -123,7 +124,9 @@ def _build_attention_kv(config, args, model, experts, device: torch.device, dtyp
     check_weights_fit(config, device, device_weights_bytes(model, experts, device))
     policy = choose_policy(config, device, resident_bytes, device_weights_bytes(model, experts, device))
     if mla is not None:
-        return _latent_kv(config, args, policy, device, dtype, max_context)
+        room = None if not config.vram_budget_gb else \
+            int(config.vram_budget_gb * 2**30) - device_weights_bytes(model, experts, device)
+        return _latent_kv(config, args, policy, device, dtype, max_context, room, profile)
     if policy == "resident":
         return ResidentKV(n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
                           max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype,
@@ -144,12 +147,25 @@ def _build_attention_kv(config, args, model, experts, device: torch.device, dtyp
                         dtype=dtype, spec=spec, policy=policy)
 
 
-def _latent_kv(config, args, policy: str, device: torch.device, dtype: torch.dtype, max_context: int) -> KVBackend:
-    """Multi-head latent attention (DeepSeek-V2) caches one [latent, RoPE key] row per token; only the
-    resident backend holds such rows yet (the hybrid regions lay out per-head K and V)."""
-    if policy != "resident":
-        raise ConfigError(f"kv_policy '{policy}' does not hold the latent KV rows of this {args.arch} model yet",
-                          "use kv_policy resident (its latent cache is small: "
-                          f"{args.head_dim * args.n_layers * dtype.itemsize / 1024:.0f} KiB per token)")
-    return LatentResidentKV(args.n_layers, args.mla.row_width, args.mla.kv_lora_rank, max_context=max_context,
-                            max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype)
+
+def _latent_kv(config, args, policy: str, device: torch.device, dtype: torch.dtype, max_context: int,
+               room: int | None, profile) -> KVBackend:
+    """Multi-head latent attention (DeepSeek-V2) caches one [latent, RoPE key] row per token: resident
+    rows, or the hybrid format holding each row in its two planes (engine/kv/latent.py)."""
+    mla = args.mla
+    if policy == "resident":
+        return LatentResidentKV(args.n_layers, mla.row_width, mla.kv_lora_rank, max_context=max_context,
+                                max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype)
+    if device.type != "cuda" and not config.simulate_hybrid:
+        raise ConfigError(f"kv_policy '{policy}' splits attention between a GPU and the CPU, but the compute "
+                          f"device is {device}", "use kv_policy resident (or simulate_hybrid to test the hybrid path)")
+    if policy == "monolithic":
+        raise ConfigError(f"kv_policy 'monolithic' does not hold the latent KV rows of this {args.arch} model",
+                          "use kv_policy resident or writescope")
+    n_kv, plane = format_shape(args)
+    spec = PartitionSpec.for_shape(n_kv, plane, dtype, cuda=device.type == "cuda", block_size=config.block_size,
+                                   d_window=config.d_window, max_context=max_context, vram_budget_bytes=room,
+                                   roofline=roofline_from_profile(profile, replace(args, head_dim=plane), dtype,
+                                                                  config.max_batch))
+    return LatentWriteScopeKV(args.n_layers, mla.row_width, mla.kv_lora_rank, max_context=max_context,
+                              max_batch=config.max_batch, device=device, dtype=dtype, spec=spec, policy=policy)

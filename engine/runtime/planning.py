@@ -17,6 +17,7 @@ import psutil
 import torch
 
 from engine.errors import ConfigError, OutOfMemoryError
+from engine.kv.latent import format_shape
 from engine.kv.partition import PartitionSpec
 from engine.models.common import ModelArgs
 from engine.models.shape import model_args
@@ -78,7 +79,7 @@ def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int) -> Machine
     if experts is None:
         experts = ExpertCostModel.from_shape(args.dim, max(args.expert_ffn_dim, 1), dtype_bytes)
     if kv is None:
-        kv = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=gpu and not simulated).roofline
+        kv = PartitionSpec.for_shape(*format_shape(args), dtype, cuda=gpu and not simulated).roofline
     return MachineCosts(gpu=gpu, vram_bytes=vram, ram_bytes=ram, experts=experts, kv=kv, dram_gbps=dram,
                         cpu_tflops=cpu_tflops, budget_source=source, costs_source=costs_source, simulated=simulated)
 
@@ -93,8 +94,7 @@ def placement_plan(config, profile=None) -> Plan:
     costs = machine_costs(config, args, profile, dev_bytes)
     # what the engine's hybrid paths cannot run for this model (runtime/loading.py and the families refuse it)
     windowed = bool(args.sliding_window and args.sliding_window < max_context) or bool(args.layer_windows)
-    latent = getattr(args, "mla", None) is not None  # latent KV rows: the hybrid regions hold per-head K and V only
-    can = dict(can_spill_kv=not (windowed or args.attn_sinks or latent),
+    can = dict(can_spill_kv=not (windowed or args.attn_sinks),
                can_offload_experts=not args.expert_bias and args.expert_act == "silu")
     parts = replace(model_parts(args, dev_bytes, config.model), **can)
     cpu_parts = parts if cpu_bytes == dev_bytes else replace(model_parts(args, cpu_bytes, config.model), **can)
@@ -107,9 +107,10 @@ def placement_plan(config, profile=None) -> Plan:
 def spill_device_bytes(config, args: ModelArgs, dtype_bytes: int, max_context: int, cuda: bool) -> int:
     """VRAM of writescope's D-window and ping-pong buffers, as kv/partition.py lays them out."""
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
-    spec = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=cuda, block_size=config.block_size,
+    n_kv, head_dim = format_shape(args)  # latent rows: one head of half a row (engine/kv/latent.py)
+    spec = PartitionSpec.for_shape(n_kv, head_dim, dtype, cuda=cuda, block_size=config.block_size,
                                    d_window=config.d_window, max_context=max_context)
-    return spec.device_bytes(len(args.kv_layer_ids()), config.max_batch, args.n_kv_heads, args.head_dim, dtype)
+    return spec.device_bytes(len(args.kv_layer_ids()), config.max_batch, n_kv, head_dim, dtype)
 
 
 def apply_plan(config, p: Plan | None):

@@ -122,13 +122,40 @@ def test_batched_decode_of_unequal_lengths(tmp_path):
         torch.testing.assert_close(row, expected.detach(), atol=1e-4, rtol=0)
 
 
-def test_hybrid_kv_policies_are_refused_by_name(tmp_path):
+@pytest.mark.parametrize("policy", ["writescope", "fixed:0.5", "cpu-centric", "gpu-centric"])
+def test_hybrid_kv_over_latent_rows_equals_resident(tmp_path, policy):
+    """Simulated hybrid: latent rows placed in the D-window, the pinned region (streamed through
+    ping-pong) and the unpinned region (the CPU side), attended per part and merged by LSE, give
+    resident's logits and tokens. A small D-window and block make a 12-token prompt and 20 decode
+    steps place rows in every region. Tolerance: the parts sum in another order, fp32: 1e-5."""
+    folder = write_layout(tiny(seed=5), tmp_path / "m", "fused")
+    resident = tiny_engine(folder, max_context=64)
+    hybrid = tiny_engine(folder, kv_policy=policy, simulate_hybrid=True, d_window=8, block_size=4, max_context=64)
+    kv = hybrid.parts.kv
+    assert type(kv).__name__ == "LatentWriteScopeKV" and kv.cache.head_dim == 10  # (16 + 4) / 2 per plane
+    assert hybrid.generate_ids(PROMPT, 20) == resident.generate_ids(PROMPT, 20)
+    torch.testing.assert_close(engine_logits(hybrid, PROMPT + PROMPT, prefill=6),
+                               engine_logits(resident, PROMPT + PROMPT, prefill=6), atol=1e-5, rtol=0)
+    sid = kv.new_sequence()  # a long prefill places rows in the host regions at once
+    with torch.inference_mode():
+        positions = kv.begin_step([sid], 40)
+        hybrid.parts.model(torch.tensor([list(range(40))]), positions, kv)
+        kv.end_step()
+    tokens = kv.telemetry()["tokens"]
+    if policy != "cpu-centric":
+        assert tokens["pinned"] > 0
+    if policy != "gpu-centric":
+        assert tokens["unpinned"] > 0 and kv.telemetry()["cpu_kernel"] == "torch-mla"
+    kv.free(sid)
+
+
+def test_monolithic_kv_is_refused_by_name(tmp_path):
     from engine.errors import ConfigError
 
     folder = write_layout(tiny(seed=5), tmp_path / "m", "fused")
     with pytest.raises(ConfigError, match="latent KV rows") as e:
-        tiny_engine(folder, kv_policy="writescope", simulate_hybrid=True)
-    assert "kv_policy resident" in e.value.remedy
+        tiny_engine(folder, kv_policy="monolithic", simulate_hybrid=True)
+    assert "writescope" in e.value.remedy
 
 
 # -- GGUF, as llama.cpp's converter writes deepseek2 ------------------------------------------------
