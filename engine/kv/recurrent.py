@@ -4,9 +4,9 @@ sequence, each recurrent layer's state (what the model hands it: tensors on the 
 
 A state summarises all of a sequence's tokens; it cannot be cut back to an earlier length the way
 KV blocks can. So the state *before* each step is kept as a snapshot (a reference, no copy: the
-layers return new tensors every step), the last SNAPSHOTS of them per sequence. `crop` to one of
-those lengths (a decode step fed a token that ended the sequence, a failed step, a new turn that
-continues where the last one stopped) restores it; `resume_point` tells the generator how far
+layers return new tensors every step; a step of several sequences copies each one's rows out), the
+last SNAPSHOTS of them per sequence. `crop` to one of those lengths (a decode step fed a token that
+ended the sequence, a failed step, a new turn that continues where the last one stopped) restores it; `resume_point` tells the generator how far
 back a crop can go, so a turn that changes earlier tokens (regenerate, edit) reads the prompt
 again from the start, or from the newest snapshot before the change.
 
@@ -22,7 +22,8 @@ import torch
 
 from engine.kv.backend import KVBackend
 
-SNAPSHOTS = 4  # states kept per sequence: the steps a crop may undo (the decode runs one step ahead)
+SNAPSHOTS = 2  # states kept per sequence besides the current one: the steps a crop may undo (the decode
+# runs one step ahead, and a failed step is cropped away); each costs a full state (Qwen3.5-35B-A3B: 66 MB)
 
 
 @dataclass
@@ -123,8 +124,12 @@ class RecurrentKV(KVBackend):
         complete = all(s is not None for s in self._new)
         for row, sid in enumerate(self._step):
             st = self.states[sid]
-            # an incomplete step (it raised) leaves no usable state: the caller crops back to a snapshot
-            st.layers = [(c[row:row + 1], s[row:row + 1]) for c, s in self._new] if complete else None
+            if not complete:  # the step raised: no usable state; the caller crops back to the snapshot
+                st.layers = None
+            elif len(self._step) == 1:
+                st.layers = self._new
+            else:  # copies: a row's view would keep the whole batch's tensor alive in the snapshots
+                st.layers = [(c[row:row + 1].clone(), s[row:row + 1].clone()) for c, s in self._new]
             st.length = self.inner.length(sid)
         self._step = self._new = None
 

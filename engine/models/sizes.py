@@ -5,10 +5,13 @@ The count follows models/common.py's modules: per layer q/k/v/o projections (bia
 family has them, attention sinks), two RMSNorms and the optional q/k norms, then either the router
 (its biases), the shared experts and the experts' biases (MoE layers: dense weights, on the GPU
 side) or the dense SwiGLU FFN; token embeddings, the final norm and the output projection unless tied.
+A hybrid model (Qwen3.5) counts its linear-attention layers' own weights, KV for its full-attention
+layers only, and a recurrent state per chat.
 """
 
 from __future__ import annotations
 
+from engine.kv.recurrent import SNAPSHOTS
 from engine.models.common import ModelArgs
 from engine.sched.placement_speed import ModelParts
 
@@ -41,6 +44,8 @@ def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
         attention, kv_rows = _mla_attention(args), 1
         # absorbed attention per (query, key): nh·(r + dr) multiply-adds for the score, nh·r for the value
         q = args.n_heads * (mla.kv_lora_rank + mla.qk_rope_head_dim // 2)
+    if args.attn_output_gate:  # q_proj also yields the per-head output gate
+        attention += H * q
     moe = args.moe_layer_ids()
     dense_ffn = 3 * H * (args.ffn_dim or 0)
     # a MoE layer's dense part: the router (and its score bias) and the shared experts every token runs
@@ -51,7 +56,12 @@ def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
         moe_dense += args.n_experts
     if args.expert_bias:  # every expert's biases: small, kept with the dense weights on the device
         moe_dense += args.n_experts * (2 * args.expert_ffn_dim + H)
-    layer_params = [attention + (moe_dense if i in moe else dense_ffn) for i in range(args.n_layers)]
+    if args.shared_expert_gate:
+        moe_dense += H
+    kv_layers = args.kv_layer_ids()
+    linear = args.linear_attn  # hybrid models: the other layers mix by a recurrent state (models/gated_deltanet.py)
+    mixer = [attention if linear is None or i in kv_layers else linear.params(H) + 2 * H for i in range(args.n_layers)]
+    layer_params = [mixer[i] + (moe_dense if i in moe else dense_ffn) for i in range(args.n_layers)]
     mean_layer = sum(layer_params) // max(args.n_layers, 1)
     expert_params = 3 * H * (args.expert_ffn_dim or 0) if args.is_moe else 0
     return ModelParts(
@@ -61,5 +71,8 @@ def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
         layer_dense_bytes=mean_layer * dtype_bytes,
         moe_layers=len(moe), n_experts=args.n_experts, top_k=args.top_k,
         expert_bytes=expert_params * dtype_bytes, expert_flops_per_token=2.0 * expert_params,
-        kv_bytes_per_token=kv_rows * args.n_layers * kv * dtype_bytes,
-        dense_flops_per_token=2.0 * sum(layer_params), attn_width=q)
+        kv_bytes_per_token=kv_rows * len(kv_layers) * kv * dtype_bytes,
+        dense_flops_per_token=2.0 * sum(layer_params), attn_width=q, kv_layers=len(kv_layers),
+        # fp32 whatever the weights' dtype; the current state and the crop snapshots (kv/recurrent.py)
+        state_bytes_per_chat=0 if linear is None else
+        (args.n_layers - len(kv_layers)) * linear.state_bytes() * (1 + SNAPSHOTS))

@@ -210,6 +210,38 @@ PRESETS: dict[str, dict] = {
         "bos_token_id": 100000,
         "eos_token_id": 100001,
     },
+
+    # Qwen/Qwen3.5-35B-A3B config.json (text_config): 40 layers, every fourth full attention (16 heads, 2 KV
+    # heads of 256, output gate, RoPE on 64 dims) and the others Gated DeltaNet (16 key heads, 32 value
+    # heads of 128, a 4-tap convolution); 256 experts (top 8) of 512 plus a gated shared expert of 512;
+    # 262,144 positions; 35 B parameters. The text model only: the release's vision tower is not run.
+    "qwen3.5-35b-a3b": {
+        "model_type": "qwen3_5_moe",
+        "vocab_size": 248320,
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        "attention_bias": False,
+        "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+    },
 }
 
 _NAME = re.compile(r"synthetic:(?P<preset>[a-z0-9.-]+?)(?:-L(?P<layers>\d+))?")

@@ -47,6 +47,12 @@ class ModelParts:
     attn_width: int  # n_heads · head_dim: attention FLOPs per (query, key) pair are 4 × this per layer
     can_spill_kv: bool = True  # the hybrid KV honours this model's attention (no sinks, no window < context)
     can_offload_experts: bool = True  # the offloading executors take its experts (plain SwiGLU, no biases)
+    kv_layers: int | None = None  # layers that store KV and attend over it (hybrid models: fewer); None: all
+    state_bytes_per_chat: int = 0  # a recurrent state per chat (linear-attention layers), kept with its KV
+
+    @property
+    def attn_layers(self) -> int:
+        return self.n_layers if self.kv_layers is None else self.kv_layers
 
     @property
     def dense_bytes(self) -> int:
@@ -65,7 +71,7 @@ class ModelParts:
         return self.dense_bytes + self.routed_bytes
 
     def kv_bytes(self, tokens: int, chats: int) -> int:
-        return self.kv_bytes_per_token * tokens * chats
+        return (self.kv_bytes_per_token * tokens + self.state_bytes_per_chat) * chats
 
 
 @dataclass(frozen=True)
@@ -143,7 +149,7 @@ def _expert_layer_ms(p: Placement, m: ModelParts, c: MachineCosts, tokens: int, 
 
 def _attention_layer_ms(p: Placement, m: ModelParts, c: MachineCosts, context: int, chats: int,
                         d_window: int) -> float:
-    layer_token_bytes = m.kv_bytes_per_token / max(m.n_layers, 1)
+    layer_token_bytes = m.kv_bytes_per_token / max(m.attn_layers, 1)
     if p.device == "cpu":
         return chats * context * layer_token_bytes / (c.dram_gbps * CPU_STREAM_EFFICIENCY * BYTES_PER_MS_PER_GBPS)
     if p.kv_policy == "resident":
@@ -168,7 +174,7 @@ def decode_ms(p: Placement, m: ModelParts, c: MachineCosts, context: int, chats:
     else:
         parts["GPU layers"] = (m.output_bytes or m.embed_bytes) / (c.hbm_gbps * BYTES_PER_MS_PER_GBPS) + m.n_layers * (
             GPU_LAYER_MS + m.layer_dense_bytes / (c.hbm_gbps * BYTES_PER_MS_PER_GBPS))
-    attn = m.n_layers * _attention_layer_ms(p, m, c, context, chats, d_window)
+    attn = m.attn_layers * _attention_layer_ms(p, m, c, context, chats, d_window)
     parts["KV in host memory" if p.kv_policy != "resident" and p.device != "cpu" else "attention"] = attn
     if m.n_experts:
         ms, bound = _expert_layer_ms(p, m, c, chats, prefill=False)
@@ -186,7 +192,7 @@ def prefill_ms(p: Placement, m: ModelParts, c: MachineCosts, prompt: int, chunk:
     while start < prompt:
         n = min(chunk, prompt - start)
         # matmuls through the dense weights, attention over the keys so far (causal: start + n/2 each)
-        flops = n * m.dense_flops_per_token + m.n_layers * 4.0 * n * (start + n / 2) * m.attn_width
+        flops = n * m.dense_flops_per_token + m.attn_layers * 4.0 * n * (start + n / 2) * m.attn_width
         dense += flops / (tflops * FLOP_PER_MS_PER_TFLOPS)
         if m.n_experts:
             ms, bound = _expert_layer_ms(p, m, c, n, prefill=True)

@@ -103,3 +103,145 @@ def test_vision_language_release_layout(tmp_path):
     engine = tiny_engine(folder)
     assert engine.info()["family"] == "qwen3_5_moe"
     torch.testing.assert_close(engine_logits(engine, PROMPT), hf_logits(ref, PROMPT), atol=FP32_ATOL, rtol=0)
+
+
+# -- the recurrent state across steps, chunks and chat turns --------------------------------------
+
+def _prefill(engine, sid, ids):
+    p, kv = engine.parts, engine.parts.kv
+    positions = kv.begin_step([sid], len(ids))
+    out = p.model(torch.tensor([ids]), positions, kv, last_only=False)[0]
+    kv.end_step()
+    return out
+
+
+@torch.inference_mode()
+def test_crop_restores_the_state_of_an_earlier_step(tmp_path):
+    """A decode step whose token is dropped again (the generator runs one step ahead) is cropped
+    away: the state goes back to the snapshot, and the next tokens see exactly the kept prefix."""
+    engine = tiny_engine(write_layout(tiny(seed=4), tmp_path / "m", "fused"))
+    kv = engine.parts.kv
+    first, dropped, rest = PROMPT[:8], [50], PROMPT[8:]
+    whole = _prefill(engine, sid := kv.new_sequence(), PROMPT)
+    kv.free(sid)
+    sid = kv.new_sequence()
+    _prefill(engine, sid, first)
+    _prefill(engine, sid, dropped)
+    assert kv.resume_point(sid, len(first)) == len(first)
+    kv.crop(sid, len(first))
+    assert kv.length(sid) == len(first)
+    torch.testing.assert_close(_prefill(engine, sid, rest), whole[len(first):], atol=FP32_ATOL, rtol=0)
+    assert kv.resume_point(sid, 3) == 0  # no state was kept at 3 tokens: a crop there starts over
+    kv.free(sid)
+
+
+def test_second_turn_prefills_only_the_new_tokens(tmp_path):
+    """Turn two (turn one's prompt, its reply, a new message) reads only the new tokens and answers as
+    a fresh chat given the whole history; asking it again (regenerate) reads the prompt again from
+    the start, since no state was kept one token before its end, and answers the same."""
+    from engine.api import GenerationRequest
+
+    engine = tiny_engine(write_layout(tiny(seed=5), tmp_path / "m", "fused"))
+    turn1 = [(5 * i + 1) % 96 for i in range(30)]
+    r1 = engine.generate(GenerationRequest(prompt_ids=turn1, max_new_tokens=6, greedy=True, session_id="c"))
+    assert r1.prefilled_tokens == len(turn1)
+    new = [9, 8, 7, 6, 5, 4, 3, 2, 1, 11]
+    turn2 = turn1 + r1.token_ids + new
+    r2 = engine.generate(GenerationRequest(prompt_ids=turn2, max_new_tokens=6, greedy=True, session_id="c"))
+    assert r2.prefilled_tokens <= len(new) + 1  # (+1: the reply's last token was chosen, never fed)
+    fresh = engine.generate(GenerationRequest(prompt_ids=turn2, max_new_tokens=6, greedy=True, session_id="f"))
+    assert fresh.prefilled_tokens == len(turn2) and r2.token_ids == fresh.token_ids
+    again = engine.generate(GenerationRequest(prompt_ids=turn2, max_new_tokens=6, greedy=True, session_id="c"))
+    assert again.token_ids == r2.token_ids and again.prefilled_tokens == len(turn2)
+
+
+def test_prompt_longer_than_a_prefill_chunk(tmp_path):
+    """600 tokens: the generator prefills 512 + 88 (PREFILL_CHUNK), the state carried between the
+    two forwards. The oracle is transformers' forward over the prompt and our reply: each of our
+    greedy tokens is its argmax there, and the logits agree. (Its generate() drifts from its own
+    forward after this long a prompt, by its cached decode path, from the fourth token on.)"""
+    from engine.runtime.generator import PREFILL_CHUNK
+
+    ref = tiny(seed=6, max_position_embeddings=1024)
+    engine = tiny_engine(write_layout(ref, tmp_path / "m", "fused"))
+    prompt = [(11 * i + 5) % 96 for i in range(600)]
+    assert len(prompt) > PREFILL_CHUNK
+    reply = engine.generate_ids(prompt, 6)
+    theirs = hf_logits(ref, prompt + reply)
+    assert theirs[len(prompt) - 1:-1].argmax(-1).tolist() == reply
+    torch.testing.assert_close(engine_logits(engine, prompt + reply, prefill=len(prompt)), theirs,
+                               atol=FP32_ATOL, rtol=0)
+
+
+# -- sizes, the planner, the preset ---------------------------------------------------------------
+
+def test_sizes_count_every_weight_and_a_quarter_of_the_kv(tmp_path):
+    """model_parts (headers only) against the assembled model's own parameters; KV per token for the
+    full-attention layer only; the recurrent state per chat (current + snapshots, fp32)."""
+    from engine.kv.recurrent import SNAPSHOTS
+    from engine.models.sizes import model_parts
+
+    engine = tiny_engine(write_layout(tiny(seed=7), tmp_path / "m", "fused"))
+    args = engine.parts.args
+    parts = model_parts(args, 4, "tiny")
+    held = sum(p.numel() for p in engine.parts.model.parameters()) * 4  # routed experts are not parameters
+    assert abs(parts.dense_bytes - held) < 4 * args.n_layers  # (the per-layer mean is rounded down)
+    assert parts.routed_bytes == 4 * 4 * 8 * 3 * 32 * 16 and parts.kv_layers == 1  # bytes, layers, experts, (3, H, I)
+    assert parts.kv_bytes_per_token == 2 * 1 * 2 * 16 * 4  # K and V, one layer, 2 KV heads of 16, fp32
+    state = 4 * (4 * 8 * 8 + (2 * 2 * 8 + 4 * 8) * 3)  # S (nv, dk, dv) and the conv's last 3 inputs
+    assert parts.state_bytes_per_chat == 3 * state * (1 + SNAPSHOTS)
+
+
+def test_preset_has_the_published_shape():
+    """synthetic:qwen3.5-35b-a3b: 34.7 B parameters counted (the text model), KV in 10 of 40 layers;
+    -L<n> cuts keep every fourth layer full attention."""
+    from engine.models import families, synthetic
+    from engine.models.sizes import model_parts
+
+    config = synthetic.config_for("synthetic:qwen3.5-35b-a3b")
+    args = families.for_model_type(config["model_type"], None).args_from_config(config)
+    parts = model_parts(args, 2, "synthetic:qwen3.5-35b-a3b")
+    assert parts.weights_bytes / 2 / 1e9 == pytest.approx(34.66, abs=0.01)
+    assert args.kv_layer_ids() == list(range(3, 40, 4)) and args.rotary_dim == 64 and args.max_position == 262144
+    assert parts.kv_bytes_per_token == 10 * 2 * 2 * 256 * 2  # a dense model of 40 such layers: four times this
+    cut = synthetic.config_for("synthetic:qwen3.5-35b-a3b-L8")
+    assert families.get("qwen3_5_moe").args_from_config(cut).kv_layer_ids() == [3, 7]
+
+
+def test_plan_counts_a_quarter_of_the_kv_and_refuses_the_hybrid_paths(monkeypatch):
+    """The whole preset on a 24 GiB GPU and 128 GiB of RAM (costs given, headers only): its experts do
+    not fit the GPU, and offloading them (or spilling KV) is not offered for the recurrent layers yet,
+    so it runs on the CPU; the KV row is 10 layers' KV plus the chat's recurrent state."""
+    from engine.api import EngineConfig
+    from engine.runtime import planning
+    from engine.sched.expert_cost import ExpertCostModel
+    from engine.sched.placement import GiB, MachineCosts
+    from engine.sched.roofline import RooflineParams
+
+    kv = RooflineParams(A_ns_per_token=100.0, B_ns_per_token=40.0, delta_ms=0.1)
+    costs = MachineCosts(gpu=True, vram_bytes=24 * GiB, ram_bytes=128 * GiB,
+                         experts=ExpertCostModel.from_shape(2048, 512, 2), kv=kv, dram_gbps=90.0)
+    monkeypatch.setattr(planning, "machine_costs", lambda *a, **k: costs)
+    config = EngineConfig(model="synthetic:qwen3.5-35b-a3b", device="cpu", simulate_hybrid=True, dtype="bfloat16",
+                          max_context=32768, max_batch=1)
+    plan = planning.placement_plan(config)
+    assert plan.fits and plan.device == "cpu"
+    assert not any("adaptive" in c["placement"] or "writescope" in c["placement"] for c in plan.candidates)
+    row = next(r for r in plan.rows if r.part == "KV cache")
+    state = 30 * 4 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 3  # 30 layers, fp32, current + 2 snapshots
+    assert row.bytes == 32768 * 10 * 2 * 2 * 256 * 2 + state
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="8.7 GB of bf16 weights: the GPU machine's test")
+def test_synthetic_cut_generates_on_cuda():
+    """synthetic:qwen3.5-35b-a3b-L4 (three DeltaNet layers, one full attention) prefills 700 tokens and
+    decodes on CUDA (fla's kernels where installed); a second run, from a fresh state, gives the same tokens."""
+    from engine.api import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model="synthetic:qwen3.5-35b-a3b-L4", device="cuda", max_context=1024, max_batch=1,
+                                 kv_policy="resident", expert_policy="resident"))
+    assert engine.info()["family"] == "qwen3_5_moe"
+    prompt = [(13 * i + 7) % 5000 for i in range(700)]  # over one 512-token prefill chunk
+    out = engine.generate_ids(prompt, 8)
+    assert len(out) == 8 and all(0 <= t < 248320 for t in out)
+    assert engine.generate_ids(prompt, 8) == out  # the second run starts from fresh state, same tokens
