@@ -119,6 +119,9 @@ class LatentWriteScopeKV(WriteScopeKV):
             raise ValueError("latent KV rows carry their values; attend takes v=None")
         return super().attend(layer, q, k[..., :self.half], k[..., self.half:], scale=scale)
 
+    def _out_width(self, q: torch.Tensor) -> int:
+        return self.value_dim  # the attended latent, not the r + dr of q
+
     def _part(self, q, k, v, scale, *, causal=False, excluded=None, fp32=True):
         """k, v: the two planes (b, 1, S, (r + dr)/2); excluded (b, 1, 1, S): True past a row's keys."""
         visible = None if excluded is None else ~excluded

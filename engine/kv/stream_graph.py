@@ -75,10 +75,12 @@ class StreamGraphs:
         self._seen[layer] = (key, out_dtype)
 
     def capture(self, layer: int, key: tuple, q: torch.Tensor, n_loads: int, out_dtype: torch.dtype,
-                body) -> _Graph | None:
+                body, out_width: int | None = None) -> _Graph | None:
         """Capture `body(q, compute, fork)` → list of (o (1, nh, T, hs), lse (1, nh, T)); None if the
-        capture fails (logged once; the caller streams eagerly from then on)."""
+        capture fails (logged once; the caller streams eagerly from then on). out_width: o's last
+        dim where it is not q's (latent rows: r of q's r + dr)."""
         _, nh, T, hs = q.shape  # (B, nh, T, hs)
+        hs = hs if out_width is None else out_width
         compute = torch.cuda.current_stream(self.device)
         t0 = time.perf_counter()
         static_q = q.clone()  # on the compute stream, outside the capture

@@ -144,6 +144,10 @@ class WriteScopeKV(KVBackend):
         self.cache.commit(plan)
 
     # -- the parts ----------------------------------------------------------------------------
+    def _out_width(self, q: torch.Tensor) -> int:
+        """Last dim of a part's output: a head's value width, here q's."""
+        return q.shape[-1]
+
     def _part(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
               excluded: torch.Tensor | None = None, fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One device-side part (D-window, new tokens, a ping-pong load) → (o, lse): per-head K and V
@@ -178,7 +182,7 @@ class WriteScopeKV(KVBackend):
                 def body(q_static, stream, fork):  # the capture's own events: nothing recorded outside it is waited on
                     loaded, consumed = [torch.cuda.Event() for _ in range(2)], [torch.cuda.Event() for _ in range(2)]
                     return self._loads(layer, q_static, plan, scale, stream, fp32, loaded, consumed, fork)
-                graph = self.graphs.capture(layer, key, q, len(plan.chunks), dtype, body)
+                graph = self.graphs.capture(layer, key, q, len(plan.chunks), dtype, body, self._out_width(q))
             if graph is not None:
                 tr.wait(compute, cache.d2h_done)  # extents written back by an earlier flush have landed
                 span = self._span_start(compute) if timed else None
