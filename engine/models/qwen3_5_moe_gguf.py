@@ -106,6 +106,7 @@ def _linear_tensor(kind: str, t: torch.Tensor, config: dict) -> torch.Tensor:
 
 def sanitize_gguf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
     n_layers = int(config["num_hidden_layers"])
+    fused = {name.split(".")[1] for name in raw if name.endswith(".ffn_gate_up_exps.weight")}
     main, extra = {}, {}
     for name, t in raw.items():
         parts = name.split(".", 2)
@@ -122,6 +123,9 @@ def sanitize_gguf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch
                 continue
             if kind == "ffn_gate_up_exps.weight":  # (E, 2I, H) gate first: the engine's layout
                 extra[prefix + "mlp.experts.gate_up_proj"] = t
+                continue
+            if kind == "ffn_down_exps.weight" and parts[1] in fused:  # (its gate and up are not for the shared map)
+                extra[prefix + "mlp.experts.down_proj"] = t
                 continue
         main[name] = t
     out = sanitize_moe_gguf(main, config)
