@@ -276,7 +276,8 @@ def test_config_of_the_published_shape_reads():
     assert args.n_layers == 27 and args.moe_layer_ids() == list(range(1, 27))
     assert (args.n_experts, args.top_k, args.expert_ffn_dim, args.shared_expert_ffn_dim) == (64, 6, 1408, 2816)
     m = args.mla
-    assert (m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank) == (512, 128, 64, 128, None)
+    assert (m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (512, 128, 64, 128)
+    assert m.q_lora_rank is None and m.row_width == 576
     assert m.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * 0.707 * np.log(40) + 1) ** 2)
 
 
