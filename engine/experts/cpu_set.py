@@ -45,6 +45,18 @@ def per_expert_moe(ffn):
     return prepare
 
 
+def form_cpu_set(form, x: torch.Tensor, expert_ids: list[int], experts, tokens, weights, out=None):
+    """The CPU set of a layer whose experts have another form (experts_torch.ClampedSwiGLU, its
+    biases on the host): torch, one expert at a time; inputs as `cpu_set_inputs` gives them → compute()."""
+    def compute():
+        result = torch.zeros(x.shape, dtype=torch.float32) if out is None else out.zero_()  # (N, H)
+        for e, (gate_up, down), tok, w in zip(expert_ids, experts, tokens, weights):
+            idx = torch.from_numpy(tok)
+            result.index_add_(0, idx, form.ffn(x[idx], e, gate_up, down).float() * torch.from_numpy(w).unsqueeze(1))
+        return result
+    return compute
+
+
 def default_cpu_moe():
     """A layer's whole CPU set in one call (one fork of the native thread team per layer):
     (prepare(x, experts, tokens, weights, out) → compute(), name)."""

@@ -27,7 +27,8 @@ import torch
 
 from engine.experts.cache import ExpertCache
 from engine.experts.cpu_mailbox import default_share
-from engine.experts.cpu_set import (CpuSetRunner, cpu_set_inputs, default_cpu_moe, native_cpu_set, per_expert_moe,
+from engine.experts.cpu_set import (CpuSetRunner, cpu_set_inputs, default_cpu_moe, form_cpu_set, native_cpu_set,
+                                     per_expert_moe,
                                     routed_cpu_set)
 from engine.experts.executor import ExpertExecutor
 from engine.experts.planner import MissPlanner
@@ -37,6 +38,7 @@ from engine.experts.zero_copy import ZeroCopyDecode
 from engine.kernels import moe_decode_gpu
 from engine.kernels.cuda_streams import indexed
 from engine.kernels.experts_gpu import grouped_expert_ffn, grouped_impl, uses_grouped_mm
+from engine.kernels.experts_torch import ClampedSwiGLU
 from engine.sched.expert_cost import ExpertCostModel
 
 OFFLOAD_POLICIES = ("adaptive", "on-demand", "static", "cpu-only")
@@ -46,7 +48,9 @@ OFFLOAD_POLICIES = ("adaptive", "on-demand", "static", "cpu-only")
 # CPU set) the result's return and merge.
 HOST_PARTS = ("lookup", "plan", "cpu_set", "fill", "gpu_set", "prefetch", "bookkeeping", "merge")
 log = logging.getLogger("tandem")
-CPU_CORRECTION_WINDOW = 32  # CPU sets measured per update of the cost model's CPU correction
+# CPU sets whose measured / modelled ratio the correction is the median of: under one decode step of
+# a 48-layer model, so it follows a change within a step, and a stray slow set does not move it.
+CPU_CORRECTION_WINDOW = 32
 
 
 class OffloadedExperts(ExpertExecutor):
@@ -84,6 +88,8 @@ class OffloadedExperts(ExpertExecutor):
         # kernel, prefill sets are compute-bound (often torch's kernel), so their errors differ.
         self._phase_costs = {"decode": self.costs, "prefill": self.costs}
         self._cpu_ratios = {phase: deque(maxlen=CPU_CORRECTION_WINDOW) for phase in self._phase_costs}
+        self.forms: dict[int, ClampedSwiGLU] = {}  # layers whose experts are not plain SwiGLU (gpt-oss)
+        self._cpu_forms: dict[int, ClampedSwiGLU] = {}  # the same with host copies of the biases
         self.zero_copy: ZeroCopyDecode | None = None  # the whole-step graph's device table (adaptive, CUDA)
         self.zero_copy_off: str | None = None  # why there is none
         self._opened = False
@@ -125,6 +131,19 @@ class OffloadedExperts(ExpertExecutor):
             except RuntimeError as e:  # the driver cannot map the store
                 self.zero_copy_off = str(e)
                 log.warning("decode steps with offloaded experts stay in pieces: %s", e)
+
+    def set_form(self, layer: int, form: ClampedSwiGLU) -> None:
+        """The layer's experts compute `form` (gpt-oss: biases, clamped SwiGLU). The slots run it in
+        the grouped GEMM with the biases on the device, the CPU set in torch with host copies of them.
+        The matrix-vector decode kernels (graph pieces, the whole-step graph) and the native CPU
+        kernel know only plain SwiGLU, so such a model's MoE layers run eagerly between graph pieces."""
+        self.forms[layer] = form
+        host = lambda b: b.detach().to("cpu", self.store.dtype)  # noqa: E731  (E, 2I), (E, H): small
+        self._cpu_forms[layer] = ClampedSwiGLU(host(form.gate_up_bias), host(form.down_bias), form.alpha, form.limit)
+        if self.zero_copy is not None:
+            self.zero_copy.close()
+            self.zero_copy = None
+        self.zero_copy_off = "its experts have biases and a clamped SwiGLU"
 
     def attach_predictor(self, predictor: GateLookahead) -> None:
         self.predictor = predictor
@@ -206,7 +225,11 @@ class OffloadedExperts(ExpertExecutor):
         if on_cpu:
             buf = self._result_buffer(x_h.shape)
             prepared = None
-            if self.cpu_ffn is None:  # the default kernel: one native call built from the store's addresses
+            form = self._cpu_forms.get(layer)
+            if form is not None:
+                prepared = form_cpu_set(form, x_h, plan.cpu, *cpu_set_inputs(self.store, layer, plan.cpu, ids_h, w_h),
+                                        out=buf)
+            elif self.cpu_ffn is None:  # the default kernel: one native call built from the store's addresses
                 buf = buf if buf is not None else torch.empty(x_h.shape, dtype=torch.float32)
                 prepared = routed_cpu_set(self.store, layer, plan.cpu, ids_h, w_h, x_h, buf) or \
                     native_cpu_set(self.store, layer, plan.cpu, ids_h, w_h, x_h, buf)
@@ -224,7 +247,7 @@ class OffloadedExperts(ExpertExecutor):
                 between()
             result = None
         else:
-            result = self._gpu_set(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts],
+            result = self._gpu_set(layer, x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts],
                                    stream, out=None if on_cpu else out) if gpu_experts else None
         marks.append(time.perf_counter())
         if plan.prefetch and predicted and self.cache is not None:
@@ -286,7 +309,7 @@ class OffloadedExperts(ExpertExecutor):
 
     def device_side_ok(self, x: torch.Tensor) -> bool:
         """Whether a graph piece can hold this layer's GPU side (`gpu_side`): a few tokens on CUDA."""
-        return self.device.type == "cuda" and moe_decode_gpu.available(x)
+        return self.device.type == "cuda" and moe_decode_gpu.available(x) and not self.forms
 
     def gpu_side(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
         """The device half of a decode layer whose host half runs as `run(..., cpu_buf=)`: the experts
@@ -308,12 +331,13 @@ class OffloadedExperts(ExpertExecutor):
         if self.cache is not None:
             self.cache.wait_copies(stream)
 
-    def _gpu_set(self, x, ids, weights, experts: list[int], slots: list[int], pairs_per_expert: np.ndarray,
+    def _gpu_set(self, layer: int, x, ids, weights, experts: list[int], slots: list[int], pairs_per_expert: np.ndarray,
                  stream=None, out: torch.Tensor | None = None):
         """Σ over the GPU-side experts, as one grouped computation over the slot pool → (N, H)."""
         N, k = ids.shape
         self._publish_map(experts, slots, stream)
-        if moe_decode_gpu.available(x):  # a few tokens: matrix-vector products over the slots in place
+        form = self.forms.get(layer)
+        if form is None and moe_decode_gpu.available(x):  # a few tokens: matrix-vector products over the slots in place
             slot_ids = self._map_dev[ids]  # (N, k) slot, or the sentinel (past the pool: skipped) for CPU pairs
             return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down, out=out)
         slot_of_pair = self._map_dev[ids.reshape(-1)]  # (N·k,) slot, or the sentinel for CPU pairs
@@ -326,7 +350,8 @@ class OffloadedExperts(ExpertExecutor):
         groups = list(zip(np.asarray(slots)[by_slot].tolist(), (ends - pairs_per_expert[by_slot]).tolist(),
                           ends.tolist()))
         offs = torch.searchsorted(sorted_slots, self._group_ends, out_int32=True) if self._grouped_mm else None  # (S,)
-        y = grouped_expert_ffn(xs, self.cache.gate_up, self.cache.down, offs, groups)  # (N·k, H)
+        rows = ids.reshape(-1)[perm] if form is not None else None  # (N·k,) the expert of each row: its biases
+        y = grouped_expert_ffn(xs, self.cache.gate_up, self.cache.down, offs, groups, form=form, rows=rows)  # (N·k, H)
         on_gpu = (sorted_slots < self._sentinel).unsqueeze(1)  # (N·k, 1)
         w = weights.reshape(-1)[perm].unsqueeze(1).float()
         y = torch.where(on_gpu, y.float() * w, 0.0)  # CPU pairs' rows are undefined: zero them

@@ -18,8 +18,9 @@ The forward is `common.Decoder`; one block reads
 The checkpoints store the experts transposed, (E, H, 2I) with gate and up *interleaved* (gate in the
 even columns) and (E, I, H); they are re-laid into the engine's gate-first (E, 2I, H) / (E, H, I) at
 load. The KV must honour sinks and per-layer windows: resident KV does; the hybrid policies do not
-yet and are refused (kv_policy resident). The routed experts' biases and activation reach the
-resident executor (its torch path); the offloading executors refuse them (expert_policy resident).
+yet and are refused (kv_policy resident). The routed experts' biases and activation reach every
+expert executor (`set_form`): resident and cached experts run them in the grouped GEMM, the CPU set
+in torch; the matrix-vector decode kernels and the native CPU kernel know plain SwiGLU only.
 MXFP4 expert tensors of a safetensors folder are refused here; in a GGUF they are dequantised at load.
 """
 

@@ -99,17 +99,47 @@ def test_paged_decode_honours_sinks_and_windows(tmp_path):
     torch.testing.assert_close(engine_logits(engine, PROMPT, prefill=3), hf_logits(ref, PROMPT), atol=1e-4, rtol=0)
 
 
-def test_hybrid_kv_and_offloaded_experts_are_refused(tmp_path):
-    """writescope cannot honour sinks and per-layer windows yet, nor the offloading executors the
-    experts' biases: both refused at load, naming what runs."""
+def test_hybrid_kv_is_refused(tmp_path):
+    """writescope cannot honour sinks and per-layer windows yet: refused at load, naming what runs."""
     folder = saved(tmp_path, tiny(seed=4))
     with pytest.raises(TandemError, match="kv_policy resident"):
         tiny_engine(folder, kv_policy="writescope", simulate_hybrid=True, max_context=64)
-    with pytest.raises(ConfigError, match="expert_policy resident"):
-        tiny_engine(folder, expert_policy="adaptive", simulate_hybrid=True, kv_policy="resident", max_context=64)
     with pytest.raises(ConfigError, match="kv_policy resident"):  # a context within the window: no window left to
         engine = tiny_engine(folder, kv_policy="writescope", simulate_hybrid=True, max_context=4)  # refuse on
         engine.generate_ids(PROMPT[:3], 1)
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "on-demand", "cpu-only"])
+def test_offloaded_experts_with_biases_generate_what_resident_generates(tmp_path, policy):
+    """Simulated hybrid, 5 cache slots for 32 routed experts: the slots' grouped path and the CPU
+    set both run the biases and the clamped SwiGLU; tokens and logits equal resident execution."""
+    from engine.experts.offload import OffloadedExperts
+
+    folder = saved(tmp_path, tiny(seed=4))
+    resident = tiny_engine(folder, max_context=64)
+    expected = resident.generate_ids(PROMPT, 8)
+    offloaded = tiny_engine(folder, expert_policy=policy, simulate_hybrid=True, kv_policy="resident",
+                            expert_cache_slots=5, max_context=64)
+    ex = offloaded.parts.experts
+    assert isinstance(ex, OffloadedExperts) and len(ex.forms) == 4
+    assert offloaded.generate_ids(PROMPT, 8) == expected
+    torch.testing.assert_close(engine_logits(offloaded, PROMPT, prefill=4), engine_logits(resident, PROMPT, prefill=4),
+                               atol=1e-5, rtol=0)  # fp32 both; the same products summed in another order
+    t = ex.telemetry()
+    assert t["cpu_executed"] > 0 and (policy == "cpu-only" or t["fills"] > 0)
+
+
+def test_the_planner_offloads_gpt_oss_experts_under_a_small_budget(tmp_path):
+    """A budget that holds the dense weights (and the planner's reserve) but not the experts: the
+    dense part runs on the GPU and the experts are offloaded, instead of all of it on the CPU."""
+    from engine.api import EngineConfig, plan_placement
+
+    folder = saved(tmp_path, tiny(seed=4))
+    resident = tiny_engine(folder, max_context=64)
+    budget = (resident.parts.weights_bytes * 2.0) / 2**30
+    plan = plan_placement(EngineConfig(model=str(folder), backend="tandem", simulate_hybrid=True, dtype="float32",
+                                       vram_budget_gb=budget, max_context=64, max_batch=1))
+    assert plan["fits"] and plan["device"] == "gpu" and plan["expert_policy"] in ("adaptive", "cpu-only")
 
 
 def test_resident_experts_say_which_kernel_runs(tmp_path):
