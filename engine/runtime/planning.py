@@ -96,7 +96,7 @@ def placement_plan(config, profile=None) -> Plan:
     windowed = bool(args.sliding_window and args.sliding_window < max_context) or bool(args.layer_windows)
     hybrid = args.linear_attn is not None  # recurrent layers: not run under the hybrid policies yet
     can = dict(can_spill_kv=not (windowed or args.attn_sinks or hybrid),
-               can_offload_experts=not args.expert_bias and args.expert_act == "silu" and not hybrid)
+               can_offload_experts=args.expert_act in ("silu", "clamped") and not hybrid)
     parts = replace(model_parts(args, dev_bytes, config.model), **can)
     cpu_parts = parts if cpu_bytes == dev_bytes else replace(model_parts(args, cpu_bytes, config.model), **can)
     return plan(parts, costs, max_context=max_context, max_batch=config.max_batch,

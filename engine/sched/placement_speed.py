@@ -46,7 +46,7 @@ class ModelParts:
     dense_flops_per_token: float  # 2 × the dense parameters a token multiplies through (prefill compute)
     attn_width: int  # n_heads · head_dim: attention FLOPs per (query, key) pair are 4 × this per layer
     can_spill_kv: bool = True  # the hybrid KV honours this model's attention (no sinks, no window < context)
-    can_offload_experts: bool = True  # the offloading executors take its experts (plain SwiGLU, no biases)
+    can_offload_experts: bool = True  # the offloading executors take its experts (SwiGLU, or gpt-oss's form)
     kv_layers: int | None = None  # layers that store KV and attend over it (hybrid models: fewer); None: all
     state_bytes_per_chat: int = 0  # a recurrent state per chat (linear-attention layers), kept with its KV
 
