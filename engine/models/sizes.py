@@ -73,6 +73,12 @@ def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
         expert_bytes=expert_params * dtype_bytes, expert_flops_per_token=2.0 * expert_params,
         kv_bytes_per_token=kv_rows * len(kv_layers) * kv * dtype_bytes,
         dense_flops_per_token=2.0 * sum(layer_params), attn_width=q, kv_layers=len(kv_layers),
-        # fp32 whatever the weights' dtype; the current state and the crop snapshots (kv/recurrent.py)
-        state_bytes_per_chat=0 if linear is None else
-        (args.n_layers - len(kv_layers)) * linear.state_bytes() * (1 + SNAPSHOTS))
+        state_bytes_per_chat=recurrent_state_bytes(args))
+
+
+def recurrent_state_bytes(args: ModelArgs) -> int:
+    """One chat's recurrent state on the compute device (hybrid models; 0 for others): fp32 whatever
+    the weights' dtype, the current state and the crop snapshots (kv/recurrent.py)."""
+    if args.linear_attn is None:
+        return 0
+    return (args.n_layers - len(args.kv_layer_ids())) * args.linear_attn.state_bytes() * (1 + SNAPSHOTS)

@@ -21,7 +21,7 @@ from engine.kv.latent import format_shape
 from engine.kv.partition import PartitionSpec
 from engine.models.common import ModelArgs
 from engine.models.shape import model_args
-from engine.models.sizes import model_parts
+from engine.models.sizes import model_parts, recurrent_state_bytes
 from engine.runtime.expert_placement import costs_from_profile
 from engine.runtime.generator import PREFILL_CHUNK
 from engine.runtime.kv_setup import roofline_from_profile
@@ -94,9 +94,8 @@ def placement_plan(config, profile=None) -> Plan:
     costs = machine_costs(config, args, profile, dev_bytes)
     # what the engine's hybrid paths cannot run for this model (runtime/loading.py and the families refuse it)
     windowed = bool(args.sliding_window and args.sliding_window < max_context) or bool(args.layer_windows)
-    hybrid = args.linear_attn is not None  # recurrent layers: not run under the hybrid policies yet
-    can = dict(can_spill_kv=not (windowed or args.attn_sinks or hybrid),
-               can_offload_experts=args.expert_act in ("silu", "clamped") and not hybrid)
+    can = dict(can_spill_kv=not (windowed or args.attn_sinks),
+               can_offload_experts=args.expert_act in ("silu", "clamped"))
     parts = replace(model_parts(args, dev_bytes, config.model), **can)
     cpu_parts = parts if cpu_bytes == dev_bytes else replace(model_parts(args, cpu_bytes, config.model), **can)
     return plan(parts, costs, max_context=max_context, max_batch=config.max_batch,
@@ -111,7 +110,9 @@ def spill_device_bytes(config, args: ModelArgs, dtype_bytes: int, max_context: i
     n_kv, head_dim = format_shape(args)  # latent rows: one head of half a row (engine/kv/latent.py)
     spec = PartitionSpec.for_shape(n_kv, head_dim, dtype, cuda=cuda, block_size=config.block_size,
                                    d_window=config.d_window, max_context=max_context)
-    return spec.device_bytes(len(args.kv_layer_ids()), config.max_batch, n_kv, head_dim, dtype)
+    # a hybrid model's recurrent state stays on the device beside the D-windows (its KV row counts it in RAM)
+    return spec.device_bytes(len(args.kv_layer_ids()), config.max_batch, n_kv, head_dim, dtype) + \
+        recurrent_state_bytes(args) * config.max_batch
 
 
 def apply_plan(config, p: Plan | None):
