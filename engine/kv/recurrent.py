@@ -6,9 +6,10 @@ A state summarises all of a sequence's tokens; it cannot be cut back to an earli
 KV blocks can. So the state *before* each step is kept as a snapshot (a reference, no copy: the
 layers return new tensors every step; a step of several sequences copies each one's rows out), the
 last SNAPSHOTS of them per sequence. `crop` to one of those lengths (a decode step fed a token that
-ended the sequence, a failed step, a new turn that continues where the last one stopped) restores it; `resume_point` tells the generator how far
-back a crop can go, so a turn that changes earlier tokens (regenerate, edit) reads the prompt
-again from the start, or from the newest snapshot before the change.
+ended the sequence, a failed step, a new turn that continues where the last one stopped) restores
+it; `resume_point` tells the generator how far back a crop can go, so a turn that changes earlier
+tokens (regenerate, edit) reads the prompt again from the start, or from the newest snapshot before
+the change.
 
 Every other call goes to the wrapped backend: this object is the model's `kv`, the same in
 resident and hybrid placements; only the attention layers' KV is placed.
