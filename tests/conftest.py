@@ -13,14 +13,16 @@ from engine.api import Engine, EngineConfig  # noqa: E402
 
 @pytest.fixture(scope="session")
 def dense_engine():
-    engine = Engine(EngineConfig(model="builtin:smollm2-135m", backend="tandem", device="cpu"))
+    # float32: the dequantised reference path, exactly equal to transformers (dtype auto on a CPU keeps
+    # the GGUF's blocks: tests/quant)
+    engine = Engine(EngineConfig(model="builtin:smollm2-135m", backend="tandem", device="cpu", dtype="float32"))
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="session")
 def moe_engine():
-    engine = Engine(EngineConfig(model="builtin:smollm2-135m-moe", backend="tandem", device="cpu"))
+    engine = Engine(EngineConfig(model="builtin:smollm2-135m-moe", backend="tandem", device="cpu", dtype="float32"))
     yield engine
     engine.close()
 

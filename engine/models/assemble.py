@@ -6,6 +6,8 @@ to the expert executor the caller makes (`make_experts(gate_up, down)`, lists ov
 in order — `args.moe_layer_ids()`; a model with dense layers between them passes fewer entries
 than it has layers, and `MoEFeedForward.expert_layer` indexes these lists). Tensors already on the
 target device in the target dtype (synthetic models generate them there) are taken as they are.
+Quantised blocks (engine/quant: `QuantTensor`, `QuantStack`) stay blocks on the CPU, their layers
+becoming `QuantLinear`/`QuantEmbedding`; on an accelerator they are dequantised at placement.
 """
 
 from __future__ import annotations
@@ -14,10 +16,16 @@ import torch
 
 from engine.errors import ModelFileError
 from engine.models.common import Decoder, FeedForward, ModelArgs, MoEFeedForward
+from engine.quant import modules as quant_modules
+from engine.quant.blocks import QuantStack, QuantTensor
 
 
 def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A real copy on an accelerator; on the host, keep storage (and shared views) where possible."""
+    if isinstance(t, (QuantTensor, QuantStack)):
+        if device.type == "cpu":
+            return t  # computed over in blocks (engine/quant)
+        t = t.dequantize(dtype)  # no GPU kernels over blocks yet: dequantised here, as at load before
     same_device = t.device.type == device.type and device.index in (None, t.device.index)
     if same_device and t.dtype == dtype:
         return t  # already placed (generated in place)
@@ -64,11 +72,14 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
         raise ModelFileError(f"{source}: unexpected tensors {unexpected[:4]}{' …' if len(unexpected) > 4 else ''}",
                              "the file does not match its declared architecture")
     placed = {name: _place(tensors[name], device, dtype) for name in expected}
-    model.load_state_dict(placed, assign=True, strict=True)
+    blocks = {name: t for name, t in placed.items() if isinstance(t, QuantTensor)}
+    model.load_state_dict({n: t for n, t in placed.items() if n not in blocks}, assign=True, strict=not blocks)
+    quant_modules.install(model, blocks, dtype)  # a tied head shares the embedding's blocks
     for layer in model.model.layers:
-        if hasattr(layer, "self_attn"):  # (a hybrid model's linear-attention layers have none)
-            layer.self_attn.fuse_qkv()  # q, k, v projected by one GEMM (views: no memory added)
-    if tied:  # one tensor, not a second copy on the device
+        attn = getattr(layer, "self_attn", None)  # (a hybrid model's linear-attention layers have none)
+        if attn is not None and not isinstance(attn.q_proj, quant_modules.QuantLinear):
+            attn.fuse_qkv()  # q, k, v projected by one GEMM (views: no memory added)
+    if tied and "model.embed_tokens.weight" not in blocks:  # one tensor, not a second copy on the device
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(args.max_position, device, dtype)
     if args.is_moe:

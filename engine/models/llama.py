@@ -54,10 +54,12 @@ def route(logits: torch.Tensor, k: int, renormalise: bool = True):
     return softmax_topk(logits, k, renormalise=True)
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of llama.cpp's convert-time q/k row permutation (interleaved → rotate-half pairs)."""
-    out_dim, in_dim = w.shape
-    return w.reshape(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+def _unpermute(w, n_heads: int):
+    """Inverse of llama.cpp's convert-time q/k row permutation (interleaved → rotate-half pairs): a
+    selection of whole rows, so a tensor or quantised blocks (engine/quant) alike."""
+    out_dim = w.shape[0]
+    rows = torch.arange(out_dim).reshape(n_heads, out_dim // n_heads // 2, 2).transpose(1, 2).reshape(out_dim)
+    return w[rows]
 
 
 def sanitize_gguf(raw: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:

@@ -1,5 +1,10 @@
-"""Reading model files: GGUF (dequantised through the `gguf` package) and Hugging Face folders
+"""Reading model files: GGUF (through the `gguf` package) and Hugging Face folders
 (config.json + safetensors, memory-mapped, never pickle).
+
+GGUF weights are dequantised to the engine dtype, except with `quantised=True` (the CPU plan of
+dtype "auto"): then dense Q8_0, Q4_0 and Q4_1 matrices stay in their blocks as `QuantTensor`s that
+view the file's map (engine/quant), and every other quantised type is dequantised with a one-line
+warning that says what it costs.
 
 Both come out as a `Checkpoint`: an HF-style config dict and tensors under HF names, after the
 family's `sanitize` step. Every failure names the file and says what to do.
@@ -8,6 +13,7 @@ family's `sanitize` step. Every failure names the file and says what to do.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +22,9 @@ import torch
 
 from engine.errors import ModelFileError, UnsupportedModelError
 from engine.models import families
+from engine.quant.blocks import QTYPES, QuantTensor
+
+log = logging.getLogger("tandem.loader")
 
 
 @dataclass
@@ -28,7 +37,9 @@ class Checkpoint:
     gguf_file: str | None = None  # file name inside tokenizer_dir when the tokenizer is in a GGUF
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32, quantised: bool = False
+                    ) -> Checkpoint:
+    """quantised: keep a GGUF's dense Q8_0/Q4_0/Q4_1 matrices in blocks (module docstring)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelFileError(f"model not found: {path}",
@@ -36,14 +47,22 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
     if path.is_dir():
         return _load_folder(path, dtype)
     if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dtype)
+        return _load_gguf(path, dtype, quantised)
     raise ModelFileError(f"{path} is neither a .gguf file nor a model folder",
                          "pass a .gguf file or a folder holding config.json and *.safetensors")
 
 
 # -- GGUF ------------------------------------------------------------------------------------------
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+def _keeps_blocks(name: str, shape) -> bool:
+    """Dense matrices the CPU layers compute over in blocks: not routed experts (stacked `*_exps` or
+    early Mixtral's `ffn_gate.{e}`: the expert store takes dequantised tensors for now), not routers."""
+    parts = name.split(".")
+    single_expert = len(parts) == 5 and parts[3].isdigit()
+    return len(shape) == 2 and "_exps" not in name and "ffn_gate_inp" not in name and not single_expert
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False) -> Checkpoint:
     import gguf
     from gguf.quants import dequantize
 
@@ -72,12 +91,20 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     supported = set(gguf.quants._type_traits) | {gguf.GGMLQuantizationType.F32,
                                                  gguf.GGMLQuantizationType.F16,
                                                  gguf.GGMLQuantizationType.BF16}
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     raw = {}
+    dequantised: dict[str, list[int]] = {}  # quant type → [tensors, file bytes] loaded dequantised
     for t in reader.tensors:
         if t.tensor_type not in supported:
             raise UnsupportedModelError(
                 f"{path}: tensor {t.name} uses quant type {t.tensor_type.name}, which Tandem cannot dequantise",
                 "use a GGUF with a common quant type (F16, BF16, Q8_0, Q4_0/1, Q5_0/1, K-quants)")
+        if quantised and int(t.tensor_type) in QTYPES and _keeps_blocks(t.name, t.shape):
+            raw[t.name] = QuantTensor.from_gguf(t.data, int(t.tensor_type), t.name)  # a view of the map
+            continue
+        if quantised and t.tensor_type not in plain:
+            counts = dequantised.setdefault(t.tensor_type.name, [0, 0, 0])
+            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + int(t.n_bytes), counts[2] + int(t.n_elements)
         if t.tensor_type == gguf.GGMLQuantizationType.BF16:
             raw[t.name] = _bf16_tensor(t.data).to(dtype)
             continue
@@ -85,6 +112,13 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only map
             array = array.copy()
         raw[t.name] = torch.from_numpy(array).to(dtype)
+    if dequantised:
+        item = torch.empty((), dtype=dtype).element_size()
+        log.warning("%s: %s dequantised to %s at load (%.0f MB in the file, %.0f MB in memory): the CPU kernels "
+                    "read only Q8_0, Q4_0 and Q4_1 blocks so far", path.name,
+                    ", ".join(f"{n} tensors of {name}" for name, (n, _, _) in sorted(dequantised.items())),
+                    str(dtype).removeprefix("torch."), sum(b for _, b, _ in dequantised.values()) / 1e6,
+                    sum(e for _, _, e in dequantised.values()) * item / 1e6)
     tensors = _sanitize(family.sanitize_gguf, raw, config, path)
     if "tokenizer.ggml.model" not in reader.fields:  # weights only: usable through token ids
         return Checkpoint(path, family.NAME, config, tensors)

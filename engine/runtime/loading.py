@@ -10,13 +10,14 @@ from typing import Callable
 import torch
 
 from engine.errors import ConfigError, OutOfMemoryError, UnsupportedModelError
-from engine.experts.executor import ExpertExecutor, ResidentExperts
+from engine.experts.executor import ExpertExecutor
 from engine.kernels import native
 from engine.kv.backend import KVBackend
 from engine.models import builtin, families, synthetic
 from engine.models.assemble import assemble
 from engine.models.common import Decoder, ModelArgs
 from engine.models.loader import load_checkpoint
+from engine.quant.experts import resident_experts
 from engine.runtime.chat import load_tokenizer
 from engine.runtime.expert_placement import build_offloaded, check_offload, costs_from_profile, open_offloaded
 from engine.runtime.kv_setup import build_kv
@@ -105,7 +106,10 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
             raise OutOfMemoryError(f"{config.model} does not fit in the memory of {device} ({e})",
                                    "choose fewer layers (-L<n>) or a device with more memory") from e
     else:
-        ckpt = load_checkpoint(path, dtype)
+        # dtype auto on a CPU: GGUF's Q8_0/Q4_0/Q4_1 matrices stay blocks (engine/quant); explicit dtypes,
+        # GPUs (no kernels over blocks yet) and offloading (its store takes tensors) dequantise
+        keep_blocks = config.dtype == "auto" and device.type == "cpu" and not offload
+        ckpt = load_checkpoint(path, dtype, quantised=keep_blocks)
     family = families.get(ckpt.family)
     args = family.args_from_config(ckpt.config)
     tensors = ckpt.tensors
@@ -124,7 +128,7 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
                                                 max_decode_tokens=config.max_batch,
                                                 costs=costs_from_profile(profile, hidden, expert_ffn, dtype))
         else:
-            holder["experts"] = ResidentExperts(gate_up, down)
+            holder["experts"] = resident_experts(gate_up, down)  # over blocks when they are quantised
         return holder["experts"]
 
     try:

@@ -1,0 +1,153 @@
+"""A GGUF tensor kept in its block format: `QuantTensor`.
+
+The block bytes are a uint8 torch tensor (rows, row_bytes) that views the file's memory map (no copy:
+pages are read from the file when first touched), with the ggml type and the logical shape
+(rows, cols) of the fp32 matrix they encode. Row operations (select, concatenate) stay in blocks, since
+every block belongs to one row. The layouts (32 weights a block, fp16 scale d first):
+
+    Q4_0  18 bytes: d, 16 bytes of nibbles        w[j] = (lo(qs[j]) − 8)·d,  w[j+16] = (hi(qs[j]) − 8)·d
+    Q4_1  20 bytes: d, m, 16 bytes of nibbles     w[j] = lo(qs[j])·d + m,    w[j+16] = hi(qs[j])·d + m
+    Q8_0  34 bytes: d, 32 int8                    w[j] = qs[j]·d
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import ModelFileError
+
+BLOCK = 32  # weights per block in every type kept here
+
+
+@dataclass(frozen=True)
+class QType:
+    name: str
+    code: int  # ggml's number for it (GGUF's tensor type field; the native kernels take it)
+    block_bytes: int
+
+
+QTYPES = {t.code: t for t in (QType("Q4_0", 2, 18), QType("Q4_1", 3, 20), QType("Q8_0", 8, 34))}
+
+
+def qtype(code: int) -> QType:
+    if code not in QTYPES:
+        names = ", ".join(t.name for t in QTYPES.values())
+        raise ModelFileError(f"quantised block type {code} is not one Tandem keeps in blocks",
+                             f"the kept types are {names}; others load dequantised")
+    return QTYPES[code]
+
+
+class QuantTensor:
+    """Rows of quantised blocks: `blocks` uint8 (rows, cols/32 · block_bytes), logical shape (rows, cols)."""
+
+    def __init__(self, blocks: torch.Tensor, type_code: int, shape: tuple[int, int], name: str = "?"):
+        qt = qtype(type_code)
+        rows, cols = (int(s) for s in shape)
+        if cols % BLOCK:
+            raise ModelFileError(f"tensor {name}: {cols} columns are not whole {qt.name} blocks of {BLOCK}",
+                                 "the file is damaged: download or convert it again")
+        row_bytes = cols // BLOCK * qt.block_bytes
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or tuple(blocks.shape) != (rows, row_bytes):
+            raise ModelFileError(
+                f"tensor {name}: its {qt.name} data is {tuple(blocks.shape)} {blocks.dtype}, a "
+                f"{rows}×{cols} matrix needs ({rows}, {row_bytes}) bytes",
+                "the file is truncated or damaged: download or copy it again")
+        if blocks.stride(1) != 1 or blocks.stride(0) != row_bytes:
+            blocks = blocks.contiguous()  # the kernels walk rows at row_bytes
+        self.blocks, self.qtype, self.shape, self.name = blocks, qt, (rows, cols), name
+
+    @classmethod
+    def from_gguf(cls, data, type_code: int, name: str) -> QuantTensor:
+        """A GGUF reader tensor's data (numpy uint8 (rows, row_bytes), a view of the read-only map)."""
+        import numpy as np
+
+        qt = qtype(type_code)
+        array = np.asarray(data)
+        if array.dtype != np.uint8 or array.ndim != 2:
+            raise ModelFileError(f"tensor {name}: {qt.name} data of shape {array.shape} {array.dtype}",
+                                 "the file is damaged: download or convert it again")
+        rows, row_bytes = array.shape
+        if row_bytes % qt.block_bytes:
+            raise ModelFileError(f"tensor {name}: rows of {row_bytes} bytes are not whole {qt.name} blocks",
+                                 "the file is damaged: download or convert it again")
+        with warnings.catch_warnings():  # the map is read-only and nothing here writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(array)
+        return cls(blocks, type_code, (rows, row_bytes // qt.block_bytes * BLOCK), name)
+
+    # -- what the loader and the placement code ask of a tensor --
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dim(self) -> int:
+        return 2
+
+    def __repr__(self) -> str:
+        return f"QuantTensor({self.name}, {self.qtype.name}, {self.shape})"
+
+    def __getitem__(self, rows) -> QuantTensor:
+        """Rows by index tensor, list or slice: a QuantTensor of them (a copy unless a slice)."""
+        if isinstance(rows, slice):
+            picked = self.blocks[rows]
+        else:
+            picked = self.blocks.index_select(0, torch.as_tensor(rows, dtype=torch.long))
+        return QuantTensor(picked, self.qtype.code, (picked.shape[0], self.shape[1]), self.name)
+
+    @staticmethod
+    def cat_rows(parts: list[QuantTensor], name: str = "?") -> QuantTensor:
+        """The rows of `parts` one after another (one type, one width): a copy of the blocks."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError(f"{name}: cannot stack rows of different types or widths")
+        blocks = torch.cat([p.blocks for p in parts])
+        return QuantTensor(blocks, first.qtype.code, (blocks.shape[0], first.shape[1]), name)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (rows, cols) matrix in `dtype`."""
+        from engine.quant.matmul import dequantize_rows
+
+        return dequantize_rows(self).to(dtype)
+
+
+class QuantStack:
+    """A layer's routed experts as quantised matrices: `experts[e]` (N, K) for e < E; shape (E, N, K).
+    Copies of one expert (the upcycled built-in MoE) are one QuantTensor listed E times."""
+
+    def __init__(self, experts: list[QuantTensor]):
+        shapes = {e.shape for e in experts}
+        if len(shapes) != 1:
+            raise ValueError(f"experts of one stack differ in shape: {sorted(shapes)}")
+        self.experts = experts
+        self.shape = (len(experts), *experts[0].shape)
+
+    def dim(self) -> int:
+        return 3
+
+    @property
+    def nbytes(self) -> int:
+        return sum({id(e): e.nbytes for e in self.experts}.values())  # shared copies once
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        unique = {id(e): e.dequantize(dtype) for e in self.experts}
+        return torch.stack([unique[id(e)] for e in self.experts])  # (E, N, K)
+
+
+def dequantize_blocks_torch(blocks: torch.Tensor, type_code: int) -> torch.Tensor:
+    """Block bytes (rows, row_bytes) → fp32 (rows, cols) with torch ops alone: the fallback when the
+    native extension is absent."""
+    qt = qtype(type_code)
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, qt.block_bytes)  # (rows, cols/32, bytes)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # (rows, cols/32, 1)
+    if qt.name == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()  # (rows, cols/32, 32)
+        return (q * d).reshape(rows, -1)
+    qs = b[..., 4:] if qt.name == "Q4_1" else b[..., 2:]  # (rows, cols/32, 16)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # (rows, cols/32, 32): low nibbles first
+    m = b[..., 2:4].contiguous().view(torch.float16).float() if qt.name == "Q4_1" else -8.0 * d
+    return (q * d + m).reshape(rows, -1)

@@ -1,0 +1,82 @@
+"""Every routed expert resident on the CPU as quantised blocks: the executor for `QuantStack` layers.
+
+Σ_k w_k · expert_k(x) with each expert a SwiGLU over two `QuantTensor`s (gate_up (2I, H) gate rows
+first, down (H, I)). Experts that are one block tensor listed several times (the upcycled built-in
+MoE: 8 copies of the dense FFN) are computed once per token, with the token's weights of those copies
+summed: equal in value, one read of the blocks instead of top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.experts.executor import ResidentExperts
+from engine.quant.blocks import QuantStack
+from engine.quant.matmul import implementation, quant_linear
+
+
+class QuantResidentExperts(ResidentExperts):
+    policy = "resident"
+
+    def __init__(self, gate_up: list[QuantStack], down: list[QuantStack]):
+        super().__init__(gate_up, down)
+        # per layer: expert → index of its distinct (gate_up, down) pair, and those pairs
+        self.groups: list[torch.Tensor] = []
+        self.unique: list[list[tuple]] = []
+        for gu, dn in zip(gate_up, down):
+            index: dict[tuple[int, int], int] = {}
+            pairs = []
+            of = []
+            for g, d in zip(gu.experts, dn.experts):
+                key = (id(g), id(d))
+                if key not in index:
+                    index[key] = len(pairs)
+                    pairs.append((g, d))
+                of.append(index[key])
+            self.groups.append(torch.tensor(of, dtype=torch.long))  # (E,)
+            self.unique.append(pairs)
+
+    def set_form(self, layer, form) -> None:
+        raise ValueError("quantised experts compute plain SwiGLU only (no biases, no clamped activation)")
+
+    def run(self, layer, x, ids, weights):
+        """x (N, H), ids (N, k), weights (N, k) → (N, H) in x's dtype."""
+        self.tokens_routed += ids.numel()
+        pairs = self.unique[layer]
+        if len(pairs) == 1:  # every expert the same blocks: one SwiGLU, each token weighted by its k weights' sum
+            gate_up, down = pairs[0]
+            return _swiglu(x, gate_up, down) * weights.sum(-1, keepdim=True).to(x.dtype)
+        group = self.groups[layer][ids]  # (N, k): distinct expert of each choice
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for j in torch.unique(group).tolist():
+            w = (weights.float() * (group == j)).sum(-1)  # (N,): the token's weight on expert j
+            rows = torch.nonzero(w, as_tuple=True)[0]
+            gate_up, down = pairs[j]
+            out.index_add_(0, rows, _swiglu(x[rows], gate_up, down).float() * w[rows, None])
+        return out.to(x.dtype)
+
+    def nbytes(self) -> int:
+        seen = {}
+        for stack in (*self.gate_up, *self.down):
+            for e in stack.experts:
+                seen[id(e)] = e.nbytes
+        return sum(seen.values())
+
+    def telemetry(self) -> dict:
+        first = self.gate_up[0].experts[0] if self.gate_up else None
+        kernel = f"{implementation(1)} over {first.qtype.name} blocks" if first is not None else None
+        return {"policy": self.policy, "bytes": self.nbytes(), "kernel": kernel}
+
+
+def _swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+    h = quant_linear(x, gate_up)  # (n, 2I)
+    inter = h.shape[-1] // 2
+    return quant_linear(F.silu(h[..., :inter]) * h[..., inter:], down)  # (n, H)
+
+
+def resident_experts(gate_up: list, down: list) -> ResidentExperts:
+    """The resident executor for these expert tensors: over blocks when they are quantised."""
+    if gate_up and isinstance(gate_up[0], QuantStack):
+        return QuantResidentExperts(gate_up, down)
+    return ResidentExperts(gate_up, down)

@@ -1,0 +1,132 @@
+// Run-time choice of the quantised-block kernels and the threading of each call (OpenMP).
+//
+// quant_matmul: the activations are quantised first (a token per iteration), then the output rows are
+// cut into one contiguous range per thread: every thread streams its own part of the weight blocks,
+// which is all the bandwidth a decode step has. Small matrices (a few rows) run on the calling
+// thread: a fork of the team costs more than their work.
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#include "common.h"
+#include "quant_blocks.h"
+
+namespace tandem {
+namespace {
+
+bool quant_cpu_supports(const QuantKernelTable* t) {
+  if (t == &kQuantTableScalar) return true;
+#if defined(TANDEM_X86_KERNELS)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (t == &kQuantTableAvx2) return avx2;
+  if (t == &kQuantTableAvx512)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+  return false;
+}
+
+// Best first.
+const QuantKernelTable* const kAllQuantTables[] = {
+#if defined(TANDEM_X86_KERNELS)
+    &kQuantTableAvx512, &kQuantTableAvx2,
+#endif
+    &kQuantTableScalar,
+};
+
+const QuantKernelTable* find_quant_table(const char* name) {
+  for (const QuantKernelTable* t : kAllQuantTables)
+    if (std::strcmp(t->name, name) == 0) return t;
+  return nullptr;
+}
+
+const QuantKernelTable* best_quant_table() {
+  // TANDEM_NATIVE_ISA pins the other kernels' ISA; where it names one of these tables (avx512, avx2,
+  // scalar) it pins these too, so a forced-scalar run is scalar throughout.
+  if (const char* forced = std::getenv("TANDEM_NATIVE_ISA")) {
+    const QuantKernelTable* t = find_quant_table(forced);
+    if (t && quant_cpu_supports(t)) return t;
+  }
+  for (const QuantKernelTable* t : kAllQuantTables)
+    if (quant_cpu_supports(t)) return t;
+  return &kQuantTableScalar;
+}
+
+std::atomic<const QuantKernelTable*> g_quant_table{nullptr};
+
+// Rows below which the call stays on one thread: 64 rows of 576 Q4_1 weights are 23 KB, a few µs
+// of streaming, about what waking the team costs.
+constexpr int64_t kMinParallelRows = 64;
+
+}  // namespace
+
+const QuantKernelTable& active_quant_table() {
+  const QuantKernelTable* t = g_quant_table.load(std::memory_order_acquire);
+  if (!t) {
+    t = best_quant_table();
+    g_quant_table.store(t, std::memory_order_release);
+  }
+  return *t;
+}
+
+bool select_quant_isa(const char* name) {
+  const QuantKernelTable* t = std::strcmp(name, "auto") == 0 ? best_quant_table() : find_quant_table(name);
+  if (!t || !quant_cpu_supports(t)) return false;
+  g_quant_table.store(t, std::memory_order_release);
+  return true;
+}
+
+int supported_quant_isas(const char** names, int capacity) {
+  int n = 0;
+  for (const QuantKernelTable* t : kAllQuantTables)
+    if (quant_cpu_supports(t) && n < capacity) names[n++] = t->name;
+  return n;
+}
+
+void quant_matmul(const QuantMatmulProblem& P, int n_threads) {
+  const QuantKernelTable& K = active_quant_table();
+  const int nt = n_threads > 0 ? n_threads : default_threads();
+  const int64_t nb = P.k / kQBlock;
+  static thread_local std::vector<int16_t> q_buf;
+  static thread_local std::vector<float> d_buf, s_buf;
+  if (q_buf.size() < size_t(P.n_tokens * P.k)) q_buf.resize(size_t(P.n_tokens * P.k));
+  if (d_buf.size() < size_t(P.n_tokens * nb)) d_buf.resize(size_t(P.n_tokens * nb)), s_buf.resize(d_buf.size());
+  int16_t* q = q_buf.data();
+  float *d = d_buf.data(), *s = s_buf.data();
+  const QuantActs A{q, d, s};
+  const bool parallel = nt > 1 && P.n_rows >= kMinParallelRows;
+
+#pragma omp parallel num_threads(nt) if (parallel)
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < P.n_tokens; ++t) K.quantize_acts(P.x + t * P.x_stride, P.k, q + t * P.k, d + t * nb, s + t * nb);
+#if defined(_OPENMP)
+    const int n_parts = omp_get_num_threads(), part = omp_get_thread_num();
+#else
+    const int n_parts = 1, part = 0;
+#endif
+    // after the implicit barrier of the loop above: every token is quantised
+    const int64_t r0 = P.n_rows * part / n_parts, r1 = P.n_rows * (part + 1) / n_parts;
+    if (r1 > r0) K.matmul_rows(P, A, r0, r1);
+  }
+}
+
+void quant_dequantize(const uint8_t* w, QType type, int64_t k, int64_t w_row_bytes, int64_t row_begin,
+                      int64_t row_end, const int64_t* ids, int64_t n_ids, float* out, int64_t out_stride,
+                      int n_threads) {
+  const QuantKernelTable& K = active_quant_table();
+  const int nt = n_threads > 0 ? n_threads : default_threads();
+  const int64_t n = ids ? n_ids : row_end - row_begin;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && n >= kMinParallelRows)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = ids ? ids[i] : row_begin + i;
+    K.dequantize_row(w + row * w_row_bytes, type, k, out + i * out_stride);
+  }
+}
+
+}  // namespace tandem

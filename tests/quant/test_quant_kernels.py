@@ -1,0 +1,127 @@
+"""The products over quantised blocks against gguf's own dequantisation and an fp32 matmul.
+
+Tolerance: the activations are quantised per 32-block to int16 (d = max|x_b|/32767, round to nearest),
+so each x_j moves by at most d/2 and an output by at most Σ_b d_b/2 · Σ_{j∈b} |w_j|: that bound, plus
+fp32 rounding of the sums (1e-5 relative to Σ|w||x|), is what every element is held to. The weights
+themselves are exact: the kernels' dequantisation equals gguf's bit for bit.
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from engine.errors import KernelInputError, ModelFileError
+from engine.kernels import native
+from engine.quant import matmul as qm
+from engine.quant.blocks import QuantTensor, dequantize_blocks_torch
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+NAT = native.module()
+ISAS = NAT.supported_quant_isas() if NAT is not None and hasattr(NAT, "supported_quant_isas") else []
+
+
+@pytest.fixture(params=ISAS or ["torch"])
+def isa(request):
+    if request.param != "torch":
+        assert NAT.select_quant_isa(request.param)
+    yield request.param
+    if request.param != "torch":
+        NAT.select_quant_isa("auto")
+
+
+def _blocks(rows, cols, qtype, seed=0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2.0, (rows, 1))).astype(np.float32)
+    data = quantize(w, qtype)  # (rows, row bytes) uint8
+    return QuantTensor.from_gguf(data, int(qtype), "w"), dequantize(data, qtype)
+
+
+def _bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
+    """(n, rows): the largest error the int16 activation rounding can cause, plus fp32's share."""
+    n, cols = x.shape
+    d = x.reshape(n, cols // 32, 32).abs().amax(-1) / 32767  # (n, blocks)
+    wabs = torch.from_numpy(np.abs(w)).reshape(w.shape[0], cols // 32, 32).sum(-1)  # (rows, blocks)
+    return (d / 2) @ wabs.t() + 1e-5 * (x.abs() @ torch.from_numpy(np.abs(w)).t()) + 1e-6
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,cols", [(77, 320), (1, 32), (203, 96), (64, 1536)])
+@pytest.mark.parametrize("n_tokens", [1, 2, 3, 4, 5, 7, 8, 24])
+def test_matmul_matches_dequantised_fp32(isa, qtype, rows, cols, n_tokens, monkeypatch):
+    if isa == "torch":
+        monkeypatch.setattr(qm, "_native", lambda: None)
+    w, ref_w = _blocks(rows, cols, qtype, seed=rows + cols)
+    x = torch.randn(n_tokens, cols, generator=torch.Generator().manual_seed(n_tokens)) * 3
+    ref = x @ torch.from_numpy(ref_w).t()
+    y = qm.quant_linear(x, w)
+    assert y.shape == (n_tokens, rows) and y.dtype == torch.float32
+    assert ((y - ref).abs() <= _bound(x, ref_w)).all(), float((y - ref).abs().max())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_native_kernel_at_more_tokens_than_its_default(isa, qtype, monkeypatch):
+    """The integer kernel takes any token count (groups of 4); the prefill switch is a speed choice."""
+    if isa == "torch":
+        pytest.skip("native only")
+    monkeypatch.setattr(qm, "NATIVE_MAX_TOKENS", 10**6)
+    w, ref_w = _blocks(96, 192, qtype)
+    x = torch.randn(19, 192)
+    y = qm.quant_linear(x, w)
+    ref = x @ torch.from_numpy(ref_w).t()
+    assert ((y - ref).abs() <= _bound(x, ref_w)).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantise_and_rows_are_exact(isa, qtype, monkeypatch):
+    if isa == "torch":
+        monkeypatch.setattr(qm, "_native", lambda: None)
+    w, ref_w = _blocks(130, 96, qtype)
+    assert np.array_equal(qm.dequantize_rows(w).numpy(), ref_w)
+    assert np.array_equal(dequantize_blocks_torch(w.blocks, int(qtype)).numpy(), ref_w)
+    ids = torch.tensor([[5, 0], [129, 5]])
+    assert np.array_equal(qm.embedding(ids, w).numpy(), ref_w[ids.numpy()])
+    perm = torch.randperm(130)
+    assert np.array_equal(w[perm].dequantize().numpy(), ref_w[perm.numpy()])
+    both = QuantTensor.cat_rows([w, w[:7]])
+    assert np.array_equal(both.dequantize().numpy(), np.concatenate([ref_w, ref_w[:7]]))
+
+
+def test_strided_activations_and_bf16_inputs():
+    w, ref_w = _blocks(40, 64, T.Q4_1)
+    x = torch.randn(3, 128)[:, ::2]  # a non-contiguous (3, 64) view
+    y = qm.quant_linear(x, w)
+    ref = x @ torch.from_numpy(ref_w).t()
+    assert ((y - ref).abs() <= _bound(x.contiguous(), ref_w)).all()
+    yb = qm.quant_linear(x.to(torch.bfloat16), w)
+    assert yb.dtype == torch.bfloat16
+
+
+def test_damaged_blocks_are_refused():
+    w, _ = _blocks(8, 64, T.Q4_0)
+    with pytest.raises(ModelFileError, match="truncated or damaged"):
+        QuantTensor(w.blocks[:, :-1], int(T.Q4_0), (8, 64), "blk.0.attn_q.weight")  # a row short of a byte
+    with pytest.raises(ModelFileError, match="not whole Q4_0 blocks"):
+        QuantTensor.from_gguf(w.blocks.numpy()[:, :-5], int(T.Q4_0), "blk.0.attn_q.weight")
+    with pytest.raises(ModelFileError, match="not whole"):
+        QuantTensor(torch.zeros(8, 18, dtype=torch.uint8), int(T.Q4_0), (8, 48), "w")  # 48 columns
+
+
+def test_unknown_types_are_refused():
+    with pytest.raises(ModelFileError, match="type 6 is not one"):
+        QuantTensor(torch.zeros(4, 22, dtype=torch.uint8), 6, (4, 32), "w")  # Q5_0
+    if NAT is not None:
+        y, x = torch.empty(1, 4), torch.zeros(1, 32)
+        with pytest.raises(ValueError, match="unknown quantised block type 6"):
+            NAT.quant_matmul(x.data_ptr(), 6, 4, 32, 22, x.data_ptr(), 1, 32, y.data_ptr(), 4, 1)
+        with pytest.raises(ValueError, match="w_row_bytes"):
+            NAT.quant_matmul(x.data_ptr(), 2, 4, 32, 20, x.data_ptr(), 1, 32, y.data_ptr(), 4, 1)
+
+
+def test_bad_inputs_are_refused():
+    w, _ = _blocks(8, 64, T.Q8_0)
+    with pytest.raises(KernelInputError):
+        qm.quant_linear(torch.randn(2, 32), w)
+    with pytest.raises(KernelInputError):
+        qm.embedding(torch.tensor([8]), w)
