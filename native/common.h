@@ -156,8 +156,8 @@ constexpr int expert_tile_rows(int lanes, int tokens) { return lanes / tokens < 
 // Tokens per tile for an expert applied to n tokens (never more than the vector's lanes). 2…8
 // tokens: 4 (2 and 3 padded to 4, 7 to 8), the 4 rows × 4 tokens tile, and for 5…8 a second group over
 // each weight chunk while it is in L1 (experts_kernel.h, dot_groups): of 4 tokens, or of 1 or 2 at 5
-// and 6 tokens (expert_tiling, ExpertTiling::last_tile_tokens). 2 rows × 8 tokens, the former
-// choice for 5…8, does the same dot products per weight byte but measured 5–11% slower there (Zen 4,
+// and 6 tokens (expert_tiling, ExpertTiling::last_tile_tokens). 2 rows × 8 tokens for 5…8
+// does the same dot products per weight byte but measured 5–11% slower there (Zen 4,
 // AVX512_BF16, H = 2048, I = 768). Above 8: whichever of 4 and 8 pads less (9…12 → 4, 13…16 → 8,
 // 17…20 → 4, …); at equal padding 2 × 8 tiles measured 3–10% faster (16, 24, 32 tokens). More
 // tokens go through in groups (the kernels loop over them; later groups read the rows from L2).

@@ -47,8 +47,8 @@ _PARAMS_LOCK = threading.Lock()  # the guard below swaps a module attribute of l
 def amx_repack_off(llama_cpp):
     """Models loaded inside this block skip llama.cpp's extra weight buffers (repacked layouts) on a
     CPU with AMX. There, llama-cpp-python 0.3.36 repacks Q4_1 weights for AMX tiles at load and then
-    crashes the process in llama_decode (segmentation fault; the built-in SmolLM2 file, on a 2-core
-    Sapphire Rapids-class machine, 2026-11-30). Llama() has no parameter for it, so the defaults it
+    crashes the process in llama_decode (segmentation fault; the built-in SmolLM2 file, on a
+    Sapphire Rapids-class CPU). Llama() has no parameter for it, so the defaults it
     asks for are adjusted while the block runs. Elsewhere nothing changes: repacking is faster there."""
     low = llama_cpp.llama_cpp
     default = low.llama_model_default_params

@@ -32,8 +32,8 @@ from engine.experts.mode_chooser import PROBE_LENGTH
 # Unmeasured decode steps per policy and batch size before measuring: kernel compiles and graph
 # captures, and for `adaptive` the choice between the whole-step graph and pieces: the probe's steps,
 # the prefill step that starts the request and the two capture steps, which the probe does not time.
-# (Sized from the probe: when the probe grew and this did not, pieces steps reached the timed tokens
-# and cost adaptive 10% on the H200, phase CB.)
+# (Sized from the probe: were it shorter, probe steps in the slower form would reach the timed tokens
+# and cost adaptive ~10%.)
 WARM_TOKENS = PROBE_LENGTH + 3
 
 POLICIES = ("cpu-only", "on-demand", "static", "adaptive")

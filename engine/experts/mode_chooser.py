@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import numpy as np
 
-PROBE_STEPS = 4  # steps timed per form before choosing
+PROBE_STEPS = 4  # steps timed per form before choosing: a median one slow step cannot move, at a few steps' cost
 # Probed forms take turns in runs of PROBE_RUN steps, and a run's first step is not timed: it pays for
 # the switch (the graph's table rebuilt from the LRU after pieces changed it, once the pieces' copies
 # have landed; the pieces' reading of the graph's last log). Timed step by step in turns, every graph
@@ -25,7 +25,9 @@ PROBE_RUN = 3
 # Decode steps a probe takes: PROBE_STEPS timed per form in runs of PROBE_RUN − 1 timed steps, and one
 # more step while the last sample is pending (a step is timed at the next one's start).
 PROBE_LENGTH = 2 * PROBE_RUN * math.ceil(PROBE_STEPS / (PROBE_RUN - 1)) + 1
-REPROBE_EVERY = 256  # steps after which the form not in use is timed again
+# Steps after which the form not in use is timed again: the hit rate, which decides between the forms,
+# drifts over hundreds of steps, and a probe (PROBE_LENGTH, 13 steps) every 256 spends ~5% of them.
+REPROBE_EVERY = 256
 # Pieces must probe this much faster to be chosen over the one graph. The probe runs while the cache
 # warms, which flatters pieces: the graph reads every miss over the link, pieces split misses with the
 # CPU, so the graph gains most as hits rise: a probe can time pieces at 22.1 ms against 24.1 for the

@@ -139,9 +139,9 @@ def gpu_attention_points(shape: KVShape, batch: int, lengths: list[int], kernel:
 
 
 def fastest(passes: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
-    """Per step size, the fastest of several passes' medians. A host's slow spell (on the H200's
-    host, single points 10-40x the others, a different one each run: RESULTS.md, phase CW) spoils
-    one pass's median at one size; the fitted A then came out 0 or 17x too large."""
+    """Per step size, the fastest of several passes' medians. A host's slow spell (on a busy server
+    host, single points 10-40x the others, a different one each run) spoils one pass's median at one
+    size, and the fitted A comes out 0 or 17x too large."""
     return [(n, min(p[j][1] for p in passes)) for j, (n, _) in enumerate(passes[0])]
 
 

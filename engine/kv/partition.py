@@ -21,7 +21,9 @@ DEFAULT_CPU_GBPS = 10.0  # torch CPU attention reads ~10-19 GB/s of KV on a 16-c
 DEFAULT_H2D_GBPS = 25.0  # pinned PCIe H2D, Gen4 (Gen5 reaches ~55)
 DEFAULT_DELTA_MS = 0.1  # the GPU side's extra launches per layer-step (window, chunks, merge)
 PINGPONG_TARGET_BYTES = 8 << 20  # per extent-layer: where pinned H2D reaches its plateau (≥52 GB/s Gen5)
-PINGPONG_EXTENTS = 2  # G: extent-layers of one row per ping-pong buffer, i.e. DMAs per attention call
+# G: extent-layers of one row per ping-pong buffer, i.e. DMAs per attention call: two halve the
+# attention calls of a streamed layer, for two buffers of 2 × PINGPONG_TARGET_BYTES on the device.
+PINGPONG_EXTENTS = 2
 
 
 @dataclass

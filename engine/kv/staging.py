@@ -14,7 +14,8 @@ import torch
 from engine.errors import OutOfMemoryError
 
 # Layers of CPU-bound tokens the ring holds at once: the D2H of layer l waits (on the host, rarely)
-# until the CPU side's thread has laid out layer l − R.
+# until the CPU side's thread has laid out layer l − R. Four keep that wait rare while a 32K prefill
+# of a 48-layer model stages 256 MiB instead of the 3 GiB of every layer.
 STAGING_LAYERS = 4
 
 

@@ -2,9 +2,9 @@
 step's loads stay the same.
 
 Eagerly each ping-pong load costs the driving thread about eight host calls (stream switches, event
-waits and records, one DMA per extent-layer, one attention call), 20-60 µs each on the H200's host
-and slower while the CPU side's threads run; at 32K that loop issued work more slowly than PCIe
-drained it (benchmarks/RESULTS.md, "Hybrid KV with fewer host calls per layer"). A decode step's
+waits and records, one DMA per extent-layer, one attention call), 20-60 µs each on a server host
+and slower while the CPU side's threads run; at 32K that loop issues work more slowly than PCIe
+drains it. A decode step's
 loads change only when a flush places a D-window, a row joins or leaves, or a chat is cropped, so
 between those events every layer repeats the same copies and attention calls: one graph launch.
 

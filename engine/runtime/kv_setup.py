@@ -29,7 +29,9 @@ from engine.kv.resident import ResidentKV
 from engine.kv.writescope import WriteScopeKV
 from engine.sched.roofline import RooflineParams
 
-FREE_MEMORY_USE = 0.85  # without a budget: the share of free device memory resident KV may take
+# Without a budget: the share of free device memory resident KV may take; the rest is for the step's
+# activations, the allocator's fragmentation and other programs on the GPU.
+FREE_MEMORY_USE = 0.85
 
 
 def resident_kv_bytes(n_layers: int, n_kv: int, head_dim: int, max_context: int, max_batch: int,

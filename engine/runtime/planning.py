@@ -31,7 +31,9 @@ from engine.sched.placement_speed import DEFAULT_CPU_TFLOPS, DEFAULT_DRAM_GBPS, 
 
 log = logging.getLogger("tandem")
 
-FREE_VRAM_USE = 0.9  # without a budget: the share of the GPU's free memory the plan may give away
+# Without a budget: the share of the GPU's free memory the plan may give away; the rest is left to the
+# allocator's fragmentation and other programs on the GPU (activations are in the plan's reserve).
+FREE_VRAM_USE = 0.9
 
 
 def _dtype_bytes(config, device_type: str) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from engine.kernels.cuda_streams import to_device_async
 
-MIN_TEMPERATURE = 1e-3  # below: greedy
+MIN_TEMPERATURE = 1e-3  # below: greedy (one-hot to fp32 rounding anyway; see above)
 REPETITION_PENALTY_RANGE = (0.01, 10.0)  # inclusive
 SEED_LIMIT = 2**64  # seeds are integers in [0, SEED_LIMIT)
 

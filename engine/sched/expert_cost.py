@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Sequence
 
-BYTES_PER_MS_PER_GBPS = 1e6
-FLOP_PER_MS_PER_TFLOPS = 1e9
+BYTES_PER_MS_PER_GBPS = 1e6  # 1 GB/s moves 1e6 bytes a millisecond: costs here are in ms
+FLOP_PER_MS_PER_TFLOPS = 1e9  # 1 TFLOP/s does 1e9 FLOP a millisecond
 
 
 @dataclass(frozen=True)

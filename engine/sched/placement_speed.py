@@ -3,8 +3,8 @@ predicted from its part sizes and the machine's calibrated costs (sched/placemen
 
 The same cost models the engine schedules with: sched/roofline.py's A, B, Δ for spilled KV, and
 sched/expert_cost.py's fill / CPU split for offloaded experts; on top, the per-layer costs of a
-decode step measured on the GPU machine (16 layers of Qwen3-30B-A3B, bf16, H200, CUDA graphs) and
-on the 2-core development machine (the built-in model, eager). Pure arithmetic, no tensors.
+decode step as an H200 runs them (16 layers of Qwen3-30B-A3B, bf16, CUDA graphs) and as two CPU
+cores run the built-in model (eager). Pure arithmetic, no tensors.
 
 Units: bytes, milliseconds, GB/s (1e6 bytes/ms), TFLOP/s (1e9 FLOP/ms).
 """
