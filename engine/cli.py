@@ -69,6 +69,11 @@ def cmd_generate(args) -> int:
         print(f"[{result.completion_tokens} tokens, {result.finish_reason}; prefill "
               f"{result.prefill_tok_s or 0:.1f} tok/s, decode {result.decode_tok_s or 0:.1f} tok/s]",
               file=sys.stderr)
+    return _finish(args, engine)
+
+
+def _finish(args, engine) -> int:
+    """The stats to --stats-json when asked, then the engine closed: how every generate ends."""
     if args.stats_json:
         with open(args.stats_json, "w") as f:
             f.write(engine.stats().to_json(indent=2))
@@ -104,11 +109,7 @@ def _generate_batch_of_ids(args, engine) -> int:
         print(f"[{len(results)} × {r.prompt_tokens} prompt tokens → {sum(x.completion_tokens for x in results)} tokens; "
               f"prefill {r.prefill_tok_s or 0:.1f} tok/s, decode {r.decode_tok_s or 0:.1f} tok/s (all sequences); "
               f"loaded in {engine.info()['load_s']:.1f} s]", file=sys.stderr)
-    if args.stats_json:
-        with open(args.stats_json, "w") as f:
-            f.write(engine.stats().to_json(indent=2))
-    engine.close()
-    return 0
+    return _finish(args, engine)
 
 
 def cmd_plan(args) -> int:

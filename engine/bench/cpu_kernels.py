@@ -234,19 +234,24 @@ def _crossover(rows: list[dict]) -> dict:
     return result
 
 
+def _pairs_by_expert(ids: np.ndarray, experts: list) -> list[np.ndarray]:
+    """Per expert of `experts`, its (token, choice) pairs' flat indices into ids (N, k), in order."""
+    flat = ids.ravel()
+    order = np.argsort(flat, kind="stable")
+    sorted_ids = flat[order]
+    lo, hi = np.searchsorted(sorted_ids, experts, side="left"), np.searchsorted(sorted_ids, experts, side="right")
+    return [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+
+
 def _per_expert_layer(x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, experts: list, views, threads: int):
     """The layer as offload's per-expert loop computes it: pairs grouped by expert, then per expert a
     gather of its rows, expert_ffn, the weight multiply and an index_add_ into out (N, H)."""
     with torch.inference_mode():
         k = ids.shape[1]
-        flat = ids.ravel()
-        order = np.argsort(flat, kind="stable")
-        sorted_ids = flat[order]
-        lo, hi = np.searchsorted(sorted_ids, experts, side="left"), np.searchsorted(sorted_ids, experts, side="right")
         w_flat = w.reshape(-1)
         out = torch.zeros_like(x)
-        for e, a, b in zip(experts, lo.tolist(), hi.tolist()):
-            pairs = torch.from_numpy(order[a:b])
+        for e, expert_pairs in zip(experts, _pairs_by_expert(ids, experts)):
+            pairs = torch.from_numpy(expert_pairs)
             tok = pairs // k
             out.index_add_(0, tok, experts_cpu.expert_ffn(x[tok], *views(e), threads=threads)
                            * w_flat[pairs].unsqueeze(1))
@@ -256,12 +261,8 @@ def _per_expert_layer(x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, experts
 def _moe_layer(x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, experts: list, views, threads: int):
     """The same layer through one moe_ffn call (its pair lists built from the same routing)."""
     k = ids.shape[1]
-    flat = ids.ravel()
-    order = np.argsort(flat, kind="stable")
-    sorted_ids = flat[order]
-    lo, hi = np.searchsorted(sorted_ids, experts, side="left"), np.searchsorted(sorted_ids, experts, side="right")
     w_flat = w.reshape(-1).float().numpy()
-    pairs = [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+    pairs = _pairs_by_expert(ids, experts)
     return experts_cpu.moe_ffn(x, [views(e) for e in experts], [p // k for p in pairs], [w_flat[p] for p in pairs],
                                threads=threads)
 
