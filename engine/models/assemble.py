@@ -77,7 +77,8 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
     quant_modules.install(model, blocks, dtype)  # a tied head shares the embedding's blocks
     for layer in model.model.layers:
         attn = getattr(layer, "self_attn", None)  # (a hybrid model's linear-attention layers have none)
-        if attn is not None and not isinstance(attn.q_proj, quant_modules.QuantLinear):
+        # (MLA with a q LoRA has no q_proj: its fuse_qkv does nothing either way)
+        if attn is not None and not isinstance(getattr(attn, "q_proj", None), quant_modules.QuantLinear):
             attn.fuse_qkv()  # q, k, v projected by one GEMM (views: no memory added)
     if tied and "model.embed_tokens.weight" not in blocks:  # one tensor, not a second copy on the device
         model.lm_head.weight = model.model.embed_tokens.weight

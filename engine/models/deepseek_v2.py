@@ -119,15 +119,23 @@ def route(logits: torch.Tensor, k: int, renormalise: bool = False, score_bias: t
 
 # -- names -----------------------------------------------------------------------------------------
 
+def _plain(t):
+    """A matrix whose rows are re-laid here or that MLA absorbs (kv_b): dequantised where a quantised
+    GGUF's loader kept it in blocks (engine/quant); the other projections may stay in blocks."""
+    return t.dequantize() if hasattr(t, "dequantize") else t
+
+
 def _to_rotate_half(out: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
     """The checkpoints' interleaved RoPE rows → rotate-half order (engine/models/mla.py says why)."""
     nh, dn, dr, r = (int(config[k]) for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim",
                                               "kv_lora_rank"))
     for name in list(out):
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-            out[name] = deinterleave_rope_rows(out[name], nh, dn + dr, dr)
+            out[name] = deinterleave_rope_rows(_plain(out[name]), nh, dn + dr, dr)
         elif ".self_attn.kv_a_proj_with_mqa." in name:  # weight (r + dr, H) or bias (r + dr,)
-            out[name] = deinterleave_rope_rows(out[name], 1, r + dr, dr)
+            out[name] = deinterleave_rope_rows(_plain(out[name]), 1, r + dr, dr)
+        elif name.endswith("self_attn.kv_b_proj.weight"):
+            out[name] = _plain(out[name])
     return out
 
 

@@ -171,11 +171,13 @@ _NAMES = {
 }
 
 
-def write_deepseek2_gguf(model, path, split_kv_b: bool = True):
+def write_deepseek2_gguf(model, path, split_kv_b: bool = True, q8: bool = False):
     """Names and metadata of llama.cpp's deepseek2 (MQA over latent rows: head_count_kv 1, key_length
     r + dr, the per-head widths as *_mla). split_kv_b: kv_b_proj as attn_k_b (nh, r, dn) and attn_v_b
-    (nh, dv, r), as current converters write it; else whole, as older ones did."""
+    (nh, dv, r), as current converters write it; else whole, as older ones did. q8: every 2-D matrix
+    whose rows are whole Q8_0 blocks (32 values) stored as Q8_0."""
     import gguf
+    from gguf.quants import quantize
 
     c = model.config
     nh, dn, dr, dv, r = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
@@ -211,9 +213,17 @@ def write_deepseek2_gguf(model, path, split_kv_b: bool = True):
     w.add_leading_dense_block_count(c.first_k_dense_replace)
     w.add_expert_weights_scale(c.routed_scaling_factor)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd.pop("model.embed_tokens.weight"))
-    w.add_tensor("output_norm.weight", sd.pop("model.norm.weight"))
-    w.add_tensor("output.weight", sd.pop("lm_head.weight"))
+    add = w.add_tensor
+    if q8:
+        def add(name, t):
+            if t.ndim == 2 and t.shape[1] % 32 == 0:
+                q8_0 = gguf.GGMLQuantizationType.Q8_0
+                w.add_tensor(name, quantize(t, q8_0), raw_dtype=q8_0)
+            else:
+                w.add_tensor(name, t)
+    add("token_embd.weight", sd.pop("model.embed_tokens.weight"))
+    add("output_norm.weight", sd.pop("model.norm.weight"))
+    add("output.weight", sd.pop("lm_head.weight"))
     for name, t in sd.items():
         _, _, layer, rest = name.split(".", 3)
         if rest == "mlp.experts.gate_up_proj":
@@ -228,10 +238,10 @@ def write_deepseek2_gguf(model, path, split_kv_b: bool = True):
             w.add_tensor(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :dn].transpose(0, 2, 1)))
             w.add_tensor(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, dn:]))
         elif rest == "self_attn.kv_b_proj.weight":
-            w.add_tensor(f"blk.{layer}.attn_kv_b.weight", np.ascontiguousarray(t))
+            add(f"blk.{layer}.attn_kv_b.weight", np.ascontiguousarray(t))
         else:
             module, suffix = rest.rsplit(".", 1)
-            w.add_tensor(f"blk.{layer}.{_NAMES[module]}.{suffix}", np.ascontiguousarray(t))
+            add(f"blk.{layer}.{_NAMES[module]}.{suffix}", np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -254,6 +264,23 @@ def test_gguf_whole_kv_b_and_q_lora(tmp_path):
     engine = tiny_engine(write_deepseek2_gguf(ref, tmp_path / "m.gguf", split_kv_b=False))
     assert engine.parts.args.mla.q_lora_rank == 12 and engine.parts.args.routed_scaling == 1.5
     assert_parity(engine, ref)
+
+
+def test_q8_0_gguf_kept_in_blocks_follows_the_dequantised_one(tmp_path):
+    """dtype auto on the CPU keeps a GGUF's Q8_0 matrices in blocks (engine/quant); the projections
+    whose RoPE rows are re-laid (q, kv_a) and kv_b, which MLA absorbs, are dequantised at load. The
+    same tokens as the file dequantised whole."""
+    from engine.api import Engine, EngineConfig
+    from engine.quant.modules import QuantLinear
+
+    ref = tiny(seed=9, q_lora_rank=32, hidden_size=64, n_routed_experts=8)
+    path = write_deepseek2_gguf(ref, tmp_path / "q.gguf", split_kv_b=False, q8=True)
+    quant = Engine(EngineConfig(model=str(path), backend="tandem", device="cpu", max_batch=1))
+    plain = tiny_engine(path)
+    attn = quant.parts.model.model.layers[1].self_attn
+    assert isinstance(attn.q_a_proj, QuantLinear) and not isinstance(attn.q_b_proj, QuantLinear)
+    assert not isinstance(attn.kv_a_proj_with_mqa, QuantLinear) and not isinstance(attn.kv_b_proj, QuantLinear)
+    assert quant.generate_ids(PROMPT, 12) == plain.generate_ids(PROMPT, 12)
 
 
 def test_gguf_header_gives_the_shape(tmp_path):
