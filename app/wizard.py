@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWizard, QWizardPage
 
-from app.wizard_common import Task, facts_html, gather_facts  # noqa: F401 — the wizard's public names
+from app.wizard_common import gather_facts
 from app.wizard_machine import CalibrationPage, HardwarePage
 from app.wizard_model import ModelPage
 

@@ -15,7 +15,6 @@ bounds.
 from __future__ import annotations
 
 import gc
-import os
 import time
 from typing import Callable
 
