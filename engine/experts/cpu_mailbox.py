@@ -1,8 +1,8 @@
 """CpuMailbox: the CPU computes part of each layer's misses inside the one decode graph.
 
 The graph reads every miss over PCIe (engine/experts/zero_copy.py); where the cache is tight (32K
-with one chat) that binds the step to the link while the CPU idles. Seed 004 sends part
-of the misses to the CPU instead, sized so that both sides finish together. Between layers of a
+with one chat) that binds the step to the link while the CPU idles. Seed 004 sends part of the
+misses to the CPU instead, sized so that both sides finish together. Between layers of a
 graph there is no host call to split them, so the device splits them (`post`, in
 engine/kernels/cpu_mailbox_gpu.py), hands the CPU's share over through pinned host memory, and the
 native worker (native/cpu_mailbox.h) answers there; the layer's sum kernel waits for the answer.

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import numpy as np
 
-PROBE_STEPS = 4  # steps timed per form before choosing: a median one slow step cannot move, at a few steps' cost
+PROBE_STEPS = 4  # steps timed per form before choosing: a median one slow step hardly moves, for a few steps
 # Probed forms take turns in runs of PROBE_RUN steps, and a run's first step is not timed: it pays for
 # the switch (the graph's table rebuilt from the LRU after pieces changed it, once the pieces' copies
 # have landed; the pieces' reading of the graph's last log). Timed step by step in turns, every graph

@@ -2,14 +2,14 @@
 
 The decode step in pieces (engine/runtime/decode_graph.py) hands every MoE layer to the host: one
 sync, an LRU lookup, the plan and the launches cost the driving thread 0.3–0.6 ms per layer on a
-server host, more than the device work of a layer whose experts mostly hit. PDScope (seed 001, §4.4) compiles its decisions into a static graph with zero-copy I/O instead.
-Here the GPU finds each routed expert itself, through an offset table on the device, (L, E) int64:
+server host, more than the device work of a layer whose experts mostly hit. PDScope (seed 001,
+§4.4) compiles its decisions into a static graph with zero-copy I/O instead. Here the GPU finds each routed expert itself, through an offset table on the device, (L, E) int64:
 an expert's entry points into its cache slot or into the pinned host store, which the expert kernel
 (`moe_decode` with `offsets`) then reads in place over PCIe. A pair that reads from the store also
 claims a free slot from a list the host prepared and writes the weights it reads there: the miss is
 computed and filled by one PCIe read (a second copy over the link, a DMA beside the in-place read,
-would halve the rate at which misses are served). The whole step
-is one graph; the host's LRU follows behind it, between replays:
+would halve the rate at which misses are served). The whole step is one graph; the host's LRU
+follows behind it, between replays:
 
 1. The graph logs each MoE layer's routing and each pair's claimed slot; after the replay both come
    to the host. The device's table keeps itself meanwhile: the sum kernel points each filled expert

@@ -31,8 +31,9 @@ from engine.kernels.experts_torch import expert_ffn as expert_ffn_torch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Largest token count sent to the native kernel; above it torch runs. The default is the crossover
-# of an AMD Zen 4 core (AVX512_BF16, no AMX, one thread): native ahead up to 16 tokens, torch from 64. `tandem bench cpu-kernels` reports each machine's crossover
-# (experts.crossover_tokens); calibration sets it with set_native_max_tokens.
+# of an AMD Zen 4 core (AVX512_BF16, no AMX, one thread): native ahead up to 16 tokens, torch from
+# 64. `tandem bench cpu-kernels` reports each machine's crossover (experts.crossover_tokens);
+# calibration sets it with set_native_max_tokens.
 _native_max_tokens = 16
 
 
