@@ -149,7 +149,10 @@ def test_hybrid_kv_over_latent_rows_equals_resident(tmp_path, policy):
     kv.free(sid)
 
 
-@pytest.mark.parametrize("kv", [{}, {"kv_policy": "fixed:0.5", "simulate_hybrid": True, "d_window": 8, "block_size": 4}])
+HYBRID = {"kv_policy": "fixed:0.5", "simulate_hybrid": True, "d_window": 8, "block_size": 4}
+
+
+@pytest.mark.parametrize("kv", [{}, HYBRID])
 def test_a_cropped_sequence_continues_like_a_fresh_one(tmp_path, kv):
     """Regenerate and edit crop the latent rows (resident blocks, or the hybrid regions' tails):
     decoding on from the cut gives the logits of a sequence that never had the tail."""
