@@ -47,6 +47,8 @@ void quantize_acts(const float* x, int64_t k, int16_t* q, float* d, float* s) {
   }
 }
 
+#if defined(TANDEM_QUANT_SCALAR)
+
 void dequantize_row(const uint8_t* w, QType type, int64_t k, float* out) {
   const int64_t bytes = qblock_bytes(int(type));
   for (int64_t b = 0; b < k / kQBlock; ++b, w += bytes, out += kQBlock) {
@@ -64,8 +66,6 @@ void dequantize_row(const uint8_t* w, QType type, int64_t k, float* out) {
     }
   }
 }
-
-#if defined(TANDEM_QUANT_SCALAR)
 
 template <QType TY>
 void rows_group(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int nt, int64_t r0, int64_t r1) {
@@ -151,6 +151,46 @@ TANDEM_ALWAYS_INLINE float hsum(FVec v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+
+#if defined(TANDEM_QUANT_AVX512)
+TANDEM_ALWAYS_INLINE void store_block(float* out, WVec w, float d, float m) {
+  const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1)));
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(lo, vd, vm));
+  _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(hi, vd, vm));
+}
+#else
+TANDEM_ALWAYS_INLINE void store_block(float* out, const WVec& w, float d, float m) {
+  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+  const __m256i parts[2] = {w.lo, w.hi};
+  for (int h = 0; h < 2; ++h) {
+    const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(parts[h])));
+    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(parts[h], 1)));
+    _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(a, vd, vm));
+    _mm256_storeu_ps(out + 16 * h + 8, _mm256_fmadd_ps(b, vd, vm));
+  }
+}
+#endif
+
+// Bit for bit the scalar dequantize_row's values (and gguf's): q·d is exact in fp32 (an integer of ≤ 8 bits
+// times an fp16 value), so the FMA's one rounding is the plain loop's multiply-then-add's.
+template <QType TY> void dequantize_row_t(const uint8_t* w, int64_t k, float* out) {
+  const int64_t bytes = qblock_bytes(int(TY));
+  for (int64_t b = 0; b < k / kQBlock; ++b, w += bytes, out += kQBlock) {
+    const float d = load_half(w);
+    const float m = TY == QType::q8_0 ? 0.0f : TY == QType::q4_1 ? load_half(w + 2) : -8.0f * d;
+    store_block(out, load_weights<TY>(w), d, m);
+  }
+}
+
+void dequantize_row(const uint8_t* w, QType type, int64_t k, float* out) {
+  switch (type) {
+    case QType::q4_0: return dequantize_row_t<QType::q4_0>(w, k, out);
+    case QType::q4_1: return dequantize_row_t<QType::q4_1>(w, k, out);
+    case QType::q8_0: return dequantize_row_t<QType::q8_0>(w, k, out);
+  }
+}
 
 // NT tokens from t0 over rows [r0, r1). Q4's nibbles are read as unsigned 0…15; their offset (−8·d for
 // Q4_0, m for Q4_1) is added once per block from the activation sums: c · a_d·Σa.

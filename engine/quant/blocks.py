@@ -58,6 +58,7 @@ class QuantTensor:
         if blocks.stride(1) != 1 or blocks.stride(0) != row_bytes:
             blocks = blocks.contiguous()  # the kernels walk rows at row_bytes
         self.blocks, self.qtype, self.shape, self.name = blocks, qt, (rows, cols), name
+        self.row_bytes = row_bytes
 
     @classmethod
     def from_gguf(cls, data, type_code: int, name: str) -> QuantTensor:

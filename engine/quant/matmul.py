@@ -40,7 +40,7 @@ def implementation(n_tokens: int = 1) -> str:
 
 
 def _native():
-    nat = native.module()
+    nat = native.module()  # cached: the import is looked up once
     return nat if nat is not None and hasattr(nat, "quant_matmul") else None
 
 
@@ -74,26 +74,24 @@ def quant_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu" or not x.is_floating_point() or x.shape[-1] != cols:
         raise KernelInputError(f"quant_linear takes a CPU float x (…, {cols}), got {x.dtype} "
                                f"{tuple(x.shape)} on {x.device}")
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, cols)
-    n = flat.shape[0]
+    n = x.numel() // cols
     nat = _native()
     if nat is not None and n <= NATIVE_MAX_TOKENS:
-        xf = flat.float()
-        if xf.stride(1) != 1 or xf.stride(0) < cols:
-            xf = xf.contiguous()
-        y = torch.empty(n, n_rows, dtype=torch.float32)
-        nat.quant_matmul(w.blocks.data_ptr(), w.qtype.code, n_rows, cols, w.blocks.shape[1], xf.data_ptr(), n,
-                         xf.stride(0), y.data_ptr(), n_rows, native.threads())
+        # the decode step's call: a few µs of Python around the kernel matter at 200+ calls a token
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        y = torch.empty(*x.shape[:-1], n_rows)
+        nat.quant_matmul(w.blocks.data_ptr(), w.qtype.code, n_rows, cols, w.row_bytes, xf.data_ptr(), n, cols,
+                         y.data_ptr(), n_rows, native.threads())
     else:
-        xf = flat.float()
-        y = torch.empty(n, n_rows, dtype=torch.float32)
+        xf = x.reshape(n, cols).float()
+        y = torch.empty(n, n_rows)
         for a in range(0, n_rows, TILE_ROWS):
             b = min(n_rows, a + TILE_ROWS)
             y[:, a:b] = xf @ dequantize_rows(w, row_range=(a, b)).t()  # (n, b − a)
+        y = y.view(*x.shape[:-1], n_rows)
     if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype).reshape(*lead, n_rows)
+        y += bias
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def embedding(ids: torch.Tensor, w: QuantTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
