@@ -10,7 +10,11 @@ only the pool and the attention differ:
   - prefill chunks: SDPA over the same rows with the values as a view of their first r columns (a
     fused kernel: the decode kernel materialises T × S scores).
 
-The paged CUDA decode kernel needs V of K's width and is not used; decode gathers the rows instead.
+The paged CUDA decode kernel needs V of K's width and is not used. On CUDA a decode step instead
+takes ResidentKV's step buffer (write slots, positions, key counts, block table at fixed addresses)
+and gathers every block of each sequence's table, masked by its key count: fixed shapes, so the
+runtime replays the step as a CUDA graph (engine/runtime/decode_graph.py), at the price of reading
+max_context rows a step — bounded by GRAPH_MAX_CONTEXT.
 
 The hybrid policies (`LatentWriteScopeKV`) keep the InplaceKVCache format exactly as it is: a row
 of r + dr columns is stored as that format's "K" and "V" planes of (r + dr)/2 columns each (one KV
@@ -42,22 +46,36 @@ def format_shape(args) -> tuple[int, int]:
     return (args.n_kv_heads, args.head_dim) if mla is None else (1, LatentWriteScopeKV.plane_width(mla.row_width))
 
 
+# Fixed-shape decode reads every row of max_context per layer and sequence: at 16K tokens of 576
+# bf16 values that is 19 MB a layer (its fp32 copy twice that), well under a millisecond of an
+# H200's bandwidth over 27 layers, against the launches a CUDA graph saves (an eager V2-Lite decode
+# step took ~60 ms there). Longer contexts decode eagerly, reading only the rows in use.
+GRAPH_MAX_CONTEXT = 16384
+
+
 class LatentResidentKV(ResidentKV):
     policy = "resident"
     supports_sliding_window = False
     supports_sinks = False
 
     def __init__(self, n_layers: int, row_width: int, value_dim: int, *, max_context: int, max_batch: int,
-                 block_size: int, device: torch.device, dtype: torch.dtype):
-        """row_width: r + dr columns per token row; value_dim: r, the columns that are the values."""
+                 block_size: int, device: torch.device, dtype: torch.dtype, fixed_decode: bool | None = None):
+        """row_width: r + dr columns per token row; value_dim: r, the columns that are the values.
+        fixed_decode: decode steps at fixed addresses (graph-replayable); None: on CUDA up to
+        GRAPH_MAX_CONTEXT."""
         self.max_context, self.block_size, self.device = max_context, block_size, device
         self.n_kv_heads, self.value_dim = 1, value_dim
-        self.paged, self.window = False, None
+        if fixed_decode is None:
+            fixed_decode = device.type == "cuda" and max_context <= GRAPH_MAX_CONTEXT
+        self.paged, self.window = fixed_decode, None  # `paged`: ResidentKV's name for the fixed-address step
         blocks_per_seq = -(-max_context // block_size)
         n_blocks = blocks_per_seq * max_batch
         n_slots = n_blocks * block_size
-        try:  # (L, slots, 1, r + dr); empty: host pages are committed only when written
-            self.k = torch.empty((n_layers, n_slots, 1, row_width), device=device, dtype=dtype)
+        # (L, slots, 1, r + dr); empty: host pages are committed only when written. Zeros where whole
+        # tables are read: a masked key's probability is 0, and 0 · NaN of an unwritten slot is NaN
+        alloc = torch.zeros if fixed_decode else torch.empty
+        try:
+            self.k = alloc((n_layers, n_slots, 1, row_width), device=device, dtype=dtype)
         except torch.OutOfMemoryError as e:
             need = self.k_bytes_for(n_layers, n_slots, 1, row_width, dtype)
             raise OutOfMemoryError(f"cannot allocate the resident latent KV cache ({need / 2**30:.2f} GiB) on {device}",
@@ -68,6 +86,14 @@ class LatentResidentKV(ResidentKV):
         self._next_id = 0
         self._step = self._paged_step = None
         self.max_batch, self.blocks_per_seq = max_batch, blocks_per_seq
+        if fixed_decode:  # ResidentKV's step buffer: [write slot | position | keys | block table row] per sequence
+            n = max_batch * (3 + blocks_per_seq)
+            self._decode_host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
+            self._decode_np = self._decode_host.numpy()
+            self._decode_dev = torch.zeros(n, dtype=torch.int64, device=device)
+            self._decode_copied = None
+            self._scratch = {b: (0, None) for b in range(1, max_batch + 1)}  # the paged kernel's: not used
+            self._key_pos = torch.arange(blocks_per_seq * block_size, device=device)  # (W·bs,)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: None = None, *,
                scale: float) -> torch.Tensor:
@@ -78,6 +104,12 @@ class LatentResidentKV(ResidentKV):
         seqs, n_new, write, read = self._step
         B, _, T, width = k.shape
         self.k[layer][write] = k.transpose(1, 2).reshape(B * T, 1, width)
+        if self._paged_step is not None:  # fixed shapes: every block of each table, masked by its key count
+            table, keys = self._paged_step  # (B, W), (B,)
+            rows = self.k[layer].view(-1, self.block_size, width)[table].view(B, -1, width)  # (B, W·bs, r + dr)
+            visible = (self._key_pos < keys[:, None]).view(B, 1, 1, -1)  # (B, 1, 1, W·bs)
+            o, _ = attention_mla.latent_attention(q, rows, self.value_dim, scale, visible)
+            return o.to(q.dtype)
         rows = k[:, 0] if read is None else self.k[layer][read][:, :, 0]  # (B, S, r + dr)
         mask = self._masks[None]  # (B, 1, T, S) or None: causal (prefill from empty) or every key
         if T == 1:

@@ -122,6 +122,33 @@ def test_batched_decode_of_unequal_lengths(tmp_path):
         torch.testing.assert_close(row, expected.detach(), atol=1e-4, rtol=0)
 
 
+def test_fixed_shape_decode_equals_the_gathered_one(tmp_path):
+    """The graph-replayable decode (every block of each table read, masked by key counts; on CUDA by
+    default) gives the logits of the decode that gathers only the rows in use, for a padded batch."""
+    from engine.kv.latent import LatentResidentKV
+
+    engine = tiny_engine(write_layout(tiny(seed=12), tmp_path / "m", "fused"), max_context=64)
+    p, gathered = engine.parts, engine.parts.kv
+    fixed = LatentResidentKV(p.args.n_layers, 20, 16, max_context=64, max_batch=2, block_size=gathered.block_size,
+                             device=p.device, dtype=torch.float32, fixed_decode=True)
+
+    def decode(kv):
+        ids, rows = [kv.new_sequence() for _ in range(2)], []
+        for sid, prompt in zip(ids, (PROMPT[:5], PROMPT[:11])):
+            positions = kv.begin_step([sid], len(prompt))
+            p.model(torch.tensor([prompt]), positions, kv)
+            kv.end_step()
+        for token in (7, 8, 9):
+            positions = kv.begin_step(ids, 1)
+            assert kv.replayable_step() == (kv is fixed)
+            rows.append(p.model(torch.tensor([[token], [token]]), positions, kv))  # (2, vocab)
+            kv.end_step()
+        return torch.stack(rows)
+
+    with torch.inference_mode():
+        torch.testing.assert_close(decode(fixed), decode(gathered), atol=1e-5, rtol=0)  # fp32, other summation order
+
+
 @pytest.mark.parametrize("policy", ["writescope", "fixed:0.5", "cpu-centric", "gpu-centric"])
 def test_hybrid_kv_over_latent_rows_equals_resident(tmp_path, policy):
     """Simulated hybrid: latent rows placed in the D-window, the pinned region (streamed through
