@@ -117,7 +117,9 @@ class OffloadedExperts(ExpertExecutor):
 
     def _open_zero_copy(self) -> None:
         """adaptive on a GPU may also run decode as one graph, reading misses in place (zero_copy.py)."""
-        if self.policy != "adaptive" or self.cache is None:
+        if self.forms:  # its device table runs the matrix-vector kernels: plain SwiGLU only
+            self.zero_copy_off = "its experts have biases and a clamped SwiGLU"
+        elif self.policy != "adaptive" or self.cache is None:
             self.zero_copy_off = f"policy {self.policy}" if self.policy != "adaptive" else "no cache slots"
         elif self.device.type != "cuda" or moe_decode_gpu.triton is None:
             self.zero_copy_off = "needs CUDA and Triton"

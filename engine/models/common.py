@@ -288,7 +288,7 @@ class MoEFeedForward(nn.Module):
         """The builder attaches the executor; experts of another form are registered with it, and an
         executor that cannot compute them is refused then, at load, not at the first token."""
         self._experts = executor
-        if self.form is None or executor is None or not hasattr(executor, "policy"):
+        if self.form is None or executor is None or getattr(executor, "stands_in", False):
             return  # plain SwiGLU, or a decode graph's stand-in for the executor already told
         if not hasattr(executor, "set_form"):
             raise ConfigError(f"expert_policy '{executor.policy}' does not compute this model's experts "

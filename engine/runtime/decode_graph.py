@@ -92,6 +92,7 @@ class _Cut(ExpertExecutor):
     few tokens); or the next piece reads a fixed buffer the host fills with the whole experts' sum."""
 
     policy = "capture-cut"
+    stands_in = True  # the MoE layers' expert forms stay with the executor it stands in for
 
     def __init__(self, pool, home: torch.cuda.Stream, experts: OffloadedExperts | None = None):
         self.pool, self.home, self.experts = pool, home, experts  # home: the stream replays run on
@@ -147,6 +148,7 @@ class _InGraph(ExpertExecutor):
     work only, through the expert table."""
 
     policy = "in-graph"
+    stands_in = True
 
     def __init__(self, zero_copy):
         self.zero_copy = zero_copy

@@ -122,6 +122,14 @@ def test_offloaded_experts_with_biases_generate_what_resident_generates(tmp_path
                             expert_cache_slots=5, max_context=64)
     ex = offloaded.parts.experts
     assert isinstance(ex, OffloadedExperts) and len(ex.forms) == 4
+    # the whole-step graph's device table runs plain SwiGLU only: never opened for these experts
+    assert ex.zero_copy is None and "biases" in ex.zero_copy_off
+    # a decode graph's capture stand-ins take the layers' place without being asked for the form
+    from engine.runtime.decode_graph import _Cut
+
+    mlp = next(layer.mlp for layer in offloaded.parts.model.model.layers if getattr(layer.mlp, "experts", None) is ex)
+    mlp.experts = _Cut(None, None)
+    mlp.experts = ex
     assert offloaded.generate_ids(PROMPT, 8) == expected
     torch.testing.assert_close(engine_logits(offloaded, PROMPT, prefill=4), engine_logits(resident, PROMPT, prefill=4),
                                atol=1e-5, rtol=0)  # fp32 both; the same products summed in another order
@@ -247,3 +255,16 @@ def test_synthetic_gpt_oss_runs(monkeypatch):
     logits = engine_logits(engine, PROMPT, prefill=6)
     assert torch.isfinite(logits).all() and logits.std() > 0.1
     assert len(engine.generate_ids(PROMPT, 4)) == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_experts_with_biases_decode_through_cuda_graphs(tmp_path):
+    """On a GPU the decode step is captured in pieces cut at each MoE layer; the capture's stand-ins
+    must not be refused for the experts' form, and the tokens equal resident execution (fp32)."""
+    folder = saved(tmp_path, tiny(seed=4))
+    expected = tiny_engine(folder, device="cuda", max_context=64).generate_ids(PROMPT, 8)
+    offloaded = tiny_engine(folder, device="cuda", expert_policy="adaptive", kv_policy="resident",
+                            expert_cache_slots=5, max_context=64)
+    assert offloaded.generate_ids(PROMPT, 8) == expected
+    assert offloaded.parts.experts.zero_copy is None
