@@ -18,7 +18,8 @@ solve a unit lower-triangular system, so a chunk costs a few (C × C) and (C × 
 state is carried between chunks; decode (one token) runs the recurrence directly. On CUDA the
 kernels of the maintained `fla` (flash-linear-attention) library are used when it is importable;
 it is not a dependency of Tandem (the development machine and the GPU machine lack it), so the
-torch code here is the path that runs and that the parity tests check.
+torch code here is the path that runs and that the parity tests check. An fla whose kernels fail
+(fla 0.5.2 does not build against triton 3.9) is dropped with a warning at its first call.
 
 The state lives with the KV backend (engine/kv/recurrent.py), which keeps it per sequence: the
 layer asks `kv.recurrent_state(index)` for its (conv, S) of the step's sequences and hands back
@@ -27,11 +28,14 @@ the new ones with `kv.set_recurrent_state(index, conv, S)`. States are fp32.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger("tandem")
 
 CHUNK = 64  # tokens per chunk of the prefill form: (64 × 64) triangular solves, as fla's kernels use
 L2_EPS = 1e-6  # q, k normalisation: x / sqrt(Σx² + eps), the reference's and fla's
@@ -189,9 +193,15 @@ class GatedDeltaNet(nn.Module):
             if _FLA:
                 chunked, recurrent = _FLA
                 run = recurrent if T == 1 else chunked
-                o, state = run(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
-                               use_qk_l2norm_in_kernel=True)
-                return o.to(dtype), state.float()
+                q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))  # (v is a view of the conv's output)
+                try:
+                    o, new_state = run(q, k, v, g=g, beta=beta, initial_state=state.contiguous(),
+                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+                    return o.to(dtype), new_state.float()  # (B, T, nv, dv), (B, nv, dk, dv) fp32
+                except Exception as e:  # an fla whose kernels do not build with this triton: the torch path, said once
+                    log.warning("fla's gated delta rule failed (%s: %s); the torch implementation runs instead",
+                                type(e).__name__, e)
+                    _FLA = False
         q, k, v, beta = (t.transpose(1, 2).float() for t in (q, k, v, beta))  # (B, nv, T, d) / (B, nv, T)
         g = g.transpose(1, 2)
         q = _l2norm(q) * q.shape[-1] ** -0.5
