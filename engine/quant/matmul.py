@@ -1,13 +1,13 @@
 """Products over quantised blocks on the CPU: y = x · Wᵀ with W a `QuantTensor`, and row lookups.
 
 Decode sizes (≤ NATIVE_MAX_TOKENS tokens) go to the native kernel (native/quant_kernels.h): the
-activations quantised per 32-block to int8, integer dot products with the weight blocks (AVX-512 VNNI
-or AVX2), the weights read once per call at their quantised size. More tokens (prefill) dequantise
-the weight a tile of rows at a time into fp32 and multiply with torch's GEMM, which is then
+activations quantised per 32-block to int16, integer dot products with the weight blocks (AVX-512 or
+AVX2 vpmaddwd; why not int8 is said there), the weights read once per call at their quantised size.
+More tokens (prefill) dequantise the weight a tile of rows at a time into fp32 and multiply with torch's GEMM, which is then
 compute-bound and faster than integer dots re-reading the blocks per token group (figures below).
 
-Measured on the development machine (2-core Zen 4, AVX-512 VNNI, 2 threads), the built-in model's
-shapes: see `NATIVE_MAX_TOKENS`. torch's own int4 kernel (`_weight_int4pack_mm_for_cpu`, groupsize
+Measured on the development machine (2-core Zen 4, AVX-512), the built-in model's shapes: see
+`NATIVE_MAX_TOKENS`. torch's own int4 kernel (`_weight_int4pack_mm_for_cpu`, groupsize
 32, which Q4_0/Q4_1 map onto) took 8.2 ms for the 49152×576 output head at one token (1.7 GB/s of
 int4) against 11.5 ms for fp32 `F.linear`; it repacks the weights (no view of the file) and has no
 Q8_0 (its int8 kernel is per channel), so it is not used.
@@ -24,8 +24,12 @@ from engine.errors import KernelInputError
 from engine.kernels import native
 from engine.quant.blocks import QuantTensor, dequantize_blocks_torch
 
-# Most tokens per call that the integer kernel takes; above it dequantised tiles + torch GEMM.
-NATIVE_MAX_TOKENS = 8
+# Most tokens per call that the integer kernel takes; above it dequantised tiles + torch GEMM. One
+# thread each, busy 2-core Zen 4 (load 7), the built-in model's shapes, µs, kernel / tiles + GEMM:
+# 1536×576 Q4_1 at 8 tokens 694 / 1662, 16: 1283 / 1706, 32: 2552 / 1612; 49152×576 Q8_0 at 16
+# 36241 / 47609, 32: 49386 / 42345. The integer kernel's cost grows with tokens (its int16 dots are
+# compute), the GEMM's hardly does.
+NATIVE_MAX_TOKENS = 16
 # Rows per dequantised tile in the prefill path: 2048 rows of 576 fp32 are 4.7 MB, within L2+L3 of a
 # desktop CPU, so the GEMM reads the tile warm.
 TILE_ROWS = 2048
