@@ -3,8 +3,8 @@
 Decode sizes (≤ NATIVE_MAX_TOKENS tokens) go to the native kernel (native/quant_kernels.h): the
 activations quantised per 32-block to int16, integer dot products with the weight blocks (AVX-512 or
 AVX2 vpmaddwd; why not int8 is said there), the weights read once per call at their quantised size.
-More tokens (prefill) dequantise the weight a tile of rows at a time into fp32 and multiply with torch's GEMM, which is then
-compute-bound and faster than integer dots re-reading the blocks per token group (figures below).
+More tokens (prefill) dequantise the weight a tile of rows at a time into fp32 and multiply with
+torch's GEMM, which then beats the integer dots, whose cost grows with every token (figures below).
 
 Measured on the development machine (2-core Zen 4, AVX-512), the built-in model's shapes: see
 `NATIVE_MAX_TOKENS`. torch's own int4 kernel (`_weight_int4pack_mm_for_cpu`, groupsize
