@@ -3,8 +3,8 @@
 // the layer waits for the answer there (engine/kernels/cpu_mailbox_gpu.py); this thread answers.
 //
 // Why not the driver: a graph's host nodes run on the driver's own thread and hold the stream while
-// they run; computing experts from them is slower than reading every miss over PCIe. Here the GPU writes and reads plain mapped memory, and the CPU sees a post as
-// soon as the write crosses the link.
+// they run; computing experts from them is slower than reading every miss over PCIe. Here the GPU
+// writes and reads plain mapped memory, and the CPU sees a post as soon as the write crosses the link.
 //
 // The two regions, as int64 words (engine/experts/cpu_mailbox.py lays them out, 64-byte aligned):
 //   to_cpu, written by the GPU: [0] post sequence number, [8] layer, [9] rows; then the layer's routing
