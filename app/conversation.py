@@ -66,7 +66,6 @@ class Conversation(QObject):
         self.pending_req = -1
         self.gauge_req = -1
         self.count_reqs: dict = {}
-        self.last_plan = None
         self._replan = QTimer(self)
         self._replan.setSingleShot(True)
         self._replan.setInterval(REPLAN_DELAY_MS)
@@ -126,7 +125,6 @@ class Conversation(QObject):
 
     def _on_planned(self, rid: int, plan) -> None:
         if rid == self.gauge_req:
-            self.last_plan = plan
             self.composer.set_plan(plan)
             if plan is not None and self.job is None:
                 self.view.mark_dropped(plan.dropped, plan.max_context)

@@ -303,7 +303,6 @@ class EngineHost(QObject):
         self.info: dict | None = None
         self.job: str | None = None
         self.stop_event: threading.Event | None = None
-        self.last_stats: dict | None = None
         self._sample_pending = False
         self._next_request = 0
         self._timer = QTimer(self)
@@ -371,7 +370,6 @@ class EngineHost(QObject):
 
     def _on_stats(self, snap: dict) -> None:
         self._sample_pending = False
-        self.last_stats = snap
 
     def shutdown(self, timeout_s: float = 60.0) -> bool:
         """Stop any reply, close the engine on its thread (freeing its memory), join the thread."""
