@@ -31,7 +31,7 @@ from engine.experts.cpu_set import (CpuSetRunner, cpu_set_inputs, default_cpu_mo
                                      per_expert_moe,
                                     routed_cpu_set)
 from engine.experts.executor import ExpertExecutor
-from engine.experts.planner import MissPlanner
+from engine.experts.planner import PLANNED_POLICIES, MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
 from engine.experts.zero_copy import ZeroCopyDecode
@@ -41,7 +41,7 @@ from engine.kernels.experts_gpu import grouped_expert_ffn, grouped_impl, uses_gr
 from engine.kernels.experts_torch import ClampedSwiGLU
 from engine.sched.expert_cost import ExpertCostModel
 
-OFFLOAD_POLICIES = ("adaptive", "on-demand", "static", "cpu-only")
+OFFLOAD_POLICIES = PLANNED_POLICIES  # each offload policy is a way the planner splits a layer's misses
 # The driving thread's host work in `run` after the layer's sync, in order (seconds in `host_split`):
 # LRU lookup; the plan; the CPU set's preparation and hand-off; the fills; the GPU set's launches;
 # prefetches; bookkeeping nothing above waits for (prediction scores, the trace); then (layers with a
