@@ -7,6 +7,12 @@ run backwards, and the metadata keys `moe_config_from_gguf` reads. Per family:
     qwen3_moe       qwen3moe         as stored (NEOX RoPE)           always (the file must agree)
     olmoe           olmoe            as stored (NEOX RoPE)           never
     mixtral         llama            permuted (llama.cpp's NORM RoPE)  always
+    gpt_oss         gpt-oss          as stored (NEOX RoPE)           its own: softmax over the chosen k
+
+gpt-oss also writes what only it has: the attention sinks (`attn_sinks`), the post-attention norm
+under its own name (`post_attention_norm`), every projection's bias (the experts' gate/up bias split
+like their weights), the sliding window of its even layers, and YaRN's scaling keys. llama.cpp fixes
+its clamped SwiGLU at alpha 1.702 and limit 7; a model with others is refused.
 
 Routed experts go out stacked per layer, `blk.N.ffn_{gate,up}_exps` (E, I, H) and `ffn_down_exps`
 (E, H, I) in torch order (GGUF lists dims innermost first: {H, I, E}), split from the engine's fused
@@ -47,9 +53,14 @@ from engine.models.assemble import tensor_shapes
 from engine.models.common import ModelArgs
 from engine.models.gguf_names import gguf_expert_names, gguf_name
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama"}
-# llama.cpp's graphs fix top-k renormalisation per architecture (build_moe_ffn's norm_w argument).
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+# llama.cpp's graphs fix top-k renormalisation per architecture (build_moe_ffn's norm_w argument);
+# gpt-oss routes its own way (a softmax over the k chosen logits) in both engines.
 RENORMALISES = {"qwen3moe": True, "olmoe": False, "llama": True}
+# gpt-oss tensors whose llama.cpp names differ from the other families' (engine name → GGUF kind)
+GPT_OSS_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+                 "mlp.expert_down_bias": "ffn_down_exps.bias"}
+GPT_OSS_SWIGLU = (1.702, 7.0)  # alpha and limit llama.cpp's gpt-oss graph hard-codes (ggml_swiglu_oai)
 DTYPES = ("bf16", "f32")
 
 
@@ -103,6 +114,17 @@ def default_tokenizer() -> Path:
 # -- the plan: GGUF tensors in file order ----------------------------------------------------------
 
 def _check_exportable(arch: str, args: ModelArgs) -> None:
+    if arch == "gpt-oss":
+        windows = args.layer_windows or [None] * args.n_layers
+        even_slide = all((w is not None) == (i % 2 == 0) for i, w in enumerate(windows))
+        if not even_slide or len({w for w in windows if w}) > 1:
+            raise UnsupportedModelError("llama.cpp's gpt-oss graph slides one window over the even layers only; "
+                                        "this model's layers differ", "export a model with that pattern")
+        if (args.expert_alpha, args.expert_limit) != GPT_OSS_SWIGLU:
+            raise UnsupportedModelError(f"llama.cpp's gpt-oss graph fixes the SwiGLU's alpha and limit at "
+                                        f"{GPT_OSS_SWIGLU}; this model has ({args.expert_alpha}, {args.expert_limit})",
+                                        "the two would compute different models")
+        return
     if args.rope_inv_freq is not None:
         raise UnsupportedModelError("this model uses scaled RoPE, which the GGUF export does not write",
                                     "export a model with plain RoPE")
@@ -123,7 +145,10 @@ def plan(arch: str, args: ModelArgs, shapes: dict[str, tuple], dtype: str = "bf1
     f32 = gguf.GGMLQuantizationType.F32
     pieces = []
     for hf_name, shape in shapes.items():
-        if hf_name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H) → gate (E, I, H), up (E, I, H)
+        own = _gpt_oss_pieces(hf_name, shape, f32) if arch == "gpt-oss" else None
+        if own is not None:
+            pieces.extend(own)
+        elif hf_name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H) → gate (E, I, H), up (E, I, H)
             names = gguf_expert_names(int(hf_name.split(".")[2]))
             E, two_i, H = shape
             half = two_i // 2
@@ -134,7 +159,7 @@ def plan(arch: str, args: ModelArgs, shapes: dict[str, tuple], dtype: str = "bf1
         else:
             name = gguf_name(hf_name)
             kind = name.split(".")[2] if name.startswith("blk.") else ""
-            ggml_type = f32 if len(shape) == 1 or kind == "ffn_gate_inp" else matrix_type
+            ggml_type = f32 if len(shape) == 1 or kind == "ffn_gate_inp" or name.endswith(".bias") else matrix_type
             heads = None
             if arch == "llama" and kind == "attn_q" and name.endswith(".weight"):
                 heads = args.n_heads
@@ -142,6 +167,23 @@ def plan(arch: str, args: ModelArgs, shapes: dict[str, tuple], dtype: str = "bf1
                 heads = args.n_kv_heads
             pieces.append(Piece(name, shape, ggml_type, hf_name, permute_heads=heads))
     return pieces
+
+
+def _gpt_oss_pieces(hf_name: str, shape: tuple, f32) -> list[Piece] | None:
+    """gpt-oss's tensors that the shared name map does not hold, as llama.cpp's converter writes
+    them (every one F32: sinks, norms, biases); None for the others."""
+    parts = hf_name.split(".")
+    if parts[:2] != ["model", "layers"]:
+        return None
+    layer, rest = parts[2], ".".join(parts[3:])
+    if rest == "mlp.expert_gate_up_bias":  # (E, 2I), gate half first → gate (E, I), up (E, I)
+        E, two_i = shape
+        half = two_i // 2
+        return [Piece(f"blk.{layer}.ffn_gate_exps.bias", (E, half), f32, hf_name, rows=(0, half)),
+                Piece(f"blk.{layer}.ffn_up_exps.bias", (E, half), f32, hf_name, rows=(half, two_i))]
+    if rest in GPT_OSS_NAMES:
+        return [Piece(f"blk.{layer}.{GPT_OSS_NAMES[rest]}", shape, f32, hf_name)]
+    return None
 
 
 def _permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -190,6 +232,17 @@ def _metadata(w, arch: str, args: ModelArgs, config: dict, name: str, dtype: str
     if arch == "qwen3moe":
         w.add_feed_forward_length(args.ffn_dim or args.expert_ffn_dim)  # dense FFN size; unused when all layers route
         w.add_expert_feed_forward_length(args.expert_ffn_dim)
+    elif arch == "gpt-oss":
+        w.add_feed_forward_length(args.expert_ffn_dim)
+        w.add_expert_feed_forward_length(args.expert_ffn_dim)
+        w.add_sliding_window(int(args.sliding_window or 0))
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(float(rope["factor"]))
+            w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+            w.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
+            w.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
     else:  # olmoe and llama (Mixtral) size their experts by feed_forward_length
         w.add_feed_forward_length(args.expert_ffn_dim)
     w.add_expert_weights_norm(bool(args.norm_topk_prob))

@@ -39,8 +39,13 @@ def load_tokenizer(tokenizer_dir: Path, gguf_file: str | None = None):
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer_dir, gguf_file=gguf_file)
     except Exception as e:
-        raise ModelFileError(f"the tokenizer in {src} could not be read ({e})",
-                             "the GGUF file lacks tokenizer metadata or is damaged") from e
+        # AutoTokenizer also parses the file's model config to pick a class, and transformers 5.24 fails
+        # on some families' keys (gpt-oss's rope.scaling.*); the fast tokenizer reads the tokenizer alone.
+        try:
+            tok = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir, gguf_file=gguf_file)
+        except Exception:
+            raise ModelFileError(f"the tokenizer in {src} could not be read ({e})",
+                                 "the GGUF file lacks tokenizer metadata or is damaged") from e
     try:
         tok.save_pretrained(cached)
     except OSError:

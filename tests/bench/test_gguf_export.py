@@ -202,3 +202,60 @@ def test_cli(tiny, tmp_path, capsys):
     assert main(["export-gguf", "--model", str(tiny["folder"]), "--out", str(out), "--quiet"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["bytes"] == out.stat().st_size == tiny["bf16"].stat().st_size and record["arch"] == "qwen3moe"
+
+
+def _tiny_gpt_oss(path, rope: dict):
+    """A random transformers gpt-oss (4 layers, even ones sliding over 4 tokens, 8 experts top 2) with
+    biases and sinks drawn (transformers zeroes them) and expert pre-activations past the clamp."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+               max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False, rope_parameters=rope,
+               bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(**cfg)).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(100)
+        for name, t in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+            if name.endswith("experts.gate_up_proj"):
+                t.mul_(8.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("rope", ["default", "yarn"])
+def test_gpt_oss_export_runs_the_same_model_in_llamacpp(tmp_path, rope):
+    """gpt-oss's sinks, windows, biases and clamped SwiGLU reach llama.cpp: its logits on the F32
+    export equal Tandem's on the folder (same 1e-4 as the Qwen3-MoE test above). llama.cpp's YaRN
+    rounds the correction range to whole dimensions, i.e. transformers' `truncate: True`; published
+    gpt-oss configs say False (Tandem follows them, and reads gpt-oss GGUFs so), so the YaRN case is
+    built with True to compare the same arithmetic."""
+    params = {"rope_type": "default", "rope_theta": 10000.0} if rope == "default" else {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": True, "original_max_position_embeddings": 64}
+    folder = _tiny_gpt_oss(tmp_path / "m", params)
+    out = tmp_path / "gpt-oss-f32.gguf"
+    gguf_export.export(str(folder), out, dtype="f32")
+    ref = tandem_logits(folder)
+    assert ref.abs().max() > 1.0
+    torch.testing.assert_close(llamacpp_logits(out), ref, atol=1e-4, rtol=0)
+    # Tandem loads its own export: with YaRN keys transformers' AutoTokenizer fails on the file (5.24)
+    # and the tokenizer is read alone; back exactly without YaRN (with it, Tandem's is untruncated)
+    back = tandem_logits(out)
+    if rope == "default":
+        torch.testing.assert_close(back, ref, atol=1e-5, rtol=0)
+    else:
+        assert torch.isfinite(back).all()
+
+
+def test_gpt_oss_with_another_swiglu_is_refused(tmp_path):
+    import json as _json
+
+    folder = _tiny_gpt_oss(tmp_path / "m", {"rope_type": "default", "rope_theta": 10000.0})
+    cfg = _json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(_json.dumps({**cfg, "swiglu_limit": 5.0}))
+    with pytest.raises(UnsupportedModelError, match="alpha and limit"):
+        gguf_export.export(str(folder), tmp_path / "x.gguf", dtype="f32")
