@@ -24,6 +24,7 @@ from pathlib import Path
 from engine.bench.suite import Ctx, Skip, alternate, probe, row
 
 L16, L48 = "synthetic:qwen3-30b-a3b-L16", "synthetic:qwen3-30b-a3b"
+GPT_OSS = "synthetic:gpt-oss-20b"  # 24 layers, 32 experts top-4, biases, sinks, windows (40 GB in BF16)
 NEW_TOKENS = 32
 # VRAM llama.cpp needs beyond weights and KV (CUDA context, compute buffers, graph), for the fit
 # estimate only: an allowance we set, not a measurement; a fit that is off shows as an OOM in the cell.
@@ -41,6 +42,12 @@ def cells(Cell) -> list:
              routed=True),
         Cell("gpu-prefill-32k", "Prefill of a 32K prompt under 8 GB (16 layers) and 24 GB (48 layers)", "cuda",
              "prefill ≥ llama.cpp", prefill_cell, routed=True),
+        Cell("gpu-gpt-oss-20b-24gb", "gpt-oss-20b (BF16 experts) under a 24 GB VRAM budget, default plan vs best "
+             "fitting -ncmoe", "cuda", "decode ≥ llama.cpp",
+             lambda ctx: decode_cell(ctx, GPT_OSS, 24.0, (2048, 32768), (1,)), routed=True),
+        Cell("gpu-gpt-oss-20b-8gb", "gpt-oss-20b (BF16 experts) under an 8 GB VRAM budget, default plan vs best "
+             "fitting -ncmoe", "cuda", "decode ≥ llama.cpp",
+             lambda ctx: decode_cell(ctx, GPT_OSS, 8.0, (2048, 32768), (1,)), routed=True),
         Cell("gpu-kv-spill", "4 chats × 32K, 48 layers, 24 GB: KV beyond the budget, against llama.cpp -nkvo", "cuda",
              "decode ≥ 1.5× llama.cpp -nkvo", lambda ctx: decode_cell(ctx, L48, 24.0, (32768,), (4,), nkvo=True),
              routed=True),

@@ -70,6 +70,7 @@ def test_quick_selects_the_cpu_cells_and_every_gpu_cell_is_defined():
     assert {"cpu-builtin", "cpu-kernels"} <= ids
     assert {"gpu-resident-L16", "gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-prefill-32k", "gpu-kv-spill"} <= ids
     assert all(c.routed for c in cells if c.id in ("gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-kv-spill"))
+    assert {"gpu-gpt-oss-20b-24gb", "gpu-gpt-oss-20b-8gb"} <= ids
     with pytest.raises(ValueError, match="unknown cells"):
         suite.run(cell_ids=["no-such-cell"])
 
@@ -232,3 +233,19 @@ def test_the_prefill_cell_keeps_the_rows_of_the_model_whose_export_fits(monkeypa
     rows = suite_gpu.prefill_cell(ctx)
     assert len(rows) == 1 and "qwen3-30b-a3b-L16" in rows[0]["condition"]
     assert rows[0]["ratio"]["tandem"]["median"] == 3.0
+
+
+def test_the_gpt_oss_preset_is_exportable_with_llamacpps_names():
+    """The gpt-oss cells export `synthetic:gpt-oss-20b`: its shape passes the export's checks and
+    plans llama.cpp's tensors (sinks, post-attention norm, expert biases), 40 GB in BF16."""
+    from engine.bench import gguf_export
+    from engine.models import families, synthetic
+    from engine.models.assemble import tensor_shapes
+
+    config = synthetic.config_for(suite_gpu.GPT_OSS + "-L2", vocab_size=49152)
+    args = families.for_model_type(config["model_type"], Path("x")).args_from_config(config)
+    gguf_export._check_exportable("gpt-oss", args)
+    names = {p.gguf_name for p in gguf_export.plan("gpt-oss", args, tensor_shapes(args))}
+    assert {"blk.1.attn_sinks.weight", "blk.1.post_attention_norm.weight", "blk.0.ffn_gate_exps.bias",
+            "blk.0.ffn_up_exps.bias", "blk.0.ffn_down_exps.bias", "blk.0.attn_q.bias"} <= names
+    assert 38e9 < suite_gpu.export_bytes(suite_gpu.GPT_OSS) < 44e9
