@@ -133,9 +133,7 @@ def _build_attention_kv(config, args, model, experts, device: torch.device, dtyp
         return ResidentKV(n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
                           max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype,
                           sliding_window=sliding_window)
-    if device.type != "cuda" and not config.simulate_hybrid:
-        raise ConfigError(f"kv_policy '{policy}' splits attention between a GPU and the CPU, but the compute "
-                          f"device is {device}", "use kv_policy resident (or simulate_hybrid to test the hybrid path)")
+    _check_hybrid_device(config, policy, device)
     if policy == "monolithic":
         return MonolithicKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device, dtype=dtype)
     room = None
@@ -149,6 +147,12 @@ def _build_attention_kv(config, args, model, experts, device: torch.device, dtyp
                         dtype=dtype, spec=spec, policy=policy)
 
 
+def _check_hybrid_device(config, policy: str, device: torch.device) -> None:
+    """A hybrid KV policy needs a GPU beside the CPU (or simulate_hybrid, which plays its part)."""
+    if device.type != "cuda" and not config.simulate_hybrid:
+        raise ConfigError(f"kv_policy '{policy}' splits attention between a GPU and the CPU, but the compute "
+                          f"device is {device}", "use kv_policy resident (or simulate_hybrid to test the hybrid path)")
+
 
 def _latent_kv(config, args, policy: str, device: torch.device, dtype: torch.dtype, max_context: int,
                room: int | None, profile) -> KVBackend:
@@ -158,9 +162,7 @@ def _latent_kv(config, args, policy: str, device: torch.device, dtype: torch.dty
     if policy == "resident":
         return LatentResidentKV(args.n_layers, mla.row_width, mla.kv_lora_rank, max_context=max_context,
                                 max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype)
-    if device.type != "cuda" and not config.simulate_hybrid:
-        raise ConfigError(f"kv_policy '{policy}' splits attention between a GPU and the CPU, but the compute "
-                          f"device is {device}", "use kv_policy resident (or simulate_hybrid to test the hybrid path)")
+    _check_hybrid_device(config, policy, device)
     if policy == "monolithic":
         raise ConfigError(f"kv_policy 'monolithic' does not hold the latent KV rows of this {args.arch} model",
                           "use kv_policy resident or writescope")
