@@ -7,9 +7,10 @@ KV blocks can. So the state *before* each step is kept as a snapshot (a referenc
 layers return new tensors every step; a step of several sequences copies each one's rows out), the
 last SNAPSHOTS of them per sequence. `crop` to one of those lengths (a decode step fed a token that
 ended the sequence, a failed step, a new turn that continues where the last one stopped) restores
-it; `resume_point` tells the generator how far back a crop can go, so a turn that changes earlier
-tokens (regenerate, edit) reads the prompt again from the start, or from the newest snapshot before
-the change.
+it. The generator also keeps one state per sequence for longer (`keep_state`): the one before a
+prompt's last token, where a regenerate of the reply resumes. `resume_point` tells the generator how
+far back a crop can go, so a turn that changes earlier tokens (an edit) reads the prompt again from
+the start, or from the newest kept state before the change.
 
 Every other call goes to the wrapped backend: this object is the model's `kv`, the same in
 resident and hybrid placements; only the attention layers' KV is placed.
@@ -25,6 +26,7 @@ from engine.kv.backend import KVBackend
 
 SNAPSHOTS = 2  # states kept per sequence besides the current one: the steps a crop may undo (the decode
 # runs one step ahead, and a failed step is cropped away); each costs a full state (Qwen3.5-35B-A3B: 66 MB)
+STATES_PER_SEQUENCE = SNAPSHOTS + 2  # at most: the current one, the snapshots, the one keep_state holds
 
 
 @dataclass
@@ -32,6 +34,7 @@ class _SeqState:
     length: int = 0
     layers: list | None = None  # per recurrent layer (conv, state), batch dim 1; None: fresh (zeros)
     snapshots: dict[int, list | None] = field(default_factory=dict)  # length → layers, oldest first
+    kept: tuple[int, list | None] | None = None  # (length, layers) held past the snapshots (keep_state)
 
 
 class RecurrentKV(KVBackend):
@@ -63,10 +66,17 @@ class RecurrentKV(KVBackend):
         return self.inner.length(seq_id)
 
     def resume_point(self, seq_id: int, n_tokens: int) -> int:
-        """The longest prefix ≤ n_tokens whose state is kept: the current one, a snapshot, or 0."""
+        """The longest prefix ≤ n_tokens whose state is kept: the current one, a snapshot, the one
+        keep_state holds, or 0."""
         st = self.states[seq_id]
-        kept = [0] + list(st.snapshots) + [st.length]
+        kept = [0] + list(st.snapshots) + [st.length] + ([st.kept[0]] if st.kept else [])
         return max(m for m in kept if m <= n_tokens)
+
+    def keep_state(self, seq_id: int) -> None:
+        """Hold the sequence's current state until a crop goes below it or the next keep_state: the
+        generator keeps the state one token before a prompt's end, where a regenerate resumes."""
+        st = self.states[seq_id]
+        st.kept = (st.length, st.layers)
 
     def crop(self, seq_id: int, n_tokens: int) -> None:
         st = self.states[seq_id]
@@ -77,10 +87,14 @@ class RecurrentKV(KVBackend):
             st.layers = None
         elif n_tokens in st.snapshots:
             st.layers = st.snapshots[n_tokens]
+        elif st.kept and st.kept[0] == n_tokens:
+            st.layers = st.kept[1]
         else:
             raise ValueError(f"sequence {seq_id}: no recurrent state at {n_tokens} tokens "
                              f"(kept: {sorted(st.snapshots)}, {st.length}); ask resume_point first")
         st.snapshots = {m: s for m, s in st.snapshots.items() if m < n_tokens}
+        if st.kept and st.kept[0] > n_tokens:
+            st.kept = None
         st.length = n_tokens
         self.inner.crop(seq_id, n_tokens)
 

@@ -11,7 +11,7 @@ layers only, and a recurrent state per chat.
 
 from __future__ import annotations
 
-from engine.kv.recurrent import SNAPSHOTS
+from engine.kv.recurrent import STATES_PER_SEQUENCE
 from engine.models.common import ModelArgs
 from engine.sched.placement_speed import ModelParts
 
@@ -78,7 +78,7 @@ def model_parts(args: ModelArgs, dtype_bytes: int, name: str) -> ModelParts:
 
 def recurrent_state_bytes(args: ModelArgs) -> int:
     """One chat's recurrent state on the compute device (hybrid models; 0 for others): fp32 whatever
-    the weights' dtype, the current state and the crop snapshots (kv/recurrent.py)."""
+    the weights' dtype, the current state, the crop snapshots and the kept one (kv/recurrent.py)."""
     if args.linear_attn is None:
         return 0
-    return (args.n_layers - len(args.kv_layer_ids())) * args.linear_attn.state_bytes() * (1 + SNAPSHOTS)
+    return (args.n_layers - len(args.kv_layer_ids())) * args.linear_attn.state_bytes() * STATES_PER_SEQUENCE

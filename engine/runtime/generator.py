@@ -56,6 +56,7 @@ class Generator:
         self.max_sessions = max_sessions
         self.telemetry = telemetry
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
+        self.keeps_recurrent_state = bool(getattr(kv, "recurrent", False))  # hybrid models (kv/recurrent.py)
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # LRU: oldest first
         self.graphs = None  # DecodeGraphs where decode steps can be replayed (engine/runtime/decode_graph.py)
         self.live: list[SeqRun] = []  # admitted and not ended, in order of admission
@@ -209,6 +210,13 @@ class Generator:
                 logits = None
                 while r.next_pos < len(r.prompt) and budget > 0:
                     size = PREFILL_CHUNK if not shared else min(PREFILL_CHUNK, budget)
+                    left = len(r.prompt) - r.next_pos
+                    if self.keeps_recurrent_state and 1 < left <= size:
+                        # the prompt's last token in a step of its own, the state before it kept: a
+                        # regenerate resumes there (a recurrent state cannot be cropped back)
+                        size = left - 1
+                    elif self.keeps_recurrent_state and left == 1:
+                        self.kv.keep_state(r.session.seq_id)
                     chunk = r.prompt[r.next_pos:r.next_pos + size]
                     logits = self._forward([r.session], torch.tensor([chunk]))[0]  # (V,)
                     r.session.cached.extend(chunk)

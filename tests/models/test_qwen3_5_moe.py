@@ -137,8 +137,9 @@ def test_crop_restores_the_state_of_an_earlier_step(tmp_path):
 
 def test_second_turn_prefills_only_the_new_tokens(tmp_path):
     """Turn two (turn one's prompt, its reply, a new message) reads only the new tokens and answers as
-    a fresh chat given the whole history; asking it again (regenerate) reads the prompt again from
-    the start, since no state was kept one token before its end, and answers the same."""
+    a fresh chat given the whole history; asking it again (regenerate) resumes from the state kept one
+    token before the prompt's end (one token read) and answers the same; an edit of an earlier token
+    reads the prompt again from the start."""
     from engine.api import GenerationRequest
 
     engine = tiny_engine(write_layout(tiny(seed=5), tmp_path / "m", "fused"))
@@ -152,7 +153,11 @@ def test_second_turn_prefills_only_the_new_tokens(tmp_path):
     fresh = engine.generate(GenerationRequest(prompt_ids=turn2, max_new_tokens=6, greedy=True, session_id="f"))
     assert fresh.prefilled_tokens == len(turn2) and r2.token_ids == fresh.token_ids
     again = engine.generate(GenerationRequest(prompt_ids=turn2, max_new_tokens=6, greedy=True, session_id="c"))
-    assert again.token_ids == r2.token_ids and again.prefilled_tokens == len(turn2)
+    assert again.token_ids == r2.token_ids and again.prefilled_tokens == 1
+    edited = turn2[:5] + [0] + turn2[6:]
+    r3 = engine.generate(GenerationRequest(prompt_ids=edited, max_new_tokens=6, greedy=True, session_id="c"))
+    fresh3 = engine.generate(GenerationRequest(prompt_ids=edited, max_new_tokens=6, greedy=True, session_id="g"))
+    assert r3.prefilled_tokens == len(edited) and r3.token_ids == fresh3.token_ids
 
 
 def test_prompt_longer_than_a_prefill_chunk(tmp_path):
@@ -178,7 +183,7 @@ def test_prompt_longer_than_a_prefill_chunk(tmp_path):
 def test_sizes_count_every_weight_and_a_quarter_of_the_kv(tmp_path):
     """model_parts (headers only) against the assembled model's own parameters; KV per token for the
     full-attention layer only; the recurrent state per chat (current + snapshots, fp32)."""
-    from engine.kv.recurrent import SNAPSHOTS
+    from engine.kv.recurrent import STATES_PER_SEQUENCE
     from engine.models.sizes import model_parts
 
     engine = tiny_engine(write_layout(tiny(seed=7), tmp_path / "m", "fused"))
@@ -189,7 +194,7 @@ def test_sizes_count_every_weight_and_a_quarter_of_the_kv(tmp_path):
     assert parts.routed_bytes == 4 * 4 * 8 * 3 * 32 * 16 and parts.kv_layers == 1  # bytes, layers, experts, (3, H, I)
     assert parts.kv_bytes_per_token == 2 * 1 * 2 * 16 * 4  # K and V, one layer, 2 KV heads of 16, fp32
     state = 4 * (4 * 8 * 8 + (2 * 2 * 8 + 4 * 8) * 3)  # S (nv, dk, dv) and the conv's last 3 inputs
-    assert parts.state_bytes_per_chat == 3 * state * (1 + SNAPSHOTS)
+    assert parts.state_bytes_per_chat == 3 * state * STATES_PER_SEQUENCE
 
 
 def test_preset_has_the_published_shape():
@@ -225,7 +230,8 @@ def test_plan_counts_a_quarter_of_the_kv_and_the_state(monkeypatch):
                           max_context=32768, max_batch=1)
     plan = planning.placement_plan(config)
     assert plan.fits and plan.device == "gpu" and plan.expert_policy in ("adaptive", "cpu-only")
-    state = 30 * 4 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 3  # 30 layers, fp32, current + 2 snapshots
+    state = 30 * 4 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 4  # 30 layers, fp32, ×4: current,
+    # two snapshots, the kept one
     kv_bytes = 32768 * 10 * 2 * 2 * 256 * 2 + state  # 10 layers × K and V × 2 heads × 256, bf16
     row = next(r for r in plan.rows if r.part.startswith("KV cache"))
     assert row.bytes == kv_bytes
