@@ -71,8 +71,23 @@ def write_moe_gguf(model, path: Path, arch: str, per_expert: bool = False) -> Pa
         elif arch == "llama" and module == "self_attn.k_proj":
             t = _permute(t, c.num_key_value_heads)
         w.add_tensor(f"blk.{layer}.{_NAMES[module]}.{suffix}", np.ascontiguousarray(t))
+    return finish(w, path)
+
+
+def finish(w, path: Path) -> Path:
+    """Header, metadata and tensors out, file closed: every test writer's last step."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def add_prediction_block(w, sd: dict, n_layers: int, hidden: int, names: dict) -> None:
+    """The multi-token prediction block llama.cpp's converters keep after the last layer (GLM-4.5,
+    Qwen3.5): a copy of the last block's attention and its own projection; Tandem drops it at load."""
+    for name, t in sd.items():
+        if name.startswith(f"model.layers.{n_layers - 1}.self_attn."):
+            module, suffix = name.split(".", 3)[3].rsplit(".", 1)
+            w.add_tensor(f"blk.{n_layers}.{names[module]}.{suffix}", np.ascontiguousarray(t))
+    w.add_tensor(f"blk.{n_layers}.nextn.eh_proj.weight", np.zeros((hidden, 2 * hidden), np.float32))

@@ -11,6 +11,7 @@ if not hasattr(transformers, "DeepseekV2ForCausalLM"):
     pytest.skip("this transformers has no deepseek_v2", allow_module_level=True)
 pytest.importorskip("gguf")
 
+from gguf_writers import finish  # noqa: E402
 from moe_helpers import PROMPT, assert_parity, tiny_engine  # noqa: E402
 from test_deepseek_v2 import YARN, tiny  # noqa: E402
 
@@ -96,11 +97,7 @@ def write_deepseek2_gguf(model, path, split_kv_b: bool = True, q8: bool = False)
         else:
             module, suffix = rest.rsplit(".", 1)
             add(f"blk.{layer}.{_NAMES[module]}.{suffix}", np.ascontiguousarray(t))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def test_gguf_round_trip(tmp_path):

@@ -17,6 +17,7 @@ if not hasattr(transformers, "Glm4MoeForCausalLM"):
     pytest.skip("this transformers has no glm4_moe", allow_module_level=True)
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM  # noqa: E402
 
+from gguf_writers import add_prediction_block, finish  # noqa: E402
 from moe_helpers import PROMPT, assert_parity, build_hf, engine_logits, tiny_engine, write_layout  # noqa: E402
 
 
@@ -155,17 +156,9 @@ def write_glm_gguf(model, path, nextn: bool = True):
             continue
         module, suffix = rest.rsplit(".", 1)
         w.add_tensor(f"blk.{layer}.{_NAMES[module]}.{suffix}", np.ascontiguousarray(t))
-    if nextn:  # a prediction block: a copy of the last block's attention and its own projection
-        for name, t in sd.items():
-            if name.startswith(f"model.layers.{L - 1}.self_attn."):
-                module, suffix = name.split(".", 3)[3].rsplit(".", 1)
-                w.add_tensor(f"blk.{L}.{_NAMES[module]}.{suffix}", np.ascontiguousarray(t))
-        w.add_tensor(f"blk.{L}.nextn.eh_proj.weight", np.zeros((c.hidden_size, 2 * c.hidden_size), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    if nextn:
+        add_prediction_block(w, sd, L, c.hidden_size, _NAMES)
+    return finish(w, path)
 
 
 def test_gguf_round_trip(tmp_path):

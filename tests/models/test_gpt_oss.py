@@ -16,6 +16,7 @@ if not hasattr(transformers, "GptOssForCausalLM"):
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
 from engine.errors import ConfigError, TandemError  # noqa: E402
+from gguf_writers import finish  # noqa: E402
 from moe_helpers import PROMPT, assert_parity, build_hf, engine_logits, hf_logits, tiny_engine  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -212,11 +213,7 @@ def write_oss_gguf(model, path):
         else:
             module, suffix = rest.rsplit(".", 1)
             w.add_tensor(f"blk.{layer}.{_NAMES[module]}.{suffix}", np.ascontiguousarray(t))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def test_gguf_round_trip(tmp_path):

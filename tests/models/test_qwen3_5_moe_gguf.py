@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5MoeForCausalLM"):
     pytest.skip("this transformers has no qwen3_5_moe", allow_module_level=True)
 
+from gguf_writers import add_prediction_block, finish  # noqa: E402
 from moe_helpers import assert_parity, tiny_engine  # noqa: E402
 from test_qwen3_5_moe import tiny  # noqa: E402
 
@@ -117,17 +118,9 @@ def write_qwen35_gguf(model, path, nextn: bool = True, fused_experts: bool = Fal
             w.add_tensor(blk + "ffn_gate_inp_shexp.weight", np.ascontiguousarray(t.reshape(-1)))
             continue
         w.add_tensor(f"{blk}{_NAMES[module]}.{suffix}", np.ascontiguousarray(t))
-    if nextn:  # the prediction block: a full-attention block and its own projection (not decoded)
-        for name, t in sd.items():
-            if name.startswith(f"model.layers.{L - 1}.self_attn."):
-                module, suffix = name.split(".", 3)[3].rsplit(".", 1)
-                w.add_tensor(f"blk.{L}.{_NAMES[module]}.{suffix}", np.ascontiguousarray(t))
-        w.add_tensor(f"blk.{L}.nextn.eh_proj.weight", np.zeros((c.hidden_size, 2 * c.hidden_size), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    if nextn:
+        add_prediction_block(w, sd, L, c.hidden_size, _NAMES)
+    return finish(w, path)
 
 
 def test_gguf_matches_transformers(tmp_path):
