@@ -9,6 +9,8 @@ GenerationRequest) and the standard library, and nothing else of the tree that s
 
 Spec keys: config (EngineConfig fields), vocab (prompt ids are drawn below it), prefill (prompt
 tokens of the timed prefill; 0: none), decode_prompt (prompt tokens before the timed decode),
+decode_prompts (several such lengths, decoded in turn by the one loaded engine: `decode_tok_s_by_prompt`,
+and `prefill_tok_s_by_prompt` of the prompts before them),
 new_tokens, batch (chats decoded together), seed, warmup and warmup_tokens (an untimed short
 generation first: kernel compiles, allocator growth, graph capture).
 Prompts are fixed pseudo-random token ids (seeded; the same for every engine and round), as
@@ -55,12 +57,19 @@ def measure(spec: dict) -> dict:
             # the engine's own prefill timer; a batch's rate counts every sequence's tokens
             out["prefill_tok_s"] = res[0].prefill_tok_s
             out["prefill_tokens"] = sum(r.prefilled_tokens for r in res)
-        if spec.get("new_tokens"):
+        if spec.get("new_tokens") and not spec.get("decode_prompts"):
             ids = [prompt(int(spec.get("decode_prompt", 32)), seed + 10 + b, vocab) for b in range(batch)]
             res = engine.generate_batch([req(i, int(spec["new_tokens"])) for i in ids])
             # decode-phase tokens / decode-phase seconds, first token excluded (all sequences of a batch)
             out["decode_tok_s"] = res[0].decode_tok_s
             out["decode_tokens"] = sum(r.completion_tokens for r in res)
+        if spec.get("decode_prompts"):  # one load for several contexts: a large file loads in minutes
+            out["decode_tok_s_by_prompt"], out["prefill_tok_s_by_prompt"] = {}, {}
+            for n in spec["decode_prompts"]:
+                ids = [prompt(int(n), seed + 10 + b, vocab) for b in range(batch)]
+                res = engine.generate_batch([req(i, int(spec.get("new_tokens", 32))) for i in ids])
+                out["decode_tok_s_by_prompt"][str(n)] = res[0].decode_tok_s
+                out["prefill_tok_s_by_prompt"][str(n)] = res[0].prefill_tok_s  # the prompt before that decode
         info = engine.info()
         out["info"] = {k: info.get(k) for k in ("backend", "model", "device", "dtype", "kv_policy", "expert_policy",
                                                  "llama_cpp", "native")}

@@ -249,3 +249,35 @@ def test_the_gpt_oss_preset_is_exportable_with_llamacpps_names():
     assert {"blk.1.attn_sinks.weight", "blk.1.post_attention_norm.weight", "blk.0.ffn_gate_exps.bias",
             "blk.0.ffn_up_exps.bias", "blk.0.ffn_down_exps.bias", "blk.0.attn_q.bias"} <= names
     assert 38e9 < suite_gpu.export_bytes(suite_gpu.GPT_OSS) < 44e9
+
+
+def test_a_one_load_cell_loads_each_system_once_for_every_context(monkeypatch):
+    """The family cells: one probe (every context in `decode_prompts`, planned for the largest) and
+    one llama-bench run (`-d` a list, -ncmoe fitted to the largest context's KV) give a row per context."""
+    from engine.bench import llamacpp_bench
+
+    ctx = _ctx(rounds=1)
+    ctx.routings = ("random",)
+    specs, llama_calls, fits = [], [], []
+    monkeypatch.setattr(suite_gpu, "llama_binaries", lambda c: {"llama-bench": "x"})
+    monkeypatch.setattr(suite_gpu, "gguf_for", lambda c, m, r: Path("model.gguf"))
+    monkeypatch.setattr(suite_gpu, "gguf_sizes", lambda p: "sizes")
+    monkeypatch.setattr(suite_gpu, "fitting_ncmoe", lambda sizes, budget, tokens: fits.append(tokens) or 7)
+    monkeypatch.setattr(suite_gpu, "probe", lambda tree, spec: specs.append(spec) or {
+        "decode_tok_s_by_prompt": {"2048": 60.0, "32768": 40.0}, "prefill_tok_s_by_prompt": {"2048": 900.0}})
+    monkeypatch.setattr(llamacpp_bench, "run", lambda *a, **kw: llama_calls.append(kw) or {
+        "results": [{"n_depth": 2048, "tok_s": 30.0}, {"n_depth": 32768, "tok_s": 20.0}]})
+    rows = suite_gpu.one_load_decode_cell(ctx, suite_gpu.GPT_OSS, 8.0, (2048, 32768))
+    assert len(specs) == 1 and specs[0]["decode_prompts"] == [2048, 32768]
+    assert specs[0]["config"]["max_context"] > 32768 and fits == [32768 + suite_gpu.NEW_TOKENS]
+    assert len(llama_calls) == 1 and llama_calls[0]["depth"] == [2048, 32768] and llama_calls[0]["n_cpu_moe"] == 7
+    assert [r["ratio"]["tandem"]["median"] for r in rows] == [2.0, 2.0]
+    assert rows[0]["tandem_prefill_tok_s"] == {"tandem": [900.0]} and rows[1]["llama_flags"].endswith("-ncmoe 7")
+
+
+def test_the_probe_decodes_each_of_several_prompt_lengths_with_one_load():
+    spec = {"config": {"model": "builtin:smollm2-135m", "backend": "tandem", "device": "cpu", "max_context": 256},
+            "decode_prompts": [8, 40], "new_tokens": 3, "warmup": False}
+    out = suite.probe(suite.REPO, spec)
+    assert set(out["decode_tok_s_by_prompt"]) == {"8", "40"} and all(v > 0 for v in out["decode_tok_s_by_prompt"].values())
+    assert out["prefill_tok_s_by_prompt"]["40"] > 0 and "decode_tok_s" not in out
