@@ -17,10 +17,11 @@ from typing import Callable
 
 from engine.errors import ConfigError, TandemError
 from engine.models.builtin import DEFAULT_MODEL
+from engine.runtime.harmony import Reasoning
 from engine.runtime.requests import GenerationRequest, GenerationResult
 from engine.runtime.telemetry import StatsSnapshot
 
-__all__ = ["Engine", "EngineConfig", "GenerationRequest", "GenerationResult", "StatsSnapshot", "TandemError",
+__all__ = ["Engine", "EngineConfig", "GenerationRequest", "GenerationResult", "Reasoning", "StatsSnapshot", "TandemError",
            "probe_hardware", "calibrate", "load_profile", "plan_placement"]
 
 
@@ -119,6 +120,8 @@ class Engine:
 
     def generate(self, request: GenerationRequest, on_text: Callable[[str], None] | None = None,
                  stop_event: threading.Event | None = None) -> GenerationResult:
+        """on_text gets the reply's text as it becomes final: answer as `str`, a reasoning model's
+        reasoning as `Reasoning` (a str subclass); the result holds them apart (text, reasoning)."""
         cb = (lambda i, t: on_text(t)) if on_text else None
         return self.generate_batch([request], cb, stop_event)[0]
 

@@ -55,6 +55,23 @@ def _progress(step: str, frac: float) -> None:
     print(f"[{frac:4.0%}] {step}", file=sys.stderr, flush=True)
 
 
+class ReplyPrinter:
+    """Streams a reply to stdout; a reasoning model's reasoning is headed "[reasoning]" and its answer,
+    which follows, "[answer]", so neither reads as the other (a plain reply prints as it is)."""
+
+    def __init__(self):
+        self.kind = None  # what was printed last: "reasoning", "answer", or None before anything
+
+    def __call__(self, piece: str) -> None:
+        from engine.api import Reasoning
+
+        kind = "reasoning" if isinstance(piece, Reasoning) else "answer"
+        if kind != self.kind and (kind == "reasoning" or self.kind is not None):
+            print(("\n" if self.kind else "") + f"[{kind}]", flush=True)
+        self.kind = kind
+        print(piece, end="", flush=True)
+
+
 def cmd_generate(args) -> int:
     from engine.api import Engine, GenerationRequest
 
@@ -63,7 +80,7 @@ def cmd_generate(args) -> int:
         return _generate_batch_of_ids(args, engine)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     req = GenerationRequest(prompt=prompt, raw=args.raw, **_sampling(args))
-    result = engine.generate(req, on_text=lambda t: print(t, end="", flush=True))
+    result = engine.generate(req, on_text=ReplyPrinter())
     print(flush=True)
     if not args.quiet:
         print(f"[{result.completion_tokens} tokens, {result.finish_reason}; prefill "
@@ -163,14 +180,14 @@ def cmd_chat(args) -> int:
         stop = threading.Event()
         req = GenerationRequest(messages=list(messages), session_id="repl", **_sampling(args))
         try:
-            result = engine.generate(req, on_text=lambda t: print(t, end="", flush=True), stop_event=stop)
+            result = engine.generate(req, on_text=ReplyPrinter(), stop_event=stop)
         except KeyboardInterrupt:
             stop.set()
             print("\n[stopped]", file=sys.stderr)
             messages.pop()
             continue
         print()
-        messages.append({"role": "assistant", "content": result.text})
+        messages.append({"role": "assistant", "content": result.text})  # the answer alone: harmony drops past reasoning
     engine.close()
     return 0
 

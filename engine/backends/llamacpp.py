@@ -135,7 +135,7 @@ class LlamaCppBackend:
         prefilled = len(prompt) - min(cached, len(prompt) - 1)
         self.llm.set_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little"))
         greedy = params.greedy or params.temperature == 0
-        stream = TextStream(self.tokenizer, req.stop)
+        stream = TextStream.for_request(self.tokenizer, req)
         eos = set() if req.ignore_eos else eos_ids(self.tokenizer, [self.llm.token_eos()])
         timer = GenerationTimer()
         self.telemetry.last = timer
@@ -163,9 +163,9 @@ class LlamaCppBackend:
                 if token in eos:
                     finish = "stop"
                     break
-                delta = stream.add(token)
-                if delta and on_text:
-                    on_text(index, delta)
+                for piece in stream.add(token):
+                    if on_text:
+                        on_text(index, piece)
                 if stream.stopped:
                     finish = "stop"
                 elif len(generated) >= req.max_new_tokens:
@@ -177,12 +177,13 @@ class LlamaCppBackend:
         finally:
             tokens.close()
             self.telemetry.phase = "idle"
-        tail = stream.finish()
-        if tail and on_text:
-            on_text(index, tail)
+        for piece in stream.finish():
+            if on_text:
+                on_text(index, piece)
         return GenerationResult(text=stream.text, token_ids=generated, finish_reason=finish, prompt_tokens=len(prompt),
                                 prefilled_tokens=prefilled, completion_tokens=len(generated), ttft_s=timer.ttft_s,
-                                prefill_tok_s=timer.prefill_tok_s, decode_tok_s=timer.decode_tok_s)
+                                prefill_tok_s=timer.prefill_tok_s, decode_tok_s=timer.decode_tok_s,
+                                reasoning=stream.reasoning)
 
     def end_session(self, session_id: str) -> None:
         if session_id == self._session:

@@ -25,6 +25,7 @@ import psutil
 
 from engine.errors import ConfigError, ContextOverflowError, TandemError
 from engine.models.builtin import DEFAULT_MODEL
+from engine.runtime.harmony import Reasoning
 from engine.runtime.requests import GenerationRequest, GenerationResult
 from engine.runtime.telemetry import GenerationTimer, StatsSnapshot
 
@@ -236,7 +237,10 @@ class RemoteBackend:
                                           "try again; check the server")
                     usage = event.get("usage") or usage
                     for choice in event.get("choices") or []:
-                        text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                        delta = choice.get("delta") or {}
+                        text = delta.get("content") if "delta" in choice else choice.get("text")
+                        if delta.get("reasoning_content"):  # a reasoning model's thinking, apart from its answer
+                            text = Reasoning(delta["reasoning_content"])
                         if text:
                             now = time.perf_counter()
                             if t_first is None:
@@ -258,17 +262,20 @@ class RemoteBackend:
             timer.prefill_tokens = (usage or {}).get("prompt_tokens") or 0
             timer.prefill_s = timer.ttft_s  # network included: what this machine waited
             timer.decode_tokens, timer.decode_s = max(generated - 1, 0), t_last - t_first
-        return self._result("".join(pieces), finish, usage, chunks, timer)
+        answer = "".join(p for p in pieces if not isinstance(p, Reasoning))
+        return self._result(answer, finish, usage, chunks, timer,
+                            reasoning="".join(p for p in pieces if isinstance(p, Reasoning)))
 
     def _result(self, text: str, finish: str | None, usage: dict | None, chunks: int,
-                timer: GenerationTimer) -> GenerationResult:
+                timer: GenerationTimer, reasoning: str = "") -> GenerationResult:
         usage = usage or {}
         reason = {"stop": "stop", "length": "length", "stopped": "stopped"}.get(finish or "", "stop")
         return GenerationResult(text=text, token_ids=[], finish_reason=reason,
                                 prompt_tokens=usage.get("prompt_tokens") or 0,
                                 prefilled_tokens=usage.get("prompt_tokens") or 0,
                                 completion_tokens=usage.get("completion_tokens") or chunks, ttft_s=timer.ttft_s,
-                                prefill_tok_s=timer.prefill_tok_s, decode_tok_s=timer.decode_tok_s)
+                                prefill_tok_s=timer.prefill_tok_s, decode_tok_s=timer.decode_tok_s,
+                                reasoning=reasoning)
 
     def end_session(self, session_id: str) -> None:
         pass  # the server keeps no per-chat state for this client

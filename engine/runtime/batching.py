@@ -56,7 +56,7 @@ class LiveBatch:
         tok = b.parts.tokenizer
         eos = set() if request.ignore_eos else eos_ids(tok, b.parts.args.eos_token_ids)
         run = SeqRun(list(prompt_ids), request.max_new_tokens, Sampler(request.sampling()), eos,
-                     TextStream(tok, request.stop) if tok is not None else None, on_text, cancel=cancel)
+                     TextStream.for_request(tok, request) if tok is not None else None, on_text, cancel=cancel)
         run.on_done = lambda r: self._done(request, r, on_done)
         with self.lock:
             self.generator.check(run)
@@ -93,7 +93,8 @@ class LiveBatch:
 
 
 def result_of(r: SeqRun) -> GenerationResult:
-    return GenerationResult(text=r.stream.text if r.stream else "", token_ids=r.generated,
+    return GenerationResult(text=r.stream.text if r.stream else "", reasoning=r.stream.reasoning if r.stream else "",
+                            token_ids=r.generated,
                             finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), prefilled_tokens=r.prefilled,
                             completion_tokens=len(r.generated), ttft_s=r.ttft_s, prefill_tok_s=r.prefill_tok_s,
                             decode_tok_s=r.decode_tok_s)

@@ -327,9 +327,9 @@ class Generator:
         for r in done:
             r.t_done = now
             if r.stream is not None and r.error is None:
-                tail = r.stream.finish()
-                if tail and r.on_text:
-                    r.on_text(tail)
+                for piece in r.stream.finish():
+                    if r.on_text:
+                        r.on_text(piece)
             if r.on_done is not None:
                 try:
                     r.on_done(r)
@@ -418,9 +418,9 @@ class Generator:
     def _accept_token(self, r: SeqRun, token: int) -> None:
         r.generated.append(token)
         if r.stream is not None:
-            delta = r.stream.add(token) if token not in r.eos else ""
-            if delta and r.on_text:
-                r.on_text(delta)
+            for piece in r.stream.add(token) if token not in r.eos else ():
+                if r.on_text:
+                    r.on_text(piece)
             if r.stream.stopped:
                 r.finish_reason = "stop"
         if token in r.eos:

@@ -12,7 +12,7 @@ class GenerationRequest:
     messages: list[dict] | None = None  # [{"role": "user", "content": "…"}, …] through the chat template
     prompt: str | None = None  # one user message (or raw text when raw=True)
     prompt_ids: list[int] | None = None  # token ids as they are
-    raw: bool = False
+    raw: bool = False  # also: the reply streams as decoded text, a harmony model's channels not split
     max_new_tokens: int = 256
     greedy: bool = False
     temperature: float = 0.7
@@ -39,6 +39,7 @@ class GenerationResult:
     ttft_s: float | None
     prefill_tok_s: float | None
     decode_tok_s: float | None
+    reasoning: str = ""  # a harmony reply's analysis and commentary channels (`text` is its final answer)
 
 
 def prompt_ids_of(req: GenerationRequest, tokenize, render) -> list[int]:

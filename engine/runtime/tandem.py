@@ -97,7 +97,7 @@ class TandemBackend:
         eos = eos_ids(tok, self.parts.args.eos_token_ids)
         try:
             for i, req in enumerate(requests):
-                stream = TextStream(tok, req.stop) if tok is not None else None
+                stream = TextStream.for_request(tok, req) if tok is not None else None
                 run = SeqRun(self.prompt_ids(req), req.max_new_tokens, Sampler(req.sampling()),
                              set() if req.ignore_eos else eos, stream,
                              (lambda t, i=i: on_text(i, t)) if on_text else None)
@@ -116,7 +116,8 @@ class TandemBackend:
                 elif req.session_id is not None and run.finish_reason is None:
                     self.generator.end_session(req.session_id)  # failed mid-way: its KV is suspect
         return [GenerationResult(
-            text=r.stream.text if r.stream else "", token_ids=r.generated, finish_reason=r.finish_reason,
+            text=r.stream.text if r.stream else "", reasoning=r.stream.reasoning if r.stream else "",
+            token_ids=r.generated, finish_reason=r.finish_reason,
             prompt_tokens=len(r.prompt), prefilled_tokens=r.prefilled, completion_tokens=len(r.generated),
             ttft_s=timer.ttft_s, prefill_tok_s=timer.prefill_tok_s, decode_tok_s=timer.decode_tok_s)
             for r in runs]

@@ -29,7 +29,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 
-from engine.api import Engine, GenerationResult
+from engine.api import Engine, GenerationResult, Reasoning
 from engine.errors import ConfigError, ContextOverflowError, TandemError
 from engine.server.connections import ConnectionGuard
 from engine.server.limits import APIError, BodySizeLimit, MiB, RateLimiter, parse_json
@@ -288,7 +288,9 @@ class ChunkShape:
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> dict:
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            # a reasoning model's reasoning streams beside the answer, as reasoning_content (DeepSeek's, vLLM's name)
+            field = "reasoning_content" if isinstance(text, Reasoning) else "content"
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {field: str(text)})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -300,7 +302,10 @@ class ChunkShape:
 
     def whole(self, result: GenerationResult) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+            message = {"role": "assistant", "content": result.text}
+            if result.reasoning:
+                message["reasoning_content"] = result.reasoning
+            choice = {"index": 0, "message": message, "logprobs": None,
                       "finish_reason": finish_reason(result)}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage(result)}
         choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)}

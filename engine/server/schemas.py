@@ -156,6 +156,6 @@ class CompletionRequest(SamplingFields):
         fields = self.generation_fields(default_max_tokens)
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], int):
-            return GenerationRequest(prompt_ids=list(p), **fields)
+            return GenerationRequest(prompt_ids=list(p), raw=True, **fields)  # the caller's own tokens: no channels
         text = p[0] if isinstance(p, list) and p else (p if isinstance(p, str) else "")
         return GenerationRequest(prompt=text, raw=True, **fields)  # completions: the text as it is, no template
