@@ -11,7 +11,8 @@ Each layer of each step splices every sequence's valid rows from the host buffer
 buffer, copies the slice [:B, :, :, :L_max] to the device (strided: every head row is followed by
 the unused capacity, so the DMA cannot be one transfer), attends there, and writes the new tokens
 back to the host. The staging buffer is shared by all layers, so the next layer's splice waits
-until the last transfer has read it. All of the KV is attended on the GPU (r = 0).
+until the last transfer has read it. All of the KV is attended on the GPU (r = 0). Attention sinks
+(gpt-oss) scale the merged output by σ(lse − s) once, as the resident KV does.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import heapq
 import torch
 
 from engine.errors import ContextOverflowError, OutOfMemoryError
-from engine.kernels.attention_gpu import attend_dense, attend_padded, padding_mask
+from engine.kernels.attention_gpu import attend_dense, attend_padded, padding_mask, sink_scale
 from engine.kernels.lse import merge_pair
 from engine.kv.backend import KVBackend
 from engine.kv.transport import Transport
@@ -29,6 +30,7 @@ from engine.kv.transport import Transport
 
 class MonolithicKV(KVBackend):
     policy = "monolithic"
+    supports_sinks = True  # attend's sinks; window layers stay resident (kv/layer_split.py)
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int, max_batch: int,
                  device: torch.device, dtype: torch.dtype):
@@ -79,7 +81,13 @@ class MonolithicKV(KVBackend):
         self._step = (seq_ids, [self.slot_of[s] for s in seq_ids], lengths, n_new, excluded)
         return (torch.tensor(lengths)[:, None] + torch.arange(n_new)).to(self.device)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        """sinks (nh,): per-head sink logits, or None. window: one that binds within max_context is
+        refused (such a layer keeps its KV resident)."""
+        if window is not None and window < self.max_context:  # a window that hides no key is full attention
+            raise ValueError(f"layer {layer}: monolithic attends over every past key; a {window}-token "
+                             "window layer belongs in the resident part (engine/kv/layer_split.py)")
         _, slots, lengths, T, excluded = self._step
         B, _, _, hs = q.shape
         scale = hs ** -0.5
@@ -104,6 +112,8 @@ class MonolithicKV(KVBackend):
             self.host[layer, slot, 0, :, n:n + T].copy_(k[b])
             self.host[layer, slot, 1, :, n:n + T].copy_(v[b])
         self.d2h_bytes += B * T * self.token_bytes
+        if sinks is not None:  # (B, nh, T, hs) · σ(lse − s) over the new and the past keys together
+            out = out * sink_scale(lse, sinks[:, None]).unsqueeze(-1)
         return out.to(q.dtype)
 
     def end_step(self) -> None:

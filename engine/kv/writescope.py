@@ -10,6 +10,9 @@ For one layer of one step, with the new token already appended:
 
 The CPU result is the only thing the step waits for on the host. Prefill steps add the causal
 attention of the new tokens over themselves and route their KV to its final regions at write time.
+Attention sinks (gpt-oss: a learned logit s_h per head in every softmax, with a zero value) enter the
+merge once, after every part, as one more part: (o = 0, lse = s_h), which makes the result
+o · σ(lse − s_h) over the union of the parts (attention_gpu.sink_scale).
 The share r comes from the policy: `writescope` follows the roofline r(L) with online estimates of
 A and B from the measured CPU and GPU times; `gpu-centric`, `cpu-centric` and `fixed:<r>` fix it.
 """
@@ -23,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 
 from engine.kernels.attention_cpu import attend_blocks, implementation, kernel_name, prepare
-from engine.kernels.attention_gpu import attend_dense, attend_padded
+from engine.kernels.attention_gpu import attend_dense, attend_padded, sink_scale
 from engine.kernels import lse_gpu
 from engine.kernels.lse import merge_groups, merge_pair, merge_stack
 from engine.kv.backend import KVBackend
@@ -39,6 +42,8 @@ TIMED_LAYER_STRIDE = 4
 
 
 class WriteScopeKV(KVBackend):
+    supports_sinks = True  # attend's sinks; a window per layer is kv/layer_split.py's (window layers stay resident)
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int, max_batch: int,
                  device: torch.device, dtype: torch.dtype, spec: PartitionSpec, policy: str = "writescope",
                  stream_graphs: bool = True):
@@ -100,8 +105,13 @@ class WriteScopeKV(KVBackend):
         return plan.positions
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float | None = None) -> torch.Tensor:
-        """scale: the softmax scale; None: hs^−½."""
+               scale: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None
+               ) -> torch.Tensor:
+        """scale: the softmax scale; None: hs^−½. sinks (nh,): per-head sink logits, or None.
+        window: one that binds within max_context is refused: such a layer keeps its KV resident."""
+        if window is not None and window < self.cache.max_context:  # a window that hides no key is full attention
+            raise ValueError(f"layer {layer}: writescope attends over every past key; a {window}-token "
+                             "window layer belongs in the resident part (engine/kv/layer_split.py)")
         plan = self.plan
         nh, hs = q.shape[1], q.shape[3]
         self._n_heads = nh
@@ -135,7 +145,7 @@ class WriteScopeKV(KVBackend):
             (slot, out, lse), seconds = cpu.result()
             parts.append(self.exchange.to_device(slot, out, lse, compute))
             self.share.A.observe(plan.cpu_tokens, seconds)
-        return self._merge(plan, parts, chunks, q.dtype)
+        return self._merge(plan, parts, chunks, q.dtype, sinks)
 
     def end_step(self) -> None:
         plan, self.plan = self.plan, None
@@ -236,15 +246,26 @@ class WriteScopeKV(KVBackend):
                               for b in self.cache.pingpong]
         return self._pp_views
 
-    def _merge(self, plan: StepPlan, parts: list, chunks: list, dtype: torch.dtype) -> torch.Tensor:
+    def _merge(self, plan: StepPlan, parts: list, chunks: list, dtype: torch.dtype,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Every part by its LSE → o (B, nh, T, hs) in `dtype`. Each row has at least one finite part
         (the D-window in decode, the new tokens in prefill). On CUDA: one cat of outputs, one of LSEs
         and one merge kernel, whatever the number of parts. A single part holds every key of every
         row (a first prefill, or a decode still inside its D-window): it is the result as it is, which
-        spares a 32K prefill a copy and a merge pass over its output (~0.5 ms a layer on an H200)."""
+        spares a 32K prefill a copy and a merge pass over its output (~0.5 ms a layer on an H200);
+        with sinks it is scaled by σ(lse − s) instead. Otherwise the sinks join as one more part of
+        every row: a key of logit s_h and a zero value, merged once with the rest."""
         B = len(plan.seqs)
         if len(parts) + len(chunks) == 1 and (parts or chunks)[0][0].shape[0] == B:
-            return (parts or chunks)[0][0].to(dtype)
+            out, lse = (parts or chunks)[0]
+            if sinks is not None:  # (B, nh, T, hs) · σ(lse − s) (B, nh, T)
+                out = out * sink_scale(lse.float(), sinks[:, None]).unsqueeze(-1).to(out.dtype)
+            return out.to(dtype)
+        if sinks is not None:
+            ref = (parts or chunks)[0][0]
+            nh, T = ref.shape[1], ref.shape[2]
+            parts = parts + [(ref.new_zeros((B, nh, T, ref.shape[-1])),
+                              sinks.float()[None, :, None].expand(B, nh, T).to(ref.device))]
         cuda = self.transport.cuda and lse_gpu.available(parts[0][0] if parts else chunks[0][0])
         if not cuda and not chunks and len(parts) <= 2:
             out, lse = parts[0]

@@ -193,7 +193,7 @@ class Attention(nn.Module):
         else:
             if not getattr(kv, "supports_sinks", False):
                 raise ConfigError(f"kv_policy '{kv.policy}' cannot honour this model's attention sinks and "
-                                  "per-layer windows exactly yet", "use kv_policy resident")
+                                  "per-layer windows", "use kv_policy resident or writescope")
             sinks = {"sinks": self.sinks} if self.sinks is not None else {}
             y = kv.attend(self.layer_idx, q, k, v, **sinks, **self.attend_options)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))

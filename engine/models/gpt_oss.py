@@ -17,10 +17,11 @@ The forward is `common.Decoder`; one block reads
 
 The checkpoints store the experts transposed, (E, H, 2I) with gate and up *interleaved* (gate in the
 even columns) and (E, I, H); they are re-laid into the engine's gate-first (E, 2I, H) / (E, H, I) at
-load. The KV must honour sinks and per-layer windows: resident KV does; the hybrid policies do not
-yet and are refused (kv_policy resident). The routed experts' biases and activation reach every
-expert executor (`set_form`): resident and cached experts run them in the grouped GEMM, the CPU set
-in torch; the matrix-vector decode kernels and the native CPU kernel know plain SwiGLU only.
+load. The KV must honour sinks and per-layer windows: resident KV does; under a hybrid policy the
+window layers' KV stays resident and the full layers' spills (engine/kv/layer_split.py). The routed
+experts' biases and activation reach every expert executor (`set_form`): resident and cached experts
+run them in the grouped GEMM, the CPU set in torch; the matrix-vector decode kernels and the native
+CPU kernel know plain SwiGLU only.
 MXFP4 expert tensors of a safetensors folder are refused here; in a GGUF they are dequantised at load.
 """
 
@@ -56,7 +57,7 @@ def args_from_config(config: dict) -> ModelArgs:
         ffn_dim=0,  # no dense FFN: every layer routes
         qkv_bias=bool(config.get("attention_bias", True)),
         o_bias=bool(config.get("attention_bias", True)),
-        sliding_window=max((w for w in windows if w), default=None),  # the hybrid KV refusal keys on it
+        sliding_window=max((w for w in windows if w), default=None),  # loading checks the KV honours it
         layer_windows=windows,
         attn_sinks=True,
         n_experts=int(config.get("num_local_experts") or config.get("num_experts") or 0),

@@ -23,6 +23,7 @@ from engine.hw.shapes import KVShape, dtype_name
 from engine.kv.backend import KVBackend
 from engine.kv.inplace import PartitionSpec
 from engine.kv.latent import LatentResidentKV, LatentWriteScopeKV, format_shape
+from engine.kv.layer_split import LayerSplitKV, split_windows
 from engine.kv.monolithic import MonolithicKV
 from engine.kv.recurrent import RecurrentKV
 from engine.kv.resident import ResidentKV
@@ -129,16 +130,33 @@ def _build_attention_kv(config, args, model, experts, device: torch.device, dtyp
         room = None if not config.vram_budget_gb else \
             int(config.vram_budget_gb * 2**30) - device_weights_bytes(model, experts, device)
         return _latent_kv(config, args, policy, device, dtype, max_context, room, profile)
-    if policy == "resident":
+    windows = split_windows(args, max_context)
+    if policy == "resident" or (windows is not None and None not in windows):  # every layer windowed: small KV
         return ResidentKV(n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
                           max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype,
                           sliding_window=sliding_window)
     _check_hybrid_device(config, policy, device)
-    if policy == "monolithic":
-        return MonolithicKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device, dtype=dtype)
+    window_kv = None
+    if windows is not None:  # the window layers' KV stays resident; the hybrid part holds the full layers
+        n_window = sum(w is not None for w in windows)
+        window_kv = ResidentKV(n_window, args.n_kv_heads, args.head_dim, max_context=max_context,
+                               max_batch=config.max_batch, block_size=config.block_size, device=device,
+                               dtype=dtype)
+        shape["n_layers"] = n_layers - n_window
     room = None
     if config.vram_budget_gb:
         room = int(config.vram_budget_gb * 2**30) - device_weights_bytes(model, experts, device)
+        if window_kv is not None:
+            room -= window_kv.telemetry()["bytes"]["kv_resident"]
+    hybrid = _hybrid_kv(config, args, policy, shape, device, dtype, max_context, room, profile)
+    return hybrid if window_kv is None else LayerSplitKV(windows, max_context, window_kv, hybrid)
+
+
+def _hybrid_kv(config, args, policy: str, shape: dict, device: torch.device, dtype: torch.dtype,
+               max_context: int, room: int | None, profile) -> KVBackend:
+    """The backend of a hybrid policy over `shape`'s layers; room: device bytes its regions may take."""
+    if policy == "monolithic":
+        return MonolithicKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device, dtype=dtype)
     spec = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=device.type == "cuda",
                                    block_size=config.block_size, d_window=config.d_window,
                                    roofline=roofline_from_profile(profile, args, dtype, config.max_batch),

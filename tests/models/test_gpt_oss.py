@@ -15,7 +15,6 @@ if not hasattr(transformers, "GptOssForCausalLM"):
     pytest.skip("this transformers has no gpt_oss", allow_module_level=True)
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
-from engine.errors import ConfigError, TandemError  # noqa: E402
 from gguf_writers import finish  # noqa: E402
 from moe_helpers import PROMPT, assert_parity, build_hf, engine_logits, hf_logits, tiny_engine  # noqa: E402
 
@@ -98,16 +97,6 @@ def test_paged_decode_honours_sinks_and_windows(tmp_path):
     p.kv = ResidentKV(a.n_layers, a.n_kv_heads, a.head_dim, max_context=64, max_batch=1, block_size=16,
                       device=p.device, dtype=p.dtype, paged_decode=True)
     torch.testing.assert_close(engine_logits(engine, PROMPT, prefill=3), hf_logits(ref, PROMPT), atol=1e-4, rtol=0)
-
-
-def test_hybrid_kv_is_refused(tmp_path):
-    """writescope cannot honour sinks and per-layer windows yet: refused at load, naming what runs."""
-    folder = saved(tmp_path, tiny(seed=4))
-    with pytest.raises(TandemError, match="kv_policy resident"):
-        tiny_engine(folder, kv_policy="writescope", simulate_hybrid=True, max_context=64)
-    with pytest.raises(ConfigError, match="kv_policy resident"):  # a context within the window: no window left to
-        engine = tiny_engine(folder, kv_policy="writescope", simulate_hybrid=True, max_context=4)  # refuse on
-        engine.generate_ids(PROMPT[:3], 1)
 
 
 @pytest.mark.parametrize("policy", ["adaptive", "on-demand", "cpu-only"])
