@@ -15,42 +15,54 @@ Each point records decode tokens/s (all sequences), ms per step, r and per-regio
 rate and PCIe GB/s in the decode, and the KV bound: KV bytes read per step / (B_H2D + B_CPU), with
 B_H2D a pinned copy and B_CPU the host DRAM read rate, both measured in this run (the CPU bound
 is what the native attention kernel approaches; its own rate is in `tandem bench cpu-kernels`).
+The fill and the KV bytes per token follow the model's KV: per-head K and V, or one latent row per
+token and layer (MLA), over the layers that store KV only (engine/bench/e2e_fill.py).
+
+Points that do not fit are rows, not the end of the run. Before a point its KV is compared with the
+host memory available (e2e_fill.host_shortfall): one that would swap is refused with its reason. A
+point that runs out of memory anyway (torch's or the engine's OutOfMemoryError, a failed host or
+pinned allocation) or whose policy cannot be built (ConfigError) is recorded with its error; the
+policy's KV is rebuilt and the run goes on with the next point. `largest` in the record is, per
+policy, the largest aggregate context (chats × tokens) of a point that ran.
+
+`--aggregate-chats N` then looks past the grid: the model is loaded again with max_batch N (the grid
+keeps max_batch at its largest batch size, so its D-windows, monolithic buffers and expert cache are
+those of the grid's own points) and, per policy, the chats at the largest context double from twice
+the largest batch size up to N, stopping at the first point that is refused or fails.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
+import psutil
 import torch
 
 from engine.bench.common import header, write_json
+from engine.bench.e2e_fill import fill_session, host_shortfall, kv_token_bytes
 from engine.bench.kv import h2d_gbps
+from engine.errors import ConfigError, OutOfMemoryError
 from engine.hw.bandwidth import dram_bandwidth
 
-KV_POLICIES = ("writescope", "gpu-centric", "cpu-centric", "resident")
+KV_POLICIES = ("writescope", "gpu-centric", "cpu-centric", "monolithic", "resident")
+# what a failed allocation says where it is not a typed OutOfMemoryError (a pinned host buffer: the
+# CUDA runtime's error; a pageable one: the CPU allocator's)
+_OOM_WORDS = ("out of memory", "can't allocate memory", "not enough memory")
 
 
-@torch.inference_mode()
-def fill_session(engine, key: str, context: int, gen: torch.Generator) -> list[int]:
-    """Write `context` tokens of random KV into a new session through the real prefill path; the
-    session then believes it holds those (random) token ids."""
-    backend = engine.backend
-    parts, generator = backend.parts, backend.generator
-    a = parts.args
-    session = generator.session(key)
-    kv = parts.kv
-    # One step for the whole context: a sequence's first step attends to its own k, v, so no layer
-    # reads back KV already routed to host memory (a chunked fill would make the CPU attend every
-    # later chunk over the host share — minutes at 32K, and not what is being measured).
-    kv.begin_step([session.seq_id], context)
-    for layer in range(a.n_layers):
-        q = torch.randn((1, a.n_heads, context, a.head_dim), device=parts.device, dtype=parts.dtype)
-        k = torch.randn((1, a.n_kv_heads, context, a.head_dim), device=parts.device, dtype=parts.dtype)
-        kv.attend(layer, q, k, torch.randn_like(k))
-    kv.end_step()
-    session.cached = torch.randint(0, a.vocab_size, (context,), generator=gen).tolist()
-    return session.cached
+def does_not_fit(e: BaseException) -> bool:
+    """An exception that means the point or policy does not fit this machine (recorded, the run goes on);
+    any other is a fault and ends the run."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError, OutOfMemoryError, ConfigError)):
+        return True
+    return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _OOM_WORDS)
+
+
+def _error(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
+    return f"{type(e).__name__}: {text}"
 
 
 def _counters(engine) -> dict:
@@ -93,61 +105,184 @@ def measure_point(engine, bs: int, context: int, new_tokens: int, gen: torch.Gen
             "kv_tokens": kv_tel.get("tokens")}
 
 
+class _Bench:
+    """One loaded engine and what every point's row needs: the KV bytes per token, the bounds' rates."""
+
+    def __init__(self, model: str, config: dict, policies: list[str], new_tokens: int, seed: int, progress):
+        """Loaded with the first of `policies` that can be built (the others are switched to in place)."""
+        from engine.api import Engine, EngineConfig
+
+        self.broken: dict[str, str] = {}  # policy → why it cannot be built
+        t0 = time.perf_counter()
+        for i, policy in enumerate(policies):
+            try:
+                self.engine = Engine(EngineConfig(model=model, backend="tandem", **config, kv_policy=policy))
+                break
+            except Exception as e:  # noqa: BLE001
+                if not does_not_fit(e) or i == len(policies) - 1:
+                    raise
+                self.broken[policy] = f"the policy cannot be built: {_error(e)}"
+                progress(f"[e2e] {policy}: {self.broken[policy]}")
+        self.load_s = time.perf_counter() - t0
+        self.new_tokens, self.progress = new_tokens, progress
+        self.gen = torch.Generator().manual_seed(seed)
+        parts = self.engine.backend.parts
+        self.token_bytes = kv_token_bytes(parts.args, parts.dtype, model)  # KV bytes per token, KV layers
+        self.b_h2d = h2d_gbps(parts.device)
+        self.b_cpu = dram_bandwidth(1 << 30, 1, 5)["read_GBps"] if parts.device.type == "cuda" else None
+        progress(f"[e2e] loaded {model} in {self.load_s:.1f} s")
+
+    def use(self, policy: str) -> bool:
+        """Switch the KV backend to `policy`; False (and the reason kept) when it cannot be built."""
+        if policy in self.broken:
+            return False
+        try:
+            if self.engine.info()["kv_policy"] != policy or self.engine.backend.parts.kv is None:
+                self.engine.backend.set_kv_policy(policy)
+            return True
+        except Exception as e:  # noqa: BLE001 — only what does_not_fit names is kept; the rest re-raised
+            if not does_not_fit(e):
+                raise
+            self.broken[policy] = f"the policy cannot be built: {_error(e)}"
+            self.progress(f"[e2e] {policy}: {self.broken[policy]}")
+            self._release()
+            return False
+
+    def warm(self, policy: str, bs: int, context: int) -> None:
+        """Kernel selection, allocator growth, a decode graph for this batch size; a failure is left
+        to the measured point to record."""
+        if self.use(policy) and not host_shortfall(policy, self.engine.backend.parts.device, bs, context,
+                                                   self.token_bytes):
+            try:
+                measure_point(self.engine, bs, context, 3, self.gen)
+            except Exception as e:  # noqa: BLE001
+                if not does_not_fit(e):
+                    raise
+                self._recover(policy)
+
+    def point(self, policy: str, bs: int, context: int, phase: str) -> dict:
+        """One row: the measurement, or why the point did not run."""
+        engine = self.engine
+        row = {"kv_policy": policy, "phase": phase, "bs": bs, "context": context, "aggregate_tokens": bs * context,
+               "host_available_gib": round(psutil.virtual_memory().available / 2**30, 1)}
+        if not self.use(policy):
+            return {**row, "error": self.broken[policy]}
+        parts = engine.backend.parts
+        refused = host_shortfall(policy, parts.device, bs, context, self.token_bytes)
+        if refused:
+            return {**row, "error": refused, "refused": True}
+        slots = parts.experts.telemetry().get("slots") if parts.experts is not None else None
+        row.update(expert_policy=engine.info()["expert_policy"], expert_slots=slots)
+        try:
+            row.update(measure_point(engine, bs, context, self.new_tokens, self.gen))
+        except Exception as e:  # noqa: BLE001
+            if not does_not_fit(e):
+                raise
+            self._recover(policy)
+            return {**row, "error": _error(e)}
+        kv_bytes = bs * context * self.token_bytes
+        row["kv_bytes_per_step"] = kv_bytes
+        row["kv_bound_ms_per_step"] = (round(kv_bytes / ((self.b_h2d + self.b_cpu) * 1e9) * 1e3, 3)
+                                       if self.b_h2d and self.b_cpu else None)
+        return row
+
+    def _recover(self, policy: str) -> None:
+        """After a point ran out of memory part-way: a fresh backend of the same policy (the failed
+        one may hold a step begun and sessions half-filled); set_kv_policy ends every session."""
+        self._release()
+        try:
+            self.engine.backend.set_kv_policy(policy)
+        except Exception as e:  # noqa: BLE001
+            if not does_not_fit(e):
+                raise
+            self.broken[policy] = f"the policy cannot be rebuilt after running out of memory: {_error(e)}"
+            self._release()
+
+    def _release(self) -> None:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _report(progress, row: dict) -> None:
+    where = f"[e2e] {row['kv_policy']} bs={row['bs']} L={row['context']}"
+    if "error" in row:
+        progress(f"{where}: not run ({row['error']})")
+    else:
+        progress(f"{where}: {row['decode_tok_s']} tok/s (fill {row['fill_s']} s, decode wall {row['wall_s']} s)")
+
+
+def largest(rows: list[dict]) -> dict:
+    """Per policy, the point of the largest aggregate context (chats × tokens) that ran."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        if "error" not in r and r["aggregate_tokens"] > best.get(r["kv_policy"], {}).get("aggregate_tokens", 0):
+            best[r["kv_policy"]] = {k: r[k] for k in ("bs", "context", "aggregate_tokens", "decode_tok_s")}
+    return best
+
+
 def run(model: str = "synthetic:qwen3-30b-a3b", kv_policies=KV_POLICIES, expert_policy: str = "adaptive",
         batch_sizes=(1, 4), contexts=(2048, 8192, 32768), new_tokens: int = 16, vram_budget_gb: float | None = 24.0,
         device: str = "auto", cpu_threads: int | None = None, simulate_hybrid: bool = False, seed: int = 0,
-        progress=print, partial_path: str | None = None, cuda_graphs: bool = True) -> dict:
+        progress=print, partial_path: str | None = None, cuda_graphs: bool = True,
+        aggregate_chats: int = 0) -> dict:
     """partial_path: after every point the record so far is written there with "complete": false,
-    so a run cut short by a time limit still leaves what it measured."""
-    from engine.api import Engine, EngineConfig
+    so a run cut short by a time limit still leaves what it measured. aggregate_chats: see the
+    module docstring (0: the grid only)."""
+    from engine.runtime.loading import check_policies
 
     kv_policies = list(kv_policies)
-    t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=model, backend="tandem", device=device, kv_policy=kv_policies[0],
-                                 expert_policy=expert_policy, vram_budget_gb=vram_budget_gb,
-                                 max_batch=max(batch_sizes), max_context=max(contexts) + new_tokens + 2,
-                                 simulate_hybrid=simulate_hybrid, cpu_threads=cpu_threads,
-                                 cuda_graphs=cuda_graphs))
-    load_s = time.perf_counter() - t0
-    gen = torch.Generator().manual_seed(seed)
-    parts = engine.backend.parts
-    a = parts.args
-    token_bytes = 2 * a.n_kv_heads * a.head_dim * parts.dtype.itemsize * a.n_layers  # KV bytes per token, all layers
-    b_h2d = h2d_gbps(parts.device)
-    b_cpu = dram_bandwidth(1 << 30, 1, 5)["read_GBps"] if parts.device.type == "cuda" else None
-    rows = []
-    info = engine.info()
+    for policy in kv_policies:  # a misspelt name is the caller's error, not a point that does not fit
+        check_policies(policy, expert_policy)
+    config = dict(device=device, expert_policy=expert_policy, vram_budget_gb=vram_budget_gb,
+                  max_batch=max(batch_sizes), max_context=max(contexts) + new_tokens + 2,
+                  simulate_hybrid=simulate_hybrid, cpu_threads=cpu_threads, cuda_graphs=cuda_graphs)
+    rows: list[dict] = []
+    bench = _Bench(model, config, kv_policies, new_tokens, seed, progress)
+    info = bench.engine.info()
+    loads = [round(bench.load_s, 1)]
 
     def meta() -> dict:
-        return {**header(), "bench": "e2e", "model": model, "load_s": round(load_s, 1),
+        return {**header(), "bench": "e2e", "model": model, "load_s": loads[0], "aggregate_load_s": loads[1:] or None,
                 "vram_budget_gb": vram_budget_gb, "device": info["device"], "dtype": info["dtype"],
-                "new_tokens": new_tokens, "simulate_hybrid": simulate_hybrid, "cuda_graphs": cuda_graphs, "b_h2d_gbps": b_h2d, "b_cpu_gbps": b_cpu,
-                "fill_note": "context written as random KV through each policy's real prefill/routing path (KV fill)"}
+                "new_tokens": new_tokens, "simulate_hybrid": simulate_hybrid, "cuda_graphs": cuda_graphs,
+                "b_h2d_gbps": bench.b_h2d, "b_cpu_gbps": bench.b_cpu, "kv_bytes_per_token": bench.token_bytes,
+                "fill_note": "context written as random KV through each policy's real prefill/routing path (KV fill)",
+                "largest": largest(rows)}
 
-    progress(f"[e2e] loaded {model} in {load_s:.1f} s")
+    def keep(row: dict) -> None:
+        rows.append(row)
+        _report(progress, row)
+        if partial_path:
+            write_json({**meta(), "complete": False, "results": rows}, partial_path, echo=False)
+
     try:
         for policy in kv_policies:
-            if engine.info()["kv_policy"] != policy:
-                engine.backend.set_kv_policy(policy)
-            for bs in batch_sizes:  # warm-up: kernel selection, allocator growth, a decode graph per batch size
-                measure_point(engine, bs, min(64, min(contexts)), 3, gen)
-            slots = (parts.experts.telemetry().get("slots") if parts.experts is not None else None)
+            for bs in batch_sizes:
+                bench.warm(policy, bs, min(64, min(contexts)))
             for context in contexts:
                 for bs in batch_sizes:
-                    row = {"kv_policy": policy, "expert_policy": engine.info()["expert_policy"], "expert_slots": slots,
-                           **measure_point(engine, bs, context, new_tokens, gen)}
-                    kv_bytes = bs * context * token_bytes
-                    row["kv_bytes_per_step"] = kv_bytes
-                    row["kv_bound_ms_per_step"] = (round(kv_bytes / ((b_h2d + b_cpu) * 1e9) * 1e3, 3)
-                                                   if b_h2d and b_cpu else None)
-                    rows.append(row)
-                    progress(f"[e2e] {policy} bs={bs} L={context}: {row['decode_tok_s']} tok/s "
-                             f"(fill {row['fill_s']} s, decode wall {row['wall_s']} s)")
-                    if partial_path:
-                        write_json({**meta(), "complete": False, "results": rows}, partial_path, echo=False)
+                    keep(bench.point(policy, bs, context, "grid"))
+        if aggregate_chats > max(batch_sizes):
+            bench.close()
+            bench = _Bench(model, {**config, "max_batch": aggregate_chats}, kv_policies, new_tokens, seed + 1, progress)
+            loads.append(round(bench.load_s, 1))
+            context = max(contexts)
+            for policy in kv_policies:
+                chats = 2 * max(batch_sizes)
+                while chats <= aggregate_chats:
+                    bench.warm(policy, chats, min(64, min(contexts)))
+                    row = bench.point(policy, chats, context, "aggregate")
+                    keep(row)
+                    if "error" in row:
+                        break
+                    chats *= 2
         record = {**meta(), "complete": True, "results": rows}
     finally:
-        engine.close()
+        bench.close()
     return record
 
 
@@ -164,6 +299,9 @@ def add_arguments(p) -> None:
     p.add_argument("--simulate-hybrid", action="store_true")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every decode step eagerly (the comparison for the graphs' gain)")
+    p.add_argument("--aggregate-chats", type=int, default=0,
+                   help="after the grid, double the chats at the largest context up to this many (a second "
+                        "load with this max_batch), stopping at the first point that does not fit")
     p.add_argument("--json", default=None, help="also write the record here")
 
 
@@ -173,4 +311,5 @@ def from_args(ns) -> dict:
                batch_sizes=ints(ns.batch_sizes), contexts=ints(ns.contexts), new_tokens=ns.new_tokens,
                vram_budget_gb=ns.vram_budget_gb or None, device=ns.device, cpu_threads=ns.cpu_threads,
                simulate_hybrid=ns.simulate_hybrid, partial_path=ns.json, cuda_graphs=ns.cuda_graphs,
+               aggregate_chats=ns.aggregate_chats,
                progress=lambda m: print(m, file=sys.stderr, flush=True))

@@ -13,7 +13,7 @@ It is handed through the ordinary `kv.attend(layer, q, k, v)`: q are the absorbe
 values *are* the first r columns of each key row, so a second copy would only double the cache;
 `scale` says the model's softmax scale, which is not (r + dr)^−½. Only a backend that knows K-only
 rows accepts this (engine/kv/latent.py: resident rows, or the hybrid format holding each row in its
-two planes); the monolithic comparison policy refuses it at load.
+two planes; engine/kv/latent_monolithic.py: the monolithic comparison policy's buffers of rows).
 
 Checkpoints apply RoPE to interleaved pairs (x0, x1), (x2, x3)…; the engine's tables rotate halves.
 q_rope and k_r only ever meet in their dot product, so permuting both the same way is exact:

@@ -207,15 +207,6 @@ def test_a_cropped_sequence_continues_like_a_fresh_one(tmp_path, kv):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # fp32, the same keys merged in another order
 
 
-def test_monolithic_kv_is_refused_by_name(tmp_path):
-    from engine.errors import ConfigError
-
-    folder = write_layout(tiny(seed=5), tmp_path / "m", "fused")
-    with pytest.raises(ConfigError, match="latent KV rows") as e:
-        tiny_engine(folder, kv_policy="monolithic", simulate_hybrid=True)
-    assert "writescope" in e.value.remedy
-
-
 # -- the synthetic preset ---------------------------------------------------------------------------
 
 def test_config_of_the_published_shape_reads():
