@@ -175,15 +175,18 @@ def _check_hybrid_device(config, policy: str, device: torch.device) -> None:
 def _latent_kv(config, args, policy: str, device: torch.device, dtype: torch.dtype, max_context: int,
                room: int | None, profile) -> KVBackend:
     """Multi-head latent attention (DeepSeek-V2) caches one [latent, RoPE key] row per token: resident
-    rows, or the hybrid format holding each row in its two planes (engine/kv/latent.py)."""
+    rows, the hybrid format holding each row in its two planes (engine/kv/latent.py), or the
+    monolithic comparison's buffers of rows."""
     mla = args.mla
     if policy == "resident":
         return LatentResidentKV(args.n_layers, mla.row_width, mla.kv_lora_rank, max_context=max_context,
                                 max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype)
     _check_hybrid_device(config, policy, device)
-    if policy == "monolithic":
-        raise ConfigError(f"kv_policy 'monolithic' does not hold the latent KV rows of this {args.arch} model",
-                          "use kv_policy resident or writescope")
+    if policy == "monolithic":  # the comparison policy's one pinned buffer, of rows (engine/kv/latent_monolithic.py)
+        from engine.kv.latent_monolithic import LatentMonolithicKV
+
+        return LatentMonolithicKV(args.n_layers, mla.row_width, mla.kv_lora_rank, max_context=max_context,
+                                  max_batch=config.max_batch, device=device, dtype=dtype)
     n_kv, plane = format_shape(args)
     spec = PartitionSpec.for_shape(n_kv, plane, dtype, cuda=device.type == "cuda", block_size=config.block_size,
                                    d_window=config.d_window, max_context=max_context, vram_budget_bytes=room,
