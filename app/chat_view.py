@@ -8,6 +8,7 @@ from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPus
                                QTextBrowser, QToolButton, QVBoxLayout, QWidget)
 
 from app.markdown import code_groups, render_markdown
+from app.reasoning_view import ReasoningBlock
 
 FINISH_REASONS = {"stop": "end of turn", "length": "reply length limit", "stopped": "stopped by you",
                   "context_full": "context window full"}
@@ -135,6 +136,8 @@ class MessageWidget(QFrame):
                                           lambda: self.regenerate_requested.emit(self.message.id))
             head.addWidget(self.regen_btn)
         lay.addLayout(head)
+        self.reasoning = ReasoningBlock()  # above the answer, folded; hidden when there is none
+        lay.addWidget(self.reasoning)
         self.body = MarkdownView()
         lay.addWidget(self.body)
         self.editor = None
@@ -166,9 +169,12 @@ class MessageWidget(QFrame):
         b.clicked.connect(slot)
         return b
 
-    def refresh(self, streaming_text: str | None = None) -> None:
+    def refresh(self, streaming_text: str | None = None, streaming_reasoning: str | None = None) -> None:
         m = self.message
-        self.body.set_text(streaming_text if streaming_text is not None else m.content)
+        text = streaming_text if streaming_text is not None else m.content
+        reasoning = streaming_reasoning if streaming_reasoning is not None else m.reasoning
+        self.reasoning.set_reasoning(reasoning, thinking=m.status == "streaming" and not text)
+        self.body.set_text(text)
         self._update_tag()
         self.stats_label.setText(format_stats(m.stats))
         self.stats_label.setVisible(bool(m.stats) or m.status == "error")
@@ -227,7 +233,7 @@ class MessageWidget(QFrame):
         row.addWidget(send)
         v.addWidget(self.edit_box)
         v.addLayout(row)
-        self.layout().insertWidget(2, self.editor)
+        self.layout().insertWidget(self.layout().indexOf(self.body), self.editor)
         self.body.hide()
         self.edit_box.setFocus()
 

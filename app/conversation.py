@@ -29,6 +29,7 @@ class Job:
     chat_id: str
     message_id: int
     text: str = ""
+    reasoning: str = ""  # a reasoning model's thinking so far, kept apart from the answer (text)
     flushed_at: float = 0.0
     reading: tuple[int, int] | None = None  # the engine's progress through the prompt, until the first token
 
@@ -45,7 +46,8 @@ class Pending:
 
 
 def history_dicts(messages: list[Message]) -> list[dict]:
-    """What the model sees of the past: failed replies are left out (their text is an error, not an answer)."""
+    """What the model sees of the past: failed replies are left out (their text is an error, not an answer),
+    and a reply's reasoning is never sent back, only its answer (harmony's rule: earlier analysis is dropped)."""
     return [{"role": m.role, "content": m.content} for m in messages if m.status != "error"]
 
 
@@ -72,6 +74,7 @@ class Conversation(QObject):
         self._replan.timeout.connect(self.replan)
         w = host.worker
         w.tokens.connect(self._on_tokens)
+        w.reasoning.connect(self._on_reasoning)
         w.prefill_progress.connect(self._on_prefill)
         w.finished.connect(self._on_finished)
         w.failed.connect(self._on_failed)
@@ -99,7 +102,7 @@ class Conversation(QObject):
             w = self.view.widget_for(self.job.message_id)
             if w is not None:
                 w.reading = self.job.reading
-                w.refresh(self.job.text)
+                w.refresh(self.job.text, self.job.reasoning)
         self.view.set_actions_enabled(self.job is None)
         self.composer.setEnabled(bool(chat_id))
         self.schedule_replan()
@@ -236,18 +239,29 @@ class Conversation(QObject):
         if job is None or job.job_id != job_id:
             return
         job.text += text
+        self._show_progress(job)
+        self.streamed.emit(text)
+
+    def _on_reasoning(self, job_id: str, text: str) -> None:
+        job = self.job
+        if job is None or job.job_id != job_id:
+            return
+        job.reasoning += text
+        self._show_progress(job)
+
+    def _show_progress(self, job: Job) -> None:
+        """The reply so far on screen, and in the file every DB_FLUSH_S."""
         now = time.monotonic()
         if now - job.flushed_at >= DB_FLUSH_S:
             job.flushed_at = now
             try:
-                self.store.update_streaming(job.message_id, job.text)
+                self.store.update_streaming(job.message_id, job.text, job.reasoning)
             except StoreError as e:  # the reply goes on in memory; the next flush tries again
                 self.notice.emit(f"The reply could not be saved yet: {e.what}. {e.remedy}")
         if job.chat_id == self.chat_id:
             w = self.view.widget_for(job.message_id)
             if w is not None:
-                w.refresh(job.text)
-        self.streamed.emit(text)
+                w.refresh(job.text, job.reasoning)
 
     def _on_prefill(self, job_id: str, done: int, total: int) -> None:
         job = self.job
@@ -276,31 +290,32 @@ class Conversation(QObject):
     def _on_finished(self, job_id: str, result: dict) -> None:
         if self.job is None or self.job.job_id != job_id:
             return
-        self._close_job(result["text"], {k: v for k, v in result.items() if k != "text"}, "done")
+        self._close_job(result["text"], {k: v for k, v in result.items() if k not in ("text", "reasoning")}, "done",
+                        result.get("reasoning", ""))
 
     def _on_failed(self, job_id: str, what: str, remedy: str) -> None:
         if self.job is None or self.job.job_id != job_id:
             return
         self.notice.emit(f"The reply failed: {what}")
-        self._close_job(self.job.text, {"what": what, "remedy": remedy}, "error")
+        self._close_job(self.job.text, {"what": what, "remedy": remedy}, "error", self.job.reasoning)
 
-    def _close_job(self, text: str, stats: dict, status: str) -> None:
+    def _close_job(self, text: str, stats: dict, status: str, reasoning: str = "") -> None:
         job, self.job = self.job, None
         try:
-            self.store.finish_message(job.message_id, text, stats, status)
+            self.store.finish_message(job.message_id, text, stats, status, reasoning)
         except StoreError as e:  # the app goes on; the row keeps the text of its last successful save
             self.notice.emit(f"The reply could not be saved: {e.what}. {e.remedy}")
         self._set_busy(False)
         if job.chat_id == self.chat_id:
             self.set_chat(self.chat_id)
         self.chats_changed.emit()
-        self.reply_finished.emit(status, {"text": text, **stats})
+        self.reply_finished.emit(status, {"text": text, "reasoning": reasoning, **stats})
 
     def abandon(self) -> None:
         """On quit with a reply still open: keep its text, marked as interrupted."""
         if self.job is not None:
             try:
-                self.store.finish_message(self.job.message_id, self.job.text, None, "interrupted")
+                self.store.finish_message(self.job.message_id, self.job.text, None, "interrupted", self.job.reasoning)
             except StoreError:  # quitting anyway: the next start marks the row interrupted
                 pass
             self.job = None

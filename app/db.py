@@ -12,6 +12,10 @@ chat at the last message of the branch on screen (`leaf_id`), so the chat shows 
 that leaf, and ‹ 2/3 › on a message moves the leaf into a sibling's branch. A file of version 1 (a flat
 list per chat) is upgraded in place on open: each message's parent is the one before it.
 
+A reasoning model's reply (gpt-oss's harmony analysis channel) keeps its reasoning in `reasoning`,
+apart from the answer in `content`: only the answer goes back into later prompts. A file of version 2
+gains the column on open, its messages with no reasoning.
+
 The assistant's reply is one row created when generation starts (status 'streaming'), its text
 updated in place as it grows and closed with status 'done' and its stats. A row still 'streaming'
 when the file is opened was cut off by a crash: it becomes 'interrupted' and keeps the text it had.
@@ -28,7 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCHEMA_VERSION = 2  # 2: messages form a tree (parent_id), each chat shows one branch of it (leaf_id)
+SCHEMA_VERSION = 3  # 2: messages form a tree (parent_id), each chat shows one branch of it (leaf_id); 3: reasoning
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -48,7 +52,8 @@ CREATE TABLE IF NOT EXISTS messages (
     status TEXT NOT NULL DEFAULT 'done' CHECK (status IN ('done', 'streaming', 'interrupted', 'error')),
     stats TEXT,
     created REAL NOT NULL,
-    parent_id INTEGER
+    parent_id INTEGER,
+    reasoning TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_by_chat ON messages (chat_id, id);
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -132,6 +137,7 @@ class Message:
     stats: dict | None
     created: float
     parent_id: int | None = None  # the message it follows (None: the chat's first)
+    reasoning: str = ""  # a reasoning model's thinking before its answer (never sent back to the model)
 
 
 class ChatStore:
@@ -161,10 +167,17 @@ class ChatStore:
             "UPDATE messages SET status='interrupted' WHERE status='streaming'").rowcount
 
     def _upgrade(self) -> None:
-        """Version 1 → 2: add the tree's columns and chain each chat's messages in their order."""
         cols = {r["name"] for r in self.conn.execute("PRAGMA table_info(messages)")}
-        if "parent_id" in cols:
-            return
+        if "parent_id" not in cols:
+            self._upgrade_to_tree()
+        if "reasoning" not in cols:  # version 2 → 3: every old message had no reasoning apart
+            with self.conn:
+                self.conn.execute("BEGIN")
+                self.conn.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''")
+                self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+
+    def _upgrade_to_tree(self) -> None:
+        """Version 1 → 2: add the tree's columns and chain each chat's messages in their order."""
         with self.conn:
             self.conn.execute("BEGIN")
             self.conn.execute("ALTER TABLE messages ADD COLUMN parent_id INTEGER")
@@ -231,7 +244,7 @@ class ChatStore:
     # -- messages -------------------------------------------------------------------------------
     def _message(self, r) -> Message:
         return Message(r["id"], r["chat_id"], r["role"], r["content"], r["status"],
-                       json.loads(r["stats"]) if r["stats"] else None, r["created"], r["parent_id"])
+                       json.loads(r["stats"]) if r["stats"] else None, r["created"], r["parent_id"], r["reasoning"])
 
     def leaf(self, chat_id: str) -> int | None:
         row = self.conn.execute("SELECT leaf_id FROM chats WHERE id=?", (chat_id,)).fetchone()
@@ -298,14 +311,16 @@ class ChatStore:
         return cur.lastrowid
 
     @_guarded("saving the reply")
-    def update_streaming(self, message_id: int, content: str) -> None:
+    def update_streaming(self, message_id: int, content: str, reasoning: str = "") -> None:
         """The reply so far: one small autocommitted UPDATE (a crash keeps the last one written)."""
-        self.conn.execute("UPDATE messages SET content=? WHERE id=? AND status='streaming'", (content, message_id))
+        self.conn.execute("UPDATE messages SET content=?, reasoning=? WHERE id=? AND status='streaming'",
+                          (content, reasoning, message_id))
 
     @_guarded("saving the reply")
-    def finish_message(self, message_id: int, content: str, stats: dict | None, status: str = "done") -> None:
-        self.conn.execute("UPDATE messages SET content=?, stats=?, status=? WHERE id=?",
-                          (content, json.dumps(stats) if stats else None, status, message_id))
+    def finish_message(self, message_id: int, content: str, stats: dict | None, status: str = "done",
+                       reasoning: str = "") -> None:
+        self.conn.execute("UPDATE messages SET content=?, reasoning=?, stats=?, status=? WHERE id=?",
+                          (content, reasoning, json.dumps(stats) if stats else None, status, message_id))
 
     # -- settings -------------------------------------------------------------------------------
     def setting(self, key: str, default=None):

@@ -80,7 +80,10 @@ def chat_markdown(chat, messages) -> str:
     for m in messages:
         who = "You" if m.role == "user" else "Assistant"
         note = {"interrupted": " (interrupted)", "error": " (failed)", "streaming": " (incomplete)"}.get(m.status, "")
-        lines += [f"## {who}{note}", "", m.content, ""]
+        lines += [f"## {who}{note}", ""]
+        if m.reasoning:  # folded as in the chat: GitHub and most viewers render <details> closed
+            lines += ["<details><summary>Reasoning</summary>", "", m.reasoning, "", "</details>", ""]
+        lines += [m.content, ""]
         if m.role == "assistant" and m.stats and m.status != "error":
             lines += [f"*{format_stats(m.stats)}*", ""]
     return "\n".join(lines)
@@ -97,7 +100,8 @@ def write_chat_json(path: str | Path, chat, messages, model: str | None = None) 
     doc = {"format": "tandem-chat/1", "id": chat.id, "title": chat.title, "created": chat.created,
            "updated": chat.updated, "settings": chat.settings, "model": model,
            "messages": [{"role": m.role, "content": m.content, "status": m.status, "stats": m.stats,
-                         "created": m.created} for m in messages]}
+                         "created": m.created, **({"reasoning": m.reasoning} if m.reasoning else {})}
+                        for m in messages]}
     _write_private(path, json.dumps(doc, indent=1, ensure_ascii=False))
     return path
 

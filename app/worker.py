@@ -60,7 +60,8 @@ class EngineWorker(QObject):
     loaded = Signal(dict)  # Engine.info() plus max_context and the built-in model's description
     load_failed = Signal(str, str)  # what, remedy (no model is loaded now)
     switch_failed = Signal(str, str)  # what, remedy: another model was asked for; the previous one stays
-    tokens = Signal(str, str)  # job id, text since the last batch
+    tokens = Signal(str, str)  # job id, answer text since the last batch
+    reasoning = Signal(str, str)  # job id, reasoning text since the last batch (a reasoning model's thinking)
     finished = Signal(str, dict)  # job id, GenerationResult fields (no token ids) plus wall_s
     failed = Signal(str, str, str)  # job id, what, remedy
     stats = Signal(dict)  # StatsSnapshot.to_dict() plus "t" (unix time)
@@ -166,7 +167,7 @@ class EngineWorker(QObject):
         if self.engine is None:
             self.failed.emit(job_id, "no model is loaded", "load a model (Settings → Model and memory)")
             return
-        buf: list[str] = []
+        buf: list[str] = []  # answer and reasoning pieces in the order they came
         last = {"tokens": time.monotonic(), "stats": time.monotonic()}
         first_text = threading.Event()
         watcher = self._watch_prefill(job_id, first_text)
@@ -176,8 +177,7 @@ class EngineWorker(QObject):
             buf.append(text)
             now = time.monotonic()
             if now - last["tokens"] >= TOKEN_BATCH_S:
-                self.tokens.emit(job_id, "".join(buf))
-                buf.clear()
+                self._flush(job_id, buf)
                 last["tokens"] = now
             if now - last["stats"] >= STATS_INTERVAL_S:
                 self._emit_stats()
@@ -198,8 +198,9 @@ class EngineWorker(QObject):
             first_text.set()
             watcher.finish()
         self._flush(job_id, buf)
-        fields = {k: getattr(result, k) for k in ("text", "finish_reason", "prompt_tokens", "prefilled_tokens",
-                                                  "completion_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s")}
+        fields = {k: getattr(result, k) for k in ("text", "reasoning", "finish_reason", "prompt_tokens",
+                                                  "prefilled_tokens", "completion_tokens", "ttft_s", "prefill_tok_s",
+                                                  "decode_tok_s")}
         fields["wall_s"] = time.monotonic() - t0
         self._emit_stats()
         self.finished.emit(job_id, fields)
@@ -211,9 +212,23 @@ class EngineWorker(QObject):
         return watch
 
     def _flush(self, job_id: str, buf: list[str]) -> None:
-        if buf:
-            self.tokens.emit(job_id, "".join(buf))
-            buf.clear()
+        """One signal per run of one kind, in order: reasoning (Reasoning pieces) comes before its answer."""
+        from engine.api import Reasoning
+
+        run: list[str] = []
+        for piece in buf:
+            if run and isinstance(piece, Reasoning) != isinstance(run[0], Reasoning):
+                self._emit_run(job_id, run)
+                run = []
+            run.append(piece)
+        if run:
+            self._emit_run(job_id, run)
+        buf.clear()
+
+    def _emit_run(self, job_id: str, run: list[str]) -> None:
+        from engine.api import Reasoning
+
+        (self.reasoning if isinstance(run[0], Reasoning) else self.tokens).emit(job_id, "".join(run))
 
     # -- counting and stats ---------------------------------------------------------------------
     @Slot(int, dict)

@@ -4,7 +4,7 @@ import sqlite3
 
 from gui_helpers import REPLY_TIMEOUT_MS, send_and_wait, set_chat
 
-from app.db import ChatStore
+from app.db import SCHEMA_VERSION, ChatStore
 
 
 def _regenerate(qtbot, w):
@@ -76,6 +76,6 @@ def test_a_version_1_chat_file_is_upgraded_in_place(tmp_path):
     msgs = store.messages("c1")
     assert [m.content for m in msgs] == ["Hi", "Hello", "Bye"]
     assert [m.parent_id for m in msgs] == [None, msgs[0].id, msgs[1].id]
-    assert store.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "2"
+    assert store.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
     assert store.integrity() == "ok"
     store.close()
