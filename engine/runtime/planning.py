@@ -18,6 +18,7 @@ import torch
 
 from engine.errors import ConfigError, OutOfMemoryError
 from engine.kv.latent import format_shape
+from engine.kv.layer_split import split_windows
 from engine.kv.partition import PartitionSpec
 from engine.models.common import ModelArgs
 from engine.models.shape import model_args
@@ -94,10 +95,13 @@ def placement_plan(config, profile=None) -> Plan:
     dev_bytes = _dtype_bytes(config, "cuda" if gpu and not simulated else "cpu")
     cpu_bytes = _dtype_bytes(config, "cpu")
     costs = machine_costs(config, args, profile, dev_bytes)
-    # what the engine's hybrid paths cannot run for this model (runtime/loading.py and the families refuse it)
-    windowed = bool(args.sliding_window and args.sliding_window < max_context) or bool(args.layer_windows)
-    can = dict(can_spill_kv=not (windowed or args.attn_sinks),
-               can_offload_experts=args.expert_act in ("silu", "clamped"))
+    # what the engine's hybrid paths cannot run for this model (runtime/loading.py and the families refuse
+    # it): a model-wide window; per-layer windows keep their layers' KV resident (kv/layer_split.py)
+    windows = split_windows(args, max_context) or []
+    resident_layers = sum(w is not None for w in windows)
+    model_wide = args.layer_windows is None and bool(args.sliding_window and args.sliding_window < max_context)
+    can = dict(can_spill_kv=not model_wide and resident_layers < len(args.kv_layer_ids()),
+               can_offload_experts=args.expert_act in ("silu", "clamped"), resident_kv_layers=resident_layers)
     parts = replace(model_parts(args, dev_bytes, config.model), **can)
     cpu_parts = parts if cpu_bytes == dev_bytes else replace(model_parts(args, cpu_bytes, config.model), **can)
     return plan(parts, costs, max_context=max_context, max_batch=config.max_batch,
@@ -112,8 +116,10 @@ def spill_device_bytes(config, args: ModelArgs, dtype_bytes: int, max_context: i
     n_kv, head_dim = format_shape(args)  # latent rows: one head of half a row (engine/kv/latent.py)
     spec = PartitionSpec.for_shape(n_kv, head_dim, dtype, cuda=cuda, block_size=config.block_size,
                                    d_window=config.d_window, max_context=max_context)
-    # a hybrid model's recurrent state stays on the device beside the D-windows (its KV row counts it in RAM)
-    return spec.device_bytes(len(args.kv_layer_ids()), config.max_batch, n_kv, head_dim, dtype) + \
+    # a hybrid model's recurrent state stays on the device beside the D-windows (its KV row counts it in RAM);
+    # the window layers have no D-window (their KV is resident, counted by the planner)
+    spilled = len(args.kv_layer_ids()) - sum(w is not None for w in split_windows(args, max_context) or [])
+    return spec.device_bytes(spilled, config.max_batch, n_kv, head_dim, dtype) + \
         recurrent_state_bytes(args) * config.max_batch
 
 

@@ -98,22 +98,24 @@ def _candidates(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, max_context: 
     if not c.gpu:
         return out
     reserve = min(DEVICE_RESERVE_BYTES, c.vram_bytes // 10)
-    kv_choices = [("resident", kv_full, 0)]
-    if ctx > d_window and m.can_spill_kv:
-        kv_choices.append(("writescope", spill_device_bytes, kv_full))
+    kv_choices, kv_window = [("resident", kv_full, 0)], 0
+    if ctx > d_window and m.can_spill_kv:  # the window layers' KV (if any) stays on the GPU beside the D-windows
+        kv_window = m.resident_kv_bytes(ctx, max_batch)
+        kv_choices.append(("writescope", spill_device_bytes + kv_window, kv_full - kv_window))
     for kv_policy, kv_gpu, kv_host in kv_choices:
         room = c.vram_bytes - reserve - m.dense_bytes - kv_gpu
         if room < 0:
             continue
+        window = kv_window if kv_policy != "resident" else 0
         if m.routed_bytes <= room:
-            out.append(Placement("gpu", kv_policy, "resident", 0, kv_gpu, kv_host))
+            out.append(Placement("gpu", kv_policy, "resident", 0, kv_gpu, kv_host, window))
             continue
         if not m.can_offload_experts:
             continue
         slots = int(room // max(m.expert_bytes, 1))
         if slots > 0:
-            out.append(Placement("gpu", kv_policy, "adaptive", slots, kv_gpu, kv_host))
-        out.append(Placement("gpu", kv_policy, "cpu-only", 0, kv_gpu, kv_host))
+            out.append(Placement("gpu", kv_policy, "adaptive", slots, kv_gpu, kv_host, window))
+        out.append(Placement("gpu", kv_policy, "cpu-only", 0, kv_gpu, kv_host, window))
     return out
 
 
@@ -136,7 +138,10 @@ def _memory(p: Placement, m: ModelParts) -> tuple[list[PlanRow], int, int]:
     elif p.kv_policy == "resident":
         rows.append(PlanRow("KV cache", "GPU", p.kv_gpu_bytes))
     else:
-        rows.append(PlanRow("KV D-window and ping-pong", "GPU", p.kv_gpu_bytes))
+        rows.append(PlanRow("KV D-window and ping-pong", "GPU", p.kv_gpu_bytes - p.kv_window_bytes))
+        if p.kv_window_bytes:
+            rows.append(PlanRow(f"KV of the sliding-window layers ({m.resident_kv_layers})", "GPU",
+                                p.kv_window_bytes))
         rows.append(PlanRow("KV cache (spilled)", "RAM", p.kv_host_bytes))
     vram = sum(r.bytes for r in rows if r.where == "GPU")
     ram = sum(r.bytes for r in rows if r.where == "RAM")

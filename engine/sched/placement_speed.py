@@ -11,7 +11,7 @@ Units: bytes, milliseconds, GB/s (1e6 bytes/ms), TFLOP/s (1e9 FLOP/ms).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.sched.expert_cost import BYTES_PER_MS_PER_GBPS, FLOP_PER_MS_PER_TFLOPS, ExpertCostModel
 from engine.sched.roofline import RooflineParams
@@ -49,6 +49,9 @@ class ModelParts:
     can_offload_experts: bool = True  # the offloading executors take its experts (SwiGLU, or gpt-oss's form)
     kv_layers: int | None = None  # layers that store KV and attend over it (hybrid models: fewer); None: all
     state_bytes_per_chat: int = 0  # a recurrent state per chat (linear-attention layers), kept with its KV
+    # KV layers a hybrid policy keeps resident on the GPU: sliding windows shorter than the context
+    # (gpt-oss's window layers, engine/kv/layer_split.py); only the others spill
+    resident_kv_layers: int = 0
 
     @property
     def attn_layers(self) -> int:
@@ -72,6 +75,10 @@ class ModelParts:
 
     def kv_bytes(self, tokens: int, chats: int) -> int:
         return (self.kv_bytes_per_token * tokens + self.state_bytes_per_chat) * chats
+
+    def resident_kv_bytes(self, tokens: int, chats: int) -> int:
+        """The KV of the layers a hybrid policy keeps resident (their share of kv_bytes_per_token)."""
+        return self.kv_bytes_per_token * self.resident_kv_layers // max(self.attn_layers, 1) * tokens * chats
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class Placement:
     slots: int  # expert cache slots (offloaded policies)
     kv_gpu_bytes: int
     kv_host_bytes: int
+    kv_window_bytes: int = 0  # of kv_gpu_bytes under a hybrid policy: the resident window layers' KV
 
 
 def unique_experts(n_experts: int, top_k: int, tokens: int) -> float:
@@ -175,6 +183,12 @@ def decode_ms(p: Placement, m: ModelParts, c: MachineCosts, context: int, chats:
         parts["GPU layers"] = (m.output_bytes or m.embed_bytes) / (c.hbm_gbps * BYTES_PER_MS_PER_GBPS) + m.n_layers * (
             GPU_LAYER_MS + m.layer_dense_bytes / (c.hbm_gbps * BYTES_PER_MS_PER_GBPS))
     attn = m.attn_layers * _attention_layer_ms(p, m, c, context, chats, d_window)
+    if p.kv_policy != "resident" and p.device != "cpu" and m.resident_kv_layers:
+        # the window layers attend resident KV: costed over the whole context, an upper bound (a
+        # window reads fewer keys)
+        resident = replace(p, kv_policy="resident")
+        attn = (m.attn_layers - m.resident_kv_layers) * _attention_layer_ms(p, m, c, context, chats, d_window) + \
+            m.resident_kv_layers * _attention_layer_ms(resident, m, c, context, chats, d_window)
     parts["KV in host memory" if p.kv_policy != "resident" and p.device != "cpu" else "attention"] = attn
     if m.n_experts:
         ms, bound = _expert_layer_ms(p, m, c, chats, prefill=False)

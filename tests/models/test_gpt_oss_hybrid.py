@@ -137,3 +137,21 @@ def test_windows_that_never_bind_need_no_split(folder):
                          d_window=4)
     assert isinstance(engine.parts.kv, WriteScopeKV)
     assert len(engine.generate_ids(IDS[:3], 1)) == 1
+
+
+def test_the_planner_spills_only_the_full_layers():
+    """gpt-oss-20b at 128K under a budget that holds the weights but not all of the KV: writescope,
+    the 12 window layers' KV on the GPU (12 × 131072 tokens × 2 KiB: K and V of 8 heads × 64 dims in
+    bf16) and the 12 full layers' KV in RAM."""
+    from engine.api import EngineConfig
+    from engine.runtime.planning import placement_plan
+
+    p = placement_plan(EngineConfig(model="synthetic:gpt-oss-20b", backend="tandem", simulate_hybrid=True,
+                                    dtype="bfloat16", vram_budget_gb=44, max_context=131072, max_batch=1))
+    assert p.fits and p.kv_policy == "writescope"
+    rows = {r.part: r for r in p.rows}
+    half = 12 * 131072 * 2048
+    assert rows["KV of the sliding-window layers (12)"].where == "GPU"
+    assert rows["KV of the sliding-window layers (12)"].bytes == half
+    assert rows["KV cache (spilled)"].where == "RAM" and rows["KV cache (spilled)"].bytes == half
+    assert rows["KV D-window and ping-pong"].bytes < 64 << 20  # 12 layers' D-windows and two buffers
