@@ -229,7 +229,8 @@ class MainWindow(QMainWindow):
                 return
             desc = f" — {i['description']}" if i.get("description") else ""
             experts = f" · {i['experts']} experts, top-{i['top_k']}" if i.get("experts") else ""
-            self.model_label.setText(f"<b>{i['model']}</b>{desc}<br>{i['family']}, {i['layers']} layers{experts} · "
+            kind = i.get("kind") or i["family"]  # a file's family and size, by the names people know them
+            self.model_label.setText(f"<b>{i['model']}</b>{desc}<br>{kind}, {i['layers']} layers{experts} · "
                                      f"{i['device']} · {i['dtype']} · {i['max_context']:,}-token context")
             self.statusBar().showMessage("Model loaded.", 5000)
         elif state in ("failed", "empty"):

@@ -62,6 +62,8 @@ class ModelInfo:
     mtime: float = 0.0
     source: str = ""  # where it was found (set by the scan)
     parts: list[Path] = field(default_factory=list)  # every file of a split GGUF
+    params: int | None = None  # weights, counted from the tensor shapes in the headers
+    active_params: int | None = None  # a mixture of experts: the weights one token uses (top-k of the experts)
 
 
 class _Reader:
@@ -171,12 +173,26 @@ def inspect_gguf(path: str | Path) -> ModelInfo:
     ctx = meta.get(f"{arch}.context_length") if arch else None
     name = meta.get("general.name") or path.stem
     st = path.stat()
+    params, active = None, None
+    if len(parts) == 1:  # a split file's other parts hold tensors whose headers are not read here
+        # llama.cpp names the routed experts' stacked tensors *_exps (shared experts: *_shexp)
+        params = sum(t[2] for t in tensors)
+        active = _active(params, sum(t[2] for t in tensors if "_exps" in t[0]),
+                         meta.get(f"{arch}.expert_count"), meta.get(f"{arch}.expert_used_count"))
     return ModelInfo(path, "gguf", str(name), sum(p.stat().st_size for p in parts), quant,
-                     int(ctx) if ctx else None, arch, st.st_mtime, parts=parts)
+                     int(ctx) if ctx else None, arch, st.st_mtime, parts=parts, params=params, active_params=active)
 
 
-def _safetensors_end(path: Path) -> tuple[int, int, set[str]]:
-    """(bytes the header says the file holds, bytes it has, dtypes) of one safetensors file."""
+def _active(total: int, routed: int, experts, used) -> int | None:
+    """The weights one token runs through: all but the routed experts, and `used` of `experts` of those."""
+    if not routed or not experts or not used or used >= experts:
+        return None
+    return total - routed + routed * int(used) // int(experts)
+
+
+def _safetensors_end(path: Path) -> tuple[int, int, set[str], dict[str, int]]:
+    """(bytes the header says the file holds, bytes it has, dtypes, elements of each tensor) of one
+    safetensors file."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -192,7 +208,24 @@ def _safetensors_end(path: Path) -> tuple[int, int, set[str]]:
             raise ModelFileError(f"{path.name} has a damaged header ({e})", "download the model folder again") from e
     ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
     dtypes = {v.get("dtype") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
-    return 8 + n + max(ends, default=0), size, {d for d in dtypes if d}
+    elements = {k: _product(v.get("shape") or []) * _per_element(k, v.get("dtype")) for k, v in header.items()
+                if k != "__metadata__" and isinstance(v, dict)}
+    return 8 + n + max(ends, default=0), size, {d for d in dtypes if d}, elements
+
+
+def _per_element(name: str, dtype: str | None) -> int:
+    """Weights per stored element: MXFP4 (gpt-oss's own release) packs two 4-bit weights in each byte of
+    its `*_blocks` tensors; its `*_scales` are not weights (one exponent per 32 of them)."""
+    if name.endswith("_scales") and dtype == "U8":
+        return 0
+    return 2 if name.endswith("_blocks") and dtype == "U8" else 1
+
+
+def _product(shape: list) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
 
 
 def inspect_folder(path: str | Path) -> ModelInfo:
@@ -222,12 +255,14 @@ def inspect_folder(path: str | Path) -> ModelInfo:
                              f"({', '.join(missing[:3])}{'…' if len(missing) > 3 else ''})",
                              "finish the download (every file listed in model.safetensors.index.json)")
     dtypes: set[str] = set()
+    elements: dict[str, int] = {}
     for f in files:
-        need, have, kinds = _safetensors_end(f)
+        need, have, kinds, counts = _safetensors_end(f)
         if have < need:
             raise ModelFileError(f"{f.name} is truncated: its header needs {need:,} bytes, the file has {have:,}",
                                  "download it again (its download may not have finished)")
         dtypes |= kinds
+        elements |= counts
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     quant = None
     q = cfg.get("quantization_config")
@@ -240,8 +275,13 @@ def inspect_folder(path: str | Path) -> ModelInfo:
     ctx = text.get("max_position_embeddings") or cfg.get("max_position_embeddings")
     arch = text.get("model_type") or cfg.get("model_type")
     mtime = max(f.stat().st_mtime for f in files)
+    params = sum(elements.values())
+    # routed experts: `….experts.…` (Mixtral: block_sparse_moe.experts), never the shared ones
+    routed = sum(n for k, n in elements.items() if ".experts." in k and "shared_expert" not in k)
+    experts = next((text.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if text.get(k)), None)
+    active = _active(params, routed, experts, text.get("num_experts_per_tok"))
     return ModelInfo(path, "hf", path.name, sum(f.stat().st_size for f in files), quant,
-                     int(ctx) if ctx else None, arch, mtime, parts=files)
+                     int(ctx) if ctx else None, arch, mtime, parts=files, params=params or None, active_params=active)
 
 
 def inspect_model(path: str | Path) -> ModelInfo:

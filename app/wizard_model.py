@@ -9,11 +9,12 @@ from PySide6.QtWidgets import (QAbstractItemView, QButtonGroup, QDoubleSpinBox, 
                                QTreeWidgetItem, QVBoxLayout, QWidget, QWizardPage)
 
 from app.model_files import ModelInfo
+from app.model_kind import describe
 from app.model_scan import find_models, size_text
 from app.plan_words import fit_badge, plan_for, plan_line
 from app.wizard_common import Task
 
-FOUND_COLUMNS = ("Model", "Size", "Quantisation", "Context", "Found in", "Fit")
+FOUND_COLUMNS = ("Model", "Kind", "Size", "Quantisation", "Context", "Found in", "Fit")
 FOUND_MAX_HEIGHT = 150  # the list scrolls; the page still fits 1280×720
 
 
@@ -140,7 +141,7 @@ class ModelPage(QWizardPage):
         for m, plan in zip(self.models, plans):
             badge = fit_badge(plan)
             badges = badges or bool(badge)
-            item = QTreeWidgetItem([m.name, size_text(m.size_bytes), m.quant or "?",
+            item = QTreeWidgetItem([m.name, describe(m), size_text(m.size_bytes), m.quant or "?",
                                     f"{m.context_length:,}" if m.context_length else "?", m.source, badge])
             item.setData(0, Qt.ItemDataRole.UserRole, str(m.path))
             item.setToolTip(0, f"{m.path}\n{m.architecture or 'unknown architecture'}")

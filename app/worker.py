@@ -28,6 +28,7 @@ from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from app.context import plan_context
 from app.model_files import ModelFileError, inspect_model, is_model_path
+from app.model_kind import describe_model
 from app.prefill_watch import STATS_INTERVAL_S, PrefillWatch
 
 TOKEN_BATCH_S = 0.04
@@ -152,6 +153,7 @@ class EngineWorker(QObject):
         info = dict(self.engine.info())
         info["max_context"] = self.engine.max_context
         info["description"] = next((b["description"] for b in builtins if b["name"] == info["model"]), None)
+        info["kind"] = describe_model(info["model"]) if info.get("backend") != "remote" else None
         return info
 
     def _drop_engine(self) -> None:

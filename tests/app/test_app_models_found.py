@@ -64,10 +64,11 @@ def test_the_model_page_lists_them_and_a_click_picks_one(qtbot, disk):
     page = wiz.model_page
     qtbot.waitUntil(lambda: page.found.topLevelItemCount() == 5, timeout=30_000)
     first = page.found.topLevelItem(0)
-    assert [first.text(i) for i in range(5)] == ["Part-00001-of-00002.gguf", first.text(1), "F16", "2,048",
+    assert [first.text(i) for i in range(6)] == ["Part-00001-of-00002.gguf", "Llama", first.text(2), "F16", "2,048",
                                                  "your folder"]
-    assert first.text(1).endswith(("KB", "B"))
-    assert page.found.isColumnHidden(5)  # no fit verdict until the placement plan provides one
+    assert first.text(2).endswith(("KB", "B"))
+    assert page.found.topLevelItem(3).text(1) == "Qwen3-MoE · 256 parameters"  # the hub folder's one tensor
+    assert page.found.isColumnHidden(6)  # no fit verdict until the placement plan provides one
     assert "1 could not be read" in page.found_note.text() and "Broken.gguf" in page.found_note.toolTip()
     hub = page.found.topLevelItem(3)
     page._found_clicked(hub)

@@ -115,6 +115,7 @@ def test_a_harmony_reply_end_to_end(qtbot, open_window, harmony_engine, monkeypa
 
     script_replies(monkeypatch, REPLY, harmony_engine.tokenizer)
     w = open_window(harmony_engine)
+    assert "gpt-oss · " in w.model_label.text() and " parameters" in w.model_label.text()  # what the model is
     sent = []
     generate = w.host.generate
     monkeypatch.setattr(w.host, "generate", lambda job_id, request: (sent.append(request), generate(job_id, request)))
