@@ -65,3 +65,15 @@ def test_a_raw_completion_is_not_split_into_channels(client):
     assert r.status_code == 200, r.text
     text = r.json()["choices"][0]["text"]
     assert "The user greets" in text and "Hello there!" in text and "reasoning_content" not in r.json()["choices"][0]
+
+
+def test_reasoning_sent_back_by_a_client_is_not_fed_to_the_model():
+    from engine.server.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello there!", "reasoning_content": "The user greets."},
+        {"role": "user", "content": "Bye"}])
+    assert body.to_generation(16).messages == [{"role": "user", "content": "Hi"},
+                                               {"role": "assistant", "content": "Hello there!"},
+                                               {"role": "user", "content": "Bye"}]
