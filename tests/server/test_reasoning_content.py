@@ -77,3 +77,25 @@ def test_reasoning_sent_back_by_a_client_is_not_fed_to_the_model():
     assert body.to_generation(16).messages == [{"role": "user", "content": "Hi"},
                                                {"role": "assistant", "content": "Hello there!"},
                                                {"role": "user", "content": "Bye"}]
+
+
+def test_the_remote_backend_reads_reasoning_content_back_apart(client, monkeypatch):
+    """The app on another machine's Tandem (backend remote): the reasoning stays apart on this side too."""
+    import httpx
+
+    from engine.api import GenerationRequest, Reasoning
+    from engine.backends.remote import RemoteBackend
+
+    def through_app(headers=None, **_):
+        client.headers.update(headers or {})
+        return client
+
+    monkeypatch.setattr(httpx, "Client", through_app)
+    remote = RemoteBackend(EngineConfig(model="tiny-gpt-oss", backend="remote", remote_url="http://testserver/v1",
+                                        remote_api_key=KEY))
+    pieces = []
+    result = remote.generate_batch([GenerationRequest(messages=CHAT["messages"], max_new_tokens=200)],
+                                   lambda i, t: pieces.append(t), None)[0]
+    assert (result.text, result.reasoning) == ("Hello there!", "The user greets; answer briefly.")
+    assert "".join(p for p in pieces if isinstance(p, Reasoning)) == result.reasoning
+    assert "".join(p for p in pieces if not isinstance(p, Reasoning)) == result.text
