@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.errors import ModelFileError
 from engine.hw.shapes import ModelShape
+from engine.kv.latent import format_shape
 from engine.models import builtin, families, synthetic
 
 
@@ -68,5 +69,9 @@ def model_args(model: str):
 
 
 def model_shape(model: str, dtype) -> ModelShape:
-    """The calibration shape of `model` computing in `dtype` (synthetic:… from published configs)."""
-    return ModelShape.of(model_args(model), dtype, model)
+    """The calibration shape of `model` computing in `dtype` (synthetic:… from published configs). Its
+    KV is the format's as the hybrid KV holds it (engine/kv/latent.py format_shape): latent rows as one
+    head of half a row, r + dr values a token, the shape kv_setup asks the profile for."""
+    args = model_args(model)
+    n_kv, head_dim = format_shape(args)
+    return ModelShape.of(replace(args, n_kv_heads=n_kv, head_dim=head_dim), dtype, model)

@@ -72,7 +72,8 @@ def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int) -> Machine
     if profile is not None:
         if args.is_moe:
             experts = costs_from_profile(profile, args.dim, args.expert_ffn_dim, dtype)
-        kv = roofline_from_profile(profile, args, dtype, config.max_batch)
+        n_kv, head_dim = format_shape(args)  # the shape calibrated and looked up: latent rows as two planes
+        kv = roofline_from_profile(profile, replace(args, n_kv_heads=n_kv, head_dim=head_dim), dtype, config.max_batch)
         measured = (profile.data.get("memory") or {}).get("read_GBps")
         if isinstance(measured, (int, float)) and measured > 0:
             dram = float(measured)
