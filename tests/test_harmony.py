@@ -40,6 +40,11 @@ def test_commentary_is_reasoning_and_a_tool_call_ends_the_reply():
     assert all(isinstance(x, Reasoning) for x in out)
 
 
+def test_a_message_without_a_channel_is_the_answer():
+    p, _ = parse_in_pieces("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|message|>Done.", 2)
+    assert (p.reasoning, p.answer) == ("Hmm.", "Done.")
+
+
 def test_nothing_after_return_is_taken():
     p = HarmonyParser()
     p.feed("<|channel|>final<|message|>Yes.<|return|>")

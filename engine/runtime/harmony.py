@@ -84,8 +84,8 @@ class HarmonyParser:
         if marker in (RETURN, CALL):
             self.done = True
             self._pending = ""
-        elif marker in (START, END):
-            self._state, self._header = "header", ""
+        elif marker in (START, END):  # a new message: the last one's channel is not this one's
+            self._state, self._header, self._channel_name = "header", "", ""
         elif marker == CHANNEL:
             self._state, self._channel_name = "channel", ""
         elif marker == CONSTRAIN:  # `<|constrain|>json`: the tool call's format, not text
