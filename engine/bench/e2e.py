@@ -22,8 +22,9 @@ Points that do not fit are rows, not the end of the run. Before a point its KV i
 host memory available (e2e_fill.host_shortfall): one that would swap is refused with its reason. A
 point that runs out of memory anyway (torch's or the engine's OutOfMemoryError, a failed host or
 pinned allocation) or whose policy cannot be built (ConfigError) is recorded with its error; the
-policy's KV is rebuilt and the run goes on with the next point. `largest` in the record is, per
-policy, the largest aggregate context (chats × tokens) of a point that ran.
+policy's KV is rebuilt and the run goes on with the next point. So is a batch whose decode step
+failed and that the generator then ran one sequence at a time: its rate would not be the batch's.
+`largest` in the record is, per policy, the largest aggregate context (chats × tokens) that ran.
 
 `--aggregate-chats N` then looks past the grid: the model is loaded again with max_batch N (the grid
 keeps max_batch at its largest batch size, so its D-windows, monolithic buffers and expert cache are
@@ -34,6 +35,7 @@ the largest batch size up to N, stopping at the first point that is refused or f
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 import time
 
@@ -85,10 +87,21 @@ def measure_point(engine, bs: int, context: int, new_tokens: int, gen: torch.Gen
     nxt = torch.randint(0, engine.backend.parts.args.vocab_size, (bs,), generator=gen).tolist()
     before = _counters(engine)
     t0 = time.perf_counter()
-    results = engine.generate_batch([GenerationRequest(prompt_ids=p + [t], max_new_tokens=new_tokens, greedy=True,
-                                                       ignore_eos=True, session_id=k)
-                                     for p, t, k in zip(prompts, nxt, keys)])
+    with _SplitSteps() as split:
+        results = engine.generate_batch([GenerationRequest(prompt_ids=p + [t], max_new_tokens=new_tokens, greedy=True,
+                                                           ignore_eos=True, session_id=k)
+                                         for p, t, k in zip(prompts, nxt, keys)])
     wall = time.perf_counter() - t0
+    if split.failures:  # the rate is of single-sequence steps, not of this batch: the point did not run
+        for k in keys:
+            engine.end_session(k)
+        raise split.failures[0]
+    failed = next((r for r in results if r.finish_reason not in ("length", "stop")), None)
+    if failed is not None:
+        for k in keys:
+            engine.end_session(k)
+        raise RuntimeError(f"a sequence's decode ended '{failed.finish_reason}' after "
+                           f"{failed.completion_tokens} of {new_tokens} tokens")
     after = _counters(engine)
     kv_tel = engine.backend.parts.kv.telemetry()
     for k in keys:
@@ -103,6 +116,27 @@ def measure_point(engine, bs: int, context: int, new_tokens: int, gen: torch.Gen
             "pcie_gbps": round((after["h2d_bytes"] - before["h2d_bytes"]) / wall / 1e9, 3),
             "r_target": kv_tel.get("r_target"), "r_deployed": kv_tel.get("r_deployed"),
             "kv_tokens": kv_tel.get("tokens")}
+
+
+class _SplitSteps(logging.Handler):
+    """Catches the generator's report that a batched decode step failed and was retried one sequence at
+    a time (runtime/generator.py): the step's exception as a RuntimeError naming it, so that a batch
+    that ran out of memory is a row with its error instead of a rate of single-sequence steps."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.failures: list[RuntimeError] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("a decode step of"):
+            self.failures.append(RuntimeError(record.getMessage()))
+
+    def __enter__(self):
+        logging.getLogger("tandem").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("tandem").removeHandler(self)
 
 
 class _Bench:

@@ -110,3 +110,23 @@ def test_aggregate_search_doubles_chats_until_the_host_refuses(monkeypatch):
     assert agg[1]["refused"] and "host memory: 8 chats x 40 tokens" in agg[1]["error"]
     assert agg[0]["decode_tok_s"] > 0 and record["largest"]["writescope"]["aggregate_tokens"] == 160
     assert record["aggregate_load_s"] is not None
+
+
+def test_a_batch_whose_decode_runs_out_of_memory_is_a_row(monkeypatch):
+    """A batched decode step that runs out of memory is retried one sequence at a time by the
+    generator; the point is then a row with that error, not the rate of single-sequence steps."""
+    from engine.kv.writescope import WriteScopeKV
+
+    real = WriteScopeKV.attend
+
+    def attend(self, layer, q, k, v, *args, **kw):
+        if self.policy == "gpu-centric" and q.shape[2] == 1 and len(self.plan.seqs) == 2 \
+                and self.plan.seqs[0].length > 30:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, layer, q, k, v, *args, **kw)
+
+    monkeypatch.setattr(WriteScopeKV, "attend", attend)
+    record = _run("tiny-qwen3", kv_policies=("gpu-centric",), contexts=(40, 24))
+    rows = {(r["bs"], r["context"]): r for r in record["results"]}
+    assert "a decode step of 2 sequences failed (OutOfMemoryError" in rows[(2, 40)]["error"]
+    assert all(rows[p]["decode_tok_s"] > 0 for p in [(1, 40), (1, 24), (2, 24)])
