@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_mla.h"
 #include "common.h"
 #include "cpu_mailbox.h"
 #include "moe_worker.h"
@@ -53,6 +54,22 @@ void attention_decode_py(uintptr_t q, int q_dtype, int64_t B, int64_t T, int64_t
   if (B == 0) return;
   py::gil_scoped_release release;
   attention_decode(p, threads);
+}
+
+void attention_mla_decode_py(uintptr_t q, int q_dtype, int64_t B, int64_t T, int64_t n_heads, int64_t width,
+                             int64_t value_dim, int64_t q_stride_b, int64_t q_stride_h, int64_t q_stride_t,
+                             uintptr_t blocks, uintptr_t seq_offsets, int kv_dtype, double scale, uintptr_t out,
+                             uintptr_t lse, int threads) {
+  require(B >= 0 && T >= 1 && n_heads >= 1, "B ≥ 0, T ≥ 1 and n_heads ≥ 1");
+  require(width >= 1 && value_dim >= 1 && value_dim <= 2 * width, "width ≥ 1 and 1 ≤ value_dim ≤ 2·width");
+  require(B == 0 || (q && seq_offsets && out && lse), "null pointer");
+  MlaProblem p{reinterpret_cast<const void*>(q), dtype_of(q_dtype), B, T, n_heads, width, value_dim,
+               q_stride_b, q_stride_h, q_stride_t, reinterpret_cast<const KVBlock*>(blocks),
+               reinterpret_cast<const int64_t*>(seq_offsets), dtype_of(kv_dtype), float(scale),
+               reinterpret_cast<float*>(out), reinterpret_cast<float*>(lse)};
+  if (B == 0) return;
+  py::gil_scoped_release release;
+  attention_mla_decode(p, threads);
 }
 
 void expert_ffn_py(uintptr_t x, int x_dtype, int64_t n_tokens, int64_t hidden, int64_t inter, int64_t x_stride,
@@ -245,6 +262,12 @@ PYBIND11_MODULE(_native, m) {
         py::arg("kv_dtype"), py::arg("scale"), py::arg("out"), py::arg("lse"), py::arg("threads"),
         "Exact attention of q (B, n_heads, T, head_dim) over each sequence's KV blocks → out fp32 "
         "(B, n_heads, T, head_dim), lse fp32 (B, n_heads, T), both contiguous.");
+  m.def("attention_mla_decode", &attention_mla_decode_py, py::arg("q"), py::arg("q_dtype"), py::arg("B"),
+        py::arg("T"), py::arg("n_heads"), py::arg("width"), py::arg("value_dim"), py::arg("q_stride_b"),
+        py::arg("q_stride_h"), py::arg("q_stride_t"), py::arg("blocks"), py::arg("seq_offsets"),
+        py::arg("kv_dtype"), py::arg("scale"), py::arg("out"), py::arg("lse"), py::arg("threads"),
+        "MLA decode, absorbed form: q (B, n_heads, T, 2·width) over each sequence's rows kept as two planes "
+        "(the blocks' K and V views, one KV head) → out fp32 (B, n_heads, T, value_dim), lse fp32 (B, n_heads, T).");
   m.def("expert_ffn", &expert_ffn_py, py::arg("x"), py::arg("x_dtype"), py::arg("n_tokens"), py::arg("hidden"),
         py::arg("inter"), py::arg("x_stride"), py::arg("gate_up"), py::arg("down"), py::arg("w_dtype"),
         py::arg("gate_up_stride"), py::arg("down_stride"), py::arg("y"), py::arg("y_dtype"), py::arg("y_stride"),

@@ -20,8 +20,9 @@ The hybrid policies (`LatentWriteScopeKV`) keep the InplaceKVCache format exactl
 of r + dr columns is stored as that format's "K" and "V" planes of (r + dr)/2 columns each (one KV
 head), so every region, extent, DMA and byte count of the format applies unchanged and the rows
 take r + dr values per token, as resident. Only the attention over each part differs: the absorbed
-kernel reads the two planes in place (attention_mla.latent_attention_planes), on the device side
-and, in torch, on the CPU side; the parts merge by LSE as any model's do.
+kernel reads the two planes in place, on the device side in torch
+(attention_mla.latent_attention_planes) and on the CPU side natively (attention_mla_native: each row
+read once for every head); the parts merge by LSE as any model's do.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import OutOfMemoryError
-from engine.kernels import attention_mla
-from engine.kernels.lse import merge_pair
+from engine.kernels import attention_mla, attention_mla_native
 from engine.kv.regions import BlockAllocator
 from engine.kv.resident import ResidentKV
 from engine.kv.writescope import WriteScopeKV
@@ -136,6 +136,7 @@ class LatentWriteScopeKV(WriteScopeKV):
         if row_width % 2:
             raise ValueError(f"a latent row of {row_width} columns does not split into two planes")
         self.half, self.value_dim = row_width // 2, value_dim
+        self._cpu_native = False  # the last CPU share ran the native kernel (telemetry's cpu_kernel)
         super().__init__(n_layers, 1, row_width // 2, **kw)
 
     @staticmethod
@@ -161,25 +162,20 @@ class LatentWriteScopeKV(WriteScopeKV):
 
     @torch.inference_mode()
     def _cpu_part(self, layer, plan, q_host: torch.Tensor, ready, scale: float):
-        """The CPU's share, row by row and run by run over the unpinned planes in place, merged by LSE
-        (torch: the native kernel reads per-head K and V of one width)."""
+        """The CPU's share over the unpinned planes in place: the native MLA kernel reads each row once
+        for every head (attention_mla_native; the torch path where the extension is missing)."""
         ready.synchronize()
         B, nh, T, _ = q_host.shape
         slot, out, lse = self.exchange.result_buffers((B, nh, T, self.value_dim))
+        ranges, blocks = self._cpu_blocks.get(layer, (None, None))
+        if ranges != plan.cpu_ranges:  # the CPU share changed (a flush, crop or new row): new views
+            blocks = attention_mla_native.prepare(self.cache.cpu_views(layer, plan))
+            self._cpu_blocks[layer] = (plan.cpu_ranges, blocks)
+        self._cpu_native = attention_mla_native.runs_natively(blocks)
         t0 = time.perf_counter()
-        o = torch.zeros((B, nh, T, self.value_dim))
-        l = torch.full((B, nh, T), float("-inf"))
-        for row, views in enumerate(self.cache.cpu_views(layer, plan)):
-            for k, v in views:  # (1, t, (r + dr)/2) each: one run of the region
-                part = attention_mla.latent_attention_planes(q_host[row:row + 1], k.unsqueeze(0), v.unsqueeze(0),
-                                                             self.value_dim, scale)
-                o[row:row + 1], l[row:row + 1] = merge_pair(o[row:row + 1], l[row:row + 1], *part)
+        out, lse = attention_mla_native.attend_latent_blocks(q_host, blocks, self.value_dim, scale, out=out, lse=lse)
         seconds = time.perf_counter() - t0
-        if out is not None:  # a page-locked result buffer: one copy takes it to the device
-            out.copy_(o)
-            lse.copy_(l)
-            o, l = out, lse
-        return (slot, o, l), seconds
+        return (slot, out, lse), seconds
 
     def telemetry(self) -> dict:
         ran, self._cpu_ran = self._cpu_ran, False  # the base names the per-head kernel, which did not run
@@ -187,5 +183,5 @@ class LatentWriteScopeKV(WriteScopeKV):
             t = super().telemetry()
         finally:
             self._cpu_ran = ran
-        t["cpu_kernel"] = "torch-mla" if ran else None
+        t["cpu_kernel"] = ("native-mla" if self._cpu_native else "torch-mla") if ran else None
         return t

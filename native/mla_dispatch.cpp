@@ -1,0 +1,148 @@
+// The MLA decode kernels' ISA (the per-head kernels' choice) and the threading of each call (OpenMP).
+//
+// Work items are (sequence, ≤ kMlaMaxRows query rows, a range of blocks): every thread streams rows
+// even for one sequence, and all of a sequence's heads read each row once per item. Each item leaves
+// a partial (o, m, l) per query row; a final pass merges the partials of a row by their LSE, as the
+// per-head kernel's dispatch does. Heads are not split across threads while they fit one item:
+// splitting them would read each row once per thread instead of once.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#include "attention_mla.h"
+#include "convert.h"
+
+namespace tandem {
+
+const MlaKernelTable& active_mla_table() {
+  const char* isa = active_table().name;  // amx-bf16's attention is avx512bf16's
+#if defined(TANDEM_AVX512BF16_KERNELS)
+  if (std::strcmp(isa, "amx-bf16") == 0 || std::strcmp(isa, "avx512bf16") == 0) return kMlaTableAvx512Bf16;
+#endif
+#if defined(TANDEM_X86_KERNELS)
+  if (std::strcmp(isa, "avx512") == 0) return kMlaTableAvx512;
+  if (std::strcmp(isa, "avx2") == 0) return kMlaTableAvx2;
+#endif
+  return kMlaTableScalar;
+}
+
+void attention_mla_decode(const MlaProblem& P, int n_threads) {
+  const MlaKernelTable& K = active_mla_table();
+  const int nt = n_threads > 0 ? n_threads : default_threads();
+  const int64_t D = 2 * P.width, r = P.value_dim, rows_total = P.n_heads * P.T;
+  const int64_t n_row_groups = (rows_total + kMlaMaxRows - 1) / kMlaMaxRows;
+  const int64_t rows = (rows_total + n_row_groups - 1) / n_row_groups;  // per row group, ≤ kMlaMaxRows
+
+  // The queries as fp32 (B, nh·T, D), contiguous: what every item reads (a few hundred KB at most).
+  static thread_local std::vector<float> qf_buf;
+  if (qf_buf.size() < size_t(P.B * rows_total * D)) qf_buf.resize(size_t(P.B * rows_total * D));
+  float* qf = qf_buf.data();
+  for (int64_t b = 0; b < P.B; ++b)
+    for (int64_t h = 0; h < P.n_heads; ++h)
+      for (int64_t t = 0; t < P.T; ++t) {
+        const int64_t src = b * P.q_stride_b + h * P.q_stride_h + t * P.q_stride_t;
+        float* dst = qf + ((b * P.n_heads + h) * P.T + t) * D;
+        for (int64_t c = 0; c < D; ++c) dst[c] = load_as_f32(P.q, P.q_dtype, src + c);
+      }
+
+  // Token ranges ("splits") per sequence, cut at block (piece) boundaries: ~4 items per thread so that
+  // dynamic scheduling evens out, each long enough to amortise its setup (the queries' copy).
+  constexpr int64_t kMinSplitTokens = 256;
+  int64_t total = 0;
+  for (int64_t i = P.seq_offsets[0]; i < P.seq_offsets[P.B]; ++i) total += P.blocks[i].n_tokens;
+  const int64_t split_tokens = std::max<int64_t>(kMinSplitTokens, total * n_row_groups / (4 * int64_t(nt)) + 1);
+  const int64_t piece_tokens = (split_tokens + 63) / 64 * 64;
+  const int64_t es = int64_t(dtype_size(P.kv_dtype));
+
+  // Views longer than a split are cut into pieces (the same view, its pointers moved along the token
+  // strides), so that one long run per sequence still spreads over every thread.
+  static thread_local std::vector<KVBlock> pieces;
+  static thread_local std::vector<int64_t> piece_offsets;
+  pieces.clear(), piece_offsets.assign(1, 0);
+  for (int64_t b = 0; b < P.B; ++b) {
+    for (int64_t i = P.seq_offsets[b]; i < P.seq_offsets[b + 1]; ++i) {
+      const KVBlock& B = P.blocks[i];
+      for (int64_t t0 = 0; t0 < B.n_tokens; t0 += piece_tokens) {
+        KVBlock piece = B;
+        piece.k_ptr += t0 * B.k_stride_token * es;
+        piece.v_ptr += t0 * B.v_stride_token * es;
+        piece.n_tokens = std::min(piece_tokens, B.n_tokens - t0);
+        pieces.push_back(piece);
+      }
+    }
+    piece_offsets.push_back(int64_t(pieces.size()));
+  }
+  MlaProblem Q = P;
+  Q.blocks = pieces.data();
+
+  struct Group { int64_t b, row_begin, row_end, first_item, n_items; };
+  static thread_local std::vector<MlaItem> items;
+  static thread_local std::vector<Group> groups;
+  static thread_local std::vector<int64_t> splits;
+  static thread_local std::vector<float> partial;
+  items.clear(), groups.clear();
+  for (int64_t b = 0; b < P.B; ++b) {
+    splits.assign(1, piece_offsets[b]);
+    int64_t acc = 0;
+    for (int64_t i = piece_offsets[b]; i < piece_offsets[b + 1]; ++i) {
+      acc += pieces[i].n_tokens;
+      if (acc >= split_tokens && i + 1 < piece_offsets[b + 1]) splits.push_back(i + 1), acc = 0;
+    }
+    splits.push_back(piece_offsets[b + 1]);  // a sequence without blocks still gets one (empty) item
+    for (int64_t r0 = 0; r0 < rows_total; r0 += rows) {
+      const int64_t r1 = std::min(rows_total, r0 + rows);
+      groups.push_back({b, r0, r1, int64_t(items.size()), int64_t(splits.size()) - 1});
+      for (size_t s = 0; s + 1 < splits.size(); ++s) items.push_back({b, r0, r1, splits[s], splits[s + 1]});
+    }
+  }
+  const int64_t stride = rows * (r + 2);  // per item: o (rows × r), m (rows), l (rows)
+  if (partial.size() < items.size() * size_t(stride)) partial.resize(items.size() * size_t(stride));
+  float* part = partial.data();
+  const int64_t n_items = int64_t(items.size()), n_groups = int64_t(groups.size());
+  const MlaItem* item_data = items.data();
+  const Group* group_data = groups.data();
+
+#pragma omp parallel num_threads(nt) if (nt > 1 && n_items > 1)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) {
+      float* o = part + i * stride;
+      K.item(Q, qf, item_data[i], o, o + rows * r, o + rows * r + rows);
+    }
+    // Merge per output row: out = Σ_s o_s·2^(m_s − M) / Σ_s l_s·2^(m_s − M),
+    // lse = ln 2 · (M + log2 Σ_s l_s·2^(m_s − M)).
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < n_groups * rows; ++k) {
+      const Group& G = group_data[k / rows];
+      const int64_t i = k % rows;
+      if (G.row_begin + i >= G.row_end) continue;  // the last group may hold fewer rows
+      const int64_t out_row = G.b * rows_total + G.row_begin + i;  // (b, head, t) flattened
+      float* out = P.out + out_row * r;
+      float m_max = -INFINITY;
+      for (int64_t s = 0; s < G.n_items; ++s) m_max = std::max(m_max, part[(G.first_item + s) * stride + rows * r + i]);
+      for (int64_t d = 0; d < r; ++d) out[d] = 0.0f;
+      if (m_max == -INFINITY) {  // no rows: zero output, weight zero in any later merge
+        P.lse[out_row] = -INFINITY;
+        continue;
+      }
+      float l_sum = 0.0f;
+      for (int64_t s = 0; s < G.n_items; ++s) {
+        const float* o = part + (G.first_item + s) * stride;
+        const float m = o[rows * r + i], l = o[rows * r + rows + i];
+        if (m == -INFINITY) continue;
+        const float wgt = std::exp2(m - m_max);
+        l_sum += l * wgt;
+        for (int64_t d = 0; d < r; ++d) out[d] += o[i * r + d] * wgt;
+      }
+      const float inv = 1.0f / l_sum;
+      for (int64_t d = 0; d < r; ++d) out[d] *= inv;
+      P.lse[out_row] = float(0.6931471805599453 * (double(m_max) + std::log2(double(l_sum))));
+    }
+  }
+}
+
+}  // namespace tandem
