@@ -11,6 +11,7 @@ from app.main_window import MainWindow
 from app.paths import DB_NAME
 from app.plan_words import fit_badge, plan_line
 from app.wizard import MODEL, SetupWizard
+from app.wizard_model import FOUND_COLUMNS
 from app.worker import EngineHost
 from engine.models import builtin
 
@@ -30,8 +31,10 @@ def test_the_model_page_shows_the_plan_and_found_models_carry_a_fit_badge(qtbot,
     wiz.show()
     page = wiz.model_page
     qtbot.waitUntil(lambda: page.found.topLevelItemCount() == 1, timeout=LOAD_TIMEOUT_MS)
-    assert not page.found.isColumnHidden(5)
-    badge = page.found.topLevelItem(0).text(5)
+    fit = FOUND_COLUMNS.index("Fit")
+    assert not page.found.isColumnHidden(fit)
+    assert page.found.topLevelItem(0).text(FOUND_COLUMNS.index("Kind")).startswith("Llama · 1")  # 135M parameters
+    badge = page.found.topLevelItem(0).text(fit)
     assert badge == "fits on the GPU" or (badge.startswith("runs on the CPU, about ") and badge.endswith(" tok/s"))
     qtbot.waitUntil(lambda: page.plan_note.text() != "", timeout=LOAD_TIMEOUT_MS)
     assert page.plan_note.text().startswith(("Runs on the CPU", "Fits"))
