@@ -190,7 +190,8 @@ class MessageWidget(QFrame):
         tags = {"streaming": "generating…", "interrupted": "interrupted (the app closed mid-reply)",
                 "error": "failed"}
         text = tags.get(self.message.status, "")
-        if self.message.status == "streaming" and self.reading and not self.body.source_text:
+        if self.message.status == "streaming" and self.reading and not self.body.source_text \
+                and not self.reasoning.text.text():  # the first words, answer or reasoning, end the reading
             text = f"reading {self.reading[0]:,} / {self.reading[1]:,} tokens…"
         self.tag.setText("not sent: outside the context window" if self.outside else text)
 

@@ -42,8 +42,10 @@ def test_while_the_model_thinks_the_fold_says_so(qtbot, tmp_path):
     store.add_message(chat.id, "assistant", "", status="streaming")
     w = MessageWidget(store.messages(chat.id)[0])
     qtbot.addWidget(w)
+    w.set_reading(10, 40)
+    assert w.tag.text() == "reading 10 / 40 tokens…"
     w.refresh("", "Let me see")
-    assert w.reasoning.toggle.text() == "Thinking…"
+    assert w.reasoning.toggle.text() == "Thinking…" and w.tag.text() == "generating…"
     w.refresh("Hi", "Let me see")
     assert w.reasoning.toggle.text() == "Reasoning (3 words)"
     store.close()
