@@ -49,8 +49,9 @@ def tiny_gpt_oss_folder(folder: Path) -> Path:
     config = GptOssConfig(vocab_size=128, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                           num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
-                          rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0,
-                                               beta_slow=1.0, truncate=False, original_max_position_embeddings=64),
+                          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                           "beta_slow": 1.0, "truncate": False,
+                                           "original_max_position_embeddings": 64},
                           tie_word_embeddings=False, eos_token_id=tok.convert_tokens_to_ids("<|return|>"),
                           bos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)

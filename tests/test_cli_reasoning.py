@@ -5,8 +5,9 @@ import pytest
 
 pytest.importorskip("transformers").GptOssConfig  # noqa: B018 — this transformers has gpt-oss
 
-from engine import cli  # noqa: E402
-from harmony_helpers import REPLY, harmony_tokenizer, script_replies, tiny_gpt_oss_folder  # noqa: E402
+from harmony_helpers import REPLY, harmony_tokenizer, script_replies, tiny_gpt_oss_folder
+
+from engine import cli
 
 
 def test_generate_prints_reasoning_then_answer_marked_apart(tmp_path, monkeypatch, capsys):

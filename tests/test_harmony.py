@@ -2,11 +2,11 @@
 size, and the text stream over a real tokenizer whose special tokens mark the channels."""
 
 import pytest
+from harmony_helpers import REPLY, harmony_tokenizer
 
 from engine.runtime.harmony import HarmonyParser, Reasoning, uses_harmony
-from engine.runtime.textstream import TextStream
 from engine.runtime.requests import GenerationRequest
-from harmony_helpers import REPLY, harmony_tokenizer
+from engine.runtime.textstream import TextStream
 
 TWO_CHANNELS = ("<|channel|>analysis<|message|>Think: 2+2.<|end|>"
                 "<|start|>assistant<|channel|>final<|message|>It is 4.<|return|>")
@@ -58,7 +58,7 @@ def test_text_without_markup_is_the_answer():
 
 
 def test_a_reply_cut_off_mid_marker_keeps_its_text():
-    p, out = parse_in_pieces("<|channel|>final<|message|>Half <|ret", 3)
+    p, _ = parse_in_pieces("<|channel|>final<|message|>Half <|ret", 3)
     assert p.answer == "Half <|ret" and not p.done
 
 

@@ -23,7 +23,7 @@ class TextStream:
         self.stopped = False
 
     @classmethod
-    def for_request(cls, tokenizer, request) -> "TextStream":
+    def for_request(cls, tokenizer, request) -> TextStream:
         """The stream for one request: a chat reply of a harmony model is split into its channels;
         raw text (a completion of the caller's own text) streams as decoded, markup left out."""
         return cls(tokenizer, request.stop, harmony=not request.raw and uses_harmony(tokenizer))

@@ -9,11 +9,11 @@ import json
 import pytest
 
 pytest.importorskip("transformers").GptOssConfig  # noqa: B018 — this transformers has gpt-oss
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
+from harmony_helpers import REPLY, script_replies, tiny_gpt_oss_folder
 
-from engine.api import Engine, EngineConfig  # noqa: E402
-from engine.server.app import ServerSettings, create_app  # noqa: E402
-from harmony_helpers import REPLY, script_replies, tiny_gpt_oss_folder  # noqa: E402
+from engine.api import Engine, EngineConfig
+from engine.server.app import ServerSettings, create_app
 
 KEY = "test-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
