@@ -8,11 +8,13 @@ run backwards, and the metadata keys `moe_config_from_gguf` reads. Per family:
     olmoe           olmoe            as stored (NEOX RoPE)           never
     mixtral         llama            permuted (llama.cpp's NORM RoPE)  always
     gpt_oss         gpt-oss          as stored (NEOX RoPE)           its own: softmax over the chosen k
+    qwen3_5_moe     qwen35moe        as stored (interleaved MRoPE)   always
 
 gpt-oss also writes what only it has: the attention sinks (`attn_sinks`), the post-attention norm
 under its own name (`post_attention_norm`), every projection's bias (the experts' gate/up bias split
 like their weights), the sliding window of its even layers, and YaRN's scaling keys. llama.cpp fixes
-its clamped SwiGLU at alpha 1.702 and limit 7; a model with others is refused.
+its clamped SwiGLU at alpha 1.702 and limit 7; a model with others is refused. Qwen3.5-MoE's
+DeltaNet layers, shared expert and RoPE sections are written by engine/bench/gguf_export_qwen3_5.py.
 
 Routed experts go out stacked per layer, `blk.N.ffn_{gate,up}_exps` (E, I, H) and `ffn_down_exps`
 (E, H, I) in torch order (GGUF lists dims innermost first: {H, I, E}), split from the engine's fused
@@ -53,10 +55,11 @@ from engine.models.assemble import tensor_shapes
 from engine.models.common import ModelArgs
 from engine.models.gguf_names import gguf_expert_names, gguf_name
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "gpt_oss": "gpt-oss",
+             "qwen3_5_moe": "qwen35moe"}
 # llama.cpp's graphs fix top-k renormalisation per architecture (build_moe_ffn's norm_w argument);
 # gpt-oss routes its own way (a softmax over the k chosen logits) in both engines.
-RENORMALISES = {"qwen3moe": True, "olmoe": False, "llama": True}
+RENORMALISES = {"qwen3moe": True, "olmoe": False, "llama": True, "qwen35moe": True}
 # gpt-oss tensors whose llama.cpp names differ from the other families' (engine name → GGUF kind)
 GPT_OSS_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
                  "mlp.expert_down_bias": "ffn_down_exps.bias"}
@@ -73,6 +76,7 @@ class Piece:
     hf_name: str
     rows: tuple[int, int] | None = None  # a slice of dim 1 (gate or up of a fused gate_up)
     permute_heads: int | None = None  # llama arch: q/k rows into llama.cpp's interleaved RoPE order
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None  # a family's own layout (qwen35moe)
 
     @property
     def nbytes(self) -> int:
@@ -125,6 +129,10 @@ def _check_exportable(arch: str, args: ModelArgs) -> None:
                                         f"{GPT_OSS_SWIGLU}; this model has ({args.expert_alpha}, {args.expert_limit})",
                                         "the two would compute different models")
         return
+    if arch == "qwen35moe":
+        from engine.bench import gguf_export_qwen3_5
+
+        gguf_export_qwen3_5.check(args)
     if args.rope_inv_freq is not None:
         raise UnsupportedModelError("this model uses scaled RoPE, which the GGUF export does not write",
                                     "export a model with plain RoPE")
@@ -144,8 +152,9 @@ def plan(arch: str, args: ModelArgs, shapes: dict[str, tuple], dtype: str = "bf1
     matrix_type = gguf.GGMLQuantizationType.BF16 if dtype == "bf16" else gguf.GGMLQuantizationType.F32
     f32 = gguf.GGMLQuantizationType.F32
     pieces = []
+    own_pieces = _own_pieces(arch)
     for hf_name, shape in shapes.items():
-        own = _gpt_oss_pieces(hf_name, shape, f32) if arch == "gpt-oss" else None
+        own = own_pieces(hf_name, shape, args, matrix_type, f32) if own_pieces is not None else None
         if own is not None:
             pieces.extend(own)
         elif hf_name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H) → gate (E, I, H), up (E, I, H)
@@ -169,7 +178,19 @@ def plan(arch: str, args: ModelArgs, shapes: dict[str, tuple], dtype: str = "bf1
     return pieces
 
 
-def _gpt_oss_pieces(hf_name: str, shape: tuple, f32) -> list[Piece] | None:
+def _own_pieces(arch: str):
+    """The family's mapping of the tensors the shared name map lacks (hf_name, shape, args,
+    matrix type, F32) → pieces or None, where it has one."""
+    if arch == "gpt-oss":
+        return _gpt_oss_pieces
+    if arch == "qwen35moe":
+        from engine.bench import gguf_export_qwen3_5
+
+        return gguf_export_qwen3_5.pieces
+    return None
+
+
+def _gpt_oss_pieces(hf_name: str, shape: tuple, args: ModelArgs, matrix_type, f32) -> list[Piece] | None:
     """gpt-oss's tensors that the shared name map does not hold, as llama.cpp's converter writes
     them (every one F32: sinks, norms, biases); None for the others."""
     parts = hf_name.split(".")
@@ -199,6 +220,8 @@ def _piece_array(piece: Piece, t: torch.Tensor) -> np.ndarray:
         t = t[:, piece.rows[0]:piece.rows[1]]
     if piece.permute_heads is not None:
         t = _permute(t, piece.permute_heads)
+    if piece.transform is not None:
+        t = piece.transform(t)
     if tuple(t.shape) != tuple(piece.shape):
         raise ModelFileError(f"tensor {piece.hf_name} has shape {tuple(t.shape)}, the plan says {piece.shape}",
                              "the model's tensors do not match its config")
@@ -223,7 +246,7 @@ def _metadata(w, arch: str, args: ModelArgs, config: dict, name: str, dtype: str
     w.add_head_count_kv(args.n_kv_heads)
     w.add_key_length(args.head_dim)
     w.add_value_length(args.head_dim)
-    w.add_rope_dimension_count(args.head_dim)  # qwen3moe asserts n_rot == head size
+    w.add_rope_dimension_count(args.rotary_dim or args.head_dim)  # qwen3moe asserts all of it; qwen35moe a quarter
     w.add_rope_freq_base(float(args.rope_theta))
     w.add_layer_norm_rms_eps(float(args.norm_eps))
     w.add_vocab_size(args.vocab_size)
@@ -243,6 +266,10 @@ def _metadata(w, arch: str, args: ModelArgs, config: dict, name: str, dtype: str
             w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
             w.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
             w.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
+    elif arch == "qwen35moe":
+        from engine.bench import gguf_export_qwen3_5
+
+        gguf_export_qwen3_5.metadata(w, args, config)
     else:  # olmoe and llama (Mixtral) size their experts by feed_forward_length
         w.add_feed_forward_length(args.expert_ffn_dim)
     w.add_expert_weights_norm(bool(args.norm_topk_prob))
