@@ -69,7 +69,6 @@ class LayerSplitKV(KVBackend):
                 n_hyb += 1
         self.n_resident_layers, self.n_hybrid_layers = n_res, n_hyb
         self._resident_id: dict[int, int] = {}  # hybrid's sequence id → resident's
-        self._step: list[int] | None = None
 
     def __getattr__(self, name):  # calibrate, share, cache, transport …: the hybrid part's
         if name in ("hybrid", "resident"):
@@ -106,9 +105,7 @@ class LayerSplitKV(KVBackend):
         """Both parts make room (the resident one first: it only checks the context and takes free
         blocks, which a failed hybrid begin gives back through the generator's crop)."""
         self.resident.begin_step([self._resident_id[s] for s in seq_ids], n_new)
-        positions = self.hybrid.begin_step(seq_ids, n_new)  # (B, T); the resident part's are equal
-        self._step = list(seq_ids)
-        return positions
+        return self.hybrid.begin_step(seq_ids, n_new)  # (B, T) positions; the resident part's are equal
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sinks: torch.Tensor | None = None, window: int | None | str = "layer") -> torch.Tensor:
@@ -129,7 +126,6 @@ class LayerSplitKV(KVBackend):
     def end_step(self) -> None:
         self.hybrid.end_step()
         self.resident.end_step()
-        self._step = None
 
     # -- stats and teardown ---------------------------------------------------------------------------
     def telemetry(self) -> dict:
