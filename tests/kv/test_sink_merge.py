@@ -7,6 +7,7 @@ LSE with the sink entering once, must equal one softmax over all keys with the s
 streamed chunks (merge_groups). fp32 on the CPU: reorderings only, 1e-5 on O(1) outputs.
 """
 
+from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
@@ -49,7 +50,7 @@ def _reference(q, k, v, sinks):
 def _parts(q, k, v, cuts):
     bounds = [0, *cuts, k.shape[2]]
     scale = HS ** -0.5
-    return [attend_dense(q, k[:, :, a:b], v[:, :, a:b], scale) for a, b in zip(bounds, bounds[1:])]
+    return [attend_dense(q, k[:, :, a:b], v[:, :, a:b], scale) for a, b in pairwise(bounds)]
 
 
 @pytest.mark.parametrize("cuts", [[], [5], [3, 9, 14]], ids=["one part", "two parts", "four parts"])

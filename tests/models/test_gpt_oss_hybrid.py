@@ -11,7 +11,6 @@ resident KV's within moe_helpers.FP32_ATOL (fp32: the same softmax merged in ano
 
 import pytest
 import torch
-
 from moe_helpers import FP32_ATOL, tiny_engine
 from test_gpt_oss import saved, tiny
 
@@ -21,7 +20,7 @@ IDS = [(i * 7 + 3) % 96 for i in range(44)]
 # (start, end) of each forward: a 20-token prefill, 6 decode steps, a 14-token prefill in two
 # chunks (a new turn), 4 decode steps
 STEPS = [(0, 20)] + [(i, i + 1) for i in range(20, 26)] + [(26, 33), (33, 40)] + [(i, i + 1) for i in range(40, 44)]
-SMALL = dict(max_context=64, block_size=4, d_window=8)  # tokens
+SMALL = {"max_context": 64, "block_size": 4, "d_window": 8}  # tokens
 
 
 @pytest.fixture(scope="module")
