@@ -178,9 +178,9 @@ class _Bench:
             if not does_not_fit(e):
                 raise
             self.broken[policy] = f"the policy cannot be built: {_error(e)}"
-            self.progress(f"[e2e] {policy}: {self.broken[policy]}")
-            self._release()
-            return False
+        self.progress(f"[e2e] {policy}: {self.broken[policy]}")
+        self._release()  # outside the handler: the traceback's frames no longer hold the failed buffers
+        return False
 
     def warm(self, policy: str, bs: int, context: int) -> None:
         """Kernel selection, allocator growth, a decode graph for this batch size; a failure is left
@@ -189,10 +189,11 @@ class _Bench:
                                                    self.token_bytes):
             try:
                 measure_point(self.engine, bs, context, 3, self.gen)
+                return
             except Exception as e:  # noqa: BLE001
                 if not does_not_fit(e):
                     raise
-                self._recover(policy)
+            self._recover(policy)
 
     def point(self, policy: str, bs: int, context: int, phase: str) -> dict:
         """One row: the measurement, or why the point did not run."""
@@ -207,13 +208,16 @@ class _Bench:
             return {**row, "error": refused, "refused": True}
         slots = parts.experts.telemetry().get("slots") if parts.experts is not None else None
         row.update(expert_policy=engine.info()["expert_policy"], expert_slots=slots)
+        error = None
         try:
             row.update(measure_point(engine, bs, context, self.new_tokens, self.gen))
         except Exception as e:  # noqa: BLE001
             if not does_not_fit(e):
                 raise
+            error = _error(e)
+        if error:  # rebuilt outside the handler: the traceback's frames no longer hold the point's tensors
             self._recover(policy)
-            return {**row, "error": _error(e)}
+            return {**row, "error": error}
         kv_bytes = bs * context * self.token_bytes
         row["kv_bytes_per_step"] = kv_bytes
         row["kv_bound_ms_per_step"] = (round(kv_bytes / ((self.b_h2d + self.b_cpu) * 1e9) * 1e3, 3)
@@ -226,11 +230,12 @@ class _Bench:
         self._release()
         try:
             self.engine.backend.set_kv_policy(policy)
+            return
         except Exception as e:  # noqa: BLE001
             if not does_not_fit(e):
                 raise
             self.broken[policy] = f"the policy cannot be rebuilt after running out of memory: {_error(e)}"
-            self._release()
+        self._release()
 
     def _release(self) -> None:
         gc.collect()
