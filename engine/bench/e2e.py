@@ -152,7 +152,7 @@ class _Bench:
             try:
                 self.engine = Engine(EngineConfig(model=model, backend="tandem", **config, kv_policy=policy))
                 break
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if not does_not_fit(e) or i == len(policies) - 1:
                     raise
                 self.broken[policy] = f"the policy cannot be built: {_error(e)}"
@@ -174,7 +174,7 @@ class _Bench:
             if self.engine.info()["kv_policy"] != policy or self.engine.backend.parts.kv is None:
                 self.engine.backend.set_kv_policy(policy)
             return True
-        except Exception as e:  # noqa: BLE001 — only what does_not_fit names is kept; the rest re-raised
+        except Exception as e:  # only what does_not_fit names is kept; the rest re-raised
             if not does_not_fit(e):
                 raise
             self.broken[policy] = f"the policy cannot be built: {_error(e)}"
@@ -190,7 +190,7 @@ class _Bench:
             try:
                 measure_point(self.engine, bs, context, 3, self.gen)
                 return
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if not does_not_fit(e):
                     raise
             self._recover(policy)
@@ -211,7 +211,7 @@ class _Bench:
         error = None
         try:
             row.update(measure_point(engine, bs, context, self.new_tokens, self.gen))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if not does_not_fit(e):
                 raise
             error = _error(e)
@@ -231,7 +231,7 @@ class _Bench:
         try:
             self.engine.backend.set_kv_policy(policy)
             return
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if not does_not_fit(e):
                 raise
             self.broken[policy] = f"the policy cannot be rebuilt after running out of memory: {_error(e)}"
@@ -276,9 +276,9 @@ def run(model: str = "synthetic:qwen3-30b-a3b", kv_policies=KV_POLICIES, expert_
     kv_policies = list(kv_policies)
     for policy in kv_policies:  # a misspelt name is the caller's error, not a point that does not fit
         check_policies(policy, expert_policy)
-    config = dict(device=device, expert_policy=expert_policy, vram_budget_gb=vram_budget_gb,
-                  max_batch=max(batch_sizes), max_context=max(contexts) + new_tokens + 2,
-                  simulate_hybrid=simulate_hybrid, cpu_threads=cpu_threads, cuda_graphs=cuda_graphs)
+    config = {"device": device, "expert_policy": expert_policy, "vram_budget_gb": vram_budget_gb,
+              "max_batch": max(batch_sizes), "max_context": max(contexts) + new_tokens + 2,
+              "simulate_hybrid": simulate_hybrid, "cpu_threads": cpu_threads, "cuda_graphs": cuda_graphs}
     rows: list[dict] = []
     bench = _Bench(model, config, kv_policies, new_tokens, seed, progress)
     info = bench.engine.info()
@@ -345,7 +345,7 @@ def add_arguments(p) -> None:
 
 
 def from_args(ns) -> dict:
-    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    ints = lambda text: tuple(int(x) for x in text.split(","))
     return run(model=ns.model, kv_policies=tuple(ns.kv_policies.split(",")), expert_policy=ns.expert_policy,
                batch_sizes=ints(ns.batch_sizes), contexts=ints(ns.contexts), new_tokens=ns.new_tokens,
                vram_budget_gb=ns.vram_budget_gb or None, device=ns.device, cpu_threads=ns.cpu_threads,

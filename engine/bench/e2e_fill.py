@@ -61,7 +61,7 @@ def fill_session(engine, key: str, context: int, gen: torch.Generator) -> list[i
     a, kv = parts.args, parts.kv
     session = generator.session(key)
     mla = getattr(a, "mla", None)
-    like = dict(device=parts.device, dtype=parts.dtype)
+    like = {"device": parts.device, "dtype": parts.dtype}
     kv.begin_step([session.seq_id], context)  # a failure leaves the step open: the caller rebuilds the KV
     for layer in range(len(a.kv_layer_ids())):  # the backend's layers: the KV-storing ones, in order
         if mla is None:

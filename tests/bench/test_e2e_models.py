@@ -36,9 +36,9 @@ def tiny_presets(monkeypatch):
 
 def _run(name: str, **kw) -> dict:
     layers = 3 if name == "tiny-deepseek" else 2
-    args = dict(model=f"synthetic:{name}-L{layers}", kv_policies=POLICIES, expert_policy="resident",
-                batch_sizes=(1, 2), contexts=(40,), new_tokens=3, vram_budget_gb=None, device="cpu",
-                simulate_hybrid=True, progress=lambda s: None)
+    args = {"model": f"synthetic:{name}-L{layers}", "kv_policies": POLICIES, "expert_policy": "resident",
+            "batch_sizes": (1, 2), "contexts": (40,), "new_tokens": 3, "vram_budget_gb": None, "device": "cpu",
+            "simulate_hybrid": True, "progress": lambda s: None}
     return e2e.run(**{**args, **kw})
 
 
