@@ -1,6 +1,6 @@
 """`tandem bench e2e` over the two KV shapes it measures on the GPU machine, simulated on the CPU:
 latent rows (a tiny DeepSeek-V2: one r + dr row per token and layer) and per-head K, V (a tiny
-Qwen3-MoE, GQA). Every hybrid policy and monolithic gives a row per point with the KV filled and the
+Qwen3-MoE, GQA; a tiny Qwen3.5, whose KV covers its full-attention layers only). Every hybrid policy and monolithic gives a row per point with the KV filled and the
 tokens decoded; a point that runs out of memory, a policy that cannot be built and a point the host
 cannot hold are rows with their reason, and the run goes on; the aggregate search doubles the chats
 until the host refuses."""
@@ -23,6 +23,10 @@ DEEPSEEK = dict(synthetic.PRESETS["deepseek-v2-lite"], vocab_size=128, hidden_si
 QWEN3 = dict(synthetic.PRESETS["qwen3-30b-a3b"], vocab_size=128, hidden_size=64, intermediate_size=96,
              moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
              num_experts_per_tok=2)
+QWEN35 = dict(synthetic.PRESETS["qwen3.5-35b-a3b"], vocab_size=128, hidden_size=64, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, moe_intermediate_size=32,
+              shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 # KV bytes of one token over all layers, bf16 (synthetic models are generated in bf16)
 TOKEN_BYTES = {"tiny-deepseek": 3 * (32 + 8) * 2,  # 3 layers × one latent row of r + dr, no V
                "tiny-qwen3": 2 * 2 * 2 * 16 * 2}  # 2 layers × (K, V) × 2 KV heads × 16
@@ -32,6 +36,7 @@ TOKEN_BYTES = {"tiny-deepseek": 3 * (32 + 8) * 2,  # 3 layers × one latent row 
 def tiny_presets(monkeypatch):
     monkeypatch.setitem(synthetic.PRESETS, "tiny-deepseek", DEEPSEEK)
     monkeypatch.setitem(synthetic.PRESETS, "tiny-qwen3", QWEN3)
+    monkeypatch.setitem(synthetic.PRESETS, "tiny-qwen3.5", QWEN35)
 
 
 def _run(name: str, **kw) -> dict:
@@ -130,3 +135,13 @@ def test_a_batch_whose_decode_runs_out_of_memory_is_a_row(monkeypatch):
     rows = {(r["bs"], r["context"]): r for r in record["results"]}
     assert "a decode step of 2 sequences failed (OutOfMemoryError" in rows[(2, 40)]["error"]
     assert all(rows[p]["decode_tok_s"] > 0 for p in [(1, 40), (1, 24), (2, 24)])
+
+
+def test_a_hybrid_model_fills_its_attention_layers_only():
+    """Qwen3.5 (-L5: DeltaNet layers 0-2 and 4, full attention at 3): the fill writes the one KV layer,
+    and the KV bytes per token count it alone; the recurrent layers start each chat from zeros."""
+    record = _run("tiny-qwen3.5", model="synthetic:tiny-qwen3.5-L5", kv_policies=("writescope", "monolithic"))
+    assert record["kv_bytes_per_token"] == 1 * 2 * 2 * 32 * 2  # 1 layer × (K, V) × 2 KV heads × 32, bf16
+    for r in record["results"]:
+        assert "error" not in r and r["decode_tok_s"] > 0
+        assert sum(r["kv_tokens"].values()) == r["bs"] * (40 + 3)
