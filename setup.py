@@ -44,7 +44,7 @@ native = Pybind11Extension(
                                          "moe_dispatch.cpp", "quant_dispatch.cpp",
                                          "isa_quant_scalar.cpp", "isa_quant_avx2.cpp", "isa_quant_avx512.cpp",
                                          "mla_dispatch.cpp", "isa_mla_scalar.cpp", "isa_mla_avx2.cpp",
-                                         "isa_mla_avx512.cpp", "isa_mla_avx512bf16.cpp")),
+                                         "isa_mla_avx512.cpp")),
     include_dirs=["native"],
     depends=[f"native/{h}" for h in ("common.h", "convert.h", "simd_avx512.h", "simd_avx2.h", "simd_scalar.h",
                                      "attention_kernel.h", "expert_activations.h", "experts_kernel.h",

@@ -3,7 +3,7 @@
 out as the hybrid KV format holds them: (tokens, 2 planes, 1 head, w) bf16, the K and V planes of a
 token adjacent, read in place in one view per sequence.
 
-    python3 benchmarks/mla_cpu_decode.py [TOKENS] [HEADS] [THREADS,...]
+    PYTHONPATH=. python3 benchmarks/mla_cpu_decode.py [TOKENS] [HEADS] [THREADS,...]
 
 Defaults: 32768 tokens, 16 heads (DeepSeek-V2-Lite), r = 512 latent + dr = 64 RoPE columns (w = 288),
 one query, 1 and 2 threads. Prints the median ms of a call and the GB/s of latent rows read
@@ -49,8 +49,8 @@ def main() -> None:
         torch.set_num_threads(t)
         paths = {"torch": lambda: attention_mla_native.attend_latent_torch(q, blocks, R, scale, out, lse)}
         if attention_mla_native.available():
-            paths["native"] = lambda: attention_mla_native.attend_latent_blocks(q, table, R, scale, out=out, lse=lse,
-                                                                               threads=t)
+            paths["native"] = lambda t=t: attention_mla_native.attend_latent_blocks(q, table, R, scale, out=out,
+                                                                                     lse=lse, threads=t)
         for name, fn in paths.items():
             ms = timed(fn)
             print(f"  threads={t}  {name:6s}  {ms:8.2f} ms  {row_bytes / ms / 1e6:6.2f} GB/s")

@@ -47,14 +47,12 @@ struct MlaKernelTable {
 };
 
 // One per ISA translation unit (isa_mla_*.cpp). The per-head kernels' ISA choice (select_isa,
-// TANDEM_NATIVE_ISA) picks among these too, so a pinned ISA holds for every attention kernel.
+// TANDEM_NATIVE_ISA) picks among these too, so a pinned ISA holds for every attention kernel;
+// avx512bf16 and amx-bf16 run the AVX-512 one (attention_mla_kernel.h says why no bf16 dot products).
 extern const MlaKernelTable kMlaTableScalar;
 #if defined(TANDEM_X86_KERNELS)
 extern const MlaKernelTable kMlaTableAvx2;
 extern const MlaKernelTable kMlaTableAvx512;
-#endif
-#if defined(TANDEM_AVX512BF16_KERNELS)
-extern const MlaKernelTable kMlaTableAvx512Bf16;
 #endif
 
 // mla_dispatch.cpp

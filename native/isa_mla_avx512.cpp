@@ -1,4 +1,4 @@
-// MLA decode kernel for AVX-512 F/BW/VL/DQ without bf16 dot products (Skylake-SP, Ice Lake).
+// MLA decode kernel for AVX-512 F/BW/VL/DQ (Skylake-SP and later; the avx512bf16 and amx-bf16 ISAs run it too).
 // Compiled for that ISA by the target pragma below, in an anonymous namespace like the other ISA files;
 // mla_dispatch.cpp reads the table after the per-head kernels' ISA choice.
 #include "common.h"

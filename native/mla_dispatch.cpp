@@ -19,12 +19,10 @@
 namespace tandem {
 
 const MlaKernelTable& active_mla_table() {
-  const char* isa = active_table().name;  // amx-bf16's attention is avx512bf16's
-#if defined(TANDEM_AVX512BF16_KERNELS)
-  if (std::strcmp(isa, "amx-bf16") == 0 || std::strcmp(isa, "avx512bf16") == 0) return kMlaTableAvx512Bf16;
-#endif
+  const char* isa = active_table().name;
 #if defined(TANDEM_X86_KERNELS)
-  if (std::strcmp(isa, "avx512") == 0) return kMlaTableAvx512;
+  if (std::strcmp(isa, "amx-bf16") == 0 || std::strcmp(isa, "avx512bf16") == 0 || std::strcmp(isa, "avx512") == 0)
+    return kMlaTableAvx512;
   if (std::strcmp(isa, "avx2") == 0) return kMlaTableAvx2;
 #endif
   return kMlaTableScalar;

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from engine.kernels import attention_mla_native
+
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV2ForCausalLM"):
     pytest.skip("this transformers has no deepseek_v2", allow_module_level=True)
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
 
-from engine.kernels import attention_mla_native  # noqa: E402
 from moe_helpers import PROMPT, assert_parity, build_hf, engine_logits, tiny_engine, write_layout  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
