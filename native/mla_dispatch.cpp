@@ -4,7 +4,9 @@
 // even for one sequence, and all of a sequence's heads read each row once per item. Each item leaves
 // a partial (o, m, l) per query row; a final pass merges the partials of a row by their LSE, as the
 // per-head kernel's dispatch does. Heads are not split across threads while they fit one item:
-// splitting them would read each row once per thread instead of once.
+// that would read each row once per thread instead of once. Measured (benchmarks/mla_cpu_decode.py,
+// 32K bf16 rows, an idle 2-thread Sapphire Rapids machine): 16 heads split by tokens over 2 threads
+// 5.5–5.8 ms; 8 heads on one thread, what a split by heads would leave each thread, 7.0 ms.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
