@@ -40,7 +40,6 @@ the host holds one tensor (a layer's expert stack: 0.8 GB for Qwen3-30B-A3B in b
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from engine.models import families
 from engine.models.assemble import tensor_shapes
 from engine.models.common import ModelArgs
 from engine.models.gguf_names import gguf_expert_names, gguf_name
+from engine.runtime.chat import tokenizer_fields
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "gpt_oss": "gpt-oss",
              "qwen3_5_moe": "qwen35moe"}
@@ -84,26 +84,7 @@ class Piece:
 
 
 # -- tokenizer ------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=4)
-def tokenizer_fields(path: Path) -> tuple[tuple, ...]:
-    """Every `tokenizer.*` key of a GGUF as (key, value, type, array item type or None).
-    Cached: decoding SmolLM2's 49152 tokens and 48900 merges takes seconds."""
-    import gguf
-
-    reader = gguf.GGUFReader(Path(path))
-    out = []
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        out.append((key, field.contents(), vtype, sub))
-    if not any(k == "tokenizer.ggml.tokens" for k, *_ in out):
-        raise ModelFileError(f"{path} holds no tokenizer (no tokenizer.ggml.tokens)",
-                             "borrow the tokenizer of a GGUF that has one")
-    return tuple(out)
-
+# tokenizer_fields (engine/runtime/chat.py): every `tokenizer.*` key of the GGUF the export borrows
 
 def tokenizer_vocab_size(fields: tuple[tuple, ...]) -> int:
     return len(next(v for k, v, *_ in fields if k == "tokenizer.ggml.tokens"))
