@@ -199,12 +199,18 @@ def _routings(ctx: Ctx, budget: float | None) -> list:
     return [None] if budget is None else list(ctx.routings)  # all resident: no cache, routing does not matter
 
 
+def _asked_contexts(ctx: Ctx, contexts) -> list[int]:
+    """The cell's contexts that --contexts asks for (all without it); Skip when none is."""
+    asked = [c for c in contexts if ctx.contexts is None or c in ctx.contexts]
+    if not asked:
+        raise Skip(f"none of this cell's contexts was asked for (--contexts {','.join(map(str, ctx.contexts))})")
+    return asked
+
+
 def decode_cell(ctx: Ctx, model: str, budget: float | None, contexts, chats_list, nkvo: bool = False) -> list[dict]:
     from engine.bench import routing as routing_mod
 
-    contexts = [c for c in contexts if ctx.contexts is None or c in ctx.contexts]
-    if not contexts:
-        raise Skip(f"none of this cell's contexts was asked for (--contexts {','.join(map(str, ctx.contexts))})")
+    contexts = _asked_contexts(ctx, contexts)
     bins = llama_binaries(ctx)
     rows = []
     for routing in _routings(ctx, budget):
@@ -237,9 +243,7 @@ def one_load_decode_cell(ctx: Ctx, model: str, budget: float, contexts) -> list[
     that context and then chats shorter would have them."""
     from engine.bench import llamacpp_bench, routing as routing_mod
 
-    contexts = [c for c in contexts if ctx.contexts is None or c in ctx.contexts]
-    if not contexts:
-        raise Skip(f"none of this cell's contexts was asked for (--contexts {','.join(map(str, ctx.contexts))})")
+    contexts = _asked_contexts(ctx, contexts)
     bins = llama_binaries(ctx)
     rows = []
     for routing in _routings(ctx, budget):
