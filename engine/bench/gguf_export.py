@@ -9,12 +9,14 @@ run backwards, and the metadata keys `moe_config_from_gguf` reads. Per family:
     mixtral         llama            permuted (llama.cpp's NORM RoPE)  always
     gpt_oss         gpt-oss          as stored (NEOX RoPE)           its own: softmax over the chosen k
     qwen3_5_moe     qwen35moe        as stored (interleaved MRoPE)   always
+    deepseek_v2     deepseek2        RoPE rows interleaved (NORM)    as the file says (false)
 
 gpt-oss also writes what only it has: the attention sinks (`attn_sinks`), the post-attention norm
 under its own name (`post_attention_norm`), every projection's bias (the experts' gate/up bias split
 like their weights), the sliding window of its even layers, and YaRN's scaling keys. llama.cpp fixes
 its clamped SwiGLU at alpha 1.702 and limit 7; a model with others is refused. Qwen3.5-MoE's
-DeltaNet layers, shared expert and RoPE sections are written by engine/bench/gguf_export_qwen3_5.py.
+DeltaNet layers, shared expert and RoPE sections are written by engine/bench/gguf_export_qwen3_5.py,
+DeepSeek-V2's latent attention, shared experts and YaRN by engine/bench/gguf_export_deepseek2.py.
 
 Routed experts go out stacked per layer, `blk.N.ffn_{gate,up}_exps` (E, I, H) and `ffn_down_exps`
 (E, H, I) in torch order (GGUF lists dims innermost first: {H, I, E}), split from the engine's fused
@@ -56,7 +58,7 @@ from engine.models.gguf_names import gguf_expert_names, gguf_name
 from engine.runtime.chat import tokenizer_fields
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "gpt_oss": "gpt-oss",
-             "qwen3_5_moe": "qwen35moe"}
+             "qwen3_5_moe": "qwen35moe", "deepseek_v2": "deepseek2"}
 # llama.cpp's graphs fix top-k renormalisation per architecture (build_moe_ffn's norm_w argument);
 # gpt-oss routes its own way (a softmax over the k chosen logits) in both engines.
 RENORMALISES = {"qwen3moe": True, "olmoe": False, "llama": True, "qwen35moe": True}
@@ -98,7 +100,11 @@ def default_tokenizer() -> Path:
 
 # -- the plan: GGUF tensors in file order ----------------------------------------------------------
 
-def _check_exportable(arch: str, args: ModelArgs) -> None:
+def _check_exportable(arch: str, args: ModelArgs, config: dict | None = None) -> None:
+    if arch == "deepseek2":  # YaRN and its own routing: checked there
+        from engine.bench import gguf_export_deepseek2
+
+        return gguf_export_deepseek2.check(args, config or {})
     if arch == "gpt-oss":
         windows = args.layer_windows or [None] * args.n_layers
         even_slide = all((w is not None) == (i % 2 == 0) for i, w in enumerate(windows))
@@ -168,6 +174,10 @@ def _own_pieces(arch: str):
         from engine.bench import gguf_export_qwen3_5
 
         return gguf_export_qwen3_5.pieces
+    if arch == "deepseek2":
+        from engine.bench import gguf_export_deepseek2
+
+        return gguf_export_deepseek2.pieces
     return None
 
 
@@ -226,7 +236,8 @@ def _metadata(w, arch: str, args: ModelArgs, config: dict, name: str, dtype: str
     w.add_head_count(args.n_heads)
     w.add_head_count_kv(args.n_kv_heads)
     w.add_key_length(args.head_dim)
-    w.add_value_length(args.head_dim)
+    if arch != "deepseek2":  # MLA's values are the latent part of the cached row: written there
+        w.add_value_length(args.head_dim)
     w.add_rope_dimension_count(args.rotary_dim or args.head_dim)  # qwen3moe asserts all of it; qwen35moe a quarter
     w.add_rope_freq_base(float(args.rope_theta))
     w.add_layer_norm_rms_eps(float(args.norm_eps))
@@ -251,6 +262,10 @@ def _metadata(w, arch: str, args: ModelArgs, config: dict, name: str, dtype: str
         from engine.bench import gguf_export_qwen3_5
 
         gguf_export_qwen3_5.metadata(w, args, config)
+    elif arch == "deepseek2":
+        from engine.bench import gguf_export_deepseek2
+
+        gguf_export_deepseek2.metadata(w, args, config)
     else:  # olmoe and llama (Mixtral) size their experts by feed_forward_length
         w.add_feed_forward_length(args.expert_ffn_dim)
     w.add_expert_weights_norm(bool(args.norm_topk_prob))
@@ -274,7 +289,7 @@ def write_gguf(out: Path, *, family: str, config: dict, args: ModelArgs, tensors
         raise UnsupportedModelError(f"family '{family}' has no GGUF export",
                                     f"exportable families: {', '.join(sorted(GGUF_ARCH))}")
     arch = GGUF_ARCH[family]
-    _check_exportable(arch, args)
+    _check_exportable(arch, args, config)
     vocab = tokenizer_vocab_size(tokenizer)
     if vocab != args.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab} tokens but the model's vocabulary is {args.vocab_size}",
