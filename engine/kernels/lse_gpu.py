@@ -5,12 +5,14 @@ streamed chunk), each an output and its natural-log LSE for one sequence row. In
 about twenty small kernels, and on a host where a launch costs 20–40 µs that is most of a
 bs=1 layer step's overhead. Here it is one launch that also casts to the activations' dtype:
 
-    merge_rows(outs, lses, rows, n_rows, dtype) -> out
+    merge_rows(outs, lses, rows, n_rows, dtype) -> (out, lse)
 
     outs (P, nh, T, hs) fp32 or bf16/fp16, contiguous;  lses (P, nh, T) fp32, contiguous
     rows (P,) int64 on the device: the sequence row each part belongs to
     out  (n_rows, nh, T, hs) in `dtype`: per row, Σ_p w_p·o_p / Σ_p w_p with w_p = e^(lse_p − max);
          a row whose parts all have lse −inf (no keys) gets 0
+    lse  (n_rows, nh, T) fp32: per row, max + ln Σ_p w_p, the merged natural-log LSE (−inf: no keys),
+         which attention sinks scale the output by (engine/kv/writescope.py)
 
 The parts are folded in order with a running maximum (the online-softmax rescaling), so P may be
 anything; the result equals lse.merge_groups up to fp32 rounding.
@@ -34,7 +36,7 @@ def available(outs: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _merge_rows_kernel(outs_ptr, lses_ptr, rows_ptr, out_ptr, n_parts, n_cols, hs,
+    def _merge_rows_kernel(outs_ptr, lses_ptr, rows_ptr, out_ptr, lse_out_ptr, n_parts, n_cols, hs,
                            HS: tl.constexpr):
         col = tl.program_id(0).to(tl.int64)  # one (head, query) pair: h · T + t (a prefill has many)
         row = tl.program_id(1)  # the sequence row
@@ -57,17 +59,20 @@ if triton is not None:
             m = m_new
         res = acc / tl.where(den > 0.0, den, 1.0)
         tl.store(out_ptr + (row * n_cols + col) * hs + d, res.to(out_ptr.dtype.element_ty), mask=dmask)
+        lse_out = tl.where(den > 0.0, m + tl.log(tl.where(den > 0.0, den, 1.0)), -float("inf"))  # no keys: −inf
+        tl.store(lse_out_ptr + row * n_cols + col, tl.max(lse_out, axis=0))  # lanes alike: any one
 
 
 def merge_rows(outs: torch.Tensor, lses: torch.Tensor, rows: torch.Tensor, n_rows: int,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     P, nh, T, hs = outs.shape
     if lses.shape != (P, nh, T) or rows.shape != (P,):
         raise ValueError(f"merge_rows: outs {tuple(outs.shape)}, lses {tuple(lses.shape)} and rows "
                          f"{tuple(rows.shape)} do not agree")
     outs, lses = outs.contiguous(), lses.float().contiguous()
     out = torch.empty((n_rows, nh, T, hs), dtype=dtype, device=outs.device)
+    lse = torch.empty((n_rows, nh, T), dtype=torch.float32, device=outs.device)
     if n_rows and nh * T:
-        _merge_rows_kernel[(nh * T, n_rows)](outs, lses, rows, out, P, nh * T, hs,
+        _merge_rows_kernel[(nh * T, n_rows)](outs, lses, rows, out, lse, P, nh * T, hs,
                                              HS=triton.next_power_of_2(hs))
-    return out
+    return out, lse

@@ -10,9 +10,9 @@ For one layer of one step, with the new token already appended:
 
 The CPU result is the only thing the step waits for on the host. Prefill steps add the causal
 attention of the new tokens over themselves and route their KV to its final regions at write time.
-Attention sinks (gpt-oss: a learned logit s_h per head in every softmax, with a zero value) enter the
-merge once, after every part, as one more part: (o = 0, lse = s_h), which makes the result
-o · σ(lse − s_h) over the union of the parts (attention_gpu.sink_scale).
+Attention sinks (gpt-oss: a learned logit s_h per head in every softmax, with a zero value) enter
+once, after the merge of every part: the merged output over the union of the parts, scaled by
+σ(lse − s_h) with the merged LSE (attention_gpu.sink_scale), is the softmax with the sink in it.
 The share r comes from the policy: `writescope` follows the roofline r(L) with online estimates of
 A and B from the measured CPU and GPU times; `gpu-centric`, `cpu-centric` and `fixed:<r>` fix it.
 """
@@ -248,35 +248,35 @@ class WriteScopeKV(KVBackend):
 
     def _merge(self, plan: StepPlan, parts: list, chunks: list, dtype: torch.dtype,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Every part by its LSE → o (B, nh, T, hs) in `dtype`. Each row has at least one finite part
-        (the D-window in decode, the new tokens in prefill). On CUDA: one cat of outputs, one of LSEs
-        and one merge kernel, whatever the number of parts. A single part holds every key of every
-        row (a first prefill, or a decode still inside its D-window): it is the result as it is, which
-        spares a 32K prefill a copy and a merge pass over its output (~0.5 ms a layer on an H200);
-        with sinks it is scaled by σ(lse − s) instead. Otherwise the sinks join as one more part of
-        every row: a key of logit s_h and a zero value, merged once with the rest."""
+        """Every part by its LSE, then the sinks → o (B, nh, T, hs) in `dtype`. A sink is a key of
+        logit s_h and a zero value in every row: it adds e^s_h to the merged softmax's denominator
+        and nothing to its numerator, so it scales the merged output by σ(lse − s_h) with the merged
+        LSE, one elementwise pass whatever the number of parts."""
+        out, lse = self._merge_parts(plan, parts, chunks, dtype)
+        if sinks is not None:  # (B, nh, T, hs) · σ(lse − s) (B, nh, T)
+            out = out * sink_scale(lse.float(), sinks[:, None]).unsqueeze(-1).to(out.dtype)
+        return out.to(dtype)
+
+    def _merge_parts(self, plan: StepPlan, parts: list, chunks: list, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every part by its LSE → (o (B, nh, T, hs), lse (B, nh, T) fp32); o in `dtype` or fp32.
+        Each row has at least one finite part (the D-window in decode, the new tokens in prefill).
+        On CUDA: one cat of outputs, one of LSEs and one merge kernel, whatever the number of parts.
+        A single part holds every key of every row (a first prefill, or a decode still inside its
+        D-window): it is the result as it is, which spares a 32K prefill a copy and a merge pass over
+        its output (~0.5 ms a layer on an H200)."""
         B = len(plan.seqs)
         if len(parts) + len(chunks) == 1 and (parts or chunks)[0][0].shape[0] == B:
-            out, lse = (parts or chunks)[0]
-            if sinks is not None:  # (B, nh, T, hs) · σ(lse − s) (B, nh, T)
-                out = out * sink_scale(lse.float(), sinks[:, None]).unsqueeze(-1).to(out.dtype)
-            return out.to(dtype)
-        if sinks is not None:
-            ref = (parts or chunks)[0][0]
-            nh, T = ref.shape[1], ref.shape[2]
-            parts = parts + [(ref.new_zeros((B, nh, T, ref.shape[-1])),
-                              sinks.float()[None, :, None].expand(B, nh, T).to(ref.device))]
+            return (parts or chunks)[0]
         cuda = self.transport.cuda and lse_gpu.available(parts[0][0] if parts else chunks[0][0])
         if not cuda and not chunks and len(parts) <= 2:
-            out, lse = parts[0]
-            if len(parts) == 2:
-                out, lse = merge_pair(out, lse, *parts[1])
-            return out.to(dtype)
+            return parts[0] if len(parts) == 1 else merge_pair(*parts[0], *parts[1])
         every = parts + chunks
         outs = torch.cat([p[0] for p in every])  # (P, nh, T, hs), fp32 when any part is
         lses = torch.cat([p[1] for p in every])  # (P, nh, T)
         if not cuda and B == 1:
-            return merge_stack(outs, lses)[0].unsqueeze(0).to(dtype)
+            out, lse = merge_stack(outs, lses)
+            return out.unsqueeze(0), lse.unsqueeze(0)
         key = (len(parts), len(chunks))
         rows = self._merge_rows.get(key)
         if rows is None:  # the row of each part, the same for every layer of the step: built once
@@ -286,7 +286,7 @@ class WriteScopeKV(KVBackend):
             self._merge_rows[key] = rows
         if cuda:
             return lse_gpu.merge_rows(outs, lses, rows, B, dtype)
-        return merge_groups(outs, lses, rows, B)[0].to(dtype)
+        return merge_groups(outs, lses, rows, B)
 
     # -- timing: the GPU side for the B estimator, the h2d stream for its achieved rate -----------
     def _event(self, stream):

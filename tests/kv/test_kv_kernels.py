@@ -65,7 +65,8 @@ def test_merge_groups_routes_parts_to_rows_and_ignores_empty_parts():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merge_kernel_equals_full_attention_per_row(dtype):
     """The one-launch merge (lse_gpu.merge_rows) against full attention: parts in any order and
-    dtype, a part without keys, a row without any part (→ 0), the result cast to `dtype`."""
+    dtype, a part without keys, a row without any part (→ 0, LSE −inf), the result cast to `dtype`
+    and the merged LSE in fp32."""
     gen = torch.Generator().manual_seed(6)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU Triton's interpreter runs it
     q = torch.randn(3, NH, 2, HS, generator=gen)
@@ -77,18 +78,20 @@ def test_merge_kernel_equals_full_attention_per_row(dtype):
             outs.append(o.to(dtype)), lses.append(lse.float()), rows.append(b)
     outs.insert(1, torch.zeros(1, NH, 2, HS, dtype=dtype)), lses.insert(1, torch.full((1, NH, 2), float("-inf")))
     rows.insert(1, 2)  # an empty part between row 2's others
-    out = lse_gpu.merge_rows(torch.cat(outs).to(dev), torch.cat(lses).to(dev), torch.tensor(rows, device=dev), 3,
-                             dtype)
+    out, lse = lse_gpu.merge_rows(torch.cat(outs).to(dev), torch.cat(lses).to(dev), torch.tensor(rows, device=dev),
+                                  3, dtype)
     assert out.dtype == dtype and out.shape == (3, NH, 2, HS)
-    ref, _ = full(q, k, v)
+    assert lse.dtype == torch.float32 and lse.shape == (3, NH, 2)
+    ref, ref_lse = full(q, k, v)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel(out[0].cpu(), ref[0]) < tol and rel(out[2].cpu(), ref[2]) < tol
-    assert torch.all(out[1] == 0)  # no part: 0, not NaN
+    assert rel(lse[0].cpu(), ref_lse[0]) < 1e-5 and rel(lse[2].cpu(), ref_lse[2]) < 1e-5  # the LSEs are fp32 inputs
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))  # no part: 0, not NaN
     if dev == "cuda":  # a long prefill: (head, query) pairs past the grid's y limit of 65535
         outs, lses = torch.randn(2, 4, 20000, HS, device=dev), torch.randn(2, 4, 20000, device=dev)
-        ref, _ = merge_stack(outs, lses)
-        out = lse_gpu.merge_rows(outs, lses, torch.zeros(2, dtype=torch.int64, device=dev), 1, torch.float32)
-        assert rel(out[0].cpu(), ref.cpu().double()) < 1e-5
+        ref, ref_lse = merge_stack(outs, lses)
+        out, lse = lse_gpu.merge_rows(outs, lses, torch.zeros(2, dtype=torch.int64, device=dev), 1, torch.float32)
+        assert rel(out[0].cpu(), ref.cpu().double()) < 1e-5 and rel(lse[0].cpu(), ref_lse.cpu().double()) < 1e-5
 
 
 def test_attend_blocks_writes_into_given_buffers():

@@ -2,16 +2,20 @@
 
 Keys split into disjoint parts, each part attended on its own (o, lse), the parts merged by their
 LSE with the sink entering once, must equal one softmax over all keys with the sink in it
-(attention_gpu.sdpa_with_sinks), on every path of WriteScopeKV._merge: one part (scaled by
-σ(lse − s)), several parts of one row (merge_stack, the sink one more part), several rows with
-streamed chunks (merge_groups). fp32 on the CPU: reorderings only, 1e-5 on O(1) outputs.
+(attention_gpu.sdpa_with_sinks), on every path of WriteScopeKV._merge: one part, two parts
+(merge_pair), several parts of one row (merge_stack), several rows with streamed chunks
+(merge_groups); on each the sink scales the merged output by σ(lse − s) and does no other work on
+the (B, nh, T, hs) outputs. fp32 on the CPU: reorderings only, 1e-5 on O(1) outputs.
 """
 
+from collections import Counter
 from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from engine.kernels.attention_gpu import attend_dense, sdpa_with_sinks
 from engine.kv.inplace import PartitionSpec
@@ -96,3 +100,52 @@ def test_monolithic_applies_the_sink_to_new_and_past_keys(tmp_path):
     kv.close()
     torch.testing.assert_close(torch.cat([first, second], dim=2), sdpa_with_sinks(q, k, v, sinks, None),
                                atol=ATOL, rtol=0)
+
+
+class _OutputOps(TorchDispatchMode):
+    """Records (op, shape) of every op that yields a 4-d tensor of width HS: the (·, nh, T, hs)
+    outputs and stacks of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in tree_leaves(result):
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-1] == HS:
+                self.ops[(str(func.overloadpacket), tuple(t.shape))] += 1
+        return result
+
+
+def _output_ops(kv, plan, parts, chunks, sinks):
+    kv._merge_rows.clear()
+    with _OutputOps() as rec:
+        kv._merge(plan, parts, chunks, torch.float32, sinks)
+    return rec.ops
+
+
+@pytest.mark.parametrize("cuts", [[], [5], [3, 9, 14]], ids=["one part", "two parts", "four parts"])
+def test_the_sink_costs_one_multiply_of_the_merged_output(kv, cuts):
+    """With sinks the merge runs the ops it runs without them, plus one multiply of the merged
+    (B, nh, T, hs) output: no zero-value part for the sink, no wider stack of parts."""
+    q, k, v, sinks = _case(1, 1, 20, seed=3)
+    plan = SimpleNamespace(seqs=[0], chunk_rows=None)
+    parts = _parts(q, k, v, cuts)
+    with_sinks = _output_ops(kv, plan, parts, [], sinks)
+    without = _output_ops(kv, plan, parts, [], None)
+    assert with_sinks - without == Counter({("aten.mul", (1, NH, 1, HS)): 1})
+    assert not without - with_sinks
+
+
+def test_the_sink_costs_one_multiply_with_streamed_chunks(kv):
+    q, k, v, sinks = _case(2, 1, 24, seed=8)
+    scale = HS ** -0.5
+    window = attend_dense(q, k[:, :, 16:], v[:, :, 16:], scale)
+    chunks = [attend_dense(q[r:r + 1], k[r:r + 1, :, a:b], v[r:r + 1, :, a:b], scale)
+              for r, (a, b) in [(0, (0, 9)), (0, (9, 16)), (1, (0, 16))]]
+    plan = SimpleNamespace(seqs=[0, 1], chunk_rows=torch.tensor([0, 0, 1]))
+    with_sinks = _output_ops(kv, plan, [window], chunks, sinks)
+    without = _output_ops(kv, plan, [window], chunks, None)
+    assert with_sinks - without == Counter({("aten.mul", (2, NH, 1, HS)): 1})
+    assert not without - with_sinks
