@@ -16,7 +16,9 @@
 #include <omp.h>
 #endif
 #include "common.h"
+#include "attention_split.h"
 #include "convert.h"
+#include "lse_merge.h"
 
 #if defined(TANDEM_AMX_KERNELS)
 #include <cpuid.h>
@@ -165,26 +167,11 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
   const int64_t units = total * n_head_groups * n_row_groups;
   const int64_t split_tokens = std::max<int64_t>(kMinSplitTokens, units / (4 * int64_t(nt)) + 1);
 
-  // Views longer than a split are cut into pieces (a piece is the same view with its pointers moved
-  // along the token stride), so that one long view per sequence still spreads over every thread.
+  // Views longer than a split are cut into pieces (attention_split.h).
   static thread_local std::vector<KVBlock> pieces;
   static thread_local std::vector<int64_t> piece_offsets;
-  pieces.clear(), piece_offsets.assign(1, 0);
-  const int64_t es = int64_t(dtype_size(P.kv_dtype));
   const int64_t piece_tokens = (split_tokens + 63) / 64 * 64;
-  for (int64_t b = 0; b < P.B; ++b) {
-    for (int64_t i = P.seq_offsets[b]; i < P.seq_offsets[b + 1]; ++i) {
-      const KVBlock& B = P.blocks[i];
-      for (int64_t t0 = 0; t0 < B.n_tokens; t0 += piece_tokens) {
-        KVBlock piece = B;
-        piece.k_ptr += t0 * B.k_stride_token * es;
-        piece.v_ptr += t0 * B.v_stride_token * es;
-        piece.n_tokens = std::min(piece_tokens, B.n_tokens - t0);
-        pieces.push_back(piece);
-      }
-    }
-    piece_offsets.push_back(int64_t(pieces.size()));
-  }
+  cut_pieces(P.blocks, P.seq_offsets, P.B, piece_tokens, int64_t(dtype_size(P.kv_dtype)), pieces, piece_offsets);
   AttentionProblem Q = P;
   Q.blocks = pieces.data();
   Q.seq_offsets = piece_offsets.data();
@@ -196,14 +183,7 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
   static thread_local std::vector<float> partial;
   items.clear(), groups.clear();
   for (int64_t b = 0; b < P.B; ++b) {
-    splits.clear();
-    splits.push_back(Q.seq_offsets[b]);
-    int64_t acc = 0;
-    for (int64_t i = Q.seq_offsets[b]; i < Q.seq_offsets[b + 1]; ++i) {
-      acc += Q.blocks[i].n_tokens;
-      if (acc >= split_tokens && i + 1 < Q.seq_offsets[b + 1]) splits.push_back(i + 1), acc = 0;
-    }
-    splits.push_back(Q.seq_offsets[b + 1]);  // a sequence without blocks still gets one (empty) item
+    split_sequence(Q.blocks, Q.seq_offsets[b], Q.seq_offsets[b + 1], split_tokens, splits);
     for (int64_t g = 0; g < P.n_kv_heads; g += heads)
       for (int64_t r0 = 0; r0 < rows_per_head; r0 += rows) {
         const int64_t g1 = std::min(P.n_kv_heads, g + heads), r1 = std::min(rows_per_head, r0 + rows);
@@ -231,7 +211,7 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
       float* o = part + i * stride;
       K.attention_item(Q, item_data[i], o, o + kMaxItemRows * hs, o + kMaxItemRows * hs + kMaxItemRows);
     }
-    // Merge: out = Σ_s o_s·2^(m_s − M) / Σ_s l_s·2^(m_s − M), lse = ln 2 · (M + log2 Σ_s l_s·2^(m_s − M)).
+    // Merge the items of each output row by their LSE (lse_merge.h).
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < n_merge; ++k) {
       const int64_t gi = std::upper_bound(starts, starts + n_groups + 1, k) - starts - 1;
@@ -239,27 +219,8 @@ void attention_decode(const AttentionProblem& P, int n_threads) {
       const int64_t i = k - starts[gi], n_rows = G.row_end - G.row_begin;
       // Rows of one KV head are contiguous in out: (b, head g·group, t) flattened.
       const int64_t out_row = (G.b * P.n_heads + (G.g + i / n_rows) * group) * P.T + G.row_begin + i % n_rows;
-      float* out = P.out + out_row * hs;
-      float m_max = -INFINITY;
-      for (int64_t s = 0; s < G.n_items; ++s)
-        m_max = std::max(m_max, part[(G.first_item + s) * stride + kMaxItemRows * hs + i]);
-      for (int64_t d = 0; d < hs; ++d) out[d] = 0.0f;
-      if (m_max == -INFINITY) {  // no keys: zero output, weight zero in any later merge
-        P.lse[out_row] = -INFINITY;
-        continue;
-      }
-      float l_sum = 0.0f;
-      for (int64_t s = 0; s < G.n_items; ++s) {
-        const float* o = part + (G.first_item + s) * stride;
-        const float m = o[kMaxItemRows * hs + i], l = o[kMaxItemRows * hs + kMaxItemRows + i];
-        if (m == -INFINITY) continue;
-        const float w = std::exp2(m - m_max);
-        l_sum += l * w;
-        for (int64_t d = 0; d < hs; ++d) out[d] += o[i * hs + d] * w;
-      }
-      const float inv = 1.0f / l_sum;
-      for (int64_t d = 0; d < hs; ++d) out[d] *= inv;
-      P.lse[out_row] = float(0.6931471805599453 * (double(m_max) + std::log2(double(l_sum))));
+      merge_partials(part + G.first_item * stride, G.n_items, stride, kMaxItemRows, hs, i, P.out + out_row * hs,
+                     P.lse + out_row);
     }
   }
 }

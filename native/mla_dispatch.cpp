@@ -16,7 +16,9 @@
 #include <omp.h>
 #endif
 #include "attention_mla.h"
+#include "attention_split.h"
 #include "convert.h"
+#include "lse_merge.h"
 
 namespace tandem {
 
@@ -56,26 +58,11 @@ void attention_mla_decode(const MlaProblem& P, int n_threads) {
   for (int64_t i = P.seq_offsets[0]; i < P.seq_offsets[P.B]; ++i) total += P.blocks[i].n_tokens;
   const int64_t split_tokens = std::max<int64_t>(kMinSplitTokens, total * n_row_groups / (4 * int64_t(nt)) + 1);
   const int64_t piece_tokens = (split_tokens + 63) / 64 * 64;
-  const int64_t es = int64_t(dtype_size(P.kv_dtype));
 
-  // Views longer than a split are cut into pieces (the same view, its pointers moved along the token
-  // strides), so that one long run per sequence still spreads over every thread.
+  // Views longer than a split are cut into pieces (attention_split.h).
   static thread_local std::vector<KVBlock> pieces;
   static thread_local std::vector<int64_t> piece_offsets;
-  pieces.clear(), piece_offsets.assign(1, 0);
-  for (int64_t b = 0; b < P.B; ++b) {
-    for (int64_t i = P.seq_offsets[b]; i < P.seq_offsets[b + 1]; ++i) {
-      const KVBlock& B = P.blocks[i];
-      for (int64_t t0 = 0; t0 < B.n_tokens; t0 += piece_tokens) {
-        KVBlock piece = B;
-        piece.k_ptr += t0 * B.k_stride_token * es;
-        piece.v_ptr += t0 * B.v_stride_token * es;
-        piece.n_tokens = std::min(piece_tokens, B.n_tokens - t0);
-        pieces.push_back(piece);
-      }
-    }
-    piece_offsets.push_back(int64_t(pieces.size()));
-  }
+  cut_pieces(P.blocks, P.seq_offsets, P.B, piece_tokens, int64_t(dtype_size(P.kv_dtype)), pieces, piece_offsets);
   MlaProblem Q = P;
   Q.blocks = pieces.data();
 
@@ -86,13 +73,7 @@ void attention_mla_decode(const MlaProblem& P, int n_threads) {
   static thread_local std::vector<float> partial;
   items.clear(), groups.clear();
   for (int64_t b = 0; b < P.B; ++b) {
-    splits.assign(1, piece_offsets[b]);
-    int64_t acc = 0;
-    for (int64_t i = piece_offsets[b]; i < piece_offsets[b + 1]; ++i) {
-      acc += pieces[i].n_tokens;
-      if (acc >= split_tokens && i + 1 < piece_offsets[b + 1]) splits.push_back(i + 1), acc = 0;
-    }
-    splits.push_back(piece_offsets[b + 1]);  // a sequence without blocks still gets one (empty) item
+    split_sequence(pieces.data(), piece_offsets[b], piece_offsets[b + 1], split_tokens, splits);
     for (int64_t r0 = 0; r0 < rows_total; r0 += rows) {
       const int64_t r1 = std::min(rows_total, r0 + rows);
       groups.push_back({b, r0, r1, int64_t(items.size()), int64_t(splits.size()) - 1});
@@ -113,34 +94,14 @@ void attention_mla_decode(const MlaProblem& P, int n_threads) {
       float* o = part + i * stride;
       K.item(Q, qf, item_data[i], o, o + rows * r, o + rows * r + rows);
     }
-    // Merge per output row: out = Σ_s o_s·2^(m_s − M) / Σ_s l_s·2^(m_s − M),
-    // lse = ln 2 · (M + log2 Σ_s l_s·2^(m_s − M)).
+    // Merge the items of each output row by their LSE (lse_merge.h).
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < n_groups * rows; ++k) {
       const Group& G = group_data[k / rows];
       const int64_t i = k % rows;
       if (G.row_begin + i >= G.row_end) continue;  // the last group may hold fewer rows
       const int64_t out_row = G.b * rows_total + G.row_begin + i;  // (b, head, t) flattened
-      float* out = P.out + out_row * r;
-      float m_max = -INFINITY;
-      for (int64_t s = 0; s < G.n_items; ++s) m_max = std::max(m_max, part[(G.first_item + s) * stride + rows * r + i]);
-      for (int64_t d = 0; d < r; ++d) out[d] = 0.0f;
-      if (m_max == -INFINITY) {  // no rows: zero output, weight zero in any later merge
-        P.lse[out_row] = -INFINITY;
-        continue;
-      }
-      float l_sum = 0.0f;
-      for (int64_t s = 0; s < G.n_items; ++s) {
-        const float* o = part + (G.first_item + s) * stride;
-        const float m = o[rows * r + i], l = o[rows * r + rows + i];
-        if (m == -INFINITY) continue;
-        const float wgt = std::exp2(m - m_max);
-        l_sum += l * wgt;
-        for (int64_t d = 0; d < r; ++d) out[d] += o[i * r + d] * wgt;
-      }
-      const float inv = 1.0f / l_sum;
-      for (int64_t d = 0; d < r; ++d) out[d] *= inv;
-      P.lse[out_row] = float(0.6931471805599453 * (double(m_max) + std::log2(double(l_sum))));
+      merge_partials(part + G.first_item * stride, G.n_items, stride, rows, r, i, P.out + out_row * r, P.lse + out_row);
     }
   }
 }
