@@ -30,6 +30,9 @@ GPT_OSS = "synthetic:gpt-oss-20b"  # 24 layers, 32 experts top-4, biases, sinks,
 # 16 of its 40 layers (4 full-attention, 12 Gated DeltaNet; 26 GB in BF16): the whole model's 65 GB
 # export does not fit a one-GPU machine's 64 GB disk
 QWEN3_5 = "synthetic:qwen3.5-35b-a3b-L16"
+# 27 layers (the first dense), MLA (a 576-wide latent row cached per token and layer), 64 experts top-6
+# plus 2 shared (31 GB in BF16)
+DEEPSEEK_V2_LITE = "synthetic:deepseek-v2-lite"
 NEW_TOKENS = 32
 # VRAM llama.cpp needs beyond weights and KV (CUDA context, compute buffers, graph), for the fit
 # estimate only: an allowance we set, not a measurement; a fit that is off shows as an OOM in the cell.
@@ -59,6 +62,9 @@ def cells(Cell) -> list:
         Cell("gpu-qwen3.5-L16-8gb", "Qwen3.5-35B-A3B (16 layers, BF16) under an 8 GB VRAM budget, default plan vs "
              "best fitting -ncmoe", "cuda", "decode ≥ llama.cpp",
              lambda ctx: one_load_decode_cell(ctx, QWEN3_5, 8.0, (2048, 32768)), routed=True),
+        Cell("gpu-deepseek-v2-lite-24gb", "DeepSeek-V2-Lite (BF16) under a 24 GB VRAM budget, default plan vs best "
+             "fitting -ncmoe", "cuda", "decode ≥ llama.cpp",
+             lambda ctx: one_load_decode_cell(ctx, DEEPSEEK_V2_LITE, 24.0, (2048, 32768)), routed=True),
         Cell("gpu-kv-spill", "4 chats × 32K, 48 layers, 24 GB: KV beyond the budget, against llama.cpp -nkvo", "cuda",
              "decode ≥ 1.5× llama.cpp -nkvo", lambda ctx: decode_cell(ctx, L48, 24.0, (32768,), (4,), nkvo=True),
              routed=True),
@@ -137,6 +143,8 @@ def gguf_sizes(path: Path) -> dict:
     elif f"{arch}.attention.sliding_window" in reader.fields:  # gpt-oss: the window layers' cache is the window
         kv_layers -= kv_layers // 2
     kv_per_token = 2 * heads_kv * head_dim * 2 * kv_layers  # K and V in f16
+    if f"{arch}.attention.key_length_mla" in reader.fields:  # deepseek2's MLA caches the K rows only
+        kv_per_token //= 2
     return {"expert_bytes": [experts[i] for i in sorted(experts)], "other_bytes": other,
             "kv_bytes_per_token": kv_per_token}
 

@@ -181,3 +181,12 @@ def test_refusals(tmp_path, tiny_preset, monkeypatch, override, layers, match):
     with pytest.raises(UnsupportedModelError, match=match):
         gguf_export.export(f"{tiny_preset}{layers}", tmp_path / "a.gguf")
     assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_the_suites_fit_counts_the_latent_rows_only(tiny):
+    """llama.cpp caches MLA's K rows (r + dr, f16) and no V: what -ncmoe's fit in the suite reserves."""
+    from engine.bench import suite_gpu
+
+    sizes = suite_gpu.gguf_sizes(tiny["f32"])
+    assert sizes["kv_bytes_per_token"] == 2 * (32 + 8) * 3
+    assert len(sizes["expert_bytes"]) == 2  # the MoE layers' stacks, for -ncmoe to move
