@@ -12,7 +12,7 @@ the GPU (`-ngl 99`, flash attention) and the routed experts of the first N layer
 llama.cpp `-nkvo` (its KV cache in host memory) as Tandem's planner may spill KV to the host.
 
 Decode is measured after a prompt of the cell's context, untimed (llama-bench `-d`); 32 new tokens.
-The new families' cells (gpt-oss, Qwen3.5) load each file once for both contexts
+The new families' cells (gpt-oss, Qwen3.5, DeepSeek-V2-Lite) load each file once for both contexts
 (`one_load_decode_cell`) and keep Tandem's prefill rate of the prompt before each decode beside it.
 """
 
