@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.errors import OutOfMemoryError
 from engine.kernels import attention_mla
 from engine.kernels.lse import merge_pair
 from engine.kv.monolithic import MonolithicKV
-from engine.kv.transport import Transport
 
 
 class LatentMonolithicKV(MonolithicKV):
@@ -32,29 +30,12 @@ class LatentMonolithicKV(MonolithicKV):
     def __init__(self, n_layers: int, row_width: int, value_dim: int, *, max_context: int, max_batch: int,
                  device: torch.device, dtype: torch.dtype):
         """row_width: r + dr columns per token row; value_dim: r, the columns that are the values."""
-        self.transport = Transport(device)
-        self.device, self.dtype, self.max_context, self.value_dim = device, dtype, max_context, value_dim
-        self.token_bytes = row_width * torch.empty((), dtype=dtype).element_size()  # per layer: one row, no V
-        try:
-            self.host = torch.empty((n_layers, max_batch, max_context, row_width), dtype=dtype)
-        except (RuntimeError, MemoryError) as e:  # pageable pages are committed when written, but the
-            need = n_layers * max_batch * max_context * self.token_bytes  # address space must exist
-            raise OutOfMemoryError(f"the monolithic host buffer ({need / 2**30:.1f} GiB) cannot be reserved",
-                                   "lower max_context or max_batch") from e
-        self.staging = self.transport.host((max_batch, max_context, row_width), dtype, pinned=True)
-        self.staging.tensor.zero_()  # padded rows are masked, but their values must stay finite
-        try:
-            self.work = torch.empty((max_batch, max_context, row_width), device=device, dtype=dtype)
-        except torch.OutOfMemoryError as e:
-            raise OutOfMemoryError(f"the monolithic transfer buffer does not fit on {device}",
-                                   "lower max_context or max_batch") from e
-        self.copied = self.transport.event()  # the last H2D has read the staging buffer
-        self.lengths: dict[int, int] = {}
-        self.slot_of: dict[int, int] = {}
-        self._free_slots = list(range(max_batch))
-        self._next_id = 0
-        self._step = None
-        self.h2d_bytes = self.d2h_bytes = 0
+        self.row_width, self.value_dim = row_width, value_dim
+        self._allocate(n_layers, max_context=max_context, max_batch=max_batch, device=device, dtype=dtype)
+
+    def _buffer_shape(self, max_batch: int, max_context: int) -> tuple[int, ...]:
+        """One row per token: no V plane, each sequence's rows followed by its unused capacity."""
+        return (max_batch, max_context, self.row_width)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: None = None, *,
                scale: float) -> torch.Tensor:
@@ -68,15 +49,7 @@ class LatentMonolithicKV(MonolithicKV):
         out, lse = attention_mla.latent_attention_planes(q, k, None, self.value_dim, scale, causal=k.shape[2] > 1)
         L = max(lengths)
         if L:
-            self.copied.synchronize()  # one staging buffer for every layer: the last copy must be done
-            stage = self.staging.tensor
-            for b, (slot, n) in enumerate(zip(slots, lengths)):  # splice the valid rows
-                if n:
-                    stage[b, :n].copy_(self.host[layer, slot, :n])
-            past = self.work[:B, :L]
-            past.copy_(stage[:B, :L], non_blocking=True)  # a strided slice: no single DMA
-            self.copied.record()
-            self.h2d_bytes += B * L * self.token_bytes
+            past = self._load_past(layer, slots, lengths)  # (B, L, r + dr)
             visible = None if excluded is None else ~excluded  # (B, 1, 1, L): True for each row's own keys
             o2, l2 = attention_mla.latent_attention(q, past, self.value_dim, scale, visible)
             out, lse = merge_pair(out, lse, o2, l2)

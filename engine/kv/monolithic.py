@@ -18,6 +18,7 @@ until the last transfer has read it. All of the KV is attended on the GPU (r = 0
 from __future__ import annotations
 
 import heapq
+import math
 
 import torch
 
@@ -34,14 +35,32 @@ class MonolithicKV(KVBackend):
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int, max_batch: int,
                  device: torch.device, dtype: torch.dtype):
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self._allocate(n_layers, max_context=max_context, max_batch=max_batch, device=device, dtype=dtype)
+
+    def _buffer_shape(self, max_batch: int, max_context: int) -> tuple[int, ...]:
+        """One layer's buffer for every slot (staging and device; the host holds one per layer):
+        per-head K and V planes, each token's rows strided by max_context."""
+        return (max_batch, 2, self.n_kv_heads, max_context, self.head_dim)
+
+    def _allocate(self, n_layers: int, *, max_context: int, max_batch: int, device: torch.device,
+                  dtype: torch.dtype) -> None:
+        """The buffers of _buffer_shape, the staging event, and the sequence slots."""
         self.transport = Transport(device)
         self.device, self.dtype, self.max_context = device, dtype, max_context
-        self.token_bytes = 2 * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()  # per layer
-        self.host = torch.empty((n_layers, max_batch, 2, n_kv_heads, max_context, head_dim), dtype=dtype)
-        self.staging = self.transport.host((max_batch, 2, n_kv_heads, max_context, head_dim), dtype, pinned=True)
+        shape = self._buffer_shape(max_batch, max_context)
+        per_token = math.prod(shape) // (max_batch * max_context)  # elements of one token of one layer
+        self.token_bytes = per_token * torch.empty((), dtype=dtype).element_size()  # per layer
+        try:
+            self.host = torch.empty((n_layers, *shape), dtype=dtype)
+        except (RuntimeError, MemoryError) as e:  # pageable pages are committed when written, but the
+            need = n_layers * max_batch * max_context * self.token_bytes  # address space must exist
+            raise OutOfMemoryError(f"the monolithic host buffer ({need / 2**30:.1f} GiB) cannot be reserved",
+                                   "lower max_context or max_batch") from e
+        self.staging = self.transport.host(shape, dtype, pinned=True)
         self.staging.tensor.zero_()  # padded keys are masked, but their values must stay finite
         try:
-            self.work = torch.empty((max_batch, 2, n_kv_heads, max_context, head_dim), device=device, dtype=dtype)
+            self.work = torch.empty(shape, device=device, dtype=dtype)
         except torch.OutOfMemoryError as e:
             raise OutOfMemoryError(f"the monolithic transfer buffer does not fit on {device}",
                                    "lower max_context or max_batch") from e
@@ -52,6 +71,22 @@ class MonolithicKV(KVBackend):
         self._next_id = 0
         self._step = None
         self.h2d_bytes = self.d2h_bytes = 0
+
+    def _load_past(self, layer: int, slots: list[int], lengths: list[int]) -> torch.Tensor:
+        """Splice every sequence's valid tokens of this layer into the staging buffer and copy the
+        slice of the first max(lengths) tokens to the device → that view of the device buffer,
+        _buffer_shape with B rows and L tokens (tokens are the second-to-last axis)."""
+        B, L = len(slots), max(lengths)
+        self.copied.synchronize()  # one staging buffer for every layer: the last copy must be done
+        stage = self.staging.tensor
+        for b, (slot, n) in enumerate(zip(slots, lengths)):
+            if n:
+                stage[b].narrow(-2, 0, n).copy_(self.host[layer, slot].narrow(-2, 0, n))
+        past = self.work[:B].narrow(-2, 0, L)
+        past.copy_(stage[:B].narrow(-2, 0, L), non_blocking=True)  # a strided slice: no single DMA
+        self.copied.record()
+        self.h2d_bytes += B * L * self.token_bytes
+        return past
 
     def new_sequence(self) -> int:
         if not self._free_slots:
@@ -94,15 +129,7 @@ class MonolithicKV(KVBackend):
         out, lse = attend_dense(q, k, v, scale, causal=T > 1)  # the new tokens
         L = max(lengths)
         if L:
-            self.copied.synchronize()  # one staging buffer for every layer: the last copy must be done
-            stage = self.staging.tensor
-            for b, (slot, n) in enumerate(zip(slots, lengths)):  # splice the valid rows
-                if n:
-                    stage[b, :, :, :n].copy_(self.host[layer, slot, :, :, :n])
-            past = self.work[:B, :, :, :L]
-            past.copy_(stage[:B, :, :, :L], non_blocking=True)  # a strided slice: no single DMA
-            self.copied.record()
-            self.h2d_bytes += B * L * self.token_bytes
+            past = self._load_past(layer, slots, lengths)  # (B, 2, n_kv, L, hs)
             if excluded is None:
                 o2, l2 = attend_dense(q, past[:, 0], past[:, 1], scale)
             else:
