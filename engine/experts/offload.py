@@ -7,7 +7,8 @@ One MoE layer (`run`), in order:
    fills (copied into slots on the copy stream, then computed on the GPU, kept) and a CPU set.
 3. The CPU set is prepared (engine/experts/cpu_set.py) and starts in a worker thread, computing in
    place from the store.
-4. The GPU side — hits and fills — runs as one grouped computation over the slot pool.
+4. The GPU side — hits and fills — runs as one grouped computation over the slot pool
+   (engine/experts/gpu_set.py).
 5. Predicted next-layer misses are prefetched into free or stale slots while the link is idle.
 6. The CPU part joins and is added. The sum does not depend on which side computed what.
 
@@ -31,13 +32,14 @@ from engine.experts.cpu_set import (CpuSetRunner, cpu_set_inputs, default_cpu_mo
                                      per_expert_moe,
                                     routed_cpu_set)
 from engine.experts.executor import ExpertExecutor
+from engine.experts.gpu_set import GpuSet
 from engine.experts.planner import PLANNED_POLICIES, MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
 from engine.experts.zero_copy import ZeroCopyDecode
 from engine.kernels import moe_decode_gpu
 from engine.kernels.cuda_streams import indexed
-from engine.kernels.experts_gpu import grouped_expert_ffn, grouped_impl, uses_grouped_mm
+from engine.kernels.experts_gpu import grouped_impl
 from engine.kernels.experts_torch import ClampedSwiGLU
 from engine.sched.expert_cost import ExpertCostModel
 
@@ -105,13 +107,7 @@ class OffloadedExperts(ExpertExecutor):
         s = self.store
         if n_slots:
             self.cache = ExpertCache(n_slots, s.hidden, s.expert_ffn, s.dtype, self.device)
-        self._sentinel = n_slots  # slot id of experts the CPU computes: sorts after every real slot
-        on_gpu = self.device.type == "cuda"
-        self._map_host = torch.full((s.n_experts,), n_slots, dtype=torch.int64, pin_memory=on_gpu)  # expert → slot
-        self._map_np = self._map_host.numpy()
-        self._map_dev = torch.empty_like(self._map_host, device=self.device) if on_gpu else self._map_host
-        self._group_ends = torch.arange(1, n_slots + 1, device=self.device)  # searchsorted → group end rows
-        self._grouped_mm = uses_grouped_mm(self.device, s.dtype)  # else: a loop over the host-known groups
+        self.gpu_set = GpuSet(self.cache, n_slots, s.n_experts, self.device, s.dtype)
         self._opened = True
         self._open_zero_copy()
 
@@ -244,13 +240,14 @@ class OffloadedExperts(ExpertExecutor):
         marks.append(time.perf_counter())
         gpu_experts = hits + plan.fill
         if cpu_buf is not None:  # the next graph piece reads the map
-            self._publish_map(gpu_experts, hit_slots + fill_slots, stream)
+            self.gpu_set.publish(gpu_experts, hit_slots + fill_slots, stream)
             if between is not None:
                 between()
             result = None
         else:
-            result = self._gpu_set(layer, x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts],
-                                   stream, out=None if on_cpu else out) if gpu_experts else None
+            result = self.gpu_set.compute(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts],
+                                          self.forms.get(layer), stream,
+                                          out=None if on_cpu else out) if gpu_experts else None
         marks.append(time.perf_counter())
         if plan.prefetch and predicted and self.cache is not None:
             self._prefetch(layer, host[N:], plan.prefetch)
@@ -318,47 +315,7 @@ class OffloadedExperts(ExpertExecutor):
         the published map puts in slots → (N, H) in x's dtype, to which the caller adds the CPU set's
         sum; None without cache slots (cpu-only: the CPU computes everything). Device work only
         (captured)."""
-        if self.cache is None:
-            return None
-        slot_ids = self._map_dev[ids]  # (N, k) slot, or the sentinel (skipped) for CPU pairs
-        return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down)
-
-    def _publish_map(self, experts: list[int], slots: list[int], stream=None) -> None:
-        """This layer's expert → slot map on the device (the sentinel for the rest), and the compute
-        stream after every fill issued so far."""
-        self._map_np.fill(self._sentinel)
-        self._map_np[experts] = slots
-        if self._map_dev is not self._map_host:  # reused after the next layer's host sync: safe
-            self._map_dev.copy_(self._map_host, non_blocking=True)
-        if self.cache is not None:
-            self.cache.wait_copies(stream)
-
-    def _gpu_set(self, layer: int, x, ids, weights, experts: list[int], slots: list[int], pairs_per_expert: np.ndarray,
-                 stream=None, out: torch.Tensor | None = None):
-        """Σ over the GPU-side experts, as one grouped computation over the slot pool → (N, H)."""
-        N, k = ids.shape
-        self._publish_map(experts, slots, stream)
-        form = self.forms.get(layer)
-        if form is None and moe_decode_gpu.available(x):  # a few tokens: matrix-vector products over the slots in place
-            slot_ids = self._map_dev[ids]  # (N, k) slot, or the sentinel (past the pool: skipped) for CPU pairs
-            return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down, out=out)
-        slot_of_pair = self._map_dev[ids.reshape(-1)]  # (N·k,) slot, or the sentinel for CPU pairs
-        sorted_slots, perm = torch.sort(slot_of_pair, stable=True)
-        xs = x[perm // k]  # (N·k, H) rows grouped by slot
-        # The host knows the groups (slot order, rows per slot): a pool of more slots than one grouped
-        # GEMM takes runs in windows of them without reading the group ends back.
-        by_slot = np.argsort(slots)
-        ends = np.cumsum(pairs_per_expert[by_slot])
-        groups = list(zip(np.asarray(slots)[by_slot].tolist(), (ends - pairs_per_expert[by_slot]).tolist(),
-                          ends.tolist()))
-        offs = torch.searchsorted(sorted_slots, self._group_ends, out_int32=True) if self._grouped_mm else None  # (S,)
-        rows = ids.reshape(-1)[perm] if form is not None else None  # (N·k,) the expert of each row: its biases
-        y = grouped_expert_ffn(xs, self.cache.gate_up, self.cache.down, offs, groups, form=form, rows=rows)  # (N·k, H)
-        on_gpu = (sorted_slots < self._sentinel).unsqueeze(1)  # (N·k, 1)
-        w = weights.reshape(-1)[perm].unsqueeze(1).float()
-        y = torch.where(on_gpu, y.float() * w, 0.0)  # CPU pairs' rows are undefined: zero them
-        pairs = torch.empty_like(y).index_copy_(0, perm, y)  # back to (token, choice) order
-        return pairs.view(N, k, -1).sum(1).to(x.dtype)  # (N, H)
+        return self.gpu_set.side(x, ids, weights)
 
     def _result_buffer(self, shape) -> torch.Tensor | None:
         """A pinned (N, H) fp32 buffer per decode size for the CPU set's result, so it returns to the

@@ -104,9 +104,9 @@ def test_adaptive_uses_both_sides_and_prefetches(model):
 
 def test_no_slot_allocation_during_decode(model):
     ex = make("adaptive", model, 5)
-    pool_ptr, map_ptr = ex.cache.pool.data_ptr(), ex._map_dev.data_ptr()
+    pool_ptr, map_ptr = ex.cache.pool.data_ptr(), ex.gpu_set.map_dev.data_ptr()
     forward_passes(ex, model, "cpu", n_passes=10, n_tokens=1, seed=4)
-    assert ex.cache.pool.data_ptr() == pool_ptr and ex._map_dev.data_ptr() == map_ptr
+    assert ex.cache.pool.data_ptr() == pool_ptr and ex.gpu_set.map_dev.data_ptr() == map_ptr
     assert ex.cache.allocations == 1 and ex.telemetry()["fills"] > 0
     with pytest.raises(RuntimeError, match="allocated already"):
         ex.open_cache(5)
