@@ -1,4 +1,4 @@
-"""The prefill/decode loop over a live batch of sequences, and chat sessions that keep their KV.
+"""The prefill/decode loop over a live batch of sequences.
 
 Continuous batching: sequences are admitted at any time and join the batch at the next step; each
 step first runs prefill for the sequences that joined (one sequence per forward, T prompt tokens,
@@ -10,8 +10,8 @@ failing sequence's alone: a prefill is one sequence's forward; a batched decode 
 re-run one sequence at a time, and only those that fail alone end with the error (`SeqRun.error`).
 `run()` is the one-call form (admit these, step until they end) that Engine.generate_batch uses.
 
-A session remembers which tokens its KV holds: the next turn crops the KV to the common prefix of
-old and new prompt and prefills only the rest.
+A chat's session remembers which tokens its KV holds (engine/runtime/sessions.py): the next turn
+crops the KV to the common prefix of old and new prompt and prefills only the rest.
 
 Decode runs one step ahead of the host: a step's tokens are sampled on the device and feed the next
 step there, which is launched before the host reads them. Reading a step's tokens (a sync), handing
@@ -29,14 +29,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
-
 import torch
 
 from engine.errors import ConfigError, ContextOverflowError
 from engine.kernels.cuda_streams import to_device_async
 from engine.kv.backend import KVBackend
 from engine.runtime.sequences import SeqRun, Session, _AnyOf, _Launched
+from engine.runtime.sessions import SessionPool
 from engine.runtime.telemetry import GenerationTimer, Telemetry
 
 __all__ = ["Generator", "SeqRun", "Session", "PREFILL_CHUNK", "PREFILL_BUDGET"]
@@ -53,11 +52,10 @@ class Generator:
                  telemetry: Telemetry):
         self.model, self.kv, self.device = model, kv, device
         self.max_context = max_context
-        self.max_sessions = max_sessions
         self.telemetry = telemetry
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
         self.keeps_recurrent_state = bool(getattr(kv, "recurrent", False))  # hybrid models (kv/recurrent.py)
-        self.sessions: OrderedDict[str, Session] = OrderedDict()  # LRU: oldest first
+        self.sessions = SessionPool(kv, max_sessions)  # chats that keep their KV (engine/runtime/sessions.py)
         self.graphs = None  # DecodeGraphs where decode steps can be replayed (engine/runtime/decode_graph.py)
         self.live: list[SeqRun] = []  # admitted and not ended, in order of admission
         self._pending: _Launched | None = None
@@ -69,27 +67,13 @@ class Generator:
     def session(self, key: str | None) -> Session:
         """The named chat's session (most recently used now), or a throwaway one for key None. A
         session whose sequence is in the live batch is never the one evicted."""
-        if key is not None and key in self.sessions:
-            self.sessions.move_to_end(key)
-            return self.sessions[key]
-        busy = {id(r.session) for r in self.live}
-        while len(self.sessions) >= self.max_sessions:  # the KV pool holds max_sessions sequences
-            old = next((k for k, s in self.sessions.items() if id(s) not in busy), None)
-            if old is None:  # every kept chat is generating now: the pool's free blocks stretch
-                break
-            self.kv.free(self.sessions.pop(old).seq_id)
-        s = Session(self.kv.new_sequence())
-        if key is not None:
-            self.sessions[key] = s
-        return s
+        return self.sessions.open(key, busy={id(r.session) for r in self.live})
 
     def end_session(self, key: str) -> None:
         s = self.sessions.get(key)
         if s is not None and any(r.session is s for r in self.live):
             raise ConfigError(f"chat {key} is generating", "stop its reply first")
-        self.sessions.pop(key, None)
-        if s is not None:
-            self.kv.free(s.seq_id)
+        self.sessions.end(key)
 
     # -- joining ----------------------------------------------------------------------------------
     def check(self, r: SeqRun) -> None:
@@ -115,16 +99,7 @@ class Generator:
         self.check(r)
         if r.session is None:
             r.session = self.session(None)
-        s = r.session
-        common = 0
-        for a, b in zip(s.cached, r.prompt):
-            if a != b:
-                break
-            common += 1
-        common = self.kv.resume_point(s.seq_id, min(common, len(r.prompt) - 1))
-        self.kv.crop(s.seq_id, common)
-        del s.cached[common:]
-        r.next_pos = common
+        r.next_pos = self.sessions.resume(r.session, r.prompt)
         r.t_admitted = time.perf_counter()
         if not self.live:
             self.timer = GenerationTimer()
