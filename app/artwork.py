@@ -78,7 +78,7 @@ def take_screenshots(out: Path, size: tuple[int, int] = (1366, 768)) -> list[Pat
     from app.main_window import MainWindow
     from app.paths import DB_NAME, data_dir
     from app.wizard import CALIBRATION, HARDWARE, MODEL, SetupWizard
-    from app.worker import EngineHost
+    from app.engine_host import EngineHost
 
     app = make_application([])
     written: list[Path] = []

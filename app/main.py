@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.main_window import MainWindow, engine_config, save_engine_settings
     from app.paths import DB_NAME, DataDirError, InstanceLock, check_writable, data_dir
     from app.wizard import SetupWizard
-    from app.worker import EngineHost
+    from app.engine_host import EngineHost
 
     app = make_application([])
     try:

@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 from app.db import ChatStore  # noqa: E402
 from app.main_window import MainWindow  # noqa: E402
 from app.paths import DB_NAME, data_dir  # noqa: E402
-from app.worker import EngineHost  # noqa: E402
+from app.engine_host import EngineHost  # noqa: E402
 
 LOAD_TIMEOUT_MS = 60_000
 

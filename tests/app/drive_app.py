@@ -10,7 +10,7 @@ from app.db import ChatStore
 from app.main import make_application
 from app.main_window import MainWindow
 from app.paths import DB_NAME, InstanceLock, data_dir
-from app.worker import EngineHost
+from app.engine_host import EngineHost
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ from app.db import ChatStore
 from app.main_window import MainWindow, engine_config
 from app.paths import DB_NAME, InstanceLock
 from app.qt_check import debian_package, describe_missing, missing_from_ldd, uses_xcb
-from app.worker import EngineHost
+from app.engine_host import EngineHost
 from engine.cli import main as cli_main
 
 MOE = "builtin:smollm2-135m-moe"

@@ -12,7 +12,7 @@ from app.paths import DB_NAME
 from app.plan_words import fit_badge, plan_line
 from app.wizard import MODEL, SetupWizard
 from app.wizard_model import FOUND_COLUMNS
-from app.worker import EngineHost
+from app.engine_host import EngineHost
 from engine.models import builtin
 
 LOAD_TIMEOUT_MS = 120_000

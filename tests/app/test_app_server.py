@@ -14,7 +14,7 @@ from app.paths import DB_NAME, REMOTE_KEY_NAME, SERVER_KEY_NAME
 from app.server_control import ServerControl
 from app.server_dialog import ServerDialog
 from app.wizard import DONE, MODEL, SetupWizard
-from app.worker import EngineHost
+from app.engine_host import EngineHost
 from engine.api import Engine, EngineConfig, GenerationRequest
 from engine.server.launch import free_port
 

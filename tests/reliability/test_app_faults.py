@@ -19,7 +19,7 @@ from gui_helpers import send_and_wait, set_chat  # noqa: E402
 from app.db import ChatStore, StoreError  # noqa: E402
 from app.main_window import MainWindow  # noqa: E402
 from app.paths import DB_NAME, InstanceLock  # noqa: E402
-from app.worker import EngineHost  # noqa: E402
+from app.engine_host import EngineHost  # noqa: E402
 
 
 @pytest.fixture

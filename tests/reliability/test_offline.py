@@ -56,7 +56,7 @@ def test_generation_app_and_calibration_offline(no_network, qtbot, tmp_path, mon
     from app.db import ChatStore
     from app.main_window import MainWindow
     from app.paths import DB_NAME, InstanceLock, data_dir
-    from app.worker import EngineHost
+    from app.engine_host import EngineHost
     from engine.api import Engine, EngineConfig, GenerationRequest, calibrate, load_profile
 
     # generation: the built-in default model, from its file to text
