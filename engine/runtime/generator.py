@@ -55,7 +55,7 @@ class Generator:
         self.telemetry = telemetry
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
         self.keeps_recurrent_state = bool(getattr(kv, "recurrent", False))  # hybrid models (kv/recurrent.py)
-        self.sessions = SessionPool(kv, max_sessions)  # chats that keep their KV (engine/runtime/sessions.py)
+        self.sessions = SessionPool(max_sessions)  # chats that keep their KV (engine/runtime/sessions.py)
         self.graphs = None  # DecodeGraphs where decode steps can be replayed (engine/runtime/decode_graph.py)
         self.live: list[SeqRun] = []  # admitted and not ended, in order of admission
         self._pending: _Launched | None = None
@@ -67,13 +67,13 @@ class Generator:
     def session(self, key: str | None) -> Session:
         """The named chat's session (most recently used now), or a throwaway one for key None. A
         session whose sequence is in the live batch is never the one evicted."""
-        return self.sessions.open(key, busy={id(r.session) for r in self.live})
+        return self.sessions.open(self.kv, key, busy={id(r.session) for r in self.live})
 
     def end_session(self, key: str) -> None:
         s = self.sessions.get(key)
         if s is not None and any(r.session is s for r in self.live):
             raise ConfigError(f"chat {key} is generating", "stop its reply first")
-        self.sessions.end(key)
+        self.sessions.end(self.kv, key)
 
     # -- joining ----------------------------------------------------------------------------------
     def check(self, r: SeqRun) -> None:
@@ -99,7 +99,7 @@ class Generator:
         self.check(r)
         if r.session is None:
             r.session = self.session(None)
-        r.next_pos = self.sessions.resume(r.session, r.prompt)
+        r.next_pos = self.sessions.resume(self.kv, r.session, r.prompt)
         r.t_admitted = time.perf_counter()
         if not self.live:
             self.timer = GenerationTimer()

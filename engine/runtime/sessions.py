@@ -17,10 +17,12 @@ from engine.runtime.sequences import Session
 
 
 class SessionPool(Mapping[str, Session]):
-    """The kept sessions by chat key, oldest first; `open` and `end` change it."""
+    """The kept sessions by chat key, oldest first; `open` and `end` change it. The KV backend is
+    the caller's, passed to each call: a rebuilt backend (engine/runtime/tandem.py) starts after
+    every session has ended."""
 
-    def __init__(self, kv: KVBackend, max_sessions: int):
-        self.kv, self.max_sessions = kv, max_sessions
+    def __init__(self, max_sessions: int):
+        self.max_sessions = max_sessions
         self._kept: OrderedDict[str, Session] = OrderedDict()  # LRU: oldest first
 
     def __getitem__(self, key: str) -> Session:
@@ -32,7 +34,7 @@ class SessionPool(Mapping[str, Session]):
     def __len__(self) -> int:
         return len(self._kept)
 
-    def open(self, key: str | None, busy: set[int]) -> Session:
+    def open(self, kv: KVBackend, key: str | None, busy: set[int]) -> Session:
         """The named chat's session (most recently used now), or a throwaway one for key None.
         busy: id() of the sessions whose sequence is in the live batch, never the one evicted."""
         if key is not None and key in self._kept:
@@ -42,19 +44,19 @@ class SessionPool(Mapping[str, Session]):
             old = next((k for k, s in self._kept.items() if id(s) not in busy), None)
             if old is None:  # every kept chat is generating now: the pool's free blocks stretch
                 break
-            self.kv.free(self._kept.pop(old).seq_id)
-        s = Session(self.kv.new_sequence())
+            kv.free(self._kept.pop(old).seq_id)
+        s = Session(kv.new_sequence())
         if key is not None:
             self._kept[key] = s
         return s
 
-    def end(self, key: str) -> None:
+    def end(self, kv: KVBackend, key: str) -> None:
         """Forget the chat and free its KV (nothing if it is not kept)."""
         s = self._kept.pop(key, None)
         if s is not None:
-            self.kv.free(s.seq_id)
+            kv.free(s.seq_id)
 
-    def resume(self, s: Session, prompt: list[int]) -> int:
+    def resume(self, kv: KVBackend, s: Session, prompt: list[int]) -> int:
         """Crop s's KV to the longest common prefix of what it holds and `prompt`, at least one token
         short of the prompt (its logits must be computed) and where the backend can resume from
         (kv.resume_point) → the prompt tokens whose KV is kept."""
@@ -63,7 +65,7 @@ class SessionPool(Mapping[str, Session]):
             if a != b:
                 break
             common += 1
-        common = self.kv.resume_point(s.seq_id, min(common, len(prompt) - 1))
-        self.kv.crop(s.seq_id, common)
+        common = kv.resume_point(s.seq_id, min(common, len(prompt) - 1))
+        kv.crop(s.seq_id, common)
         del s.cached[common:]
         return common
