@@ -1,4 +1,4 @@
-// SwiGLU expert FFN on AMX tiles (Intel Sapphire Rapids and later), for experts with more tokens than
+// Expert FFN (SwiGLU or its clamped, biased form: ExpertForm) on AMX tiles (Intel Sapphire Rapids and later), for experts with more tokens than
 // the vector kernels (experts_kernel.h) handle at memory speed: there every token adds a VDPBF16PS per
 // 64 bytes of weights. One TDPBF16PS multiplies 16 weight rows × 32 elements by 32 elements × up to 16
 // tokens. On a Xeon server with AMX: 1.1–1.7× the vector tiles' GB/s at 12–16 tokens and 3.6× at
@@ -10,8 +10,9 @@
 //   A(r)    = tmm(4 + r):  M weight rows × 32 elements (bf16), loaded in place from the expert;
 //   B(g)    = tmm(6 + g):  32 elements × N tokens of activations as 16 pair rows: pair row p holds,
 //                          per token, elements 2p and 2p + 1 (the layout TDPBF16PS multiplies).
-// Stage 1 takes the gate and the up rows of one block as its two row blocks (so silu(g)·u is formed
-// from its own tiles); stage 2 two consecutive blocks of down rows.
+// Stage 1 takes the gate and the up rows of one block as its two row blocks (so act(g, u) is formed
+// from its own tiles, biases added to the stored results); stage 2 two consecutive blocks of down
+// rows, the down biases added as each token's outputs are stored.
 //
 // Activations (xs, h) in that pair layout per group of N tokens: a group is N·K contiguous bf16, pair
 // p of token t at 32-bit word p·N + t mod N of its group (amx_pair_column), so a tile step reads 16
@@ -19,6 +20,7 @@
 
 constexpr int kAmxMaxRows = 16;    // weight rows of an A tile (the plan's rows_per_unit; the tile's most,
                                    // and 8-row tiles are no faster)
+static_assert(kAmxMaxRows % Simd::W == 0, "a C tile of M = kAmxMaxRows rows is whole vectors (amx_gate_up)");
 constexpr int kAmxStep = 32;       // elements of K per tile step (64 bytes of bf16)
 constexpr int kAmxMaxTokens = 16;  // columns of a C tile (64 bytes of fp32)
 
@@ -125,7 +127,7 @@ void amx_prepare_x(const ExpertProblem& P, void* xs, const ExpertTiling& T, int6
   }
 }
 
-// Rows [j0, j1) of h (whole tiles): h[t][j] = silu(gate_j · x_t) · (up_j · x_t), as bf16 pairs.
+// Rows [j0, j1) of h (whole tiles): h[t][j] = act(gate_j · x_t + bg_j, up_j · x_t + bu_j), as bf16 pairs.
 void amx_gate_up(const ExpertProblem& P, const void* xs, void* h, const ExpertTiling& T, int64_t j0, int64_t j1) {
   const int N = T.tokens_per_tile, M = int(T.rows_per_unit);
   const int64_t H = P.hidden, I = P.inter, S = P.gate_up_stride, groups = T.n_pad / N, cs = int64_t(M) * N;
@@ -143,10 +145,14 @@ void amx_gate_up(const ExpertProblem& P, const void* xs, void* h, const ExpertTi
       else amx_tiles<2, 1>(a, M, S, M * S, first, b, N, H, c);
       for (int g = 0; g < G; ++g) {
         float* gate = c + 2 * g * cs;  // (M rows, N tokens); up follows it
-        int64_t i = 0;
-        for (; i + Simd::W <= cs; i += Simd::W)
-          Simd::store(gate + i, swiglu(Simd::load(gate + i), Simd::load(gate + cs + i)));
-        for (; i < cs; ++i) gate[i] = gate[i] * gate[cs + i] / (1.0f + std::exp(-gate[i]));
+        if (P.form.gate_up_bias)  // every column, padding tokens' too: their h is never stored in y
+          for (int r = 0; r < M; ++r) {
+            const float bg = load_as_f32(P.form.gate_up_bias, P.form.bias_dtype, jb + r);
+            const float bu = load_as_f32(P.form.gate_up_bias, P.form.bias_dtype, I + jb + r);
+            for (int n = 0; n < N; ++n) gate[r * N + n] += bg, gate[cs + r * N + n] += bu;
+          }
+        for (int64_t i = 0; i < cs; i += Simd::W)  // cs = 16·N: whole vectors
+          Simd::store(gate + i, expert_act(P.form, Simd::load(gate + i), Simd::load(gate + cs + i)));
         // Column n of the pass's group: rows jb … jb + M − 1 as M/2 pairs, N words apart.
         uint32_t* col = amx_pair_column(h, (g0 + g) * N, I, N) + jb / 2 * N;
         for (int r = 0; r < M; r += 2)
@@ -165,10 +171,14 @@ void amx_down(const ExpertProblem& P, const void* h, const ExpertTiling& T, int6
   const uint16_t* hb = static_cast<const uint16_t*>(h);
   alignas(64) float c[4 * kAmxMaxRows * kAmxMaxTokens];
   alignas(64) float run[kAmxMaxRows];  // one token's outputs of one tile
+  alignas(64) float bias[2 * kAmxMaxRows];  // the down biases of a pass's rows, fp32
+  const void* down_bias = P.form.down_bias;
   load_tile_config(M, N);
   for (int64_t rb = r0; rb < r1; rb += 2 * M) {
     const int R = rb + 2 * M <= r1 ? 2 : 1;
     const uint16_t* a[2] = {dn + rb * S, dn + (rb + M) * S};
+    if (down_bias)
+      for (int i = 0; i < R * M; ++i) bias[i] = load_as_f32(down_bias, P.form.bias_dtype, rb + i);
     for (int64_t g0 = 0; g0 < groups; g0 += 2) {
       const uint16_t* b[2] = {hb + g0 * N * I, hb + std::min(g0 + 1, groups - 1) * N * I};
       const int G = groups - g0 >= 2 ? 2 : 1;
@@ -185,6 +195,8 @@ void amx_down(const ExpertProblem& P, const void* h, const ExpertTiling& T, int6
             const int64_t t = (g0 + g) * N + n;
             if (t >= P.n_tokens) break;
             for (int i = 0; i < M; ++i) run[i] = tile[i * N + n];
+            if (down_bias)
+              for (int i = 0; i < M; ++i) run[i] += bias[r * M + i];
             store_run(P.y, P.y_dtype, t * P.y_stride + rb + r * M, run, M);
           }
         }

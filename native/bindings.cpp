@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -72,16 +73,30 @@ void attention_mla_decode_py(uintptr_t q, int q_dtype, int64_t B, int64_t T, int
   attention_mla_decode(p, threads);
 }
 
+// The experts' form from the bindings' arguments: act 0 (SwiGLU) or 1 (clamped SwiGLU, alpha, limit);
+// biases in bias_dtype (their addresses are set by the caller).
+ExpertForm expert_form(int act, double alpha, double limit, int bias_dtype) {
+  require(act == 0 || act == 1, "act must be 0 (SwiGLU) or 1 (clamped SwiGLU)");
+  require(std::isfinite(alpha) && std::isfinite(limit) && limit >= 0, "alpha must be finite and limit finite, ≥ 0");
+  ExpertForm f;
+  f.act = ExpertAct(act), f.alpha = float(alpha), f.limit = float(limit), f.bias_dtype = dtype_of(bias_dtype);
+  return f;
+}
+
 void expert_ffn_py(uintptr_t x, int x_dtype, int64_t n_tokens, int64_t hidden, int64_t inter, int64_t x_stride,
                    uintptr_t gate_up, uintptr_t down, int w_dtype, int64_t gate_up_stride, int64_t down_stride,
-                   uintptr_t y, int y_dtype, int64_t y_stride, int threads) {
+                   uintptr_t y, int y_dtype, int64_t y_stride, int threads, int act, double alpha, double limit,
+                   uintptr_t gate_up_bias, uintptr_t down_bias, int bias_dtype) {
   require(n_tokens >= 0 && hidden > 0 && inter > 0, "n_tokens ≥ 0, hidden and inter > 0");
   require(hidden % 16 == 0 && inter % 16 == 0, "hidden and inter must be multiples of 16");
   require(gate_up_stride >= hidden && down_stride >= inter && x_stride >= hidden && y_stride >= hidden,
           "row strides must cover a row");
   ExpertProblem p{reinterpret_cast<const void*>(x), dtype_of(x_dtype), n_tokens, hidden, inter, x_stride,
                   reinterpret_cast<const void*>(gate_up), reinterpret_cast<const void*>(down), dtype_of(w_dtype),
-                  gate_up_stride, down_stride, reinterpret_cast<void*>(y), dtype_of(y_dtype), y_stride};
+                  gate_up_stride, down_stride, reinterpret_cast<void*>(y), dtype_of(y_dtype), y_stride,
+                  expert_form(act, alpha, limit, bias_dtype)};
+  p.form.gate_up_bias = reinterpret_cast<const void*>(gate_up_bias);
+  p.form.down_bias = reinterpret_cast<const void*>(down_bias);
   if (n_tokens == 0) return;
   require(x && gate_up && down && y, "null pointer");
   py::gil_scoped_release release;
@@ -93,7 +108,8 @@ void expert_ffn_py(uintptr_t x, int x_dtype, int64_t n_tokens, int64_t hidden, i
 MoeProblem checked_moe(uintptr_t x, int x_dtype, int64_t n_rows, int64_t hidden, int64_t inter, int64_t x_stride,
                        int w_dtype, const py::array_t<int64_t, py::array::c_style>& experts,
                        const py::array_t<int64_t, py::array::c_style>& tokens,
-                       const py::array_t<float, py::array::c_style>& weights, uintptr_t out, int64_t out_stride) {
+                       const py::array_t<float, py::array::c_style>& weights, uintptr_t out, int64_t out_stride,
+                       const py::object& biases, int act, double alpha, double limit, int bias_dtype) {
   require(n_rows >= 0 && hidden > 0 && inter > 0, "n_rows ≥ 0, hidden and inter > 0");
   require(hidden % 16 == 0 && inter % 16 == 0, "hidden and inter must be multiples of 16");
   require(x_stride >= hidden && out_stride >= hidden, "row strides must cover a row");
@@ -104,7 +120,14 @@ MoeProblem checked_moe(uintptr_t x, int x_dtype, int64_t n_rows, int64_t hidden,
   const auto* table = reinterpret_cast<const MoeExpert*>(experts.data());
   const int64_t* token_ids = tokens.data();
   MoeProblem p{reinterpret_cast<const void*>(x), dtype_of(x_dtype), n_rows, hidden, inter, x_stride, dtype_of(w_dtype),
-               table, n_experts, token_ids, weights.data(), reinterpret_cast<float*>(out), out_stride};
+               table, n_experts, token_ids, weights.data(), reinterpret_cast<float*>(out), out_stride,
+               expert_form(act, alpha, limit, bias_dtype)};
+  if (!biases.is_none()) {  // the caller keeps the array alive as long as the table
+    const auto b = biases.cast<py::array_t<int64_t, py::array::c_style>>();
+    require(b.ndim() == 2 && b.shape(0) == n_experts && b.shape(1) == 2 && b.dtype().is(py::dtype::of<int64_t>()),
+            "biases must be an int64 table (J, 2) of bias addresses");
+    p.biases = b.data();
+  }
   if (n_rows == 0) return p;
   require(x && out, "null pointer");
   int64_t total = 0;
@@ -124,9 +147,9 @@ void moe_ffn_py(uintptr_t x, int x_dtype, int64_t n_rows, int64_t hidden, int64_
                 const py::array_t<int64_t, py::array::c_style>& experts,
                 const py::array_t<int64_t, py::array::c_style>& tokens,
                 const py::array_t<float, py::array::c_style>& weights, uintptr_t out, int64_t out_stride,
-                int threads) {
+                int threads, const py::object& biases, int act, double alpha, double limit, int bias_dtype) {
   const MoeProblem p = checked_moe(x, x_dtype, n_rows, hidden, inter, x_stride, w_dtype, experts, tokens, weights,
-                                   out, out_stride);
+                                   out, out_stride, biases, act, alpha, limit, bias_dtype);
   if (n_rows == 0) return;
   py::gil_scoped_release release;
   moe_ffn(p, threads);
@@ -136,10 +159,10 @@ void moe_submit_py(MoeWorker& worker, uintptr_t x, int x_dtype, int64_t n_rows, 
                    int64_t x_stride, int w_dtype, const py::array_t<int64_t, py::array::c_style>& experts,
                    const py::array_t<int64_t, py::array::c_style>& tokens,
                    const py::array_t<float, py::array::c_style>& weights, uintptr_t out, int64_t out_stride,
-                   int threads) {
+                   int threads, const py::object& biases, int act, double alpha, double limit, int bias_dtype) {
   require(n_rows > 0, "a CPU set handed to the worker has rows");
   worker.submit(checked_moe(x, x_dtype, n_rows, hidden, inter, x_stride, w_dtype, experts, tokens, weights, out,
-                            out_stride),
+                            out_stride, biases, act, alpha, limit, bias_dtype),
                 threads);
 }
 
@@ -271,14 +294,20 @@ PYBIND11_MODULE(_native, m) {
   m.def("expert_ffn", &expert_ffn_py, py::arg("x"), py::arg("x_dtype"), py::arg("n_tokens"), py::arg("hidden"),
         py::arg("inter"), py::arg("x_stride"), py::arg("gate_up"), py::arg("down"), py::arg("w_dtype"),
         py::arg("gate_up_stride"), py::arg("down_stride"), py::arg("y"), py::arg("y_dtype"), py::arg("y_stride"),
-        py::arg("threads"), "y = down · (silu(gate·x) ⊙ (up·x)) with gate_up (2I, H), down (H, I).");
+        py::arg("threads"), py::arg("act") = 0, py::arg("alpha") = 1.702, py::arg("limit") = 7.0,
+        py::arg("gate_up_bias") = 0, py::arg("down_bias") = 0, py::arg("bias_dtype") = 0,
+        "y = down · act(gate·x + bg, up·x + bu) + bd with gate_up (2I, H), down (H, I); act 0: silu(g)·u, 1: "
+        "gpt-oss's (clamp(u, ±limit) + 1)·g·σ(alpha·g), g = min(g, limit); biases: addresses of (2I,) gate half "
+        "first and (H,) in bias_dtype, 0: none.");
   m.def("moe_ffn", &moe_ffn_py, py::arg("x"), py::arg("x_dtype"), py::arg("n_rows"), py::arg("hidden"),
         py::arg("inter"), py::arg("x_stride"), py::arg("w_dtype"), py::arg("experts").noconvert(),
         py::arg("tokens").noconvert(), py::arg("weights").noconvert(), py::arg("out"), py::arg("out_stride"),
-        py::arg("threads"),
+        py::arg("threads"), py::arg("biases") = py::none(), py::arg("act") = 0, py::arg("alpha") = 1.702, py::arg("limit") = 7.0,
+        py::arg("bias_dtype") = 0,
         "One MoE layer's experts: out (n_rows, H) fp32 = Σ_pairs weight · expert(x[token]). experts: int64 "
         "(J, 5) rows (gate_up ptr, down ptr, gate_up row stride, down row stride, pairs); expert j's pairs "
-        "follow expert j − 1's in tokens (int64) and weights (fp32).");
+        "follow expert j − 1's in tokens (int64) and weights (fp32). The experts' form as expert_ffn's, with "
+        "biases an int64 (J, 2) table of expert j's gate_up and down bias addresses (0: none) or None.");
   py::class_<MoeWorker>(m, "MoeWorker",
                         "A native thread that runs one MoE layer's CPU set at a time (moe_ffn) beside the "
                         "caller; no Python runs on it. The caller keeps the operands alive until `wait` returns.")
@@ -286,7 +315,9 @@ PYBIND11_MODULE(_native, m) {
       .def("submit", &moe_submit_py, py::arg("x"), py::arg("x_dtype"), py::arg("n_rows"), py::arg("hidden"),
            py::arg("inter"), py::arg("x_stride"), py::arg("w_dtype"), py::arg("experts").noconvert(),
            py::arg("tokens").noconvert(), py::arg("weights").noconvert(), py::arg("out"), py::arg("out_stride"),
-           py::arg("threads"), "Start moe_ffn's arguments on the worker (the previous set must be collected).")
+           py::arg("threads"), py::arg("biases") = py::none(), py::arg("act") = 0, py::arg("alpha") = 1.702, py::arg("limit") = 7.0,
+           py::arg("bias_dtype") = 0,
+           "Start moe_ffn's arguments on the worker (the previous set must be collected).")
       .def("submit_routed", &moe_submit_routed_py, py::arg("x"), py::arg("x_dtype"), py::arg("n_rows"),
            py::arg("hidden"), py::arg("inter"), py::arg("x_stride"), py::arg("w_dtype"), py::arg("rows").noconvert(),
            py::arg("chosen").noconvert(), py::arg("ids").noconvert(), py::arg("route_weights"),

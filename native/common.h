@@ -82,7 +82,24 @@ struct AttentionItem {
 // l = Σ 2^(s − m), o = Σ 2^(s − m) · v (unnormalised, head_dim floats). Rows are contiguous.
 using AttentionItemFn = void (*)(const AttentionProblem&, const AttentionItem&, float* o, float* m, float* l);
 
-// SwiGLU expert: y = down · (silu(gate·x) ⊙ (up·x)), gate_up (2I, H) gate rows first, down (H, I).
+// How an expert forms its intermediate h from g = gate·x (+ bias) and u = up·x (+ bias), per element.
+enum class ExpertAct : int32_t {
+  swiglu = 0,          // silu(g)·u
+  clamped_swiglu = 1,  // gpt-oss: g = min(g, limit), u = clamp(u, ±limit), (u + 1)·g·σ(alpha·g)
+};
+
+// An expert's form beyond its weights: the activation and optional biases, added to the fp32
+// accumulators before the activation (gate, up) and before the output is stored (down).
+struct ExpertForm {
+  ExpertAct act = ExpertAct::swiglu;
+  float alpha = 1.702f, limit = 7.0f;  // clamped_swiglu only (gpt-oss's published config)
+  DType bias_dtype = DType::f32;
+  const void* gate_up_bias = nullptr;  // (2·inter,) gate half first, or null: none
+  const void* down_bias = nullptr;     // (hidden,), or null: none
+};
+
+// Expert FFN: y = down · act(gate·x, up·x), gate_up (2I, H) gate rows first, down (H, I); `form`
+// names the activation and the biases (default: plain SwiGLU, no biases).
 struct ExpertProblem {
   const void* x;  // (n_tokens, hidden), row stride x_stride, unit stride along hidden
   DType x_dtype;
@@ -94,6 +111,7 @@ struct ExpertProblem {
   void* y;  // (n_tokens, hidden), row stride y_stride
   DType y_dtype;
   int64_t y_stride;
+  ExpertForm form{};
 };
 
 // One MoE layer's routed experts on the CPU: out (N, H) fp32 = Σ over (token, expert) pairs of
@@ -118,6 +136,8 @@ struct MoeProblem {
   const float* weights;   // (Σ n_pairs,)
   float* out;             // (n_rows, hidden), row stride out_stride: every row is written
   int64_t out_stride;
+  ExpertForm form{};  // every expert's activation and bias dtype (its bias pointers are unused)
+  const int64_t* biases = nullptr;  // (n_experts, 2) or null: expert j's gate_up and down bias addresses (0: none)
 };
 
 // How an expert's tokens are cut into tiles, chosen per problem by the kernel table (see

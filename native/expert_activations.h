@@ -1,5 +1,6 @@
-// The expert kernels' activations (experts_kernel.h): their dtype, their layout and their
-// preparation from x. Included by experts_kernel.h inside each ISA's anonymous namespace.
+// The expert kernels' activations (experts_kernel.h): their dtype, their layout, their preparation
+// from x, and the activation function that forms h from a tile's gate and up results (ExpertForm).
+// Included by experts_kernel.h inside each ISA's anonymous namespace.
 //
 // Activations (xs: x converted, h) are tile-interleaved: per group of TB tokens, per block of `step`
 // elements along K (one vector of weights: 64 bytes), the TB tokens' blocks one after another, so a
@@ -108,4 +109,40 @@ void expert_prepare_x(const ExpertProblem& P, void* xs, const ExpertTiling& T, i
     prepare_x_as<float, true>(P, static_cast<float*>(xs), T, t_begin, t_end);
   else
     prepare_x_as(P, static_cast<float*>(xs), T, t_begin, t_end);
+}
+
+// -- The intermediate's activation function (ExpertForm::act) -------------------------------------
+// Applied to one vector of a tile's fp32 results (lane r·TB + t of the vector tiles, or 16 elements of
+// an AMX tile), after the biases are added. Its cost is one vector per RB·H (or 16·H) multiply-adds.
+
+// silu(g)·u = g·u / (1 + e^−g), with e^−g = 2^(−g·log2 e): exp2's clamp at 2^−126 leaves silu(g) = g
+// for large g, and its overflow to inf gives −0 for very negative g.
+inline Simd::V swiglu(Simd::V g, Simd::V u) {
+  const Simd::V e = Simd::exp2(Simd::mul(g, Simd::set1(-1.4426950408889634f)));
+  return Simd::div(Simd::mul(g, u), Simd::add(Simd::set1(1.0f), e));
+}
+
+// gpt-oss: g = min(g, limit), u = clamp(u, ±limit), (u + 1)·g·σ(alpha·g) = (u + 1)·g / (1 + 2^(−alpha·g·log2 e)),
+// the same exp2 as swiglu (its limits give the same large-|g| behaviour).
+inline Simd::V clamped_swiglu(Simd::V g, Simd::V u, float alpha, float limit) {
+  g = Simd::min(g, Simd::set1(limit));
+  u = Simd::max(Simd::min(u, Simd::set1(limit)), Simd::set1(-limit));
+  const Simd::V e = Simd::exp2(Simd::mul(g, Simd::set1(-1.4426950408889634f * alpha)));
+  return Simd::div(Simd::mul(g, Simd::add(u, Simd::set1(1.0f))), Simd::add(Simd::set1(1.0f), e));
+}
+
+// The form's activation of one vector of gate and up results (biases added).
+TANDEM_ALWAYS_INLINE Simd::V expert_act(const ExpertForm& f, Simd::V g, Simd::V u) {
+  return f.act == ExpertAct::clamped_swiglu ? clamped_swiglu(g, u, f.alpha, f.limit) : swiglu(g, u);
+}
+
+// A vector tile's biases: bias[row0 + r] (fp32 from `d`) in lane r·tb + t for r < RB rows, t < tb
+// tokens; the other lanes 0.
+template <int RB> inline Simd::V tile_bias(const void* bias, DType d, int64_t row0, int tb) {
+  alignas(64) float lanes[Simd::W] = {};
+  for (int r = 0; r < RB; ++r) {
+    const float b = load_as_f32(bias, d, row0 + r);
+    for (int t = 0; t < tb; ++t) lanes[r * tb + t] = b;
+  }
+  return Simd::load(lanes);
 }

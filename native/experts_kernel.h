@@ -1,5 +1,6 @@
-// SwiGLU expert FFN pieces for one thread: y = down · (silu(gate·x) ⊙ (up·x)). Written once over
-// `Simd`; each ISA translation unit includes this inside an anonymous namespace.
+// Expert FFN pieces for one thread: y = down · act(gate·x, up·x) (+ the form's biases; SwiGLU or
+// gpt-oss's clamped SwiGLU, see ExpertForm in common.h). Written once over `Simd`; each ISA
+// translation unit includes this inside an anonymous namespace.
 //
 // Both stages are "weight rows × tokens" dot products. A tile is RB weight rows × TB tokens with
 // RB·TB ≤ W accumulators, reduced together into one vector (lane r·TB + t). Weight rows stream from
@@ -160,13 +161,6 @@ TANDEM_ALWAYS_INLINE Simd::V dot_tile(const typename Elem<WD>::type* const* w, c
 // c + 1), with each tile's partial results kept in a vector between chunks.
 constexpr int kBlockTiles = 8;
 
-// silu(g)·u = g·u / (1 + e^−g), with e^−g = 2^(−g·log2 e): exp2's clamp at 2^−126 leaves silu(g) = g
-// for large g, and its overflow to inf gives −0 for very negative g.
-inline Simd::V swiglu(Simd::V g, Simd::V u) {
-  const Simd::V e = Simd::exp2(Simd::mul(g, Simd::set1(-1.4426950408889634f)));
-  return Simd::div(Simd::mul(g, u), Simd::add(Simd::set1(1.0f), e));
-}
-
 // Token groups per pass: a tile's K chunk of weight rows serves GP ≤ 2 groups of TB tokens while it
 // is in L1 (RB rows × KC elements: 4 × 1024 bf16 = 8 KiB next to 8 tokens' 16 KiB of activations): the
 // first group's dot_tile reads the chunk from DRAM, the second re-reads it from L1 at once. 5…8 tokens
@@ -201,7 +195,7 @@ TANDEM_ALWAYS_INLINE void dot_groups(Simd::V* acc, const typename Elem<WD>::type
   acc[0] = Simd::add(acc[0], dot_tile<WD, M, RB, TB>(w, a, k0, k1, next));
 }
 
-// Stage 1, rows [j0, j1) of the intermediate: h[t][j] = silu(gate_j · x_t) · (up_j · x_t).
+// Stage 1, rows [j0, j1) of the intermediate: h[t][j] = act(gate_j · x_t + bg_j, up_j · x_t + bu_j).
 // Order of reading within a block: for each K chunk, for each tile: its gate rows (for each token
 // group of the pass, the first from DRAM, the others from L1), then its up rows the same way.
 template <DType WD, int M, int TB, int GP, int TT>
@@ -243,8 +237,14 @@ void gate_up_rows(const ExpertProblem& P, const void* xs, void* h, int64_t n_pad
       }
       for (int b = 0; b < nb; ++b)
         for (int gi = 0; gi < ng; ++gi) {
-          Simd::store(hs, swiglu(g[b][gi], u[b][gi]));
           const int wg = gi == 1 ? TT : TB;  // the group's tokens per tile: lane r·wg + t
+          Simd::V gv = g[b][gi], uv = u[b][gi];
+          if (P.form.gate_up_bias) {  // padding tokens' lanes get them too: their h is never stored in y
+            const int64_t j = jb + b * RB;
+            gv = Simd::add(gv, tile_bias<RB>(P.form.gate_up_bias, P.form.bias_dtype, j, wg));
+            uv = Simd::add(uv, tile_bias<RB>(P.form.gate_up_bias, P.form.bias_dtype, I + j, wg));
+          }
+          Simd::store(hs, expert_act(P.form, gv, uv));
           AT* group = static_cast<AT*>(h) + (t0 + gi * TB) * I;  // its tile-interleaved rows start here
           for (int r = 0; r < RB; ++r)
             for (int t = 0; t < wg; ++t)
@@ -265,7 +265,7 @@ inline void store_run(void* y, DType d, int64_t i, const float* src, int64_t n) 
   for (; k < n; ++k) store_from_f32(y, d, i + k, src[k]);
 }
 
-// Stage 2, rows [r0, r1) of the output: y[t][r] = down_r · h_t, written in y's dtype.
+// Stage 2, rows [r0, r1) of the output: y[t][r] = down_r · h_t (+ bd_r), written in y's dtype.
 template <DType WD, int M, int TB, int GP, int TT>
 void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0, int64_t r1) {
   constexpr int W = Simd::W, RB = expert_tile_rows(W, TB);
@@ -278,8 +278,12 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
   const int64_t I = P.inter, S = P.down_stride;
   alignas(64) float y[kBlockTiles * W];   // one group's tiles of the block, lane r·TB + t each
   alignas(64) float run[kBlockTiles * RB];  // one token's outputs of the block
+  alignas(64) float bias[kBlockTiles * RB];  // the block's down biases, fp32
+  const void* down_bias = P.form.down_bias;
   for (int64_t rb = r0; rb < r1; rb += kBlockTiles * RB) {
     const int nb = int(std::min<int64_t>(kBlockTiles, (r1 - rb) / RB));
+    if (down_bias)
+      for (int i = 0; i < nb * RB; ++i) bias[i] = load_as_f32(down_bias, P.form.bias_dtype, rb + i);
     for (int64_t t0 = 0; t0 < n_pad; t0 += GP * TB) {  // a pass: up to GP groups of TB tokens
       const int ng = int(std::min<int64_t>(GP, (n_pad - t0 + TB - 1) / TB));  // the last may be narrower (TT)
       const AT* a = static_cast<const AT*>(h) + t0 * I;
@@ -303,6 +307,8 @@ void down_rows(const ExpertProblem& P, const void* h, int64_t n_pad, int64_t r0,
         for (int t = 0; t < wg && tg + t < P.n_tokens; ++t) {
           for (int b = 0; b < nb; ++b)
             for (int r = 0; r < RB; ++r) run[b * RB + r] = y[b * W + r * wg + t];
+          if (down_bias)
+            for (int i = 0; i < nb * RB; ++i) run[i] += bias[i];
           store_run(P.y, P.y_dtype, (tg + t) * P.y_stride + rb, run, nb * RB);
         }
       }

@@ -113,7 +113,9 @@ void moe_ffn(const MoeProblem& M, int n_threads) {
       Segment S;
       S.P = ExpertProblem{nullptr, M.x_dtype, n, H, I, H, reinterpret_cast<const void*>(E.gate_up_ptr),
                           reinterpret_cast<const void*>(E.down_ptr), M.w_dtype, E.gate_up_stride,
-                          E.down_stride, nullptr, DType::f32, H};
+                          E.down_stride, nullptr, DType::f32, H, M.form};
+      S.P.form.gate_up_bias = M.biases ? reinterpret_cast<const void*>(M.biases[2 * j]) : nullptr;
+      S.P.form.down_bias = M.biases ? reinterpret_cast<const void*>(M.biases[2 * j + 1]) : nullptr;
       S.T = K.expert_tiling(S.P);
       const int64_t n_pad = S.T.n_pad, row_cost = S.T.row_cost;
       if (cur.act_rows + n_pad > kMaxPassRows) close_pass();

@@ -16,6 +16,8 @@ struct Simd {
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float lane0(V v) { return _mm256_cvtss_f32(v); }
   // One cache line into L2 (prefetcht0, into L1, measured slower: it competes with the compute's

@@ -20,6 +20,8 @@ struct Simd {
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float lane0(V v) { return _mm512_cvtss_f32(v); }
   // One cache line into L2 (prefetcht0, into L1, measured slower: it competes with the compute's

@@ -16,6 +16,8 @@ struct Simd {
   static V sub(V a, V b) { return a - b; }
   static V mul(V a, V b) { return a * b; }
   static V div(V a, V b) { return a / b; }
+  static V min(V a, V b) { return a < b ? a : b; }  // the second operand where either is NaN, as minps
+  static V max(V a, V b) { return a > b ? a : b; }
   static V fma(V a, V b, V c) { return a * b + c; }  // std::fma is a slow libm call without FMA hardware
   static float lane0(V v) { return v; }
   static void prefetch(const void* p) {

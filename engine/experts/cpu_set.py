@@ -47,7 +47,16 @@ def per_expert_moe(ffn):
 
 def form_cpu_set(form, x: torch.Tensor, expert_ids: list[int], experts, tokens, weights, out=None):
     """The CPU set of a layer whose experts have another form (experts_torch.ClampedSwiGLU, its
-    biases on the host): torch, one expert at a time; inputs as `cpu_set_inputs` gives them → compute()."""
+    biases on the host); inputs as `cpu_set_inputs` gives them → compute(). With experts_cpu: its
+    prepare_moe with the form (a PreparedMoe: one native call where the extension takes the set, which
+    CpuSetRunner hands to the native worker); else torch, one expert at a time."""
+    try:
+        from engine.kernels import experts_cpu
+    except ImportError:
+        experts_cpu = None
+    if experts_cpu is not None:
+        return experts_cpu.prepare_moe(x, experts, tokens, weights, out=out, form=form, expert_ids=expert_ids)
+
     def compute():
         result = torch.zeros(x.shape, dtype=torch.float32) if out is None else out.zero_()  # (N, H)
         for e, (gate_up, down), tok, w in zip(expert_ids, experts, tokens, weights):

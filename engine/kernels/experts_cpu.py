@@ -1,6 +1,9 @@
-"""Routed-expert SwiGLU FFN on the CPU, reading the weights in place from host memory.
+"""Routed-expert FFN on the CPU, reading the weights in place from host memory.
 
-    expert_ffn(x (n, H), gate_up (2I, H), down (H, I)) -> y (n, H) in x's dtype
+    expert_ffn(x (n, H), gate_up (2I, H), down (H, I), form=None, expert=0) -> y (n, H) in x's dtype
+
+SwiGLU, or with `form` (experts_torch.ClampedSwiGLU: gpt-oss) its biased, clamped form: the native
+kernel adds the biases to its fp32 accumulators and applies the clamped activation in the same pass.
 
 The fused layout of transformers 5.x (gate rows first; see experts_torch.py, the reference). The
 native kernel reads each weight once per call, splits the rows over the threads, and does bf16
@@ -27,6 +30,7 @@ import torch
 
 from engine.errors import KernelInputError
 from engine.kernels import native
+from engine.kernels.experts_torch import ClampedSwiGLU
 from engine.kernels.experts_torch import expert_ffn as expert_ffn_torch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,9 +56,45 @@ def implementation(n_tokens: int = 1) -> str:
     return f"native-{isa}" if isa and n_tokens <= _native_max_tokens else "torch"
 
 
+# The native call's code for an expert activation (native/common.h ExpertAct).
+_CLAMPED_SWIGLU = 1
+
+
+def _check_form(form, expert_ids, H: int, inter: int) -> None:
+    """A ClampedSwiGLU whose biases fit (E, 2I) and (E, H), CPU tensors of one supported dtype with unit
+    stride along a row, and expert ids within E; else KernelInputError."""
+    if not isinstance(form, ClampedSwiGLU):
+        raise KernelInputError(f"form must be an experts_torch.ClampedSwiGLU, got {type(form).__name__}")
+    gub, db = form.gate_up_bias, form.down_bias
+    if gub.dim() != 2 or db.dim() != 2 or gub.shape[1] != 2 * inter or db.shape != (gub.shape[0], H):
+        raise KernelInputError(f"the form's biases do not fit: gate_up_bias {tuple(gub.shape)} (want (E, {2 * inter})), "
+                               f"down_bias {tuple(db.shape)} (want (E, {H}))")
+    if (not gub.is_cpu or not db.is_cpu or gub.dtype not in _DTYPES or db.dtype != gub.dtype
+            or gub.stride(1) != 1 or db.stride(1) != 1):
+        raise KernelInputError(f"the form's biases must be CPU tensors of one fp32/bf16/fp16 dtype with unit stride "
+                               f"per row, got {gub.dtype} on {gub.device} and {db.dtype} on {db.device}")
+    ids = np.asarray(expert_ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= gub.shape[0]):
+        raise KernelInputError(f"expert ids {ids.min()}…{ids.max()} outside the form's {gub.shape[0]} experts")
+
+
+def _form_args(form: ClampedSwiGLU | None, expert_ids) -> tuple:
+    """The native calls' form arguments for the experts `expert_ids` (checked by _check_form):
+    (biases (J, 2) int64 addresses of each expert's gate_up and down biases, act, alpha, limit, bias dtype)."""
+    if form is None:
+        return (None, 0, 1.702, 7.0, 0)
+    gub, db = form.gate_up_bias, form.down_bias
+    ids = np.asarray(expert_ids, dtype=np.int64)
+    biases = np.stack((gub.data_ptr() + ids * gub.stride(0) * gub.element_size(),
+                       db.data_ptr() + ids * db.stride(0) * db.element_size()), axis=1)  # (J, 2)
+    return (np.ascontiguousarray(biases, dtype=np.int64), _CLAMPED_SWIGLU, float(form.alpha), float(form.limit),
+            native.DTYPE_CODES[gub.dtype])
+
+
 def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, out: torch.Tensor | None = None,
-               threads: int | None = None) -> torch.Tensor:
-    """x: (n, H); gate_up: (2·I, H); down: (H, I) → y (n, H) in x's dtype (written into `out` if given)."""
+               threads: int | None = None, form: ClampedSwiGLU | None = None, expert: int = 0) -> torch.Tensor:
+    """x: (n, H); gate_up: (2·I, H); down: (H, I) → y (n, H) in x's dtype (written into `out` if given).
+    form: the experts' biases and clamped activation (gpt-oss), of which this is expert `expert`."""
     for name, t in (("x", x), ("gate_up", gate_up), ("down", down)):
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype not in _DTYPES or t.dim() != 2:
             raise KernelInputError(f"{name} must be a 2-D fp32/bf16/fp16 CPU tensor, got "
@@ -70,18 +110,24 @@ def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, ou
                             or out.stride(1) != 1):
         raise KernelInputError(f"out must be a CPU {x.dtype} tensor of shape {tuple(x.shape)} with unit stride per row")
     inter = two_i // 2
+    if form is not None:
+        _check_form(form, [expert], H, inter)
     nat = native.module()
     if (nat is None or n > _native_max_tokens or H % 16 or inter % 16
             or gate_up.stride(1) != 1 or down.stride(1) != 1):
-        y = expert_ffn_torch(x.to(gate_up.dtype), gate_up, down).to(x.dtype)
+        xw = x.to(gate_up.dtype)
+        y = (expert_ffn_torch(xw, gate_up, down) if form is None else form.ffn(xw, expert, gate_up, down)).to(x.dtype)
         return out.copy_(y) if out is not None else y
     if x.stride(1) != 1:
         x = x.contiguous()  # (n, H): activations are small; weights are never copied
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     code = native.DTYPE_CODES
+    biases, act, alpha, limit, bias_dtype = _form_args(form, [expert])
     nat.expert_ffn(x.data_ptr(), code[x.dtype], n, H, inter, x.stride(0), gate_up.data_ptr(), down.data_ptr(),
                    code[gate_up.dtype], gate_up.stride(0), down.stride(0), y.data_ptr(), code[y.dtype], y.stride(0),
-                   threads or native.threads())
+                   threads or native.threads(), act=act, alpha=alpha, limit=limit,
+                   gate_up_bias=0 if biases is None else int(biases[0, 0]),
+                   down_bias=0 if biases is None else int(biases[0, 1]), bias_dtype=bias_dtype)
     return y
 
 
@@ -103,15 +149,17 @@ def _pair_array(name: str, j: int, value, dtype: np.dtype, kind: str) -> np.ndar
 
 
 def moe_ffn(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, form: ClampedSwiGLU | None = None, expert_ids=None) -> torch.Tensor:
     """x: (N, H); experts: J pairs (gate_up (2I, H), down (H, I)) of one dtype; tokens[j]: int rows of x
     routed to expert j; weights[j]: their routing weights (same length) → out (N, H) float32 with
-    out[t] = Σ_j Σ_{i: tokens[j][i] = t} weights[j][i] · expert_j(x[t]); rows no pair names are 0."""
-    return prepare_moe(x, experts, tokens, weights, threads=threads, out=out)()
+    out[t] = Σ_j Σ_{i: tokens[j][i] = t} weights[j][i] · expert_j(x[t]); rows no pair names are 0.
+    form: the layer's expert biases and clamped activation (gpt-oss), expert j being expert_ids[j] of it."""
+    return prepare_moe(x, experts, tokens, weights, threads=threads, out=out, form=form, expert_ids=expert_ids)()
 
 
 def prepare_moe(x: torch.Tensor, experts, tokens, weights, *, threads: int | None = None,
-                out: torch.Tensor | None = None) -> "PreparedMoe":
+                out: torch.Tensor | None = None, form: ClampedSwiGLU | None = None,
+                expert_ids=None) -> "PreparedMoe":
     """moe_ffn in two halves: the checks and the native call's tables now, on this thread; the compute
     when the returned PreparedMoe is called (from a worker: the native call holds the GIL only to
     start, so a worker that only computes does not contend with the thread that prepared it), or
@@ -128,6 +176,8 @@ def prepare_moe(x: torch.Tensor, experts, tokens, weights, *, threads: int | Non
     elif (not isinstance(out, torch.Tensor) or out.shape != (N, H) or out.dtype != torch.float32
           or not out.is_cpu or out.stride(1) != 1):
         raise KernelInputError(f"out must be a CPU float32 tensor of shape {(N, H)} with unit stride per row")
+    if form is not None and (expert_ids is None or len(expert_ids) != J):
+        raise KernelInputError(f"a form needs the id of each of the {J} experts (expert_ids)")
     if J == 0:
         return PreparedMoe(out, None, [], x, experts, [], [], None)
     first = experts[0][0]  # experts[0]'s gate_up sets the shapes and dtype every expert must have
@@ -150,6 +200,8 @@ def prepare_moe(x: torch.Tensor, experts, tokens, weights, *, threads: int | Non
         (gu_row, gu_col), (dn_row, dn_col) = gate_up.stride(), down.stride()
         unit_stride = unit_stride and gu_col == 1 and dn_col == 1
         rows.append((gate_up.data_ptr(), down.data_ptr(), gu_row, dn_row))
+    if form is not None:
+        _check_form(form, expert_ids, H, inter)
     tok = [_pair_array("tokens", j, t, np.int64, "i") for j, t in enumerate(tokens)]
     wts = [_pair_array("weights", j, w, np.float32, "f") for j, w in enumerate(weights)]
     sizes = [t.size for t in tok]
@@ -176,10 +228,11 @@ def prepare_moe(x: torch.Tensor, experts, tokens, weights, *, threads: int | Non
         if x.stride(1) != 1:
             x = x.contiguous()  # (N, H): activations are small; weights are never copied
         code = native.DTYPE_CODES
+        form_args = _form_args(form, None if form is None else [expert_ids[j] for j in sel])
         native_args = (x.data_ptr(), code[x.dtype], N, H, inter, x.stride(0), code[w_dtype], table, flat_tok, flat_w,
-                       out.data_ptr(), out.stride(0), threads or native.threads())
+                       out.data_ptr(), out.stride(0), threads or native.threads(), *form_args)
     on_torch = [j for j in range(J) if not on_native[j] and tok[j].size]  # the reference kernel per expert
-    return PreparedMoe(out, native_args, on_torch, x, experts, tok, wts, w_dtype)
+    return PreparedMoe(out, native_args, on_torch, x, experts, tok, wts, w_dtype, form, expert_ids)
 
 
 def prepare_moe_table(x: torch.Tensor, table: np.ndarray, tokens: np.ndarray, weights: np.ndarray, inter: int,
@@ -238,10 +291,12 @@ class PreparedMoe:
     the set on the calling thread and returns `out` (N, H) fp32. `one_native_call`: the whole set is
     one native call, which `MoeWorker` can run on a thread with no Python on it."""
 
-    def __init__(self, out, native_args, on_torch, x, experts, tokens, weights, w_dtype):
-        self.out, self.native_args = out, native_args  # the args hold x, the table and the pair arrays alive
+    def __init__(self, out, native_args, on_torch, x, experts, tokens, weights, w_dtype, form=None, expert_ids=None):
+        # the args hold x, the table, the pair arrays and the bias addresses alive; the form holds the biases
+        self.out, self.native_args = out, native_args
         self._on_torch, self._x, self._experts = on_torch, x, experts
         self._tokens, self._weights, self._w_dtype = tokens, weights, w_dtype
+        self._form, self._expert_ids = form, expert_ids
 
     @property
     def one_native_call(self) -> bool:
@@ -260,7 +315,9 @@ class PreparedMoe:
         for j in self._on_torch:
             gate_up, down = self._experts[j]
             idx = torch.from_numpy(self._tokens[j])
-            y = expert_ffn_torch(self._x[idx].to(self._w_dtype), gate_up, down).float()  # (n, H)
+            xj = self._x[idx].to(self._w_dtype)
+            y = (expert_ffn_torch(xj, gate_up, down) if self._form is None
+                 else self._form.ffn(xj, int(self._expert_ids[j]), gate_up, down)).float()  # (n, H)
             self.out.index_add_(0, idx, y * torch.from_numpy(self._weights[j]).unsqueeze(1))
 
 
