@@ -88,12 +88,16 @@ TANDEM_ALWAYS_INLINE Bytes field(Bytes v, int shift, uint8_t mask) {
 }
 TANDEM_ALWAYS_INLINE Bytes or_high(Bytes a, Bytes b) { return _mm256_or_si256(a, _mm256_slli_epi16(b, 4)); }
 TANDEM_ALWAYS_INLINE Bytes bit_bytes(uint32_t bits) {
+#if defined(TANDEM_QUANT_AVX512)
+  return _mm256_maskz_mov_epi8(__mmask32(bits), _mm256_set1_epi8(1));  // AVX-512 BW + VL: bits as a byte mask
+#else
   // byte i gets byte i/8 of `bits` (the shuffle works per 128-bit lane, and each lane holds all four)
   const __m256i spread = _mm256_shuffle_epi8(
       _mm256_set1_epi32(int(bits)),
       _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
   const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));  // byte i tests bit i % 8
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(1));
+#endif
 }
 
 #if defined(TANDEM_QUANT_AVX512)
