@@ -42,8 +42,9 @@ def _matrix(rng, rows, cols, qtype):
     return data.reshape(rows, -1)
 
 
-def write_mixed_llama(path, float_q_layer: int | None = None):
-    """A 2-layer llama GGUF typed as TYPES says; float_q_layer: that layer's attn_q in F16 instead."""
+def write_mixed_llama(path, float_q_layer: int | None = None, up_type=None):
+    """A 2-layer llama GGUF typed as TYPES says; float_q_layer: that layer's attn_q in F16 instead;
+    up_type: every ffn_up's type instead of ffn_gate's."""
     import gguf
 
     c, rng = DIMS, np.random.default_rng(0)
@@ -65,6 +66,7 @@ def write_mixed_llama(path, float_q_layer: int | None = None):
                 w.add_tensor(f"blk.{i}.{kind}.weight", (rng.standard_normal((rows, cols)) * 0.05).astype(np.float16))
                 continue
             qtype = TYPES[kind][i] if isinstance(TYPES[kind], tuple) else TYPES[kind]
+            qtype = up_type if kind == "ffn_up" and up_type is not None else qtype
             w.add_tensor(f"blk.{i}.{kind}.weight", _matrix(rng, rows, cols, qtype), raw_dtype=qtype)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return path
@@ -118,6 +120,20 @@ def test_mixed_model_logits_follow_the_dequantised_one(tmp_path, float_q_layer):
         got, want = logits(quant, PROMPT, prefill), logits(ref, PROMPT, prefill)
         scale = float(want.abs().max())
         assert scale > 0.1 and float((got - want).abs().max()) <= 1e-3 * scale
+    assert quant.generate_ids(PROMPT, 8) == ref.generate_ids(PROMPT, 8)
+
+
+@pytest.mark.parametrize("up_type", [None, T.Q6_K], ids=["gate-up-alike", "gate-up-differ"])
+def test_upcycled_moe_over_mixed_blocks(tmp_path, monkeypatch, up_type):
+    """The built-in MoE recipe over a mixed file: gate and up rows share one block tensor when they
+    share a type (down may differ); when they differ the experts are dequantised, not refused."""
+    from engine.models import builtin
+    from engine.quant.experts import QuantResidentExperts
+
+    path = write_mixed_llama(tmp_path / "mixed.gguf", up_type=up_type)
+    monkeypatch.setattr(builtin, "smollm2_gguf", lambda: path)
+    quant, ref = engine_for("builtin:smollm2-135m-moe"), engine_for("builtin:smollm2-135m-moe", dtype="float32")
+    assert isinstance(quant.backend.parts.experts, QuantResidentExperts) == (up_type is None)
     assert quant.generate_ids(PROMPT, 8) == ref.generate_ids(PROMPT, 8)
 
 
