@@ -115,7 +115,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False) -> Check
     if dequantised:
         item = torch.empty((), dtype=dtype).element_size()
         log.warning("%s: %s dequantised to %s at load (%.0f MB in the file, %.0f MB in memory): the CPU kernels "
-                    "read only %s blocks so far", path.name,
+                    "read %s blocks of dense matrices only so far", path.name,
                     ", ".join(f"{n} tensors of {name}" for name, (n, _, _) in sorted(dequantised.items())),
                     str(dtype).removeprefix("torch."), sum(b for _, b, _ in dequantised.values()) / 1e6,
                     sum(e for _, _, e in dequantised.values()) * item / 1e6,
