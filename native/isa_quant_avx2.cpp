@@ -1,4 +1,4 @@
-// Quantised-block kernels for AVX2 + FMA + F16C (Haswell / Zen 1 and later): vpmaddubsw dots.
+// Quantised-block kernels for AVX2 + FMA + F16C (Haswell / Zen 1 and later): vpmaddwd dots over two 256-bit halves.
 // Compiled for that ISA by the target pragma below, in an anonymous namespace like the other ISA
 // files; quant_dispatch.cpp reads the table after checking the CPU.
 #include "common.h"

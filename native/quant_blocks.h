@@ -1,36 +1,54 @@
 // GGUF's quantised block formats that the CPU reads in place, and the quantised matrix product's
-// problem description. The layouts are those of the GGUF files (ggml's type numbering); every type
-// here has 32 weights per block, one fp16 scale d (and for Q4_1 an fp16 offset m) in front:
+// problem description. The layouts are those of the GGUF files (ggml's type numbering). The 32-weight
+// types have one fp16 scale d (and for Q4_1/Q5_1 an fp16 offset m) in front:
 //
 //   Q4_0  18 bytes: d, 16 bytes of nibbles      w[j] = (lo(qs[j]) − 8)·d, w[j+16] = (hi(qs[j]) − 8)·d
 //   Q4_1  20 bytes: d, m, 16 bytes of nibbles   w[j] = lo(qs[j])·d + m,   w[j+16] = hi(qs[j])·d + m
+//   Q5_0  22 bytes: d, qh (u32), 16 nibbles     w[i] = (q[i] − 16)·d, q[i] = Q4_0's nibble | bit i of qh << 4
+//   Q5_1  24 bytes: d, m, qh, 16 nibbles        w[i] = q[i]·d + m
 //   Q8_0  34 bytes: d, 32 int8                  w[j] = qs[j]·d
 //
+// The K-quants (256-weight super-blocks, kquant_blocks.h) are read as 8 sub-blocks of 32 weights, each
+// with its own scale and offset, so every type is "32 small integers q, w = q·s + c" to the kernels.
+//
 // Activations are quantised per 32-block to int16 (scale a_d = max|x|/32767) so that a block's dot
-// product is one exact integer dot: Σ w·x ≈ d·a_d·Σ q·a_q (+ the offset's term a_d·Σ a_q times −8·d
-// for Q4_0, m for Q4_1). quant_kernels.h says why int16 and not int8.
+// product is one exact integer dot: Σ w·x ≈ s·a_d·Σ q·a_q + c·a_d·Σ a_q (the offset's term: c = −8·d
+// for Q4_0, m for Q4_1, …). quant_kernels.h says why int16 and not int8.
 #pragma once
 
 #include <cstdint>
 
 #include "common.h"
+#include "kquant_blocks.h"
 
 namespace tandem {
 
-enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8 };  // ggml's numbers, as the GGUF header stores them
-constexpr int64_t kQBlock = 32;                            // weights per block (all three types)
+// ggml's numbers, as the GGUF header stores them
+enum class QType : int { q4_0 = 2, q4_1 = 3, q5_0 = 6, q5_1 = 7, q8_0 = 8, q4_k = 12, q5_k = 13, q6_k = 14 };
+constexpr int64_t kQBlock = 32;   // weights per (sub-)block: the unit of the activations' quantisation
+constexpr int64_t kQKBlock = 256;  // weights per K-quant super-block
 
-// Bytes per block, 0 for a type this file does not know.
-inline int64_t qblock_bytes(int type) {
+// Bytes per block (per super-block for the K-quants), 0 for a type this file does not know.
+constexpr int64_t qblock_bytes(int type) {
   switch (type) {
     case int(QType::q4_0): return 18;
     case int(QType::q4_1): return 20;
+    case int(QType::q5_0): return 22;
+    case int(QType::q5_1): return 24;
     case int(QType::q8_0): return 34;
+    case int(QType::q4_k): return 144;
+    case int(QType::q5_k): return 176;
+    case int(QType::q6_k): return 210;
     default: return 0;
   }
 }
 
-// y (n_tokens, n_rows) fp32 = x (n_tokens, k) fp32 · Wᵀ, W (n_rows, k) as rows of k/32 blocks.
+// Weights per block: 32, or 256 for the K-quants (a row's width must be a multiple of it).
+constexpr int64_t qblock_weights(int type) {
+  return type == int(QType::q4_k) || type == int(QType::q5_k) || type == int(QType::q6_k) ? kQKBlock : kQBlock;
+}
+
+// y (n_tokens, n_rows) fp32 = x (n_tokens, k) fp32 · Wᵀ, W (n_rows, k) as rows of k/qblock_weights blocks.
 struct QuantMatmulProblem {
   const uint8_t* w;     // row r at w + r·w_row_bytes
   QType type;

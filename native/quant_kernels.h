@@ -14,7 +14,12 @@
 // token). Tokens run in groups (kGroup) over a chunk of rows, so a row's blocks are unpacked once per
 // group and re-read from L1 by the next group.
 //
-// Needs quant_blocks.h and convert.h (f16_to_f32) included before.
+// Every type is read through a decoder, Decode<TY>::at(block, j, s, c): sub-block j's 32 small integers q
+// as a WVec and the scale s and offset c with w = q·s + c (quant_blocks.h). The tile loop, the
+// dequantisation and the dispatch below are written once over decoders; the vector operations they use
+// are in quant_vectors.h, the K-quant decoders in kquant_kernels.h.
+//
+// Needs quant_blocks.h, kquant_blocks.h and convert.h (f16_to_f32) included before.
 
 constexpr int kGroup = 4;  // 4 float accumulators + the weight and temporaries fit 16 vector registers
 
@@ -47,158 +52,86 @@ void quantize_acts(const float* x, int64_t k, int16_t* q, float* d, float* s) {
   }
 }
 
-#if defined(TANDEM_QUANT_SCALAR)
+#include "quant_vectors.h"
 
-void dequantize_row(const uint8_t* w, QType type, int64_t k, float* out) {
-  const int64_t bytes = qblock_bytes(int(type));
-  for (int64_t b = 0; b < k / kQBlock; ++b, w += bytes, out += kQBlock) {
-    const float d = load_half(w);
-    if (type == QType::q8_0) {
-      const int8_t* qs = reinterpret_cast<const int8_t*>(w + 2);
-      for (int j = 0; j < 32; ++j) out[j] = float(qs[j]) * d;
-      continue;
-    }
-    const float m = type == QType::q4_1 ? load_half(w + 2) : -8.0f * d;  // Q4_0: (q − 8)·d = q·d − 8d
-    const uint8_t* qs = w + (type == QType::q4_1 ? 4 : 2);
-    for (int j = 0; j < 16; ++j) {
-      out[j] = float(qs[j] & 0x0f) * d + m;
-      out[j + 16] = float(qs[j] >> 4) * d + m;
-    }
+// -- decoders of the 32-weight types (one sub-block a block) --
+
+template <QType TY> struct Decode;
+
+template <> struct Decode<QType::q4_0> {
+  static constexpr int kSub = 1;
+  static constexpr bool kOffset = true;
+  static TANDEM_ALWAYS_INLINE WVec at(const uint8_t* b, int, float& s, float& c) {
+    s = load_half(b), c = -8.0f * s;  // (q − 8)·d = q·d − 8d
+    return widen_u8(nibbles16(b + 2));
   }
-}
+};
 
-template <QType TY>
-void rows_group(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int nt, int64_t r0, int64_t r1) {
-  const int64_t nb = P.k / kQBlock, bytes = qblock_bytes(int(TY));
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = P.w + r * P.w_row_bytes;
-    for (int t = 0; t < nt; ++t) {
-      const int16_t* a = A.q + (t0 + t) * P.k;
-      const float* ad = A.d + (t0 + t) * nb;
-      const float* as = A.s + (t0 + t) * nb;
-      float acc = 0.0f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * bytes;
-        const int16_t* ab = a + b * kQBlock;
-        const float d = load_half(blk);
-        int32_t dot = 0;
-        if constexpr (TY == QType::q8_0) {
-          const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
-          for (int j = 0; j < 32; ++j) dot += int32_t(qs[j]) * ab[j];
-          acc += float(dot) * d * ad[b];
-        } else {
-          const uint8_t* qs = blk + (TY == QType::q4_1 ? 4 : 2);
-          for (int j = 0; j < 16; ++j) dot += int32_t(qs[j] & 0x0f) * ab[j] + int32_t(qs[j] >> 4) * ab[j + 16];
-          const float c = TY == QType::q4_1 ? load_half(blk + 2) : -8.0f * d;
-          acc += float(dot) * d * ad[b] + c * as[b];
-        }
-      }
-      P.y[(t0 + t) * P.y_stride + r] = acc;
-    }
+template <> struct Decode<QType::q4_1> {
+  static constexpr int kSub = 1;
+  static constexpr bool kOffset = true;
+  static TANDEM_ALWAYS_INLINE WVec at(const uint8_t* b, int, float& s, float& c) {
+    s = load_half(b), c = load_half(b + 2);
+    return widen_u8(nibbles16(b + 4));
   }
+};
+
+TANDEM_ALWAYS_INLINE Bytes q5_values(const uint8_t* qh, const uint8_t* qs) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);  // little-endian: bit i is weight i's fifth bit
+  return or_high(nibbles16(qs), bit_bytes(bits));
 }
 
-#else  // x86 vectors
-
-// 16 bytes of nibbles → 32 unsigned bytes: the low nibbles (weights 0…15) then the high ones (16…31).
-TANDEM_ALWAYS_INLINE __m256i unpack_nibbles(const uint8_t* qs) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
-}
-
-#if defined(TANDEM_QUANT_AVX512)
-using WVec = __m512i;  // a block's 32 weights as int16
-using FVec = __m512;
-
-template <QType TY> TANDEM_ALWAYS_INLINE WVec load_weights(const uint8_t* blk) {
-  if constexpr (TY == QType::q8_0)
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)));
-  else
-    return _mm512_cvtepu8_epi16(unpack_nibbles(blk + (TY == QType::q4_1 ? 4 : 2)));
-}
-TANDEM_ALWAYS_INLINE FVec block_dot(WVec w, const int16_t* a) {  // exact: |w| ≤ 128, |a| ≤ 32767
-  return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(a)));
-}
-TANDEM_ALWAYS_INLINE FVec fzero() { return _mm512_setzero_ps(); }
-TANDEM_ALWAYS_INLINE FVec fmadd(FVec a, float b, FVec c) { return _mm512_fmadd_ps(a, _mm512_set1_ps(b), c); }
-TANDEM_ALWAYS_INLINE float hsum(FVec v) { return _mm512_reduce_add_ps(v); }
-
-#else  // AVX2: a block as two halves of 16 int16
-struct WVec { __m256i lo, hi; };
-using FVec = __m256;
-
-template <QType TY> TANDEM_ALWAYS_INLINE WVec load_weights(const uint8_t* blk) {
-  if constexpr (TY == QType::q8_0) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1))};
-  } else {
-    const __m256i raw = unpack_nibbles(blk + (TY == QType::q4_1 ? 4 : 2));
-    return {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(raw)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(raw, 1))};
+template <> struct Decode<QType::q5_0> {
+  static constexpr int kSub = 1;
+  static constexpr bool kOffset = true;
+  static TANDEM_ALWAYS_INLINE WVec at(const uint8_t* b, int, float& s, float& c) {
+    s = load_half(b), c = -16.0f * s;
+    return widen_u8(q5_values(b + 2, b + 6));
   }
-}
-TANDEM_ALWAYS_INLINE FVec block_dot(const WVec& w, const int16_t* a) {
-  const __m256i lo = _mm256_madd_epi16(w.lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
-  const __m256i hi = _mm256_madd_epi16(w.hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16)));
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
-}
-TANDEM_ALWAYS_INLINE FVec fzero() { return _mm256_setzero_ps(); }
-TANDEM_ALWAYS_INLINE FVec fmadd(FVec a, float b, FVec c) { return _mm256_fmadd_ps(a, _mm256_set1_ps(b), c); }
-TANDEM_ALWAYS_INLINE float hsum(FVec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
+};
 
-#if defined(TANDEM_QUANT_AVX512)
-TANDEM_ALWAYS_INLINE void store_block(float* out, WVec w, float d, float m) {
-  const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1)));
-  _mm512_storeu_ps(out, _mm512_fmadd_ps(lo, vd, vm));
-  _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(hi, vd, vm));
-}
-#else
-TANDEM_ALWAYS_INLINE void store_block(float* out, const WVec& w, float d, float m) {
-  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-  const __m256i parts[2] = {w.lo, w.hi};
-  for (int h = 0; h < 2; ++h) {
-    const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(parts[h])));
-    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(parts[h], 1)));
-    _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(a, vd, vm));
-    _mm256_storeu_ps(out + 16 * h + 8, _mm256_fmadd_ps(b, vd, vm));
+template <> struct Decode<QType::q5_1> {
+  static constexpr int kSub = 1;
+  static constexpr bool kOffset = true;
+  static TANDEM_ALWAYS_INLINE WVec at(const uint8_t* b, int, float& s, float& c) {
+    s = load_half(b), c = load_half(b + 2);
+    return widen_u8(q5_values(b + 4, b + 8));
   }
-}
-#endif
+};
 
-// Bit for bit the scalar dequantize_row's values (and gguf's): q·d is exact in fp32 (an integer of ≤ 8 bits
-// times an fp16 value), so the FMA's one rounding is the plain loop's multiply-then-add's.
+template <> struct Decode<QType::q8_0> {
+  static constexpr int kSub = 1;
+  static constexpr bool kOffset = false;
+  static TANDEM_ALWAYS_INLINE WVec at(const uint8_t* b, int, float& s, float& c) {
+    s = load_half(b), c = 0.0f;
+    return load_i8(b + 2);
+  }
+};
+
+#include "kquant_kernels.h"
+
+// -- the loops, over any decoder --
+
 template <QType TY> void dequantize_row_t(const uint8_t* w, int64_t k, float* out) {
+  using D = Decode<TY>;
   const int64_t bytes = qblock_bytes(int(TY));
-  for (int64_t b = 0; b < k / kQBlock; ++b, w += bytes, out += kQBlock) {
-    const float d = load_half(w);
-    const float m = TY == QType::q8_0 ? 0.0f : TY == QType::q4_1 ? load_half(w + 2) : -8.0f * d;
-    store_block(out, load_weights<TY>(w), d, m);
+  for (int64_t b = 0; b < k / (kQBlock * D::kSub); ++b, w += bytes) {
+    for (int j = 0; j < D::kSub; ++j, out += kQBlock) {
+      float s, c;
+      const WVec q = D::at(w, j, s, c);
+      store_block(out, q, s, c);
+    }
   }
 }
 
-void dequantize_row(const uint8_t* w, QType type, int64_t k, float* out) {
-  switch (type) {
-    case QType::q4_0: return dequantize_row_t<QType::q4_0>(w, k, out);
-    case QType::q4_1: return dequantize_row_t<QType::q4_1>(w, k, out);
-    case QType::q8_0: return dequantize_row_t<QType::q8_0>(w, k, out);
-  }
-}
-
-// NT tokens from t0 over rows [r0, r1), R rows at a time: every (row, token) pair has its own FMA chain,
-// and at one token a single chain waits on its FMA's latency every block (4 cycles on Zen 4, for ~10
+// NT tokens from t0 over rows [r, r + R): every (row, token) pair has its own FMA chain, and at one
+// token a single chain waits on its FMA's latency every block (4 cycles on Zen 4, for ~10
 // instructions of work), so one token takes 4 rows and two tokens 2: 4 independent chains either way.
-// Q4's nibbles are read as unsigned 0…15; their offset (−8·d for Q4_0, m for Q4_1) is added once per
-// block from the activation sums: c · a_d·Σa.
+// The offset c is added once per sub-block from the activation sums: c · a_d·Σa.
 template <QType TY, int NT, int R>
 TANDEM_ALWAYS_INLINE void rows_tile(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int64_t r) {
+  using D = Decode<TY>;
   const int64_t nb = P.k / kQBlock, bytes = qblock_bytes(int(TY));
   const int16_t* a = A.q + t0 * P.k;
   const float* ad = A.d + t0 * nb;
@@ -208,15 +141,16 @@ TANDEM_ALWAYS_INLINE void rows_tile(const QuantMatmulProblem& P, const QuantActs
   float offset[R][NT];
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = fzero(), offset[i][t] = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int i = 0; i < R; ++i) {
-      const uint8_t* blk = row + i * P.w_row_bytes + b * bytes;
-      const float d = load_half(blk);
-      const WVec w = load_weights<TY>(blk);
-      const float c = TY == QType::q4_1 ? load_half(blk + 2) : -8.0f * d;
-      for (int t = 0; t < NT; ++t) {
-        acc[i][t] = fmadd(block_dot(w, a + t * P.k + b * kQBlock), d * ad[t * nb + b], acc[i][t]);
-        if constexpr (TY != QType::q8_0) offset[i][t] += c * as[t * nb + b];
+  for (int64_t sb = 0; sb < nb / D::kSub; ++sb) {
+    for (int j = 0; j < D::kSub; ++j) {
+      const int64_t b = sb * D::kSub + j;  // the activations' 32-block
+      for (int i = 0; i < R; ++i) {
+        float s, c;
+        const WVec w = D::at(row + i * P.w_row_bytes + sb * bytes, j, s, c);
+        for (int t = 0; t < NT; ++t) {
+          acc[i][t] = fmadd(block_dot(w, a + t * P.k + b * kQBlock), s * ad[t * nb + b], acc[i][t]);
+          if constexpr (D::kOffset) offset[i][t] += c * as[t * nb + b];
+        }
       }
     }
   }
@@ -243,8 +177,6 @@ void rows_group(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int
   }
 }
 
-#endif
-
 // Rows in chunks of kRowChunk so that every token group re-reads a chunk's blocks from L1/L2
 // (16 rows of the built-in model's down projection: 15 KB) rather than from DRAM.
 constexpr int64_t kRowChunk = 16;
@@ -258,10 +190,28 @@ void matmul_rows_t(const QuantMatmulProblem& P, const QuantActs& A, int64_t r0, 
   }
 }
 
-void matmul_rows(const QuantMatmulProblem& P, const QuantActs& A, int64_t r0, int64_t r1) {
-  switch (P.type) {
-    case QType::q4_0: return matmul_rows_t<QType::q4_0>(P, A, r0, r1);
-    case QType::q4_1: return matmul_rows_t<QType::q4_1>(P, A, r0, r1);
-    case QType::q8_0: return matmul_rows_t<QType::q8_0>(P, A, r0, r1);
+// One switch over the types for both entry points: F<TY>::run(args…).
+template <template <QType> class F, class... Args> void by_type(QType type, Args&&... args) {
+  switch (type) {
+    case QType::q4_0: return F<QType::q4_0>::run(args...);
+    case QType::q4_1: return F<QType::q4_1>::run(args...);
+    case QType::q5_0: return F<QType::q5_0>::run(args...);
+    case QType::q5_1: return F<QType::q5_1>::run(args...);
+    case QType::q8_0: return F<QType::q8_0>::run(args...);
+    case QType::q4_k: return F<QType::q4_k>::run(args...);
+    case QType::q5_k: return F<QType::q5_k>::run(args...);
+    case QType::q6_k: return F<QType::q6_k>::run(args...);
   }
+}
+template <QType TY> struct DequantizeRow {
+  static void run(const uint8_t* w, int64_t k, float* out) { dequantize_row_t<TY>(w, k, out); }
+};
+template <QType TY> struct MatmulRows {
+  static void run(const QuantMatmulProblem& P, const QuantActs& A, int64_t r0, int64_t r1) { matmul_rows_t<TY>(P, A, r0, r1); }
+};
+
+void dequantize_row(const uint8_t* w, QType type, int64_t k, float* out) { by_type<DequantizeRow>(type, w, k, out); }
+
+void matmul_rows(const QuantMatmulProblem& P, const QuantActs& A, int64_t r0, int64_t r1) {
+  by_type<MatmulRows>(P.type, P, A, r0, r1);
 }

@@ -3,6 +3,7 @@
     python3 -m engine.bench.cpu_time                      # Tandem float32, Tandem blocks, llama.cpp
     python3 -m engine.bench.cpu_time "llama.cpp" "tandem blocks"
     python3 -m engine.bench.cpu_time --json out.json      # the record, with the machine's header
+    python3 -m engine.bench.cpu_time --model x.gguf       # another GGUF than the built-in model's
 
 For a shared machine where wall-clock speeds say nothing: the process's CPU time (which a
 descheduled process does not accrue) over `generate` of 40 tokens minus that of 8, divided by the 32
@@ -24,13 +25,13 @@ SYSTEMS = {
 SHORT, LONG, ROUNDS = 8, 40, 4
 
 
-def main(names: list[str]) -> dict[str, float]:
+def main(names: list[str], model: str = "builtin:smollm2-135m") -> dict[str, float]:
     import torch
 
     from engine.api import Engine, EngineConfig, GenerationRequest
 
     torch.set_num_threads(1)
-    engines = {n: Engine(EngineConfig(model="builtin:smollm2-135m", device="cpu", cpu_threads=1, **SYSTEMS[n]))
+    engines = {n: Engine(EngineConfig(model=model, device="cpu", cpu_threads=1, **SYSTEMS[n]))
                for n in names}
 
     def request(n: int) -> GenerationRequest:
@@ -58,18 +59,21 @@ def main(names: list[str]) -> dict[str, float]:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    out = None
+    out, model = None, "builtin:smollm2-135m"
     if "--json" in args:
         i = args.index("--json")
         out, args = args[i + 1], args[:i] + args[i + 2:]
-    figures = main(args or list(SYSTEMS))
+    if "--model" in args:
+        i = args.index("--model")
+        model, args = args[i + 1], args[:i] + args[i + 2:]
+    figures = main(args or list(SYSTEMS), model)
     if out:
         import json
         import os
 
         from engine.bench.common import header
 
-        record = {**header(), "bench": "cpu_time", "load_average_after": os.getloadavg()[0],
+        record = {**header(), "bench": "cpu_time", "model": model, "load_average_after": os.getloadavg()[0],
                   "command": "python3 -m engine.bench.cpu_time " + " ".join(sys.argv[1:]),
                   "decode_cpu_ms_per_token": figures, "threads": 1, "tokens": LONG - SHORT}
         with open(out, "w") as f:

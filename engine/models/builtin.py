@@ -94,7 +94,9 @@ def upcycle_to_moe(args: ModelArgs, tensors: dict[str, torch.Tensor], recipe: Up
         p = f"model.layers.{i}.mlp."
         gate, up, down = out.pop(p + "gate_proj.weight"), out.pop(p + "up_proj.weight"), out.pop(p + "down_proj.weight")
         router = torch.randn(E, H, generator=gen) / H**0.5  # (E, H): a fixed random projection
-        if isinstance(gate, QuantTensor) and isinstance(up, QuantTensor) and isinstance(down, QuantTensor):
+        # gate and up rows share one block tensor, so only when they share a type (down may differ: Q4_K_M)
+        if (isinstance(gate, QuantTensor) and isinstance(up, QuantTensor) and isinstance(down, QuantTensor)
+                and gate.qtype == up.qtype):
             gate_up = QuantTensor.cat_rows([gate, up], name=p + "experts.gate_up_proj")  # (2I, H) in blocks
             out[p + "experts.gate_up_proj"] = QuantStack([gate_up] * E)
             out[p + "experts.down_proj"] = QuantStack([down] * E)

@@ -2,9 +2,9 @@
 (config.json + safetensors, memory-mapped, never pickle).
 
 GGUF weights are dequantised to the engine dtype, except with `quantised=True` (the CPU plan of
-dtype "auto"): then dense Q8_0, Q4_0 and Q4_1 matrices stay in their blocks as `QuantTensor`s that
-view the file's map (engine/quant), and every other quantised type is dequantised with a one-line
-warning that says what it costs.
+dtype "auto"): then dense matrices of the types engine/quant computes over (`QTYPES`: Q4_0/1, Q5_0/1,
+Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks as `QuantTensor`s that view the file's map, and every
+other quantised type is dequantised with a one-line warning that says what it costs.
 
 Both come out as a `Checkpoint`: an HF-style config dict and tensors under HF names, after the
 family's `sanitize` step. Every failure names the file and says what to do.
@@ -39,7 +39,7 @@ class Checkpoint:
 
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32, quantised: bool = False
                     ) -> Checkpoint:
-    """quantised: keep a GGUF's dense Q8_0/Q4_0/Q4_1 matrices in blocks (module docstring)."""
+    """quantised: keep a GGUF's dense matrices of engine/quant's types in blocks (module docstring)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelFileError(f"model not found: {path}",
@@ -115,10 +115,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False) -> Check
     if dequantised:
         item = torch.empty((), dtype=dtype).element_size()
         log.warning("%s: %s dequantised to %s at load (%.0f MB in the file, %.0f MB in memory): the CPU kernels "
-                    "read only Q8_0, Q4_0 and Q4_1 blocks so far", path.name,
+                    "read %s blocks of dense matrices only so far", path.name,
                     ", ".join(f"{n} tensors of {name}" for name, (n, _, _) in sorted(dequantised.items())),
                     str(dtype).removeprefix("torch."), sum(b for _, b, _ in dequantised.values()) / 1e6,
-                    sum(e for _, _, e in dequantised.values()) * item / 1e6)
+                    sum(e for _, _, e in dequantised.values()) * item / 1e6,
+                    ", ".join(t.name for t in QTYPES.values()))
     tensors = _sanitize(family.sanitize_gguf, raw, config, path)
     if "tokenizer.ggml.model" not in reader.fields:  # weights only: usable through token ids
         return Checkpoint(path, family.NAME, config, tensors)

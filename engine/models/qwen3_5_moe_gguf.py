@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.gguf_names import moe_config_from_gguf, sanitize_moe_gguf
+from engine.quant.blocks import QuantTensor
 
 NAME = "qwen3_5_moe"
 
@@ -85,7 +86,14 @@ _EXTRA = {
 }
 
 
+_ROW_RELAID = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")
+
+
 def _linear_tensor(kind: str, t: torch.Tensor, config: dict) -> torch.Tensor:
+    if isinstance(t, QuantTensor):  # blocks the loader kept: they select whole rows only
+        if kind in _ROW_RELAID:  # the same re-lay of a row-number column, then those rows of the blocks
+            return t[_linear_tensor(kind, torch.arange(t.shape[0]).reshape(-1, 1), config).reshape(-1)]
+        t = t.dequantize()  # ssm_out's columns, the conv: re-laid as floats
     n_k, n_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
     dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
     qk = 2 * n_k * dk  # q and k rows (conv channels) come first and keep their order

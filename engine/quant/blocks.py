@@ -3,11 +3,16 @@
 The block bytes are a uint8 torch tensor (rows, row_bytes) that views the file's memory map (no copy:
 pages are read from the file when first touched), with the ggml type and the logical shape
 (rows, cols) of the fp32 matrix they encode. Row operations (select, concatenate) stay in blocks, since
-every block belongs to one row. The layouts (32 weights a block, fp16 scale d first):
+every block belongs to one row. The 32-weight layouts (fp16 scale d first; q[i] = lo(qs[i]) for
+i < 16, hi(qs[i − 16]) above, and for Q5 bit i of the little-endian u32 qh as q[i]'s fifth bit):
 
-    Q4_0  18 bytes: d, 16 bytes of nibbles        w[j] = (lo(qs[j]) − 8)·d,  w[j+16] = (hi(qs[j]) − 8)·d
-    Q4_1  20 bytes: d, m, 16 bytes of nibbles     w[j] = lo(qs[j])·d + m,    w[j+16] = hi(qs[j])·d + m
-    Q8_0  34 bytes: d, 32 int8                    w[j] = qs[j]·d
+    Q4_0  18 bytes: d, 16 bytes of nibbles          w[i] = (q[i] − 8)·d
+    Q4_1  20 bytes: d, m, 16 bytes of nibbles       w[i] = q[i]·d + m
+    Q5_0  22 bytes: d, qh, 16 bytes of nibbles      w[i] = (q[i] − 16)·d
+    Q5_1  24 bytes: d, m, qh, 16 bytes of nibbles   w[i] = q[i]·d + m
+    Q8_0  34 bytes: d, 32 int8                      w[i] = qs[i]·d
+
+and the K-quants' 256-weight super-blocks Q4_K (144 bytes), Q5_K (176), Q6_K (210): kquants.py.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import ModelFileError
+from engine.quant.kquants import QK_K, dequantize_kquant_torch
 
-BLOCK = 32  # weights per block in every type kept here
+BLOCK = 32  # weights per block of the 32-weight types, and per sub-block of the K-quants
 
 
 @dataclass(frozen=True)
@@ -27,9 +33,12 @@ class QType:
     name: str
     code: int  # ggml's number for it (GGUF's tensor type field; the native kernels take it)
     block_bytes: int
+    block_weights: int = BLOCK  # 256 for the K-quants' super-blocks
 
 
-QTYPES = {t.code: t for t in (QType("Q4_0", 2, 18), QType("Q4_1", 3, 20), QType("Q8_0", 8, 34))}
+QTYPES = {t.code: t for t in (QType("Q4_0", 2, 18), QType("Q4_1", 3, 20), QType("Q5_0", 6, 22),
+                              QType("Q5_1", 7, 24), QType("Q8_0", 8, 34), QType("Q4_K", 12, 144, QK_K),
+                              QType("Q5_K", 13, 176, QK_K), QType("Q6_K", 14, 210, QK_K))}
 
 
 def qtype(code: int) -> QType:
@@ -46,10 +55,10 @@ class QuantTensor:
     def __init__(self, blocks: torch.Tensor, type_code: int, shape: tuple[int, int], name: str = "?"):
         qt = qtype(type_code)
         rows, cols = (int(s) for s in shape)
-        if cols % BLOCK:
-            raise ModelFileError(f"tensor {name}: {cols} columns are not whole {qt.name} blocks of {BLOCK}",
+        if cols % qt.block_weights:
+            raise ModelFileError(f"tensor {name}: {cols} columns are not whole {qt.name} blocks of {qt.block_weights}",
                                  "the file is damaged: download or convert it again")
-        row_bytes = cols // BLOCK * qt.block_bytes
+        row_bytes = cols // qt.block_weights * qt.block_bytes
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or tuple(blocks.shape) != (rows, row_bytes):
             raise ModelFileError(
                 f"tensor {name}: its {qt.name} data is {tuple(blocks.shape)} {blocks.dtype}, a "
@@ -77,7 +86,7 @@ class QuantTensor:
         with warnings.catch_warnings():  # the map is read-only and nothing here writes to it
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.from_numpy(array)
-        return cls(blocks, type_code, (rows, row_bytes // qt.block_bytes * BLOCK), name)
+        return cls(blocks, type_code, (rows, row_bytes // qt.block_bytes * qt.block_weights), name)
 
     # -- what the loader and the placement code ask of a tensor --
 
@@ -140,15 +149,25 @@ class QuantStack:
 
 def dequantize_blocks_torch(blocks: torch.Tensor, type_code: int) -> torch.Tensor:
     """Block bytes (rows, row_bytes) → fp32 (rows, cols) with torch ops alone: the fallback when the
-    native extension is absent."""
+    native extension is absent. Each value is gguf's: q·d is exact in fp32, so only "+ m" rounds."""
     qt = qtype(type_code)
     rows = blocks.shape[0]
-    b = blocks.reshape(rows, -1, qt.block_bytes)  # (rows, cols/32, bytes)
+    b = blocks.reshape(rows, -1, qt.block_bytes)  # (rows, blocks, bytes)
+    if qt.block_weights != BLOCK:
+        return dequantize_kquant_torch(b, qt.name).reshape(rows, -1)
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # (rows, cols/32, 1)
     if qt.name == "Q8_0":
         q = b[..., 2:].contiguous().view(torch.int8).float()  # (rows, cols/32, 32)
         return (q * d).reshape(rows, -1)
-    qs = b[..., 4:] if qt.name == "Q4_1" else b[..., 2:]  # (rows, cols/32, 16)
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # (rows, cols/32, 32): low nibbles first
-    m = b[..., 2:4].contiguous().view(torch.float16).float() if qt.name == "Q4_1" else -8.0 * d
-    return (q * d + m).reshape(rows, -1)
+    has_m = qt.name in ("Q4_1", "Q5_1")
+    qs = b[..., -16:]  # (rows, cols/32, 16): the nibbles are every type's last 16 bytes
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).int()  # (rows, cols/32, 32): low nibbles first
+    if qt.name in ("Q5_0", "Q5_1"):
+        at = 4 if has_m else 2
+        qh = b[..., at:at + 4].contiguous().view(torch.int32)  # (rows, cols/32, 1), little-endian
+        q |= ((qh >> torch.arange(32, dtype=torch.int32)) & 1) << 4  # bit i: weight i's fifth bit
+    if has_m:
+        m = b[..., 2:4].contiguous().view(torch.float16).float()
+    else:  # (q − 8)·d or (q − 16)·d as q·d + m: both terms exact, so the sum is too
+        m = -(8.0 if qt.name == "Q4_0" else 16.0) * d
+    return (q.float() * d + m).reshape(rows, -1)

@@ -3,6 +3,7 @@
 Decode sizes (≤ NATIVE_MAX_TOKENS tokens) go to the native kernel (native/quant_kernels.h): the
 activations quantised per 32-block to int16, integer dot products with the weight blocks (AVX-512 or
 AVX2 vpmaddwd; why not int8 is said there), the weights read once per call at their quantised size.
+A K-quant super-block is read as 8 sub-blocks of 32 against the same activation blocks.
 More tokens (prefill) dequantise the weight a tile of rows at a time into fp32 and multiply with
 torch's GEMM, which then beats the integer dots, whose cost grows with every token (figures below).
 
@@ -28,7 +29,9 @@ from engine.quant.blocks import QuantTensor, dequantize_blocks_torch
 # thread each, busy 2-core Zen 4 (load 7), the built-in model's shapes, µs, kernel / tiles + GEMM:
 # 1536×576 Q4_1 at 8 tokens 694 / 1662, 16: 1283 / 1706, 32: 2552 / 1612; 49152×576 Q8_0 at 16
 # 36241 / 47609, 32: 49386 / 42345. The integer kernel's cost grows with tokens (its int16 dots are
-# compute), the GEMM's hardly does.
+# compute), the GEMM's hardly does. The other types cross at the same count (load 1.7; 1536×576 Q5_0,
+# 576×1536 Q4_K, Q6_K at 12 tokens 490, 490, 508 / 702, 752, 703; at 16 666, 685, 656 / 607, 627, 594;
+# Q4_1 there 486 / 705, 643 / 580).
 NATIVE_MAX_TOKENS = 16
 # Rows per dequantised tile in the prefill path: 2048 rows of 576 fp32 are 4.7 MB, within L2+L3 of a
 # desktop CPU, so the GEMM reads the tile warm.

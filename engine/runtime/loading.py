@@ -106,7 +106,7 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
             raise OutOfMemoryError(f"{config.model} does not fit in the memory of {device} ({e})",
                                    "choose fewer layers (-L<n>) or a device with more memory") from e
     else:
-        # dtype auto on a CPU: GGUF's Q8_0/Q4_0/Q4_1 matrices stay blocks (engine/quant); explicit dtypes,
+        # dtype auto on a CPU: GGUF's matrices of engine/quant's types stay blocks; explicit dtypes,
         # GPUs (no kernels over blocks yet) and offloading (its store takes tensors) dequantise
         keep_blocks = config.dtype == "auto" and device.type == "cpu" and not offload
         ckpt = load_checkpoint(path, dtype, quantised=keep_blocks)

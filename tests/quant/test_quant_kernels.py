@@ -109,12 +109,12 @@ def test_damaged_blocks_are_refused():
 
 
 def test_unknown_types_are_refused():
-    with pytest.raises(ModelFileError, match="type 6 is not one"):
-        QuantTensor(torch.zeros(4, 22, dtype=torch.uint8), 6, (4, 32), "w")  # Q5_0
+    with pytest.raises(ModelFileError, match="type 10 is not one"):
+        QuantTensor(torch.zeros(4, 84, dtype=torch.uint8), 10, (4, 256), "w")  # Q2_K
     if NAT is not None:
-        y, x = torch.empty(1, 4), torch.zeros(1, 32)
-        with pytest.raises(ValueError, match="unknown quantised block type 6"):
-            NAT.quant_matmul(x.data_ptr(), 6, 4, 32, 22, x.data_ptr(), 1, 32, y.data_ptr(), 4, 1)
+        y, x = torch.empty(1, 4), torch.zeros(1, 256)
+        with pytest.raises(ValueError, match="unknown quantised block type 10"):
+            NAT.quant_matmul(x.data_ptr(), 10, 4, 256, 84, x.data_ptr(), 1, 256, y.data_ptr(), 4, 1)
         with pytest.raises(ValueError, match="w_row_bytes"):
             NAT.quant_matmul(x.data_ptr(), 2, 4, 32, 20, x.data_ptr(), 1, 32, y.data_ptr(), 4, 1)
 
