@@ -98,16 +98,19 @@ class ResidentKV(KVBackend):
         self._paged_step = None
         total = max(lengths) + n_new  # S: keys per sequence after the step, padded to the longest
         write = torch.cat([s.slots(s.length, s.length + n_new) for s in seqs])  # (B·T,)
+        write = _contiguous(write) or write.to(self.device)
         positions = (torch.tensor(lengths)[:, None] + torch.arange(n_new)).to(self.device)  # (B, T)
         read = None
         if not fresh:
-            read = torch.stack([F.pad(s.slots(0, s.length + n_new), (0, total - s.length - n_new))
-                                for s in seqs])  # (B, S): padding points at slot 0, masked out
-            read = read.to(self.device)
+            read = _contiguous(seqs[0].slots(0, total)) if len(seqs) == 1 else None
+            if read is None:
+                read = torch.stack([F.pad(s.slots(0, s.length + n_new), (0, total - s.length - n_new))
+                                    for s in seqs])  # (B, S): padding points at slot 0, masked out
+                read = read.to(self.device)
         self._mask_args = (fresh, lengths, n_new, total)
         # window → this step's mask; a layer whose window differs adds its own at its first attend
         self._masks = {self.window: self._step_mask(self.window)}
-        self._step = (seqs, n_new, write.to(self.device), read)
+        self._step = (seqs, n_new, write, read)
         return positions
 
     def _step_mask(self, window: int | None) -> torch.Tensor | None:
@@ -119,6 +122,8 @@ class ResidentKV(KVBackend):
             pos = torch.arange(n_new)  # prefill longer than the window
             mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window))[None, None]
             return mask.to(self.device)  # (1, 1, T, T)
+        if n_new == 1 and len(lengths) == 1 and (window is None or total <= window):
+            return None  # one query, no padding, every key visible
         key_pos = torch.arange(total)  # (S,)
         query_pos = torch.tensor(lengths)[:, None] + torch.arange(n_new)  # (B, T)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (B, T, S)
@@ -179,9 +184,11 @@ class ResidentKV(KVBackend):
         mask = self._masks[window]
         if read is None:
             keys, values = k, v  # (B, n_kv, T, hs): prefill from empty
-        else:
-            keys = self.k[layer][read].transpose(1, 2)  # (B, n_kv, S, hs)
-            values = self.v[layer][read].transpose(1, 2)
+        else:  # (B, S, n_kv, hs) gathered (a copy), or (S, n_kv, hs) read in place through a slice
+            keys, values = self.k[layer][read], self.v[layer][read]
+            if isinstance(read, slice):
+                keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (B, n_kv, S, hs)
         if sinks is not None:
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
         if mask is None:
@@ -205,3 +212,12 @@ class ResidentKV(KVBackend):
             "bytes": {"kv_resident": nbytes},
             "tokens": {"resident": sum(s.length for s in self.seqs.values())},
         }
+
+
+def _contiguous(slots: torch.Tensor) -> slice | None:
+    """slots (n,) as a slice when they are consecutive: the cache is then read and written in place
+    (a view) instead of gathered, which at 2K tokens of the built-in model is 94 MB copied a token."""
+    first, n = int(slots[0]), slots.numel()
+    if int(slots[-1]) - first != n - 1 or (n > 2 and not bool((slots.diff() == 1).all())):
+        return None
+    return slice(first, first + n)
