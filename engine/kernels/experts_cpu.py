@@ -60,9 +60,9 @@ def implementation(n_tokens: int = 1) -> str:
 _CLAMPED_SWIGLU = 1
 
 
-def _check_form(form, expert_ids, H: int, inter: int) -> None:
+def _check_form(form, H: int, inter: int) -> None:
     """A ClampedSwiGLU whose biases fit (E, 2I) and (E, H), CPU tensors of one supported dtype with unit
-    stride along a row, and expert ids within E; else KernelInputError."""
+    stride along a row; else KernelInputError."""
     if not isinstance(form, ClampedSwiGLU):
         raise KernelInputError(f"form must be an experts_torch.ClampedSwiGLU, got {type(form).__name__}")
     gub, db = form.gate_up_bias, form.down_bias
@@ -73,22 +73,20 @@ def _check_form(form, expert_ids, H: int, inter: int) -> None:
             or gub.stride(1) != 1 or db.stride(1) != 1):
         raise KernelInputError(f"the form's biases must be CPU tensors of one fp32/bf16/fp16 dtype with unit stride "
                                f"per row, got {gub.dtype} on {gub.device} and {db.dtype} on {db.device}")
-    ids = np.asarray(expert_ids)
-    if ids.size and (ids.min() < 0 or ids.max() >= gub.shape[0]):
-        raise KernelInputError(f"expert ids {ids.min()}…{ids.max()} outside the form's {gub.shape[0]} experts")
 
 
-def _form_args(form: ClampedSwiGLU | None, expert_ids) -> tuple:
-    """The native calls' form arguments for the experts `expert_ids` (checked by _check_form):
-    (biases (J, 2) int64 addresses of each expert's gate_up and down biases, act, alpha, limit, bias dtype)."""
-    if form is None:
-        return (None, 0, 1.702, 7.0, 0)
+def _check_ids(form: ClampedSwiGLU, lo: int, hi: int) -> None:
+    if lo < 0 or hi >= form.gate_up_bias.shape[0]:
+        raise KernelInputError(f"expert ids {lo}…{hi} outside the form's {form.gate_up_bias.shape[0]} experts")
+
+
+def _bias_addresses(form: ClampedSwiGLU, ids: np.ndarray) -> np.ndarray:
+    """ids (J,) int64 → (J, 2) int64: each expert's gate_up and down bias addresses."""
     gub, db = form.gate_up_bias, form.down_bias
-    ids = np.asarray(expert_ids, dtype=np.int64)
-    biases = np.stack((gub.data_ptr() + ids * gub.stride(0) * gub.element_size(),
-                       db.data_ptr() + ids * db.stride(0) * db.element_size()), axis=1)  # (J, 2)
-    return (np.ascontiguousarray(biases, dtype=np.int64), _CLAMPED_SWIGLU, float(form.alpha), float(form.limit),
-            native.DTYPE_CODES[gub.dtype])
+    biases = np.empty((len(ids), 2), dtype=np.int64)
+    biases[:, 0] = gub.data_ptr() + ids * (gub.stride(0) * gub.element_size())
+    biases[:, 1] = db.data_ptr() + ids * (db.stride(0) * db.element_size())
+    return biases
 
 
 def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -111,7 +109,8 @@ def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, ou
         raise KernelInputError(f"out must be a CPU {x.dtype} tensor of shape {tuple(x.shape)} with unit stride per row")
     inter = two_i // 2
     if form is not None:
-        _check_form(form, [expert], H, inter)
+        _check_form(form, H, inter)
+        _check_ids(form, expert, expert)
     nat = native.module()
     if (nat is None or n > _native_max_tokens or H % 16 or inter % 16
             or gate_up.stride(1) != 1 or down.stride(1) != 1):
@@ -122,12 +121,16 @@ def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, ou
         x = x.contiguous()  # (n, H): activations are small; weights are never copied
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     code = native.DTYPE_CODES
-    biases, act, alpha, limit, bias_dtype = _form_args(form, [expert])
-    nat.expert_ffn(x.data_ptr(), code[x.dtype], n, H, inter, x.stride(0), gate_up.data_ptr(), down.data_ptr(),
-                   code[gate_up.dtype], gate_up.stride(0), down.stride(0), y.data_ptr(), code[y.dtype], y.stride(0),
-                   threads or native.threads(), act=act, alpha=alpha, limit=limit,
-                   gate_up_bias=0 if biases is None else int(biases[0, 0]),
-                   down_bias=0 if biases is None else int(biases[0, 1]), bias_dtype=bias_dtype)
+    args = (x.data_ptr(), code[x.dtype], n, H, inter, x.stride(0), gate_up.data_ptr(), down.data_ptr(),
+            code[gate_up.dtype], gate_up.stride(0), down.stride(0), y.data_ptr(), code[y.dtype], y.stride(0),
+            threads or native.threads())
+    if form is None:
+        nat.expert_ffn(*args)
+    else:
+        gub, db = form.gate_up_bias, form.down_bias
+        nat.expert_ffn(*args, _CLAMPED_SWIGLU, form.alpha, form.limit,
+                       gub.data_ptr() + expert * gub.stride(0) * gub.element_size(),
+                       db.data_ptr() + expert * db.stride(0) * db.element_size(), code[gub.dtype])
     return y
 
 
@@ -201,7 +204,10 @@ def prepare_moe(x: torch.Tensor, experts, tokens, weights, *, threads: int | Non
         unit_stride = unit_stride and gu_col == 1 and dn_col == 1
         rows.append((gate_up.data_ptr(), down.data_ptr(), gu_row, dn_row))
     if form is not None:
-        _check_form(form, expert_ids, H, inter)
+        _check_form(form, H, inter)
+        ids = np.asarray(expert_ids, dtype=np.int64)  # (J,)
+        if J:
+            _check_ids(form, int(ids.min()), int(ids.max()))
     tok = [_pair_array("tokens", j, t, np.int64, "i") for j, t in enumerate(tokens)]
     wts = [_pair_array("weights", j, w, np.float32, "f") for j, w in enumerate(weights)]
     sizes = [t.size for t in tok]
@@ -228,9 +234,11 @@ def prepare_moe(x: torch.Tensor, experts, tokens, weights, *, threads: int | Non
         if x.stride(1) != 1:
             x = x.contiguous()  # (N, H): activations are small; weights are never copied
         code = native.DTYPE_CODES
-        form_args = _form_args(form, None if form is None else [expert_ids[j] for j in sel])
         native_args = (x.data_ptr(), code[x.dtype], N, H, inter, x.stride(0), code[w_dtype], table, flat_tok, flat_w,
-                       out.data_ptr(), out.stride(0), threads or native.threads(), *form_args)
+                       out.data_ptr(), out.stride(0), threads or native.threads())
+        if form is not None:  # + (biases (J', 2), act, alpha, limit, bias dtype)
+            native_args += (_bias_addresses(form, ids if len(sel) == J else ids[sel]), _CLAMPED_SWIGLU,
+                            form.alpha, form.limit, code[form.gate_up_bias.dtype])
     on_torch = [j for j in range(J) if not on_native[j] and tok[j].size]  # the reference kernel per expert
     return PreparedMoe(out, native_args, on_torch, x, experts, tok, wts, w_dtype, form, expert_ids)
 

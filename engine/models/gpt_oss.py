@@ -20,8 +20,8 @@ even columns) and (E, I, H); they are re-laid into the engine's gate-first (E, 2
 load. The KV must honour sinks and per-layer windows: resident KV does; under a hybrid policy the
 window layers' KV stays resident and the full layers' spills (engine/kv/layer_split.py). The routed
 experts' biases and activation reach every expert executor (`set_form`): resident and cached experts
-run them in the grouped GEMM, the CPU set in torch; the matrix-vector decode kernels and the native
-CPU kernel know plain SwiGLU only.
+run them in the grouped GEMM, the CPU set in the native CPU kernel (torch without the extension); the
+matrix-vector decode kernels know plain SwiGLU only.
 MXFP4 expert tensors of a safetensors folder are refused here; in a GGUF they are dequantised at load.
 """
 
