@@ -25,14 +25,39 @@ from engine.kernels.experts_torch import ClampedSwiGLU
 
 H = I = 2880  # gpt-oss-20b's hidden size and expert FFN width
 TOKENS = [1, 4, 8]
-ROUNDS, REPEATS = 3, 8
+ROUNDS, REPEATS = 5, 8
+
+
+def point(store: ExpertStore, form: ClampedSwiGLU, ring, x: torch.Tensor, threads: int) -> dict:
+    """Median ms per expert and weight GB/s of the three kernels for the tokens x (n, H)."""
+    n_experts = len(store.flat)
+
+    def call(kind: str):
+        e = next(ring) % n_experts
+        gu, dn = store.views(e)
+        if kind == "native":
+            return experts_cpu.expert_ffn(x, gu, dn, threads=threads, form=form, expert=e)
+        if kind == "native_plain":
+            return experts_cpu.expert_ffn(x, gu, dn, threads=threads)
+        return form.ffn(x, e, gu, dn)
+
+    times = {"native": [], "torch": [], "native_plain": []}
+    for _ in range(ROUNDS):
+        for kind, ms in times.items():
+            ms.append(time_cpu(lambda i, k=kind: call(k), 2, REPEATS).median_ms)
+    row = {"tokens": x.shape[0], "threads": threads}
+    for kind, ms in times.items():
+        m = statistics.median(ms)
+        row[f"{kind}_ms"] = round(m, 3)
+        row[f"{kind}_GBps"] = round(store.shape.bytes_per_expert / (m * 1e-3) / 1e9, 2)
+    row["speedup_vs_torch"] = round(row["torch_ms"] / row["native_ms"], 2)
+    return row
 
 
 def main() -> None:
     threads = [int(a) for a in sys.argv[1:]] or sorted({1, native.available_cores()})
     shape = ExpertShape(hidden=H, ffn=I, dtype="bfloat16")
-    nbytes = shape.bytes_per_expert
-    store = ExpertStore(shape, rotation(nbytes, probe_cpu().get("l3_bytes") or 64 * 2**20))
+    store = ExpertStore(shape, rotation(shape.bytes_per_expert, probe_cpu().get("l3_bytes") or 64 * 2**20))
     n_experts = len(store.flat)
     for flat in store.flat:  # weights of a trained expert's scale: N(0, 0.02)
         flat.normal_(0, 0.02)
@@ -44,31 +69,11 @@ def main() -> None:
     for t in threads:
         torch.set_num_threads(t)
         for n in TOKENS:
-            x = torch.randn(n, H, generator=g).bfloat16()  # (n, H)
-
-            def call(kind):
-                e = next(ring) % n_experts
-                gu, dn = store.views(e)
-                if kind == "native":
-                    return experts_cpu.expert_ffn(x, gu, dn, threads=t, form=form, expert=e)
-                if kind == "native_plain":
-                    return experts_cpu.expert_ffn(x, gu, dn, threads=t)
-                return form.ffn(x, e, gu, dn)
-
-            times = {"native": [], "torch": [], "native_plain": []}
-            for _ in range(ROUNDS):
-                for kind in times:
-                    times[kind].append(time_cpu(lambda i, k=kind: call(k), 2, REPEATS).median_ms)
-            row = {"tokens": n, "threads": t}
-            for kind, ms in times.items():
-                m = statistics.median(ms)
-                row[f"{kind}_ms"] = round(m, 3)
-                row[f"{kind}_GBps"] = round(nbytes / (m * 1e-3) / 1e9, 2)
-            row["speedup_vs_torch"] = round(row["torch_ms"] / row["native_ms"], 2)
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr)
+            rows.append(point(store, form, ring, torch.randn(n, H, generator=g).bfloat16(), t))
+            print(json.dumps(rows[-1]), file=sys.stderr)
     print(json.dumps({"hidden": H, "ffn": I, "dtype": "bfloat16", "isa": native.isa(),
-                      "bytes_per_expert": nbytes, "experts_cycled": n_experts, "points": rows}, indent=1))
+                      "bytes_per_expert": shape.bytes_per_expert, "experts_cycled": n_experts, "points": rows},
+                     indent=1))
 
 
 if __name__ == "__main__":
