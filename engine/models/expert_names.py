@@ -86,7 +86,12 @@ def _same_shapes(layer: int, gate: dict, up: dict, down: dict) -> None:
 
 
 def fuse_gguf_experts(gate_exps: torch.Tensor, up_exps: torch.Tensor) -> torch.Tensor:
-    """GGUF ffn_gate_exps, ffn_up_exps (E, I, H) each → gate_up (E, 2I, H), gate first."""
+    """GGUF ffn_gate_exps, ffn_up_exps (E, I, H) each → gate_up (E, 2I, H), gate first. Experts kept
+    in blocks (the loader's `QuantStack`s) are joined per expert without a copy."""
+    from engine.quant.blocks import QuantStack
+
+    if isinstance(gate_exps, QuantStack):
+        return QuantStack.cat_rows(gate_exps, up_exps, name="gate_up_proj")
     return torch.cat([gate_exps, up_exps], dim=1)
 
 

@@ -2,9 +2,11 @@
 (config.json + safetensors, memory-mapped, never pickle).
 
 GGUF weights are dequantised to the engine dtype, except with `quantised=True` (the CPU plan of
-dtype "auto"): then dense matrices of the types engine/quant computes over (`QTYPES`: Q4_0/1, Q5_0/1,
-Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks as `QuantTensor`s that view the file's map, and every
-other quantised type is dequantised with a one-line warning that says what it costs.
+dtype "auto", whose experts are all resident on the CPU): then dense matrices of the types engine/quant
+computes over (`QTYPES`: Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks as
+`QuantTensor`s that view the file's map, and so do the stacked routed experts (`*_exps`) of the
+families in `EXPERT_BLOCK_FAMILIES`, as `QuantStack`s of per-expert row views; every other quantised
+type is dequantised with a one-line warning that says what it costs.
 
 Both come out as a `Checkpoint`: an HF-style config dict and tensors under HF names, after the
 family's `sanitize` step. Every failure names the file and says what to do.
@@ -22,7 +24,7 @@ import torch
 
 from engine.errors import ModelFileError, UnsupportedModelError
 from engine.models import families
-from engine.quant.blocks import QTYPES, QuantTensor
+from engine.quant.blocks import QTYPES, QuantStack, QuantTensor
 
 log = logging.getLogger("tandem.loader")
 
@@ -54,12 +56,38 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
 # -- GGUF ------------------------------------------------------------------------------------------
 
+# Families whose stacked routed experts stay in blocks under `quantised`: their experts are plain SwiGLU
+# (gate, up, down; no biases, no clamp), what engine/quant/experts.py computes, and their GGUF names go
+# through gguf_names.sanitize_moe_gguf, which joins gate and up stacks without a copy. Not here, so
+# dequantised as before: gpt-oss (biased experts with a clamped activation: QuantResidentExperts has no
+# such form), qwen3_5_moe (its own GGUF mapping selects rows of a fused gate_up tensor), deepseek_v2 and
+# glm4_moe (their GGUF mappings also split and rename shared and MLA tensors; they are not covered by
+# the tests of expert blocks). Mixtral's early per-expert tensors (`ffn_gate.{e}`) are stacked by
+# torch and so dequantised even here; its stacked `*_exps` stay blocks.
+EXPERT_BLOCK_FAMILIES = frozenset({"qwen3_moe", "olmoe", "mixtral"})
+
+
+def keeps_expert_blocks(family: str, quantised: bool) -> bool:
+    """Whether a GGUF's stacked routed experts load as `QuantStack`s. `quantised` is the CPU plan
+    (runtime/loading: device cpu, dtype auto, expert policy resident), where every expert runs in place
+    on the CPU; GPU placements and the offloading policies (their store and cache take float tensors)
+    load without it, and so dequantise."""
+    return quantised and family in EXPERT_BLOCK_FAMILIES
+
+
 def _keeps_blocks(name: str, shape) -> bool:
     """Dense matrices the CPU layers compute over in blocks: not routed experts (stacked `*_exps` or
-    early Mixtral's `ffn_gate.{e}`: the expert store takes dequantised tensors for now), not routers."""
+    early Mixtral's `ffn_gate.{e}`: `_keeps_stacked_experts` decides those), not routers."""
     parts = name.split(".")
     single_expert = len(parts) == 5 and parts[3].isdigit()
     return len(shape) == 2 and "_exps" not in name and "ffn_gate_inp" not in name and not single_expert
+
+
+def _keeps_stacked_experts(name: str, shape) -> bool:
+    """A layer's stacked routed expert weight, `blk.N.ffn_{gate,up,down}_exps.weight` (E, N, K) (not its biases)."""
+    parts = name.split(".")
+    return (len(shape) == 3 and len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight"
+            and parts[2] in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False) -> Checkpoint:
@@ -87,6 +115,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False) -> Check
             continue
     family = families.for_gguf_meta(meta, path)
     config = family.config_from_gguf(meta)
+    expert_blocks = keeps_expert_blocks(family.NAME, quantised)
 
     supported = set(gguf.quants._type_traits) | {gguf.GGMLQuantizationType.F32,
                                                  gguf.GGMLQuantizationType.F16,
@@ -102,6 +131,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False) -> Check
         if quantised and int(t.tensor_type) in QTYPES and _keeps_blocks(t.name, t.shape):
             raw[t.name] = QuantTensor.from_gguf(t.data, int(t.tensor_type), t.name)  # a view of the map
             continue
+        if expert_blocks and int(t.tensor_type) in QTYPES and _keeps_stacked_experts(t.name, t.shape):
+            raw[t.name] = QuantStack.from_gguf(t.data, int(t.tensor_type), t.name)  # row views of the map
+            continue
         if quantised and t.tensor_type not in plain:
             counts = dequantised.setdefault(t.tensor_type.name, [0, 0, 0])
             counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + int(t.n_bytes), counts[2] + int(t.n_elements)
@@ -112,18 +144,32 @@ def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False) -> Check
         if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only map
             array = array.copy()
         raw[t.name] = torch.from_numpy(array).to(dtype)
+    _experts_all_blocks_or_none(raw, dtype)
     if dequantised:
         item = torch.empty((), dtype=dtype).element_size()
         log.warning("%s: %s dequantised to %s at load (%.0f MB in the file, %.0f MB in memory): the CPU kernels "
-                    "read %s blocks of dense matrices only so far", path.name,
+                    "read %s blocks of dense matrices, and of routed experts in %s files, only so far", path.name,
                     ", ".join(f"{n} tensors of {name}" for name, (n, _, _) in sorted(dequantised.items())),
                     str(dtype).removeprefix("torch."), sum(b for _, b, _ in dequantised.values()) / 1e6,
                     sum(e for _, _, e in dequantised.values()) * item / 1e6,
-                    ", ".join(t.name for t in QTYPES.values()))
+                    ", ".join(t.name for t in QTYPES.values()), "/".join(sorted(EXPERT_BLOCK_FAMILIES)))
     tensors = _sanitize(family.sanitize_gguf, raw, config, path)
     if "tokenizer.ggml.model" not in reader.fields:  # weights only: usable through token ids
         return Checkpoint(path, family.NAME, config, tensors)
     return Checkpoint(path, family.NAME, config, tensors, tokenizer_dir=path.parent, gguf_file=path.name)
+
+
+def _experts_all_blocks_or_none(raw: dict, dtype: torch.dtype) -> None:
+    """One executor runs every layer's experts, over blocks or over float tensors: where any stacked
+    expert tensor came out float (a type outside QTYPES, or F16), the ones kept in blocks are
+    dequantised too (in place in `raw`)."""
+    stacked = [n for n in raw if _keeps_stacked_experts(n, getattr(raw[n], "shape", ()))]
+    kept = [n for n in stacked if isinstance(raw[n], QuantStack)]
+    if kept and len(kept) < len(stacked):
+        log.warning("routed experts of mixed kinds (%d of %d stacked tensors in blocks): all dequantised to %s",
+                    len(kept), len(stacked), str(dtype).removeprefix("torch."))
+        for n in kept:
+            raw[n] = raw[n].dequantize(dtype)
 
 
 def _bf16_tensor(data) -> torch.Tensor:

@@ -124,16 +124,64 @@ class QuantTensor:
         return dequantize_rows(self).to(dtype)
 
 
+class QuantRows:
+    """Rows of several QuantTensors one after another, (Σ rows, cols), without a copy: an expert's
+    gate_up (2I, H) as its gate (I, H) and up (I, H) rows where the file stores them apart (GGUF's
+    `ffn_gate_exps` and `ffn_up_exps`). The parts may differ in type; products run part by part."""
+
+    def __init__(self, parts: list[QuantTensor], name: str = "?"):
+        if len({p.shape[1] for p in parts}) != 1:
+            raise ValueError(f"{name}: rows of different widths cannot be joined")
+        self.parts, self.name = list(parts), name
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dim(self) -> int:
+        return 2
+
+    def __repr__(self) -> str:
+        return f"QuantRows({self.name}, {' + '.join(f'{p.qtype.name} {p.shape}' for p in self.parts)})"
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+
 class QuantStack:
     """A layer's routed experts as quantised matrices: `experts[e]` (N, K) for e < E; shape (E, N, K).
-    Copies of one expert (the upcycled built-in MoE) are one QuantTensor listed E times."""
+    Each expert is a QuantTensor or a QuantRows. Copies of one expert (the upcycled built-in MoE) are
+    one object listed E times."""
 
-    def __init__(self, experts: list[QuantTensor]):
+    def __init__(self, experts: list[QuantTensor | QuantRows]):
         shapes = {e.shape for e in experts}
         if len(shapes) != 1:
             raise ValueError(f"experts of one stack differ in shape: {sorted(shapes)}")
         self.experts = experts
         self.shape = (len(experts), *experts[0].shape)
+
+    @classmethod
+    def from_gguf(cls, data, type_code: int, name: str) -> QuantStack:
+        """A GGUF reader's stacked expert tensor (numpy uint8 (E, N, row_bytes), a view of the read-only
+        map): expert e is rows [e·N, (e+1)·N) of the blocks, a QuantTensor viewing them (no copy)."""
+        import numpy as np
+
+        array = np.asarray(data)
+        if array.dtype != np.uint8 or array.ndim != 3:
+            raise ModelFileError(f"tensor {name}: stacked {qtype(type_code).name} data of shape "
+                                 f"{array.shape} {array.dtype}", "the file is damaged: download or convert it again")
+        E, N, row_bytes = array.shape
+        whole = QuantTensor.from_gguf(array.reshape(E * N, row_bytes), type_code, name)  # (E·N, row_bytes) view
+        return cls([whole[e * N:(e + 1) * N] for e in range(E)])
+
+    @staticmethod
+    def cat_rows(first: QuantStack, second: QuantStack, name: str = "?") -> QuantStack:
+        """Expert by expert, the rows of `first` then those of `second`, as QuantRows (no copy): GGUF's
+        gate and up stacks (E, I, H) each → gate_up (E, 2I, H), gate rows first."""
+        if first.shape[0] != second.shape[0]:
+            raise ValueError(f"{name}: stacks of {first.shape[0]} and {second.shape[0]} experts cannot be joined")
+        return QuantStack([QuantRows([a, b], name) for a, b in zip(first.experts, second.experts)])
 
     def dim(self) -> int:
         return 3
@@ -145,6 +193,14 @@ class QuantStack:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         unique = {id(e): e.dequantize(dtype) for e in self.experts}
         return torch.stack([unique[id(e)] for e in self.experts])  # (E, N, K)
+
+    def types(self) -> list[str]:
+        """The block types its experts are stored in, in order of first use."""
+        names: dict[str, None] = {}
+        for e in self.experts:
+            for p in getattr(e, "parts", (e,)):
+                names[p.qtype.name] = None
+        return list(names)
 
 
 def dequantize_blocks_torch(blocks: torch.Tensor, type_code: int) -> torch.Tensor:

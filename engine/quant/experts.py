@@ -1,9 +1,11 @@
 """Every routed expert resident on the CPU as quantised blocks: the executor for `QuantStack` layers.
 
-Σ_k w_k · expert_k(x) with each expert a SwiGLU over two `QuantTensor`s (gate_up (2I, H) gate rows
-first, down (H, I)). Experts that are one block tensor listed several times (the upcycled built-in
-MoE: 8 copies of the dense FFN) are computed once per token, with the token's weights of those copies
-summed: equal in value, one read of the blocks instead of top-k.
+Σ_k w_k · expert_k(x) with each expert a SwiGLU over gate_up (2I, H), gate rows first, and down (H, I).
+gate_up is one `QuantTensor` (the built-in MoE's rows, joined once) or a `QuantRows` of gate and up
+apart (a GGUF's `ffn_gate_exps` / `ffn_up_exps` rows viewed in the file, whose types may differ: then
+two products, no copy of the experts). Experts that are one block tensor listed several times (the
+upcycled built-in MoE: 8 copies of the dense FFN) are computed once per token, with the token's
+weights of those copies summed: equal in value, one read of the blocks instead of top-k.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.experts.executor import ResidentExperts
-from engine.quant.blocks import QuantStack
+from engine.quant.blocks import QuantRows, QuantStack
 from engine.quant.matmul import implementation, quant_linear
 
 
@@ -64,13 +66,22 @@ class QuantResidentExperts(ResidentExperts):
         return sum(seen.values())
 
     def telemetry(self) -> dict:
-        first = self.gate_up[0].experts[0] if self.gate_up else None
-        kernel = f"{implementation(1)} over {first.qtype.name} blocks" if first is not None else None
+        types: dict[str, None] = {}
+        for stack in (*self.gate_up, *self.down):
+            types.update(dict.fromkeys(stack.types()))
+        kernel = f"{implementation(1)} over {'/'.join(types)} blocks" if types else None
         return {"policy": self.policy, "bytes": self.nbytes(), "kernel": kernel}
 
 
 def _swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
-    h = quant_linear(x, gate_up)  # (n, 2I)
+    """x (n, H) → (n, H); gate_up a QuantTensor (2I, H) or a QuantRows of its gate and up (I, H) each."""
+    if not isinstance(gate_up, QuantRows):
+        h = quant_linear(x, gate_up)  # (n, 2I)
+    elif len(gate_up.parts) == 2 and gate_up.parts[0].shape[0] == gate_up.parts[1].shape[0]:
+        gate, up = (quant_linear(x, p) for p in gate_up.parts)  # (n, I) each: no concatenation
+        return quant_linear(F.silu(gate) * up, down)
+    else:
+        h = torch.cat([quant_linear(x, p) for p in gate_up.parts], dim=-1)  # (n, 2I)
     inter = h.shape[-1] // 2
     return quant_linear(F.silu(h[..., :inter]) * h[..., inter:], down)  # (n, H)
 
