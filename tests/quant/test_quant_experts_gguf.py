@@ -30,8 +30,11 @@ llama_cpp = pytest.importorskip("llama_cpp")
 # hidden 256 and expert FFN 256 (o_proj reads 4 heads × 64 = 256).
 DIMS = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2}
-PRESETS = {"qwen3_moe": "qwen3-30b-a3b", "olmoe": "olmoe-1b-7b"}
+PRESETS = {"qwen3_moe": "qwen3-30b-a3b", "olmoe": "olmoe-1b-7b", "mixtral": "mixtral-8x7b"}
+# Mixtral sizes its experts by intermediate_size and counts them as num_local_experts
+OWN_DIMS = {"mixtral": {"intermediate_size": 256, "num_local_experts": 8}}
 PROMPT = [3, 17, 5, 42, 8, 9, 33, 60, 2, 71, 11, 4, 19, 23, 50, 64, 7, 88, 1]  # 19: prefill over tiles
+MODELS = [("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_K_M"), ("olmoe", "Q4_K_M"), ("mixtral", "Q4_K_M")]
 FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
@@ -42,7 +45,7 @@ def write_quantised(directory, family: str, ftype: str, layers: int = 2, vocab: 
 
     name = f"synthetic:{PRESETS[family]}-L{layers}"
     config = synthetic.config_for(name, vocab_size=vocab)
-    config.update({**DIMS, **dims})
+    config.update({**DIMS, **OWN_DIMS.get(family, {}), **dims})
     args = families.get(family).args_from_config(config)
     f32, out = directory / f"{family}-f32.gguf", directory / f"{family}-{ftype}.gguf"
     # token strings without a tokenizer model: Tandem runs the file on token ids, without a tokenizer
@@ -93,8 +96,7 @@ def logits(engine: Engine, ids: list[int], prefill: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe-gguf")
-    return {(f, q): write_quantised(d, f, q) for f, q in (("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_K_M"),
-                                                          ("olmoe", "Q4_K_M"))}
+    return {key: write_quantised(d, *key) for key in MODELS}
 
 
 def test_loader_keeps_experts_as_row_views_of_the_file(files, caplog):
@@ -121,8 +123,7 @@ def test_loader_keeps_experts_as_row_views_of_the_file(files, caplog):
     assert "Q4_K" in types and types <= {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"}
 
 
-@pytest.mark.parametrize("key", [("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_K_M"), ("olmoe", "Q4_K_M")],
-                         ids=lambda k: "-".join(k))
+@pytest.mark.parametrize("key", MODELS, ids=lambda k: "-".join(k))
 def test_model_over_expert_blocks_follows_the_dequantised_one(files, key):
     from engine.quant.experts import QuantResidentExperts
 
@@ -163,7 +164,7 @@ def test_offloading_policy_keeps_dequantising(files):
 
 
 def test_decision_by_family_and_plan():
-    assert keeps_expert_blocks("qwen3_moe", True) and keeps_expert_blocks("olmoe", True)
+    assert all(keeps_expert_blocks(family, True) for family in ("qwen3_moe", "olmoe", "mixtral"))
     for family in ("gpt_oss", "qwen3_5_moe", "deepseek_v2", "glm4_moe"):  # experts that need more, or own mappings
         assert family not in EXPERT_BLOCK_FAMILIES and not keeps_expert_blocks(family, True)
     assert not keeps_expert_blocks("qwen3_moe", False)  # GPU, explicit dtype or offloading: not the CPU plan
