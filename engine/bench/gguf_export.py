@@ -42,6 +42,7 @@ the host holds one tensor (a layer's expert stack: 0.8 GB for Qwen3-30B-A3B in b
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -170,15 +171,27 @@ def _own_pieces(arch: str):
     matrix type, F32) → pieces or None, where it has one."""
     if arch == "gpt-oss":
         return _gpt_oss_pieces
-    if arch == "qwen35moe":
-        from engine.bench import gguf_export_qwen3_5
+    module = {"qwen35moe": "gguf_export_qwen3_5", "deepseek2": "gguf_export_deepseek2"}.get(arch)
+    if module is None:
+        return None
+    table = importlib.import_module(f"engine.bench.{module}").LAYER_TENSORS
+    return lambda hf_name, shape, args, matrix_type, f32: _layer_pieces(table, hf_name, shape, args, matrix_type, f32)
 
-        return gguf_export_qwen3_5.pieces
-    if arch == "deepseek2":
-        from engine.bench import gguf_export_deepseek2
 
-        return gguf_export_deepseek2.pieces
-    return None
+def _layer_pieces(table: dict, hf_name: str, shape: tuple, args: ModelArgs, matrix_type, f32) -> list | None:
+    """The GGUF pieces of a layer tensor the family names or re-lays itself: `table` maps the name
+    after `model.layers.N.` to [(GGUF kind, F32?, layout (tensor, args) → tensor, or None)]."""
+    parts = hf_name.split(".")
+    rest = ".".join(parts[3:])
+    if parts[:2] != ["model", "layers"] or rest not in table:
+        return None
+    out = []
+    for kind, is_f32, fn in table[rest]:
+        out_shape = tuple(fn(torch.empty(shape, device="meta"), args).shape) if fn is not None else shape
+        transform = (lambda t, fn=fn: fn(t, args)) if fn is not None else None
+        out.append(Piece(f"blk.{parts[2]}.{kind}", out_shape, f32 if is_f32 else matrix_type, hf_name,
+                         transform=transform))
+    return out
 
 
 def _gpt_oss_pieces(hf_name: str, shape: tuple, args: ModelArgs, matrix_type, f32) -> list[Piece] | None:

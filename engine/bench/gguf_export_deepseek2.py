@@ -179,21 +179,4 @@ _OWN = {
 }
 
 
-def pieces(hf_name: str, shape: tuple, args: ModelArgs, matrix_type, f32) -> list | None:
-    """The GGUF pieces of one engine tensor that only deepseek2 names or re-lays; None for the
-    tensors of the shared map."""
-    from engine.bench.gguf_export import Piece
-
-    parts = hf_name.split(".")
-    if parts[:2] != ["model", "layers"]:
-        return None
-    layer, rest = parts[2], ".".join(parts[3:])
-    if rest not in _OWN:
-        return None
-    out = []
-    for kind, is_f32, fn in _OWN[rest]:
-        out_shape = tuple(fn(torch.empty(shape, device="meta"), args).shape) if fn is not None else shape
-        transform = (lambda t, fn=fn: fn(t, args)) if fn is not None else None
-        out.append(Piece(f"blk.{layer}.{kind}", out_shape, f32 if is_f32 else matrix_type, hf_name,
-                         transform=transform))
-    return out
+LAYER_TENSORS = _OWN  # the export's table (engine/bench/gguf_export.py layer_pieces)

@@ -94,21 +94,8 @@ _LINEAR = {
 }
 
 
-def pieces(hf_name: str, shape: tuple, args: ModelArgs, matrix_type, f32) -> list | None:
-    """The GGUF piece of one engine tensor that only qwen35moe names or transforms; None for the
-    tensors of the shared map."""
-    from engine.bench.gguf_export import Piece
-
-    parts = hf_name.split(".")
-    if parts[:2] != ["model", "layers"]:
-        return None
-    layer, rest = parts[2], ".".join(parts[3:])
-    if rest not in _LINEAR:
-        return None
-    kind, is_f32, fn = _LINEAR[rest]
-    out_shape = tuple(fn(torch.empty(shape, device="meta"), args).shape) if fn is not None else shape
-    transform = (lambda t: fn(t, args)) if fn is not None else None
-    return [Piece(f"blk.{layer}.{kind}", out_shape, f32 if is_f32 else matrix_type, hf_name, transform=transform)]
+# the export's table (engine/bench/gguf_export.py layer_pieces): each engine name to its one GGUF piece
+LAYER_TENSORS = {name: [piece] for name, piece in _LINEAR.items()}
 
 
 def rope_sections(config: dict, rotary_dim: int) -> list[int]:
