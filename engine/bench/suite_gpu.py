@@ -13,7 +13,8 @@ llama.cpp `-nkvo` (its KV cache in host memory) as Tandem's planner may spill KV
 
 Decode is measured after a prompt of the cell's context, untimed (llama-bench `-d`); 32 new tokens.
 The new families' cells (gpt-oss, Qwen3.5, DeepSeek-V2-Lite) load each file once for both contexts
-(`one_load_decode_cell`) and keep Tandem's prefill rate of the prompt before each decode beside it.
+(`one_load_decode_cell`); Tandem's prefill of each prompt is timed on the way to its decode, llama.cpp's
+by a second llama-bench run (`-p` the contexts, `-n 0`).
 """
 
 from __future__ import annotations
@@ -262,22 +263,25 @@ def one_load_decode_cell(ctx: Ctx, model: str, budget: float, contexts) -> list[
         spec = {"config": config, "decode_prompts": contexts, "new_tokens": NEW_TOKENS, "batch": 1}
 
         def llama(m=ncmoe, g=gguf) -> dict:
-            rec = llamacpp_bench.run(bins["llama-bench"], g, n_gpu_layers=99, flash_attn=1, depth=contexts, n_prompt=0,
-                                     n_gen=NEW_TOKENS, reps=1, n_cpu_moe=m or None)
-            return {"decode_tok_s_by_prompt": {str(r["n_depth"]): r["tok_s"] for r in rec["results"]}}
+            flags = {"n_gpu_layers": 99, "flash_attn": 1, "reps": 1, "n_cpu_moe": m or None}
+            # two runs: one -p and -d list would cross every prompt with every depth
+            decode = llamacpp_bench.run(bins["llama-bench"], g, depth=contexts, n_prompt=0, n_gen=NEW_TOKENS, **flags)
+            prefill = llamacpp_bench.run(bins["llama-bench"], g, n_prompt=contexts, n_gen=0, **flags)
+            return {"decode_tok_s_by_prompt": {str(r["n_depth"]): r["tok_s"] for r in decode["results"]},
+                    "prefill_tok_s_by_prompt": {str(r["n_prompt"]): r["tok_s"] for r in prefill["results"]}}
 
         systems = {n: (lambda t=ctx.tree_of(n): probe(t.path, spec)) for n in ctx.tandem_names()}
         systems["llama.cpp"] = llama
         res = alternate(ctx, systems)
+        flags = "-ngl 99 -fa 1" + (f" -ncmoe {ncmoe}" if ncmoe else "")
+        plan = {n: rs[-1].get("plan") for n, rs in res.items() if n != "llama.cpp"}
         for context in contexts:
-            rows.append(row(ctx, "decode tok/s", f"{context // 1024}K context, 1 chat, VRAM {budget:g} GB "
-                            f"(both set up for {max(contexts) // 1024}K)",
-                            {n: [r["decode_tok_s_by_prompt"].get(str(context)) for r in rs] for n, rs in res.items()},
-                            "llama.cpp", routing=routing_mod.label(routing),
-                            llama_flags="-ngl 99 -fa 1" + (f" -ncmoe {ncmoe}" if ncmoe else ""),
-                            plan={n: rs[-1].get("plan") for n, rs in res.items() if n != "llama.cpp"},
-                            tandem_prefill_tok_s={n: [r["prefill_tok_s_by_prompt"].get(str(context)) for r in rs]
-                                                  for n, rs in res.items() if n != "llama.cpp"}))
+            for metric, key, what in (("decode tok/s", "decode_tok_s_by_prompt", "context"),
+                                      ("prefill tok/s", "prefill_tok_s_by_prompt", "prompt")):
+                rows.append(row(ctx, metric, f"{context // 1024}K {what}, 1 chat, VRAM {budget:g} GB "
+                                f"(both set up for {max(contexts) // 1024}K)",
+                                {n: [r[key].get(str(context)) for r in rs] for n, rs in res.items()}, "llama.cpp",
+                                routing=routing_mod.label(routing), llama_flags=flags, plan=plan))
     return rows
 
 

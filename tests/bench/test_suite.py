@@ -265,14 +265,18 @@ def test_a_one_load_cell_loads_each_system_once_for_every_context(monkeypatch):
     monkeypatch.setattr(suite_gpu, "fitting_ncmoe", lambda sizes, budget, tokens: fits.append(tokens) or 7)
     monkeypatch.setattr(suite_gpu, "probe", lambda tree, spec: specs.append(spec) or {
         "decode_tok_s_by_prompt": {"2048": 60.0, "32768": 40.0}, "prefill_tok_s_by_prompt": {"2048": 900.0}})
-    monkeypatch.setattr(llamacpp_bench, "run", lambda *a, **kw: llama_calls.append(kw) or {
-        "results": [{"n_depth": 2048, "tok_s": 30.0}, {"n_depth": 32768, "tok_s": 20.0}]})
+    monkeypatch.setattr(llamacpp_bench, "run", lambda *a, **kw: llama_calls.append(kw) or {"results": (
+        [{"n_depth": 2048, "tok_s": 30.0}, {"n_depth": 32768, "tok_s": 20.0}] if kw["n_gen"] else
+        [{"n_prompt": 2048, "tok_s": 450.0}, {"n_prompt": 32768, "tok_s": 300.0}])})
     rows = suite_gpu.one_load_decode_cell(ctx, suite_gpu.GPT_OSS, 8.0, (2048, 32768))
     assert len(specs) == 1 and specs[0]["decode_prompts"] == [2048, 32768]
     assert specs[0]["config"]["max_context"] > 32768 and fits == [32768 + suite_gpu.NEW_TOKENS]
-    assert len(llama_calls) == 1 and llama_calls[0]["depth"] == [2048, 32768] and llama_calls[0]["n_cpu_moe"] == 7
-    assert [r["ratio"]["tandem"]["median"] for r in rows] == [2.0, 2.0]
-    assert rows[0]["tandem_prefill_tok_s"] == {"tandem": [900.0]} and rows[1]["llama_flags"].endswith("-ncmoe 7")
+    decode, prefill = llama_calls  # llama.cpp: one run for the decodes, one for the prefills
+    assert decode["depth"] == [2048, 32768] and decode["n_prompt"] == 0 and decode["n_cpu_moe"] == 7
+    assert prefill["n_prompt"] == [2048, 32768] and prefill["n_gen"] == 0 and prefill["n_cpu_moe"] == 7
+    assert [(r["metric"], r["ratio"]["tandem"]["median"]) for r in rows] == [
+        ("decode tok/s", 2.0), ("prefill tok/s", 2.0), ("decode tok/s", 2.0), ("prefill tok/s", None)]
+    assert rows[2]["llama_flags"].endswith("-ncmoe 7")
 
 
 def test_the_probe_decodes_each_of_several_prompt_lengths_with_one_load():
