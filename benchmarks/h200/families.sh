@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The new families' GPU cells (gpt-oss-20b, Qwen3.5-35B-A3B cut to 16 layers) in one lease, in the
-# order that keeps a partial lease useful: every cell at 2K first, then the 32K contexts.
-# Run from the repository root in the background (the lease polls RES), with carried in:
+# The new families' GPU cells (gpt-oss-20b, Qwen3.5-35B-A3B cut to 16 layers) in one lease: each cell
+# loads its file once for both contexts (2K and 32K) and measures decode and prefill beside llama.cpp.
+# CONTEXTS=2048 keeps a short lease to 2K. Carried in (ignored paths of the checkout):
 #   .whl/                          wheels the machine lacks (gguf, platformdirs)
 #   .llamacpp/llamacpp-src.tar.xz  llama.cpp's sources (engine.bench.llamacpp_build --prune)
 #   .llamacpp/smollm2-vocab.gguf   the built-in GGUF's tokenizer.* keys alone
-#   RES=/tmp/lease WORK=/tmp/lease/work setsid bash benchmarks/h200/families.sh &
-# (from a `git archive` of the commit, so that uncommitted edits in the checkout stay out of it).
+#   .lease/src.tar                 `git archive HEAD -o .lease/src.tar`, made before the lease: the
+#                                  checkout's .git does not reach the machine, and uncommitted edits
+#                                  must stay out of the run
+# and started in the background, then polled (each poll copies RES into the call's output folder):
+#   mkdir -p /tmp/src && tar -xf .lease/src.tar -C /tmp/src && cp -r .whl .llamacpp /tmp/src/ &&
+#   (cd /tmp/src && COMMIT=<sha> RES=/tmp/lease setsid nohup bash benchmarks/h200/families.sh &)
 # The disk (64 GB) holds one of the two exports (40 and 26 GB), so gpt-oss's is deleted before
 # Qwen3.5's is made.
 set -uo pipefail
@@ -37,17 +41,14 @@ python3 -m engine.cli export-gguf --model synthetic:gpt-oss-20b --out "$work/gpt
 step waiting for llama.cpp
 wait $build; echo "llama.cpp build rc $?" >>"$log"
 
-suite() {  # suite NAME CELLS CONTEXTS
+suite() {  # suite NAME CELLS
   step "suite $1"
   python3 -m engine.cli bench suite --work "$work" --llama-cpp-source .llamacpp/llamacpp-src.tar.xz \
-    --tokenizer-from .llamacpp/smollm2-vocab.gguf --routing random --rounds 1 --cells "$2" --contexts "$3" \
-    --json "$res/$1.json" >/dev/null 2>>"$res/suite.log"
+    --tokenizer-from .llamacpp/smollm2-vocab.gguf --routing random --rounds 1 --cells "$2" \
+    ${CONTEXTS:+--contexts "$CONTEXTS"} --json "$res/$1.json" >/dev/null 2>>"$res/suite.log"
   echo "suite $1 rc $?" >>"$log"
 }
-suite gpt-oss-2k gpu-gpt-oss-20b-24gb,gpu-gpt-oss-20b-8gb 2048
+suite gpt-oss gpu-gpt-oss-20b-24gb,gpu-gpt-oss-20b-8gb
 rm -f "$work/gpt-oss-20b-random.gguf"
-suite qwen3.5-2k gpu-qwen3.5-L16-24gb,gpu-qwen3.5-L16-8gb 2048
-suite qwen3.5-32k gpu-qwen3.5-L16-24gb,gpu-qwen3.5-L16-8gb 32768
-rm -f "$work/qwen3.5-35b-a3b-L16-random.gguf"
-suite gpt-oss-32k gpu-gpt-oss-20b-24gb,gpu-gpt-oss-20b-8gb 32768
+suite qwen3.5 gpu-qwen3.5-L16-24gb,gpu-qwen3.5-L16-8gb
 step ALL DONE
