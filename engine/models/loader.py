@@ -76,8 +76,8 @@ def keeps_expert_blocks(family: str, quantised: bool) -> bool:
 
 
 def _keeps_blocks(name: str, shape) -> bool:
-    """Dense matrices the CPU layers compute over in blocks: not routed experts (stacked `*_exps` or
-    early Mixtral's `ffn_gate.{e}`: `_keeps_stacked_experts` decides those), not routers."""
+    """Dense matrices the CPU layers compute over in blocks: not routed experts (stacked `*_exps`:
+    `_keeps_stacked_experts` decides those; early Mixtral's `ffn_gate.{e}` load float), not routers."""
     parts = name.split(".")
     single_expert = len(parts) == 5 and parts[3].isdigit()
     return len(shape) == 2 and "_exps" not in name and "ffn_gate_inp" not in name and not single_expert
