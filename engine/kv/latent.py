@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from engine.errors import OutOfMemoryError
 from engine.kernels import attention_mla, attention_mla_native
 from engine.kv.regions import BlockAllocator
-from engine.kv.resident import ResidentKV
+from engine.kv.resident import ResidentKV, read_rows
 from engine.kv.writescope import WriteScopeKV
 
 
@@ -110,7 +110,7 @@ class LatentResidentKV(ResidentKV):
             visible = (self._key_pos < keys[:, None]).view(B, 1, 1, -1)  # (B, 1, 1, W·bs)
             o, _ = attention_mla.latent_attention(q, rows, self.value_dim, scale, visible)
             return o.to(q.dtype)
-        rows = k[:, 0] if read is None else self.k[layer][read][:, :, 0]  # (B, S, r + dr)
+        rows = k[:, 0] if read is None else read_rows(self.k[layer], read)[:, :, 0]  # (B, S, r + dr)
         mask = self._masks[None]  # (B, 1, T, S) or None: causal (prefill from empty) or every key
         if T == 1:
             o, _ = attention_mla.latent_attention(q, rows, self.value_dim, scale, mask)

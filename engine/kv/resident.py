@@ -184,11 +184,9 @@ class ResidentKV(KVBackend):
         mask = self._masks[window]
         if read is None:
             keys, values = k, v  # (B, n_kv, T, hs): prefill from empty
-        else:  # (B, S, n_kv, hs) gathered (a copy), or (S, n_kv, hs) read in place through a slice
-            keys, values = self.k[layer][read], self.v[layer][read]
-            if isinstance(read, slice):
-                keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-            keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (B, n_kv, S, hs)
+        else:
+            keys = read_rows(self.k[layer], read).transpose(1, 2)  # (B, n_kv, S, hs)
+            values = read_rows(self.v[layer], read).transpose(1, 2)
         if sinks is not None:
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
         if mask is None:
@@ -212,6 +210,12 @@ class ResidentKV(KVBackend):
             "bytes": {"kv_resident": nbytes},
             "tokens": {"resident": sum(s.length for s in self.seqs.values())},
         }
+
+
+def read_rows(cache: torch.Tensor, read: torch.Tensor | slice) -> torch.Tensor:
+    """A layer's cache (slots, …) → the step's past rows (B, S, …): gathered (a copy) through (B, S)
+    slot indices, or in place (a view, B = 1) through a slice."""
+    return cache[read].unsqueeze(0) if isinstance(read, slice) else cache[read]
 
 
 def _contiguous(slots: torch.Tensor) -> slice | None:
