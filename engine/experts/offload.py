@@ -132,9 +132,10 @@ class OffloadedExperts(ExpertExecutor):
 
     def set_form(self, layer: int, form: ClampedSwiGLU) -> None:
         """The layer's experts compute `form` (gpt-oss: biases, clamped SwiGLU). The slots run it in
-        the grouped GEMM with the biases on the device, the CPU set in torch with host copies of them.
-        The matrix-vector decode kernels (graph pieces, the whole-step graph) and the native CPU
-        kernel know only plain SwiGLU, so such a model's MoE layers run eagerly between graph pieces."""
+        the grouped GEMM with the biases on the device, the CPU set in the native expert kernel (its
+        ExpertForm) with host copies of them. The GPU's matrix-vector decode kernels (graph pieces, the
+        whole-step graph) know only plain SwiGLU, so such a model's MoE layers run eagerly between
+        graph pieces."""
         self.forms[layer] = form
         host = lambda b: b.detach().to("cpu", self.store.dtype)  # noqa: E731  (E, 2I), (E, H): small
         self._cpu_forms[layer] = ClampedSwiGLU(host(form.gate_up_bias), host(form.down_bias), form.alpha, form.limit)
