@@ -49,8 +49,11 @@ class EngineConfig:
 
 
 def choose_backend(config: EngineConfig) -> str:
-    """`auto`: llama.cpp for GGUF files on machines without CUDA when llama-cpp-python is installed
-    (it decodes quantised weights several times faster on the CPU: benchmarks/RESULTS.md), else Tandem.
+    """`auto`: llama.cpp for GGUF files on machines without CUDA when llama-cpp-python is installed,
+    else Tandem. On the CPU llama.cpp still decodes a quantised file faster than Tandem's block
+    kernels: 18.4 against 26.5 ms a token for the built-in Q4_1 file, 20.0 against 26.6 for its Q4_K_M
+    requantisation (one thread each, 2026-12-04, benchmarks/RESULTS.md); the rule goes once Tandem is
+    at least as fast on the same file.
 
     The built-in models stay on Tandem: they are the reference the tests hold to transformers, and
     llama.cpp's quantised-activation kernels change the dense model's greedy answer (asked for the
