@@ -102,7 +102,8 @@ def test_kill_9_at_random_moments_of_a_reply(tmp_path, chat_model):
         if len(new) == 2:
             assert new[1][2] == "assistant" and new[1][4] in ("interrupted", "done"), (replay, new[1])
         if into_stream and streaming and not finished:  # cut off mid-stream after a flush: its text is kept
-            assert len(new) == 2 and new[1][4] == "interrupted" and new[1][3].strip(), (replay, new)
+            # ("done" too: the kill can fall between the reply's last save and the FINISHED line it prints)
+            assert len(new) == 2 and new[1][4] in ("interrupted", "done") and new[1][3].strip(), (replay, new)
         before = after
     assert len(before) >= KILLS  # the user messages went in
     assert mid_stream >= KILLS // 4, f"only {mid_stream} of {KILLS} kills landed mid-stream (seed {seed})"
