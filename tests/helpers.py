@@ -84,3 +84,21 @@ def kill_hard(proc, after=lambda: None) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def stepped_logits(engine, ids: list[int], prefill: int):
+    """(T, V) float logits of a Tandem engine's model: `prefill` tokens in one step, then one decode
+    step a token through its KV cache, so that prefill and decode paths are both compared."""
+    import torch
+
+    parts = engine.backend.parts
+    kv, sid, rows = parts.kv, parts.kv.new_sequence(), []
+    try:
+        with torch.inference_mode():
+            for chunk in [ids[:prefill]] + [[t] for t in ids[prefill:]]:
+                positions = kv.begin_step([sid], len(chunk))
+                rows.append(parts.model(torch.tensor([chunk]), positions, kv, last_only=False)[0])
+                kv.end_step()
+    finally:
+        kv.free(sid)
+    return torch.cat(rows).float()

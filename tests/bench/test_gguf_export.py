@@ -70,6 +70,28 @@ def llamacpp_logits(path, ids=PROMPT) -> torch.Tensor:
         llm.close()
 
 
+def check_synthetic_bf16_export(name: str, out, arch: str, layers: int) -> None:
+    """The bench's path: `name` (a synthetic preset) exported in BF16 holds exactly the weights Tandem
+    draws for it, and llama.cpp on that file gives Tandem's logits on it within bf16 activation
+    rounding (llama.cpp's matmuls round activations to bf16): 0.1 absolute on logits of RMS near 1,
+    every greedy token equal."""
+    from engine.models import synthetic
+    from engine.models.loader import load_checkpoint
+
+    stats = gguf_export.export(name, out)
+    assert stats["arch"] == arch and stats["layers"] == layers and stats["dtype"] == "bf16"
+    want = synthetic.load(name, device=torch.device("cpu"), vocab_size=VOCAB).tensors
+    got = load_checkpoint(out, torch.bfloat16).tensors
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    tandem = tandem_logits(out)
+    ours = llamacpp_logits(out)
+    assert tandem.std() > 0.3
+    torch.testing.assert_close(ours, tandem, atol=0.1, rtol=0)
+    assert (ours.argmax(-1) == tandem.argmax(-1)).all()
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("gguf")

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV2ForCausalLM"):
     pytest.skip("this transformers has no deepseek_v2", allow_module_level=True)
 
-from test_gguf_export import VOCAB, llamacpp_logits, tandem_logits
+from test_gguf_export import VOCAB, check_synthetic_bf16_export, llamacpp_logits, tandem_logits
 
 from engine.bench import gguf_export
 from engine.bench.gguf_export_deepseek2 import interleave_rope_rows
@@ -141,22 +141,7 @@ def test_synthetic_bf16_export_streams_tandems_weights_and_llamacpp_runs_them(tm
     YaRN ×40) exported in BF16 holds exactly the weights Tandem draws for it, and llama.cpp on that
     file gives Tandem's logits on it within bf16 activation rounding (llama.cpp's matmuls round
     activations to bf16): 0.1 absolute on logits of RMS 1.0, observed 0.027, every greedy token equal."""
-    from engine.models import synthetic
-    from engine.models.loader import load_checkpoint
-
-    name, out = f"{tiny_preset}-L3", tmp_path / "s.gguf"
-    stats = gguf_export.export(name, out)
-    assert stats["arch"] == "deepseek2" and stats["layers"] == 3 and stats["dtype"] == "bf16"
-    want = synthetic.load(name, device=torch.device("cpu"), vocab_size=VOCAB).tensors
-    got = load_checkpoint(out, torch.bfloat16).tensors
-    assert set(got) == set(want)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-    tandem = tandem_logits(out)
-    ours = llamacpp_logits(out)
-    assert tandem.std() > 0.3
-    torch.testing.assert_close(ours, tandem, atol=0.1, rtol=0)
-    assert (ours.argmax(-1) == tandem.argmax(-1)).all()
+    check_synthetic_bf16_export(f"{tiny_preset}-L3", tmp_path / "s.gguf", "deepseek2", 3)
 
 
 def test_interleave_is_the_readers_inverse():

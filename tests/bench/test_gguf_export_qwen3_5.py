@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5MoeForCausalLM"):
     pytest.skip("this transformers has no qwen3_5_moe", allow_module_level=True)
 
-from test_gguf_export import VOCAB, llamacpp_logits, tandem_logits
+from test_gguf_export import VOCAB, check_synthetic_bf16_export, llamacpp_logits, tandem_logits
 
 from engine.bench import gguf_export, gguf_export_qwen3_5
 from engine.errors import UnsupportedModelError
@@ -114,22 +114,7 @@ def test_synthetic_bf16_export_streams_tandems_weights_and_llamacpp_runs_them(tm
     holds exactly the weights Tandem draws for it, and llama.cpp on that file gives Tandem's logits on
     it within bf16 activation rounding (llama.cpp's matmuls round activations to bf16): 0.1 absolute
     on logits of RMS 1.0, observed 0.06, every greedy token equal."""
-    from engine.models import synthetic
-    from engine.models.loader import load_checkpoint
-
-    name, out = f"{tiny_preset}-L5", tmp_path / "s.gguf"
-    stats = gguf_export.export(name, out)
-    assert stats["arch"] == "qwen35moe" and stats["layers"] == 5 and stats["dtype"] == "bf16"
-    want = synthetic.load(name, device=torch.device("cpu"), vocab_size=VOCAB).tensors
-    got = load_checkpoint(out, torch.bfloat16).tensors
-    assert set(got) == set(want)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-    tandem = tandem_logits(out)
-    ours = llamacpp_logits(out)
-    assert tandem.std() > 0.3
-    torch.testing.assert_close(ours, tandem, atol=0.1, rtol=0)
-    assert (ours.argmax(-1) == tandem.argmax(-1)).all()
+    check_synthetic_bf16_export(f"{tiny_preset}-L5", tmp_path / "s.gguf", "qwen35moe", 5)
 
 
 def test_refusals_and_rope_sections(tmp_path, tiny_preset, monkeypatch):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
+from helpers import stepped_logits as logits
 
 from engine.api import Engine, EngineConfig
 from engine.models.loader import load_checkpoint
@@ -74,21 +75,6 @@ def write_mixed_llama(path, float_q_layer: int | None = None, up_type=None):
 
 def engine_for(path, dtype="auto"):
     return Engine(EngineConfig(model=str(path), backend="tandem", device="cpu", max_batch=1, dtype=dtype))
-
-
-@torch.inference_mode()
-def logits(engine: Engine, ids: list[int], prefill: int) -> torch.Tensor:
-    """(T, V): `prefill` tokens in one step, then one decode step a token through the KV cache."""
-    parts = engine.backend.parts
-    kv, sid, rows = parts.kv, parts.kv.new_sequence(), []
-    try:
-        for chunk in [ids[:prefill]] + [[t] for t in ids[prefill:]]:
-            positions = kv.begin_step([sid], len(chunk))
-            rows.append(parts.model(torch.tensor([chunk]), positions, kv, last_only=False)[0])
-            kv.end_step()
-    finally:
-        kv.free(sid)
-    return torch.cat(rows).float()
 
 
 def test_loader_keeps_each_type_and_its_values(tmp_path, caplog):

@@ -15,6 +15,7 @@ import logging
 
 import pytest
 import torch
+from helpers import stepped_logits as logits
 
 from engine.api import Engine, EngineConfig
 from engine.models.loader import (
@@ -76,21 +77,6 @@ def file_expert_bytes(path) -> int:
 
 def engine_for(path, dtype="auto", **kw):
     return Engine(EngineConfig(model=str(path), backend="tandem", device="cpu", max_batch=1, dtype=dtype, **kw))
-
-
-@torch.inference_mode()
-def logits(engine: Engine, ids: list[int], prefill: int) -> torch.Tensor:
-    """(T, V): `prefill` tokens in one step, then one decode step a token through the KV cache."""
-    parts = engine.backend.parts
-    kv, sid, rows = parts.kv, parts.kv.new_sequence(), []
-    try:
-        for chunk in [ids[:prefill]] + [[t] for t in ids[prefill:]]:
-            positions = kv.begin_step([sid], len(chunk))
-            rows.append(parts.model(torch.tensor([chunk]), positions, kv, last_only=False)[0])
-            kv.end_step()
-    finally:
-        kv.free(sid)
-    return torch.cat(rows).float()
 
 
 @pytest.fixture(scope="module")
