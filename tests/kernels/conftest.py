@@ -27,3 +27,18 @@ def kernel_mode(request, monkeypatch):
     native.reload()
     if native.module() is not None:
         native.module().select_isa("auto")
+
+
+@pytest.fixture
+def amx_everywhere():
+    """amx-bf16 with the AMX tiles for every token count (else they start at amx_min_tokens); skipped
+    where this CPU has no AMX."""
+    m = native.module()
+    if m is None or "amx-bf16" not in m.supported_isas():
+        pytest.skip("this CPU has no AMX")
+    assert m.select_isa("amx-bf16")
+    saved = m.amx_min_tokens()
+    m.set_amx_min_tokens(1)
+    yield m
+    m.set_amx_min_tokens(saved)
+    m.select_isa("auto")

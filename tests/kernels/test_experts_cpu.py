@@ -225,22 +225,6 @@ def test_moe_ffn_bad_inputs_raise_clear_errors():
         experts_cpu.moe_ffn(x.double(), [expert], tok, w)
 
 
-@pytest.fixture
-def amx_everywhere():
-    """The AMX tiles for every token count (skipped where this CPU has no AMX)."""
-    from engine.kernels import native
-
-    m = native.module()
-    if m is None or "amx-bf16" not in m.supported_isas():
-        pytest.skip("no AMX on this CPU")
-    assert m.select_isa("amx-bf16")
-    saved = m.amx_min_tokens()
-    m.set_amx_min_tokens(1)
-    yield m
-    m.set_amx_min_tokens(saved)
-    m.select_isa("auto")
-
-
 @pytest.mark.parametrize("H, I", [(128, 96), (1088, 96), (96, 1088)])
 def test_amx_tiles_at_every_token_count(amx_everywhere, H, I, monkeypatch):
     """Groups of ≤ 16 tokens as even as they come (17 → 2 × 9, 33 → 3 × 11), passes of two groups and a

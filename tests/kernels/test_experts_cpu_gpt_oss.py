@@ -54,20 +54,6 @@ def check(y, ref, dtype):
     assert err < TOL[dtype], f"relative error {err:.2e}"
 
 
-@pytest.fixture
-def amx_everywhere():
-    """amx-bf16 with the AMX tiles for every token count (else they start at amx_min_tokens)."""
-    m = native.module()
-    if m is None or "amx-bf16" not in m.supported_isas():
-        pytest.skip("this CPU has no AMX")
-    assert m.select_isa("amx-bf16")
-    saved = m.amx_min_tokens()
-    m.set_amx_min_tokens(1)
-    yield m
-    m.set_amx_min_tokens(saved)
-    m.select_isa("auto")
-
-
 FORMS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
 
 
