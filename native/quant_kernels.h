@@ -146,6 +146,14 @@ TANDEM_ALWAYS_INLINE void rows_tile(const QuantMatmulProblem& P, const QuantActs
       const int64_t b = sb * D::kSub + j;  // the activations' 32-block
       for (int i = 0; i < R; ++i) {
         float s, c;
+#if !defined(TANDEM_QUANT_SCALAR)
+        // The next tile's rows at the same place (R rows ahead: 1.4 KB for the built-in model's 576-wide
+        // Q4_1 rows): a decode step reads every weight once, from DRAM, and the hardware prefetcher
+        // alone left the kernel at 0.6 of its speed on warm weights (1536×576 Q4_1: 130 µs a call
+        // in the decode loop against 88 in a loop over the weights; 89 with this).
+        _mm_prefetch(reinterpret_cast<const char*>(row + (i + R) * P.w_row_bytes + sb * bytes + j * (bytes / D::kSub)),
+                     _MM_HINT_T0);
+#endif
         const WVec w = D::at(row + i * P.w_row_bytes + sb * bytes, j, s, c);
         for (int t = 0; t < NT; ++t) {
           acc[i][t] = fmadd(block_dot(w, a + t * P.k + b * kQBlock), s * ad[t * nb + b], acc[i][t]);
