@@ -51,7 +51,7 @@ class EngineConfig:
 def choose_backend(config: EngineConfig) -> str:
     """`auto`: llama.cpp for GGUF files on machines without CUDA when llama-cpp-python is installed,
     else Tandem. On the CPU llama.cpp still decodes a quantised file faster than Tandem's block
-    kernels: 18.4 against 26.5 ms a token for the built-in Q4_1 file, 20.0 against 26.6 for its Q4_K_M
+    kernels: 20.0 against 24.5 ms a token for the built-in Q4_1 file, 23.5 against 25.6 for its Q4_K_M
     requantisation (one thread each, 2026-12-04, benchmarks/RESULTS.md); the rule goes once Tandem is
     at least as fast on the same file.
 
