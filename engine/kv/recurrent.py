@@ -14,6 +14,14 @@ the start, or from the newest kept state before the change.
 
 Every other call goes to the wrapped backend: this object is the model's `kv`, the same in
 resident and hybrid placements; only the attention layers' KV is placed.
+
+A decode step replayed as a CUDA graph (engine/runtime/decode_graph.py) reads and writes memory at
+the addresses it was captured with, so for such a step the states sit in fixed buffers, one set per
+batch size: `fix_states(B)` copies the step's states into them (unless they hold them already), the
+layers read them there and write the new states back in place, and `end_step` copies each row out
+for the sequence (its snapshots must survive the next step's writes). Per step that is one copy of
+the batch's states (Qwen3.5-35B-A3B: 66 MB a chat, ~30 µs on an H200) against the ~1 ms a layer's
+eager launches cost.
 """
 
 from __future__ import annotations
@@ -26,7 +34,17 @@ from engine.kv.backend import KVBackend
 
 SNAPSHOTS = 2  # states kept per sequence besides the current one: the steps a crop may undo (the decode
 # runs one step ahead, and a failed step is cropped away); each costs a full state (Qwen3.5-35B-A3B: 66 MB)
-STATES_PER_SEQUENCE = SNAPSHOTS + 2  # at most: the current one, the snapshots, the one keep_state holds
+STATES_PER_SEQUENCE = SNAPSHOTS + 3  # at most: the current one, the snapshots, the one keep_state holds,
+# and its row of a captured batch size's fixed buffers
+
+
+@dataclass
+class _Fixed:
+    """A captured batch size's states: per recurrent layer (conv (B, C, K−1), state (B, …)), at fixed
+    addresses; `holds` the (seq_id, layers) each row holds a copy of, None where it must be staged."""
+
+    layers: list
+    holds: list
 
 
 @dataclass
@@ -40,12 +58,19 @@ class _SeqState:
 class RecurrentKV(KVBackend):
     recurrent = True
 
-    def __init__(self, inner: KVBackend, n_recurrent_layers: int):
+    def __init__(self, inner: KVBackend, n_recurrent_layers: int, row_shapes: tuple | None = None,
+                 device: torch.device | None = None):
+        """row_shapes: one sequence's (conv (C, K−1), state (…)) of a layer, which sizes the fixed
+        buffers of captured steps (None: read off the first state kept), on `device`."""
         self.inner = inner
         self.n_layers = n_recurrent_layers
+        self.row_shapes, self.device = row_shapes, device
         self.states: dict[int, _SeqState] = {}
         self._step: list[int] | None = None  # the sequences of the step under way, in row order
         self._new: list | None = None  # per recurrent layer: the step's (conv, state), batched
+        self._fixed: dict[int, _Fixed] = {}  # batch size → the buffers a captured step reads and writes
+        self._fixed_step: _Fixed | None = None  # set by fix_states: this step's states live there
+        self._replayed = False  # the captured step ran to its end (replayed_step)
 
     def __getattr__(self, name):  # policy, telemetry fields, supports_* … are the attention KV's
         if name == "inner":
@@ -61,6 +86,8 @@ class RecurrentKV(KVBackend):
     def free(self, seq_id: int) -> None:
         self.inner.free(seq_id)
         self.states.pop(seq_id, None)
+        for fixed in self._fixed.values():  # (the rows' copies would keep its states alive)
+            fixed.holds = [None if h is not None and h[0] == seq_id else h for h in fixed.holds]
 
     def length(self, seq_id: int) -> int:
         return self.inner.length(seq_id)
@@ -112,6 +139,8 @@ class RecurrentKV(KVBackend):
     def recurrent_state(self, index: int):
         """(conv (B, C, K−1), state (B, …)) of the step's sequences for recurrent layer `index`, or
         (None, None) when all of them start fresh (the layer then starts from zeros)."""
+        if self._fixed_step is not None:
+            return self._fixed_step.layers[index]
         per_seq = [self.states[sid].layers for sid in self._step]
         if all(layers is None for layers in per_seq):
             return None, None
@@ -129,13 +158,71 @@ class RecurrentKV(KVBackend):
         return torch.cat(conv), torch.cat(state)
 
     def set_recurrent_state(self, index: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        self._new[index] = (conv, state)
+        fixed = self._fixed_step
+        if fixed is None:
+            self._new[index] = (conv, state)
+            return
+        fixed.layers[index][0].copy_(conv)  # in place: a graph replays this copy at the same addresses
+        fixed.layers[index][1].copy_(state)
+        if not (conv.is_cuda and torch.cuda.is_current_stream_capturing()):
+            fixed.holds = [None] * len(fixed.holds)  # an eager run (a graph's warm-up) moved them on
+
+    # -- fixed buffers for captured steps -------------------------------------------------------------
+    def fix_states(self, batch: int) -> None:
+        """This step's states are read and written in the fixed buffers of its batch size (made at
+        the first call): copies each sequence's state into its row unless the row holds it already."""
+        fixed = self._fixed.get(batch)
+        per_seq = [self.states[sid].layers for sid in self._step]
+        if fixed is None:
+            shapes = self._state_shapes(per_seq)
+            fixed = self._fixed[batch] = _Fixed(
+                [tuple(torch.zeros((batch, *shape), dtype=torch.float32, device=device) for shape, device in layer)
+                 for layer in shapes], [None] * batch)
+        for row, (sid, layers) in enumerate(zip(self._step, per_seq)):
+            held = fixed.holds[row]
+            if held is not None and held[0] == sid and held[1] is layers:
+                continue
+            for (conv, state), source in zip(fixed.layers, layers or [None] * self.n_layers):
+                if source is None:  # fresh: the layer starts from zeros
+                    conv[row].zero_()
+                    state[row].zero_()
+                else:
+                    conv[row:row + 1].copy_(source[0])
+                    state[row:row + 1].copy_(source[1])
+            fixed.holds[row] = (sid, layers)
+        self._fixed_step = fixed
+
+    def unfix_states(self) -> None:
+        """The step runs eagerly after all (a capture failed): the sequences' own states again."""
+        self._fixed_step = None
+
+    def replayed_step(self) -> None:
+        """The captured step ran to its end: the fixed buffers hold the new states (end_step keeps them)."""
+        self._replayed = True
+
+    def _state_shapes(self, per_seq: list) -> list:
+        """Per layer ((C, K−1), device), ((…), device) of one row: given, or read off a kept state."""
+        if self.row_shapes is not None:
+            return [tuple((torch.Size(shape), self.device) for shape in self.row_shapes)] * self.n_layers
+        layers = next((p for p in per_seq if p is not None), None)
+        if layers is None:
+            layers = next((st.layers for st in self.states.values() if st.layers is not None), None)
+        if layers is None:
+            raise RuntimeError("no recurrent state to size the fixed buffers by: prefill before decode")
+        return [((c.shape[1:], c.device), (s.shape[1:], s.device)) for c, s in layers]
+
+    def fixed_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for f in self._fixed.values() for pair in f.layers for t in pair)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
         return self.inner.attend(layer, q, k, v, **options)
 
     def end_step(self) -> None:
         self.inner.end_step()
+        fixed, replayed, self._fixed_step, self._replayed = self._fixed_step, self._replayed, None, False
+        if fixed is not None:
+            self._end_fixed_step(fixed, replayed)
+            return
         complete = all(s is not None for s in self._new)
         for row, sid in enumerate(self._step):
             st = self.states[sid]
@@ -148,12 +235,24 @@ class RecurrentKV(KVBackend):
             st.length = self.inner.length(sid)
         self._step = self._new = None
 
+    def _end_fixed_step(self, fixed: _Fixed, replayed: bool) -> None:
+        for row, sid in enumerate(self._step):
+            st = self.states[sid]
+            if replayed:  # a copy per sequence: the next step overwrites the rows in place
+                st.layers = [(c[row:row + 1].clone(), s[row:row + 1].clone()) for c, s in fixed.layers]
+                fixed.holds[row] = (sid, st.layers)
+            else:  # the step raised part-way: no usable state; the caller crops back to the snapshot
+                st.layers = None
+                fixed.holds[row] = None
+            st.length = self.inner.length(sid)
+        self._step = self._new = None
+
     def telemetry(self) -> dict:
         return self.inner.telemetry()
 
     def state_bytes(self) -> int:
-        """Device bytes the kept states and snapshots hold (a tensor counted once)."""
-        seen, total = set(), 0
+        """Device bytes the kept states, snapshots and fixed buffers hold (a tensor counted once)."""
+        seen, total = set(), self.fixed_bytes()
         for st in self.states.values():
             for layers in [st.layers, *st.snapshots.values()]:
                 for pair in layers or ():

@@ -82,6 +82,13 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
+def _repeat_heads(x: torch.Tensor, repeat: int) -> torch.Tensor:
+    """(B, T, nk, d) → (B, T, nk·repeat, d), each head `repeat` times in a row (what repeat_interleave
+    gives, by a broadcast: no size computed on the device, so a CUDA graph can capture it)."""
+    B, T, n, d = x.shape
+    return x.unsqueeze(3).expand(B, T, n, repeat, d).reshape(B, T, n * repeat, d)
+
+
 def delta_rule_step(q, k, v, g, beta, state):
     """One token. q, k: (B, nv, dk) normalised and q scaled; v: (B, nv, dv); g, beta: (B, nv);
     state: (B, nv, dk, dv) fp32 → o (B, nv, dv), new state."""
@@ -185,8 +192,7 @@ class GatedDeltaNet(nn.Module):
         global _FLA
         dtype, T = v.dtype, q.shape[1]
         repeat = self.shape.n_v_heads // self.shape.n_k_heads
-        q = q.repeat_interleave(repeat, dim=2)  # (B, T, nv, dk): each k head serves `repeat` v heads
-        k = k.repeat_interleave(repeat, dim=2)
+        q, k = _repeat_heads(q, repeat), _repeat_heads(k, repeat)  # (B, T, nv, dk)
         if q.is_cuda:
             if _FLA is None:
                 _FLA = _fla() or False

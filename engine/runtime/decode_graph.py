@@ -7,8 +7,9 @@ Captured once per batch size, the step becomes one graph launch.
 What makes the step capturable: the resident KV puts the step's inputs (write slots, positions, key
 counts, block table) at fixed device addresses and the paged kernel sizes its splits on the device
 (engine/kv/resident.py); the resident experts find their groups without reading back to the host
-(engine/kernels/experts_gpu.py, moe_decode_gpu.py). Hybrid KV decides placement on the host every
-step and runs eagerly.
+(engine/kernels/experts_gpu.py, moe_decode_gpu.py); recurrent layers (Qwen3.5's Gated DeltaNet) read
+and write their states in fixed buffers per batch size (engine/kv/recurrent.py: `fix_states`).
+Hybrid KV decides placement on the host every step and runs eagerly.
 
 Offloaded experts also decide on the host, per layer (LRU lookup, fills, a CPU share), so their step
 is captured in pieces: one graph from each MoE layer's routing to the next (attention, norms, router,
@@ -49,9 +50,7 @@ log = logging.getLogger("tandem")
 
 def unsupported_reason(kv, experts, device: torch.device, max_batch: int) -> str | None:
     """Why decode steps cannot be replayed as graphs here, or None when they can."""
-    if getattr(kv, "recurrent", False):
-        return "the linear-attention layers' recurrent states are new tensors every step (a graph holds addresses)"
-    if not isinstance(kv, ResidentKV):
+    if not isinstance(getattr(kv, "inner", kv), ResidentKV):  # (a hybrid model's KV wraps the attention layers')
         return f"the {kv.policy} KV decides placement on the host every step"
     if device.type != "cuda":
         return "graphs need CUDA"
@@ -163,7 +162,8 @@ class _InGraph(ExpertExecutor):
 class DecodeGraphs:
     """Captured decode forwards per batch size: one graph, or pieces cut at offloaded experts."""
 
-    def __init__(self, model, kv: ResidentKV, experts, device: torch.device, max_batch: int):
+    def __init__(self, model, kv, experts, device: torch.device, max_batch: int):
+        """kv: a ResidentKV, or a RecurrentKV around one (hybrid models)."""
         self.model, self.kv, self.experts, self.device = model, kv, experts, device
         self.tokens = torch.zeros((max_batch, 1), dtype=torch.int64, device=device)  # (B, 1) static input
         self.steps: dict[tuple[int, str], tuple[list[_Piece], torch.Tensor]] = {}  # (B, form) → (pieces, logits (B, V))
@@ -172,6 +172,7 @@ class DecodeGraphs:
         self.replays = 0
         self.launch_s = 0.0  # host seconds in the step's replay calls (the pieces' launches; the layers'
         # GPU-side graphs are launched inside the executor's host half and timed there)
+        self.recurrent = getattr(kv, "recurrent", False)  # states in fixed buffers around each replay
         self.cut = isinstance(experts, OffloadedExperts)
         self._moe = [layer.mlp for layer in model.model.layers if getattr(layer.mlp, "experts", None) is experts] \
             if self.cut else []
@@ -191,6 +192,8 @@ class DecodeGraphs:
         graph_form = form  # which captured graph runs: the one graph comes with and without the CPU mailbox
         if form == "graph" and self.zero_copy is not None and self.zero_copy.cpu_wanted():
             graph_form = "graph+cpu"
+        if self.recurrent:
+            self.kv.fix_states(B)
         entry = self.steps.get((B, graph_form))
         if entry is None:
             entry = self._capture(B, positions, graph_form)
@@ -202,7 +205,11 @@ class DecodeGraphs:
                     and (B, other) not in self.steps:
                 entry = self._capture(B, positions, other) and entry
             if entry is None:
+                if self.recurrent:
+                    self.kv.unfix_states()
                 return None
+            if self.recurrent:  # the captures' warm-ups moved the states on: this step's again
+                self.kv.fix_states(B)
             if self.chooser is not None:
                 self.chooser.discard()  # the capture's time is not a step's
         if self.chooser is not None:
@@ -221,6 +228,8 @@ class DecodeGraphs:
                                  between=piece.gpu_graph.replay if piece.gpu_graph is not None else None)
         if self.zero_copy is not None and form == "graph":
             self.zero_copy.after_step(B)
+        if self.recurrent:
+            self.kv.replayed_step()
         self.replays += 1
         if isinstance(self.experts, ResidentExperts):  # the counter Python would have bumped
             self.experts.tokens_routed += B * self.model.args.top_k

@@ -112,7 +112,11 @@ def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dt
     kv = _build_attention_kv(config, args, model, experts, device, dtype, max_context,
                              sliding_window=sliding_window, profile=profile)
     n_recurrent = args.n_layers - len(args.kv_layer_ids())
-    return RecurrentKV(kv, n_recurrent) if n_recurrent else kv
+    if not n_recurrent:
+        return kv
+    shape = args.linear_attn  # DeltaNetShape: (conv (C, K−1), state (nv, dk, dv)) per sequence and layer
+    rows = ((shape.conv_dim, shape.conv_kernel - 1), (shape.n_v_heads, shape.k_head_dim, shape.v_head_dim))
+    return RecurrentKV(kv, n_recurrent, rows, device)
 
 
 def _build_attention_kv(config, args, model, experts, device: torch.device, dtype: torch.dtype, max_context: int,

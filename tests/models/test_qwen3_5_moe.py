@@ -230,8 +230,8 @@ def test_plan_counts_a_quarter_of_the_kv_and_the_state(monkeypatch):
                           max_context=32768, max_batch=1)
     plan = planning.placement_plan(config)
     assert plan.fits and plan.device == "gpu" and plan.expert_policy in ("adaptive", "cpu-only")
-    state = 30 * 4 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 4  # 30 layers, fp32, ×4: current,
-    # two snapshots, the kept one
+    state = 30 * 4 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 5  # 30 layers, fp32, ×5: current,
+    # two snapshots, the kept one, the row of a captured step's fixed buffers
     kv_bytes = 32768 * 10 * 2 * 2 * 256 * 2 + state  # 10 layers × K and V × 2 heads × 256, bf16
     row = next(r for r in plan.rows if r.part.startswith("KV cache"))
     assert row.bytes == kv_bytes
