@@ -72,7 +72,7 @@ def measure(spec: dict) -> dict:
                 out["prefill_tok_s_by_prompt"][str(n)] = res[0].prefill_tok_s  # the prompt before that decode
         info = engine.info()
         out["info"] = {k: info.get(k) for k in ("backend", "model", "device", "dtype", "kv_policy", "expert_policy",
-                                                 "llama_cpp", "native")}
+                                                 "llama_cpp", "native", "cuda_graphs")}  # graphs: captured or why not
         plan = info.get("plan")
         if isinstance(plan, dict):  # what the default (auto) plan chose, kept short
             out["plan"] = {k: plan.get(k) for k in ("kv_policy", "expert_policy", "expert_cache_slots", "bottleneck",
