@@ -16,10 +16,11 @@ Every other call goes to the wrapped backend: this object is the model's `kv`, t
 resident and hybrid placements; only the attention layers' KV is placed.
 
 A decode step replayed as a CUDA graph (engine/runtime/decode_graph.py) reads and writes memory at
-the addresses it was captured with, so for such a step the states sit in fixed buffers, one set per
-batch size: `fix_states(B)` copies the step's states into them (unless they hold them already), the
-layers read them there and write the new states back in place, and `end_step` copies each row out
-for the sequence (its snapshots must survive the next step's writes). Per step that is one copy of
+the addresses it was captured with, so for such a step the states sit in fixed buffers of max_rows
+rows (a batch of B uses the first B, whatever B): `fix_states(B)` copies the step's states into them
+(unless a row holds its sequence's already), the layers read them there and write the new states
+back in place, and `end_step` copies each row out for the sequence (its snapshots must survive the
+next step's writes). Per step that is one copy of
 the batch's states (Qwen3.5-35B-A3B: 66 MB a chat, ~30 µs on an H200) against the ~1 ms a layer's
 eager launches cost.
 """
@@ -35,16 +36,18 @@ from engine.kv.backend import KVBackend
 SNAPSHOTS = 2  # states kept per sequence besides the current one: the steps a crop may undo (the decode
 # runs one step ahead, and a failed step is cropped away); each costs a full state (Qwen3.5-35B-A3B: 66 MB)
 STATES_PER_SEQUENCE = SNAPSHOTS + 3  # at most: the current one, the snapshots, the one keep_state holds,
-# and its row of a captured batch size's fixed buffers
+# and its row of the fixed buffers of captured steps
 
 
 @dataclass
 class _Fixed:
-    """A captured batch size's states: per recurrent layer (conv (B, C, K−1), state (B, …)), at fixed
-    addresses; `holds` the (seq_id, layers) each row holds a copy of, None where it must be staged."""
+    """Captured steps' states: per recurrent layer (conv (R, C, K−1), state (R, …)), at fixed
+    addresses; `holds` the (seq_id, layers) each row holds a copy of, None where it must be staged;
+    `batch` the rows of the step under way."""
 
     layers: list
     holds: list
+    batch: int = 0
 
 
 @dataclass
@@ -59,16 +62,17 @@ class RecurrentKV(KVBackend):
     recurrent = True
 
     def __init__(self, inner: KVBackend, n_recurrent_layers: int, row_shapes: tuple | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, max_rows: int = 1):
         """row_shapes: one sequence's (conv (C, K−1), state (…)) of a layer, which sizes the fixed
-        buffers of captured steps (None: read off the first state kept), on `device`."""
+        buffers of captured steps (None: read off the first state kept), on `device`; max_rows: the
+        largest batch a step runs (the buffers' rows, made at the first captured step)."""
         self.inner = inner
         self.n_layers = n_recurrent_layers
-        self.row_shapes, self.device = row_shapes, device
+        self.row_shapes, self.device, self.max_rows = row_shapes, device, max_rows
         self.states: dict[int, _SeqState] = {}
         self._step: list[int] | None = None  # the sequences of the step under way, in row order
         self._new: list | None = None  # per recurrent layer: the step's (conv, state), batched
-        self._fixed: dict[int, _Fixed] = {}  # batch size → the buffers a captured step reads and writes
+        self._fixed: _Fixed | None = None  # the buffers captured steps read and write (fix_states)
         self._fixed_step: _Fixed | None = None  # set by fix_states: this step's states live there
         self._replayed = False  # the captured step ran to its end (replayed_step)
 
@@ -86,8 +90,8 @@ class RecurrentKV(KVBackend):
     def free(self, seq_id: int) -> None:
         self.inner.free(seq_id)
         self.states.pop(seq_id, None)
-        for fixed in self._fixed.values():  # (the rows' copies would keep its states alive)
-            fixed.holds = [None if h is not None and h[0] == seq_id else h for h in fixed.holds]
+        if self._fixed is not None:  # (the rows' references would keep its states alive)
+            self._fixed.holds = [None if h is not None and h[0] == seq_id else h for h in self._fixed.holds]
 
     def length(self, seq_id: int) -> int:
         return self.inner.length(seq_id)
@@ -139,8 +143,10 @@ class RecurrentKV(KVBackend):
     def recurrent_state(self, index: int):
         """(conv (B, C, K−1), state (B, …)) of the step's sequences for recurrent layer `index`, or
         (None, None) when all of them start fresh (the layer then starts from zeros)."""
-        if self._fixed_step is not None:
-            return self._fixed_step.layers[index]
+        fixed = self._fixed_step
+        if fixed is not None:
+            conv, state = fixed.layers[index]
+            return conv[:fixed.batch], state[:fixed.batch]  # views: the same addresses at every step
         per_seq = [self.states[sid].layers for sid in self._step]
         if all(layers is None for layers in per_seq):
             return None, None
@@ -162,22 +168,27 @@ class RecurrentKV(KVBackend):
         if fixed is None:
             self._new[index] = (conv, state)
             return
-        fixed.layers[index][0].copy_(conv)  # in place: a graph replays this copy at the same addresses
-        fixed.layers[index][1].copy_(state)
+        fixed.layers[index][0][:fixed.batch].copy_(conv)  # in place: a graph replays these copies
+        fixed.layers[index][1][:fixed.batch].copy_(state)
         if not (conv.is_cuda and torch.cuda.is_current_stream_capturing()):
             fixed.holds = [None] * len(fixed.holds)  # an eager run (a graph's warm-up) moved them on
 
     # -- fixed buffers for captured steps -------------------------------------------------------------
     def fix_states(self, batch: int) -> None:
-        """This step's states are read and written in the fixed buffers of its batch size (made at
-        the first call): copies each sequence's state into its row unless the row holds it already."""
-        fixed = self._fixed.get(batch)
+        """This step's states are read and written in the first `batch` rows of the fixed buffers (made
+        at the first call): copies each sequence's state into its row unless the row holds it already."""
         per_seq = [self.states[sid].layers for sid in self._step]
+        if batch != len(per_seq) or batch > self.max_rows:
+            raise ValueError(f"a captured step of {batch} rows: the step has {len(per_seq)} sequences, "
+                             f"the buffers {self.max_rows} rows")
+        fixed = self._fixed
         if fixed is None:
             shapes = self._state_shapes(per_seq)
-            fixed = self._fixed[batch] = _Fixed(
-                [tuple(torch.zeros((batch, *shape), dtype=torch.float32, device=device) for shape, device in layer)
-                 for layer in shapes], [None] * batch)
+            rows = self.max_rows
+            fixed = self._fixed = _Fixed(
+                [tuple(torch.zeros((rows, *shape), dtype=torch.float32, device=device) for shape, device in layer)
+                 for layer in shapes], [None] * rows)
+        fixed.batch = batch
         for row, (sid, layers) in enumerate(zip(self._step, per_seq)):
             held = fixed.holds[row]
             if held is not None and held[0] == sid and held[1] is layers:
@@ -212,7 +223,8 @@ class RecurrentKV(KVBackend):
         return [((c.shape[1:], c.device), (s.shape[1:], s.device)) for c, s in layers]
 
     def fixed_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for f in self._fixed.values() for pair in f.layers for t in pair)
+        fixed = self._fixed
+        return 0 if fixed is None else sum(t.numel() * t.element_size() for pair in fixed.layers for t in pair)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
         return self.inner.attend(layer, q, k, v, **options)

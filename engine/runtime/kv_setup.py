@@ -116,7 +116,7 @@ def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dt
         return kv
     shape = args.linear_attn  # DeltaNetShape: (conv (C, K−1), state (nv, dk, dv)) per sequence and layer
     rows = ((shape.conv_dim, shape.conv_kernel - 1), (shape.n_v_heads, shape.k_head_dim, shape.v_head_dim))
-    return RecurrentKV(kv, n_recurrent, rows, device)
+    return RecurrentKV(kv, n_recurrent, rows, device, max_rows=config.max_batch)
 
 
 def _build_attention_kv(config, args, model, experts, device: torch.device, dtype: torch.dtype, max_context: int,

@@ -1,5 +1,5 @@
 """Qwen3.5-MoE's decode step as a CUDA graph: the recurrent states in fixed buffers per batch size
-(engine/kv/recurrent.py `fix_states`), read and written in place, copied out for each chat after the
+(engine/kv/recurrent.py `fix_states`: max_batch rows, a batch of B in the first B), read and written in place, copied out for each chat after the
 step.
 
 On the CPU the protocol a replay follows is walked eagerly (stage, a warm-up that moves the buffers
@@ -47,7 +47,8 @@ def _prefill(engine, sid, ids):
 def test_fixed_buffers_give_the_eager_steps(tmp_path, monkeypatch):
     """Two chats of different lengths decoded together (batch 2), then one alone (batch 1, its own
     buffers), a step cropped away (the state back to the snapshot: the rows must be staged again),
-    each against eager steps of a second engine on the same weights."""
+    each against eager steps of a second engine on the same weights; a batch larger than the buffers'
+    rows is refused."""
     folder = _folder(tmp_path, monkeypatch)
     ours, ref = tiny_engine(folder), tiny_engine(folder)
     a, b = ([e.parts.kv.new_sequence() for _ in range(2)] for e in (ours, ref))
@@ -63,7 +64,12 @@ def test_fixed_buffers_give_the_eager_steps(tmp_path, monkeypatch):
         engine.parts.kv.crop(sids[0], engine.parts.kv.length(sids[0]) - 1)
     torch.testing.assert_close(_step(ours, a[:1], [13], True), _step(ref, b[:1], [13], False), atol=1e-6, rtol=0)
     torch.testing.assert_close(_step(ours, a, [14, 15], True), _step(ref, b, [14, 15], False), atol=1e-6, rtol=0)
-    assert sorted(ours.parts.kv._fixed) == [1, 2]
+    kv = ours.parts.kv
+    kv.begin_step(a + [kv.new_sequence()], 1)
+    with pytest.raises(ValueError, match="3 rows"):
+        kv.fix_states(3)
+    kv.end_step()
+    assert ours.parts.kv.fixed_bytes() == 2 * ours.parts.kv.n_layers * 4 * (128 * 3 + 4 * 16 * 16)  # max_batch rows
 
 
 @torch.inference_mode()
