@@ -90,12 +90,82 @@ def _keeps_stacked_experts(name: str, shape) -> bool:
             and parts[2] in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
 
 
+# Metadata arrays under this prefix (the vocabulary: tokens, scores, token types, merges) are stepped
+# over, not decoded: gguf's reader builds two numpy views per array item, ~9 s for SmolLM2's 49152
+# tokens and 48900 merges on the 2-core machine and ~3x that for a 151936-token Qwen3 vocabulary, per
+# reader; loading read the header twice (the plan's shape, then the weights), 30 s of a 33 s load of
+# the 0.1 GB built-in file. The tokenizer reads them itself (runtime/chat.py).
+SKIPPED_ARRAYS = "tokenizer.ggml."
+
+
+def gguf_reader(path: str | os.PathLike):
+    """A `gguf.GGUFReader` of `path` whose `SKIPPED_ARRAYS` fields are present but empty (their
+    contents() is []): every other field and every tensor as the plain reader gives them."""
+    import struct
+
+    import gguf
+    import numpy as np
+
+    class MetaReader(gguf.GGUFReader):
+        def _build_fields(self, offs: int, count: int) -> int:
+            # the base class's loop, with the skipped arrays stepped over
+            for _ in range(count):
+                orig_offs = offs
+                klen, kdata = self._get_str(offs)
+                offs += int(klen.nbytes + kdata.nbytes)
+                raw_type = self._get(offs, np.uint32)
+                offs += int(raw_type.nbytes)
+                name = str(bytes(kdata), encoding="utf-8")
+                skip = (raw_type[0] == gguf.GGUFValueType.ARRAY and name.startswith(SKIPPED_ARRAYS)
+                        and self.byte_order != "S")
+                size, parts, idxs, types = (self._step_over_array(offs) if skip
+                                            else self._get_field_parts(offs, raw_type[0]))
+                self._push_field(gguf.ReaderField(orig_offs, name, [klen, kdata, raw_type, *parts],
+                                                  [i + 3 for i in idxs], types), skip_sum=True)
+                offs += size
+            return offs
+
+        def _step_over_array(self, offs: int):
+            """(bytes, parts, data indices, types) of an array field, its items not decoded."""
+            itype, alen = self._get(offs, np.uint32), self._get(offs + 4, np.uint64)
+            n, sub = int(alen[0]), gguf.GGUFValueType(int(itype[0]))
+            end = offs + 12
+            if sub == gguf.GGUFValueType.STRING:
+                buf, unpack = memoryview(self.data), struct.Struct("<Q").unpack_from
+                for _ in range(n):  # each item: a uint64 length, then its bytes
+                    end += 8 + unpack(buf, end)[0]
+            elif sub in self.gguf_scalar_to_np:
+                end += n * np.dtype(self.gguf_scalar_to_np[sub]).itemsize
+            else:  # nested arrays: no vocabulary is one; decode as the base class does
+                return self._get_field_parts(offs, gguf.GGUFValueType.ARRAY)
+            return end - offs, [itype, alen], [], [gguf.GGUFValueType.ARRAY, sub]
+
+    return MetaReader(path)
+
+
+def held_bytes(path: str | os.PathLike, family: str, dtype_bytes: int) -> dict[str, int]:
+    """Bytes a `quantised` load of this GGUF holds, by part ("embed", "output", "experts", "dense": the
+    rest), from its header alone: the tensors `_load_gguf` keeps in blocks at their size in the file
+    (views of its map), every other one dequantised at `dtype_bytes` a weight. What the placement
+    planner sizes the CPU plan by: counted as float the 3.2 GB Q4_K_M file of
+    synthetic:qwen3-30b-a3b-L8 was 19.3 GiB, and the plan refused to load it on a 24 GiB machine."""
+    expert_blocks = keeps_expert_blocks(family, True)
+    out = dict.fromkeys(("embed", "output", "experts", "dense"), 0)
+    for t in gguf_reader(path).tensors:
+        in_blocks = int(t.tensor_type) in QTYPES and (
+            _keeps_blocks(t.name, t.shape) or (expert_blocks and _keeps_stacked_experts(t.name, t.shape)))
+        part = ("embed" if t.name == "token_embd.weight" else "output" if t.name == "output.weight"
+                else "experts" if "_exps" in t.name else "dense")
+        out[part] += int(t.n_bytes) if in_blocks else int(t.n_elements) * dtype_bytes
+    return out
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False) -> Checkpoint:
     import gguf
     from gguf.quants import dequantize
 
     try:
-        reader = gguf.GGUFReader(path)
+        reader = gguf_reader(path)
     except Exception as e:  # the reader fails in many ways on a cut or damaged file
         raise ModelFileError(f"{path} could not be read as GGUF ({type(e).__name__}: {e})",
                              "the file is truncated or corrupt: download or copy it again") from e

@@ -11,6 +11,7 @@ computed and shown for them.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 
 import psutil
@@ -104,11 +105,25 @@ def placement_plan(config, profile=None) -> Plan:
     can = dict(can_spill_kv=not model_wide and resident_layers < len(args.kv_layer_ids()),
                can_offload_experts=args.expert_act in ("silu", "clamped"), resident_kv_layers=resident_layers)
     parts = replace(model_parts(args, dev_bytes, config.model), **can)
+    if not gpu and config.dtype == "auto" and config.model.lower().endswith(".gguf"):
+        parts = _in_blocks(parts, config.model, args, cpu_bytes)  # what the CPU load holds (runtime/loading.py)
     cpu_parts = parts if cpu_bytes == dev_bytes else replace(model_parts(args, cpu_bytes, config.model), **can)
     return plan(parts, costs, max_context=max_context, max_batch=config.max_batch,
                 spill_device_bytes=spill_device_bytes(config, args, dev_bytes, max_context, gpu and not simulated),
                 prefill_chunk=PREFILL_CHUNK,
                 d_window=config.d_window, block_size=config.block_size, cpu_parts=cpu_parts)
+
+
+def _in_blocks(parts, path: str, args: ModelArgs, dtype_bytes: int):
+    """`parts` sized as the CPU load holds the GGUF: its quantised matrices and experts in blocks at
+    their size in the file, the rest dequantised (models/loader.held_bytes)."""
+    from engine.models.loader import held_bytes
+
+    held = held_bytes(os.path.expanduser(path), args.arch, dtype_bytes)
+    experts = parts.moe_layers * parts.n_experts
+    return replace(parts, embed_bytes=held["embed"], output_bytes=held["output"],
+                   layer_dense_bytes=held["dense"] // max(parts.n_layers, 1),
+                   expert_bytes=held["experts"] // experts if experts else parts.expert_bytes)
 
 
 def spill_device_bytes(config, args: ModelArgs, dtype_bytes: int, max_context: int, cuda: bool) -> int:
