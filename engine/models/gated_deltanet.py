@@ -92,11 +92,13 @@ def _repeat_heads(x: torch.Tensor, repeat: int) -> torch.Tensor:
 def delta_rule_step(q, k, v, g, beta, state):
     """One token. q, k: (B, nv, dk) normalised and q scaled; v: (B, nv, dv); g, beta: (B, nv);
     state: (B, nv, dk, dv) fp32 → o (B, nv, dv), new state."""
-    state = state * g.exp()[..., None, None]
-    predicted = (state * k.unsqueeze(-1)).sum(-2)  # (B, nv, dv): Sᵀk
+    B, nv, dk, dv = state.shape
+    state = state * g.exp()[..., None, None]  # (B, nv, dk, dv): a new tensor, updated in place below
+    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)  # (B, nv, dv): Sᵀk
     u = (v - predicted) * beta.unsqueeze(-1)
-    state = state + k.unsqueeze(-1) * u.unsqueeze(-2)
-    return (state * q.unsqueeze(-1)).sum(-2), state
+    # S += k uᵀ as one batched rank-1 product into S (no (dk × dv) temporary per head)
+    state.view(B * nv, dk, dv).baddbmm_(k.reshape(B * nv, dk, 1), u.reshape(B * nv, 1, dv))
+    return (q.unsqueeze(-2) @ state).squeeze(-2), state  # (B, nv, dv): Sᵀq
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
