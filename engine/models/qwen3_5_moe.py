@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from engine.models.common import (Attention, Decoder, ModelArgs, MoEFeedForward, RMSNorm, apply_partial_rope,
-                                  softmax_topk)
+                                  softmax_topk, token_embedding)
 from engine.models.expert_names import fuse_experts
 from engine.models.gated_deltanet import DeltaNetShape, GatedDeltaNet
 from engine.models.hf_config import decoder_args, expert_count
@@ -193,7 +193,7 @@ class Model(Decoder):
                 n_linear += 1
             blocks.append(HybridBlock(args, mixer, GatedSharedMoE(args, i, moe_index[i])))
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.model.embed_tokens = token_embedding(args.vocab_size, args.dim)
         self.model.layers = nn.ModuleList(blocks)
         self.model.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
