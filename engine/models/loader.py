@@ -3,7 +3,7 @@
 
 GGUF weights are dequantised to the engine dtype, except with `quantised=True` (the CPU plan of
 dtype "auto", whose experts are all resident on the CPU): then dense matrices of the types engine/quant
-computes over (`QTYPES`: Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks as
+computes over (`QTYPES`: Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) stay in their blocks as
 `QuantTensor`s that view the file's map, and so do the stacked routed experts (`*_exps`) of the
 families in `EXPERT_BLOCK_FAMILIES`, as `QuantStack`s of per-expert row views; every other quantised
 type is dequantised with a one-line warning that says what it costs.
