@@ -30,18 +30,21 @@ PROMPT = [3, 17, 5, 42, 8, 9, 33, 60, 2, 71, 11, 4, 19, 23, 50, 64, 7, 88, 1]  #
 MX = 39  # ggml's MXFP4
 
 
-def write_mxfp4_gpt_oss(directory) -> str:
+def write_mxfp4_gpt_oss(directory, tokenizer: tuple | None = None) -> str:
     """A random tiny gpt-oss (2 layers, 8 experts top 2, a 4-token window on layer 0) written as F32
     GGUF, then quantised by llama.cpp to MXFP4_MOE (experts MXFP4, other matrices Q8_0). Biases and
     sinks are drawn (the synthetic weights zero them) and gate_up is scaled by 8 so that many
-    pre-activations pass the clamp at 7."""
+    pre-activations pass the clamp at 7. `tokenizer`: the `tokenizer.*` fields to write (default: token
+    strings alone, which Tandem runs on token ids and llama.cpp does not load)."""
     from gguf import GGUFValueType as T
 
     from engine.bench import gguf_export
     from engine.models import families, synthetic
 
+    if tokenizer is None:
+        tokenizer = (("tokenizer.ggml.tokens", [f"t{i}" for i in range(VOCAB)], T.ARRAY, T.STRING),)
     name = "synthetic:gpt-oss-20b-L2"
-    config = synthetic.config_for(name, vocab_size=VOCAB)
+    config = synthetic.config_for(name, vocab_size=gguf_export.tokenizer_vocab_size(tokenizer))
     config.update({"hidden_size": H, "intermediate_size": I, "num_attention_heads": 4, "num_key_value_heads": 2,
                    "head_dim": 16, "num_local_experts": E, "num_experts_per_tok": 2, "sliding_window": 4,
                    "pad_token_id": None, "eos_token_id": None})
@@ -57,7 +60,6 @@ def write_mxfp4_gpt_oss(directory) -> str:
             yield n, t
 
     f32, out = directory / "gpt-oss-f32.gguf", directory / "gpt-oss-mxfp4.gguf"
-    tokenizer = (("tokenizer.ggml.tokens", [f"t{i}" for i in range(VOCAB)], T.ARRAY, T.STRING),)
     gguf_export.write_gguf(f32, family="gpt_oss", config=config, args=args, dtype="f32", tokenizer=tokenizer,
                            tensors=tensors())
     params = llama_cpp.llama_model_quantize_default_params()
@@ -161,3 +163,35 @@ def test_executor_form_matches_the_torch_loop(n_tokens):
     assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())
     with pytest.raises(ValueError, match="do not fit"):
         ex.set_form(0, ClampedSwiGLU(torch.zeros(E, I), torch.zeros(E, H)))
+
+
+def test_llamacpp_reads_the_same_file_alike(tmp_path):
+    """llama.cpp on the same MXFP4_MOE file (with SmolLM2's tokenizer, which llama.cpp needs to load
+    it) against Tandem's blocks, every position of one prefill. llama.cpp rounds each product's
+    activations to int8 per 32-block (Q8_0: 2^-8 of the block's largest value, 258× Tandem's int16
+    step), which compounds through the clamped experts to some 3% of max |logit| here; held to 5% and
+    the same greedy token everywhere. A misread of the format is far outside it: the nibble halves
+    swapped moves the logits by 1.5× their scale, the scale byte read one power of two off by 1×."""
+    from engine.backends.llamacpp import amx_repack_off
+    from engine.bench import gguf_export
+    from engine.runtime.chat import tokenizer_fields
+
+    path = write_mxfp4_gpt_oss(tmp_path, tokenizer_fields(gguf_export.default_tokenizer()))
+    prompt = [1, 504, 3156, 314, 253, 2443, 30, 8049, 17, 49151, 9, 33]
+    with amx_repack_off(llama_cpp):  # llama-cpp-python 0.3.36 crashes in decode on repacked weights on AMX CPUs
+        llm = llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=64, n_batch=64, n_threads=2, verbose=False,
+                              type_k=0, type_v=0)  # F32 KV cache, as Tandem's
+    try:
+        llm.eval(prompt)
+        theirs = torch.from_numpy(np.array(llm.scores[: len(prompt)], dtype=np.float32))
+    finally:
+        llm.close()
+    quant = engine_for(path)
+    try:
+        assert isinstance(quant.backend.parts.experts, QuantResidentExperts)
+        ours = logits(quant, prompt, len(prompt))
+    finally:
+        quant.close()
+    scale = float(ours.abs().max())
+    assert scale > 0.1 and float((ours - theirs).abs().max()) <= 0.05 * scale
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
