@@ -221,7 +221,8 @@ std::string openmp_runtime() {
 QType checked_qtype(int type, int64_t k, int64_t w_row_bytes) {
   const int64_t bytes = qblock_bytes(type);
   if (bytes == 0) throw std::invalid_argument("unknown quantised block type " + std::to_string(type) +
-                                              " (known: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K)");
+                                              " (known: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, "
+                                              "39 MXFP4)");
   const int64_t weights = qblock_weights(type);  // 32, or 256 for the K-quants
   require(k > 0 && k % weights == 0, "k must be a positive multiple of the type's block (32, K-quants 256)");
   require(w_row_bytes == k / weights * bytes, "w_row_bytes must be whole blocks of the type's size");
@@ -353,7 +354,7 @@ PYBIND11_MODULE(_native, m) {
         py::arg("w_row_bytes"), py::arg("x"), py::arg("n_tokens"), py::arg("x_stride"), py::arg("y"),
         py::arg("y_stride"), py::arg("threads"),
         "y (n_tokens, n_rows) fp32 = x (n_tokens, k) fp32 · Wᵀ, W (n_rows, k) in GGUF blocks (Q4_0/1, Q5_0/1, "
-        "Q8_0, Q4_K, Q5_K, Q6_K); the activations are quantised to int16 per 32-block.");
+        "Q8_0, Q4_K, Q5_K, Q6_K, MXFP4); the activations are quantised to int16 per 32-block.");
   m.def("quant_dequantize", &quant_dequantize_py, py::arg("w"), py::arg("type"), py::arg("k"),
         py::arg("w_row_bytes"), py::arg("n_rows"), py::arg("row_begin"), py::arg("row_end"), py::arg("ids"),
         py::arg("out"), py::arg("out_stride"), py::arg("threads"),

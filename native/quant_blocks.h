@@ -7,6 +7,13 @@
 //   Q5_0  22 bytes: d, qh (u32), 16 nibbles     w[i] = (q[i] − 16)·d, q[i] = Q4_0's nibble | bit i of qh << 4
 //   Q5_1  24 bytes: d, m, qh, 16 nibbles        w[i] = q[i]·d + m
 //   Q8_0  34 bytes: d, 32 int8                  w[j] = qs[j]·d
+//   MXFP4 17 bytes: e (E8M0), 16 nibbles        w[j] = E2M1(lo(qs[j]))·2^(e−127), w[j+16] from hi(qs[j])
+//
+// MXFP4 (OCP microscaling, gpt-oss's experts): each nibble is an E2M1 float, sign in bit 3 and
+// magnitude one of {0, 0.5, 1, 1.5, 2, 3, 4, 6}; e is a bare power-of-two exponent byte. The kernels
+// read the codes as their doubled values, small integers in {0, ±1, ±2, ±3, ±4, ±6, ±8, ±12}, with the
+// scale halved to 2^(e−128), so an MXFP4 block is "q·s" like Q8_0's and every value is exact in fp32
+// (q·2^(e−128), fp32's subnormals included; e = 255 with |q| ≥ 4 is +-inf, as gguf's dequantisation).
 //
 // The K-quants (256-weight super-blocks, kquant_blocks.h) are read as 8 sub-blocks of 32 weights, each
 // with its own scale and offset, so every type is "32 small integers q, w = q·s + c" to the kernels.
@@ -24,7 +31,7 @@
 namespace tandem {
 
 // ggml's numbers, as the GGUF header stores them
-enum class QType : int { q4_0 = 2, q4_1 = 3, q5_0 = 6, q5_1 = 7, q8_0 = 8, q4_k = 12, q5_k = 13, q6_k = 14 };
+enum class QType : int { q4_0 = 2, q4_1 = 3, q5_0 = 6, q5_1 = 7, q8_0 = 8, q4_k = 12, q5_k = 13, q6_k = 14, mxfp4 = 39 };
 constexpr int64_t kQBlock = 32;   // weights per (sub-)block: the unit of the activations' quantisation
 constexpr int64_t kQKBlock = 256;  // weights per K-quant super-block
 
@@ -39,6 +46,7 @@ constexpr int64_t qblock_bytes(int type) {
     case int(QType::q4_k): return 144;
     case int(QType::q5_k): return 176;
     case int(QType::q6_k): return 210;
+    case int(QType::mxfp4): return 17;
     default: return 0;
   }
 }

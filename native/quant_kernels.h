@@ -109,6 +109,28 @@ template <> struct Decode<QType::q8_0> {
   }
 };
 
+// MXFP4 (quant_blocks.h): E2M1 codes as twice their value (bit 3 the sign; the codes 0 and 8 are
+// both zero), so they are integers; the block's scale is halved to match.
+alignas(16) constexpr int8_t kE2M1Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// 2^(e − 128) from an E8M0 byte, built from its bits: e ≥ 2 is the normal float with biased exponent
+// e − 1; e = 0 and 1 (2^-128, 2^-127) are fp32 subnormals, a single mantissa bit 21 or 22.
+TANDEM_ALWAYS_INLINE float e8m0_half(uint8_t e) {
+  const uint32_t bits = e >= 2 ? uint32_t(e - 1) << 23 : 0x00200000u << e;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <> struct Decode<QType::mxfp4> {
+  static constexpr int kSub = 1;
+  static constexpr bool kOffset = false;
+  static TANDEM_ALWAYS_INLINE WVec at(const uint8_t* b, int, float& s, float& c) {
+    s = e8m0_half(b[0]), c = 0.0f;
+    return widen_i8(lookup16(nibbles16(b + 1), kE2M1Doubled));
+  }
+};
+
 #include "kquant_kernels.h"
 
 // -- the loops, over any decoder --
@@ -209,6 +231,7 @@ template <template <QType> class F, class... Args> void by_type(QType type, Args
     case QType::q4_k: return F<QType::q4_k>::run(args...);
     case QType::q5_k: return F<QType::q5_k>::run(args...);
     case QType::q6_k: return F<QType::q6_k>::run(args...);
+    case QType::mxfp4: return F<QType::mxfp4>::run(args...);
   }
 }
 template <QType TY> struct DequantizeRow {

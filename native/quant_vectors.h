@@ -43,9 +43,20 @@ TANDEM_ALWAYS_INLINE Bytes bit_bytes(uint32_t bits) {
   for (int j = 0; j < 32; ++j) r.b[j] = uint8_t((bits >> j) & 1u);
   return r;
 }
+// Byte j = table[idx[j]] (idx < 16): a 4-bit code's value, as int8 bits (MXFP4's E2M1 codes).
+TANDEM_ALWAYS_INLINE Bytes lookup16(const Bytes& idx, const int8_t* table) {
+  Bytes r;
+  for (int j = 0; j < 32; ++j) r.b[j] = uint8_t(table[idx.b[j]]);
+  return r;
+}
 TANDEM_ALWAYS_INLINE WVec widen_u8(const Bytes& v) {
   WVec w;
   for (int j = 0; j < 32; ++j) w.v[j] = int16_t(v.b[j]);
+  return w;
+}
+TANDEM_ALWAYS_INLINE WVec widen_i8(const Bytes& v) {
+  WVec w;
+  for (int j = 0; j < 32; ++j) w.v[j] = int16_t(int8_t(v.b[j]));
   return w;
 }
 TANDEM_ALWAYS_INLINE WVec load_i8(const uint8_t* p) {
@@ -100,11 +111,17 @@ TANDEM_ALWAYS_INLINE Bytes bit_bytes(uint32_t bits) {
 #endif
 }
 
+// pshufb looks up within each 128-bit lane, so both lanes hold the 16-byte table.
+TANDEM_ALWAYS_INLINE Bytes lookup16(Bytes idx, const int8_t* table) {
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), idx);
+}
+
 #if defined(TANDEM_QUANT_AVX512)
 using WVec = __m512i;  // a block's 32 weights as int16
 using FVec = __m512;
 
 TANDEM_ALWAYS_INLINE WVec widen_u8(Bytes v) { return _mm512_cvtepu8_epi16(v); }
+TANDEM_ALWAYS_INLINE WVec widen_i8(Bytes v) { return _mm512_cvtepi8_epi16(v); }
 TANDEM_ALWAYS_INLINE WVec load_i8(const uint8_t* p) { return _mm512_cvtepi8_epi16(load_bytes(p)); }
 TANDEM_ALWAYS_INLINE WVec centre_scale(WVec w, int centre, int sc0, int sc1) {
   const __m512i sc = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(int16_t(sc0))),
@@ -135,10 +152,10 @@ using FVec = __m256;
 TANDEM_ALWAYS_INLINE WVec widen_u8(Bytes v) {
   return {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1))};
 }
-TANDEM_ALWAYS_INLINE WVec load_i8(const uint8_t* p) {
-  const Bytes v = load_bytes(p);
+TANDEM_ALWAYS_INLINE WVec widen_i8(Bytes v) {
   return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1))};
 }
+TANDEM_ALWAYS_INLINE WVec load_i8(const uint8_t* p) { return widen_i8(load_bytes(p)); }
 TANDEM_ALWAYS_INLINE WVec centre_scale(const WVec& w, int centre, int sc0, int sc1) {
   const __m256i c = _mm256_set1_epi16(int16_t(centre));
   return {_mm256_mullo_epi16(_mm256_sub_epi16(w.lo, c), _mm256_set1_epi16(int16_t(sc0))),

@@ -22,7 +22,9 @@ window layers' KV stays resident and the full layers' spills (engine/kv/layer_sp
 experts' biases and activation reach every expert executor (`set_form`): resident and cached experts
 run them in the grouped GEMM, the CPU set in the native CPU kernel (torch without the extension); the
 matrix-vector decode kernels know plain SwiGLU only.
-MXFP4 expert tensors of a safetensors folder are refused here; in a GGUF they are dequantised at load.
+MXFP4 expert tensors of a safetensors folder are refused here. In a GGUF they stay MXFP4 blocks when
+every expert runs on the CPU (dtype auto, resident policy: engine/quant/experts.py computes them with
+their biases and clamped activation); any other placement dequantises them at load.
 """
 
 from __future__ import annotations

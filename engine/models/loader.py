@@ -3,7 +3,7 @@
 
 GGUF weights are dequantised to the engine dtype, except with `quantised=True` (the CPU plan of
 dtype "auto", whose experts are all resident on the CPU): then dense matrices of the types engine/quant
-computes over (`QTYPES`: Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks as
+computes over (`QTYPES`: Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) stay in their blocks as
 `QuantTensor`s that view the file's map, and so do the stacked routed experts (`*_exps`) of the
 families in `EXPERT_BLOCK_FAMILIES`, as `QuantStack`s of per-expert row views; every other quantised
 type is dequantised with a one-line warning that says what it costs.
@@ -56,15 +56,15 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
 # -- GGUF ------------------------------------------------------------------------------------------
 
-# Families whose stacked routed experts stay in blocks under `quantised`: their experts are plain SwiGLU
-# (gate, up, down; no biases, no clamp), what engine/quant/experts.py computes, and their GGUF names go
-# through gguf_names.sanitize_moe_gguf, which joins gate and up stacks without a copy. Not here, so
-# dequantised as before: gpt-oss (biased experts with a clamped activation: QuantResidentExperts has no
-# such form), qwen3_5_moe (its own GGUF mapping selects rows of a fused gate_up tensor), deepseek_v2 and
-# glm4_moe (their GGUF mappings also split and rename shared and MLA tensors; they are not covered by
-# the tests of expert blocks). Mixtral's early per-expert tensors (`ffn_gate.{e}`) are stacked by
-# torch and so dequantised even here; its stacked `*_exps` stay blocks.
-EXPERT_BLOCK_FAMILIES = frozenset({"qwen3_moe", "olmoe", "mixtral"})
+# Families whose stacked routed experts stay in blocks under `quantised`: their GGUF names go through
+# gguf_names.sanitize_moe_gguf, which joins gate and up stacks without a copy, and their experts are
+# what engine/quant/experts.py computes: plain SwiGLU (gate, up, down), or gpt-oss's biased, clamped
+# form (its biases are float tensors beside the blocks; the executor takes them through `set_form`).
+# Not here, so dequantised as before: qwen3_5_moe (its own GGUF mapping selects rows of a fused gate_up
+# tensor), deepseek_v2 and glm4_moe (their GGUF mappings also split and rename shared and MLA tensors;
+# they are not covered by the tests of expert blocks). Mixtral's early per-expert tensors
+# (`ffn_gate.{e}`) are stacked by torch and so dequantised even here; its stacked `*_exps` stay blocks.
+EXPERT_BLOCK_FAMILIES = frozenset({"qwen3_moe", "olmoe", "mixtral", "gpt_oss"})
 
 
 def keeps_expert_blocks(family: str, quantised: bool) -> bool:

@@ -11,8 +11,11 @@ i < 16, hi(qs[i − 16]) above, and for Q5 bit i of the little-endian u32 qh as 
     Q5_0  22 bytes: d, qh, 16 bytes of nibbles      w[i] = (q[i] − 16)·d
     Q5_1  24 bytes: d, m, qh, 16 bytes of nibbles   w[i] = q[i]·d + m
     Q8_0  34 bytes: d, 32 int8                      w[i] = qs[i]·d
+    MXFP4 17 bytes: e (E8M0), 16 bytes of nibbles   w[i] = E2M1(q[i])·2^(e − 127)
 
-and the K-quants' 256-weight super-blocks Q4_K (144 bytes), Q5_K (176), Q6_K (210): kquants.py.
+(MXFP4, gpt-oss's experts: each nibble an E2M1 float, bit 3 its sign and bits 0–2 one of
+0, 0.5, 1, 1.5, 2, 3, 4, 6; e a bare exponent byte. Read as doubled codes, integers up to ±12, times
+2^(e − 128): every value exact in fp32, subnormals included), and the K-quants' 256-weight super-blocks Q4_K (144 bytes), Q5_K (176), Q6_K (210): kquants.py.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ class QType:
 
 QTYPES = {t.code: t for t in (QType("Q4_0", 2, 18), QType("Q4_1", 3, 20), QType("Q5_0", 6, 22),
                               QType("Q5_1", 7, 24), QType("Q8_0", 8, 34), QType("Q4_K", 12, 144, QK_K),
-                              QType("Q5_K", 13, 176, QK_K), QType("Q6_K", 14, 210, QK_K))}
+                              QType("Q5_K", 13, 176, QK_K), QType("Q6_K", 14, 210, QK_K),
+                              QType("MXFP4", 39, 17))}
+# MXFP4's E2M1 codes doubled (index = the nibble; 0 and 8 are both zero): ±{0, 1, 2, 3, 4, 6, 8, 12}
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def qtype(code: int) -> QType:
@@ -211,6 +217,8 @@ def dequantize_blocks_torch(blocks: torch.Tensor, type_code: int) -> torch.Tenso
     b = blocks.reshape(rows, -1, qt.block_bytes)  # (rows, blocks, bytes)
     if qt.block_weights != BLOCK:
         return dequantize_kquant_torch(b, qt.name).reshape(rows, -1)
+    if qt.name == "MXFP4":
+        return _dequantize_mxfp4(b).reshape(rows, -1)
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # (rows, cols/32, 1)
     if qt.name == "Q8_0":
         q = b[..., 2:].contiguous().view(torch.int8).float()  # (rows, cols/32, 32)
@@ -227,3 +235,15 @@ def dequantize_blocks_torch(blocks: torch.Tensor, type_code: int) -> torch.Tenso
     else:  # (q − 8)·d or (q − 16)·d as q·d + m: both terms exact, so the sum is too
         m = -(8.0 if qt.name == "Q4_0" else 16.0) * d
     return (q.float() * d + m).reshape(rows, -1)
+
+
+def _dequantize_mxfp4(b: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks (rows, n, 17) → fp32 (rows, n, 32). The halved scale 2^(e − 128) is built from its
+    bits: the float with biased exponent e − 1 for e ≥ 2; e = 0, 1 are the subnormals 2^-128, 2^-127."""
+    e = b[..., 0:1].int()  # (rows, n, 1)
+    bits = torch.where(e >= 2, (e - 1) << 23, 0x00200000 << e)
+    scale = bits.view(torch.float32)
+    qs = b[..., 1:].long()  # (rows, n, 16)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # (rows, n, 32): low nibbles first
+    q = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[codes]
+    return q * scale  # exact: a small integer times a power of two (±inf past fp32's range, as gguf)

@@ -6,6 +6,13 @@ apart (a GGUF's `ffn_gate_exps` / `ffn_up_exps` rows viewed in the file, whose t
 two products, no copy of the experts). Experts that are one block tensor listed several times (the
 upcycled built-in MoE: 8 copies of the dense FFN) are computed once per token, with the token's
 weights of those copies summed: equal in value, one read of the blocks instead of top-k.
+
+gpt-oss's experts (`set_form`: an experts_torch.ClampedSwiGLU, a GGUF's MXFP4 blocks) run the same
+block products with the form's per-expert biases added to their fp32 outputs and its clamped
+activation between them, expert by expert (the biases differ per expert, so copies are not merged):
+
+    g = W_g x + b_g, u = W_u x + b_u      (n, I) each: two products over the gate and up rows
+    y = W_d act(g, u) + b_d               (n, H): act = (clamp(u, ±limit) + 1) · g'·σ(alpha·g'), g' = min(g, limit)
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.experts.executor import ResidentExperts
+from engine.kernels.experts_torch import ClampedSwiGLU
 from engine.quant.blocks import QuantRows, QuantStack
 from engine.quant.matmul import implementation, quant_linear
 
@@ -39,12 +47,21 @@ class QuantResidentExperts(ResidentExperts):
             self.groups.append(torch.tensor(of, dtype=torch.long))  # (E,)
             self.unique.append(pairs)
 
-    def set_form(self, layer, form) -> None:
-        raise ValueError("quantised experts compute plain SwiGLU only (no biases, no clamped activation)")
+    def set_form(self, layer, form: ClampedSwiGLU) -> None:
+        """The layer's experts have biases and the clamped SwiGLU (gpt-oss): the form's biases are
+        (E, 2I) gate half first and (E, H), indexed by expert id."""
+        E, two_i, H = self.gate_up[layer].shape
+        if form.gate_up_bias.shape != (E, two_i) or form.down_bias.shape != (E, H):
+            raise ValueError(f"layer {layer}: expert biases {tuple(form.gate_up_bias.shape)}, "
+                             f"{tuple(form.down_bias.shape)} do not fit {E} experts of ({two_i}, {H})")
+        self.forms[layer] = form
 
     def run(self, layer, x, ids, weights):
         """x (N, H), ids (N, k), weights (N, k) → (N, H) in x's dtype."""
         self.tokens_routed += ids.numel()
+        form = self.forms.get(layer)
+        if form is not None:
+            return self._run_form(layer, form, x, ids, weights)
         pairs = self.unique[layer]
         if len(pairs) == 1:  # every expert the same blocks: one SwiGLU, each token weighted by its k weights' sum
             gate_up, down = pairs[0]
@@ -56,6 +73,16 @@ class QuantResidentExperts(ResidentExperts):
             rows = torch.nonzero(w, as_tuple=True)[0]
             gate_up, down = pairs[j]
             out.index_add_(0, rows, _swiglu(x[rows], gate_up, down).float() * w[rows, None])
+        return out.to(x.dtype)
+
+    def _run_form(self, layer, form: ClampedSwiGLU, x, ids, weights):
+        gate_up, down = self.gate_up[layer].experts, self.down[layer].experts
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for e in torch.unique(ids).tolist():
+            chose = ids == e  # (N, k)
+            rows = torch.nonzero(chose.any(-1), as_tuple=True)[0]
+            w = (weights.float() * chose).sum(-1)[rows]  # (n,): each token's weight on expert e
+            out.index_add_(0, rows, _clamped_swiglu(x[rows], gate_up[e], down[e], form, e).float() * w[:, None])
         return out.to(x.dtype)
 
     def nbytes(self) -> int:
@@ -70,6 +97,8 @@ class QuantResidentExperts(ResidentExperts):
         for stack in (*self.gate_up, *self.down):
             types.update(dict.fromkeys(stack.types()))
         kernel = f"{implementation(1)} over {'/'.join(types)} blocks" if types else None
+        if kernel and self.forms:
+            kernel += " (expert biases, clamped SwiGLU)"
         return {"policy": self.policy, "bytes": self.nbytes(), "kernel": kernel}
 
 
@@ -84,6 +113,21 @@ def _swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
         h = torch.cat([quant_linear(x, p) for p in gate_up.parts], dim=-1)  # (n, 2I)
     inter = h.shape[-1] // 2
     return quant_linear(F.silu(h[..., :inter]) * h[..., inter:], down)  # (n, H)
+
+
+def _clamped_swiglu(x: torch.Tensor, gate_up, down, form: ClampedSwiGLU, e: int) -> torch.Tensor:
+    """x (n, H) → (n, H) through expert e of a biased, clamped form; gate_up a QuantTensor (2I, H) or a
+    QuantRows of gate and up (I, H) each, its bias added to the fp32 products before the activation."""
+    bias = form.gate_up_bias[e]  # (2I,) gate half first
+    inter = bias.shape[0] // 2
+    if isinstance(gate_up, QuantRows) and len(gate_up.parts) == 2 and gate_up.parts[0].shape[0] == inter:
+        gate = quant_linear(x, gate_up.parts[0], bias[:inter])  # (n, I) each: no concatenation
+        up = quant_linear(x, gate_up.parts[1], bias[inter:])
+    else:
+        parts = gate_up.parts if isinstance(gate_up, QuantRows) else [gate_up]
+        h = torch.cat([quant_linear(x, p) for p in parts], dim=-1) + bias  # (n, 2I)
+        gate, up = h[..., :inter], h[..., inter:]
+    return quant_linear(form.activation(gate, up), down, form.down_bias[e])
 
 
 def resident_experts(gate_up: list, down: list) -> ResidentExperts:

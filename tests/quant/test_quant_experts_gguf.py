@@ -150,8 +150,8 @@ def test_offloading_policy_keeps_dequantising(files):
 
 
 def test_decision_by_family_and_plan():
-    assert all(keeps_expert_blocks(family, True) for family in ("qwen3_moe", "olmoe", "mixtral"))
-    for family in ("gpt_oss", "qwen3_5_moe", "deepseek_v2", "glm4_moe"):  # experts that need more, or own mappings
+    assert all(keeps_expert_blocks(family, True) for family in ("qwen3_moe", "olmoe", "mixtral", "gpt_oss"))
+    for family in ("qwen3_5_moe", "deepseek_v2", "glm4_moe"):  # experts that need more, or own mappings
         assert family not in EXPERT_BLOCK_FAMILIES and not keeps_expert_blocks(family, True)
     assert not keeps_expert_blocks("qwen3_moe", False)  # GPU, explicit dtype or offloading: not the CPU plan
 

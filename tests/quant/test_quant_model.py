@@ -36,7 +36,12 @@ def write_quantised_llama(path, types=(T.Q4_0, T.Q4_1, T.Q8_0), odd_type=None):
     def matrix(name, rows, cols, qtype=None):
         qtype = qtype or types[n[0] % len(types)]
         n[0] += 1
-        data = quantize((rng.standard_normal((rows, cols)) * 0.2).astype(np.float32), qtype)
+        if qtype == T.IQ4_NL:  # gguf-py has no IQ4_NL quantiser: random codes under an fp16 scale of 0.02
+            data = rng.integers(0, 256, (rows, cols // 32, 18), dtype=np.uint8)
+            data[:, :, :2] = np.full((rows, cols // 32), 0.02, np.float16)[..., None].view(np.uint8)
+            data = data.reshape(rows, -1)
+        else:
+            data = quantize((rng.standard_normal((rows, cols)) * 0.2).astype(np.float32), qtype)
         w.add_tensor(name, data, raw_dtype=qtype)  # data: (rows, row bytes)
 
     matrix("token_embd.weight", c["vocab"], c["dim"])
@@ -83,14 +88,23 @@ def test_quantised_tiny_model_follows_the_dequantised_one(tmp_path):
     assert quant.generate_ids(prompt, 12) == ref.generate_ids(prompt, 12)
 
 
+def test_mxfp4_matrices_stay_blocks_and_follow_the_dequantised_model(tmp_path):
+    path = write_quantised_llama(tmp_path / "q.gguf", types=(T.MXFP4, T.Q8_0))
+    quant, ref = engine_for(path), engine_for(path, dtype="float32")
+    layers = quant.backend.parts.model.model.layers
+    assert {m.qweight.qtype.name for m in (layers[0].self_attn.q_proj, layers[0].self_attn.k_proj)} == {"MXFP4", "Q8_0"}
+    prompt = [3, 17, 5, 42, 8, 9, 33, 60, 2, 71]
+    assert quant.generate_ids(prompt, 12) == ref.generate_ids(prompt, 12)
+
+
 def test_other_types_load_dequantised_with_a_message(tmp_path, caplog):
-    path = write_quantised_llama(tmp_path / "q.gguf", odd_type=T.MXFP4)  # a type with no CPU kernel
+    path = write_quantised_llama(tmp_path / "q.gguf", odd_type=T.IQ4_NL)  # a type with no CPU kernel
     with caplog.at_level(logging.WARNING, logger="tandem.loader"):
         tensors = load_checkpoint(path, torch.float32, quantised=True).tensors
     assert not isinstance(tensors["model.layers.0.mlp.down_proj.weight"], QuantTensor)
     assert isinstance(tensors["model.layers.1.mlp.down_proj.weight"], QuantTensor)
     (message,) = [r.getMessage() for r in caplog.records]
-    assert "1 tensors of MXFP4 dequantised to float32" in message and "MB in memory" in message
+    assert "1 tensors of IQ4_NL dequantised to float32" in message and "MB in memory" in message
     assert len(engine_for(path).generate_ids([1, 2, 3], 4)) == 4
 
 
