@@ -100,7 +100,20 @@ SKIPPED_ARRAYS = "tokenizer.ggml."
 
 def gguf_reader(path: str | os.PathLike):
     """A `gguf.GGUFReader` of `path` whose `SKIPPED_ARRAYS` fields are present but empty (their
-    contents() is []): every other field and every tensor as the plain reader gives them."""
+    contents() is []): every other field and every tensor as the plain reader gives them. The fast
+    reader overrides the reader's private field loop; where a gguf release changed it, gguf's own
+    reader reads the file instead."""
+    import gguf
+
+    try:
+        return _fast_reader(path)
+    except Exception:  # a gguf whose reader's internals differ (or a damaged file): the plain reader
+        # decides, slower but with its own errors for a file that is really damaged
+        log.debug("the fast GGUF header read failed; reading %s with gguf's own reader", path, exc_info=True)
+        return gguf.GGUFReader(path)
+
+
+def _fast_reader(path: str | os.PathLike):
     import struct
 
     import gguf

@@ -46,6 +46,20 @@ def test_reader_steps_over_the_vocabulary_and_reads_the_rest_alike(moe_file):
         [(t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in plain.tensors]
 
 
+def test_reader_falls_back_to_ggufs_own_where_its_internals_changed(moe_file, monkeypatch):
+    """The fast reader overrides gguf's private field loop: where a release changed it, the file is
+    still read (by gguf's reader, vocabulary and all), not reported damaged."""
+    from engine.models import loader
+
+    def changed(path):
+        raise AttributeError("'GGUFReader' object has no attribute '_push_field'")
+
+    monkeypatch.setattr(loader, "_fast_reader", changed)
+    reader = gguf_reader(moe_file)
+    assert type(reader) is gguf.GGUFReader and reader.fields["tokenizer.ggml.tokens"].contents()
+    assert load_checkpoint(str(moe_file)).family == "qwen3_moe"
+
+
 def test_plan_and_load_decode_no_vocabulary(monkeypatch):
     """The plan's shape and the loader read the built-in file's header without a string read per
     token or merge (98052 of them): a few hundred reads (keys and tensor names), not ~10^5."""
