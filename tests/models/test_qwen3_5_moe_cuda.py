@@ -35,6 +35,7 @@ def _folder(tmp_path, monkeypatch):
     return folder
 
 
+@pytest.mark.cuda
 def test_cuda_matches_the_cpu(tmp_path, monkeypatch):
     """700 tokens (over a prefill chunk, many delta-rule chunks) then 8 decode steps: CUDA fp32
     equals the CPU's fp32, prefill and decode."""
@@ -47,6 +48,7 @@ def test_cuda_matches_the_cpu(tmp_path, monkeypatch):
     torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=0)
 
 
+@pytest.mark.cuda
 def test_cuda_bf16_turns(tmp_path, monkeypatch):
     """bf16 on CUDA: a second turn reads only its new tokens and answers as a fresh chat does."""
     from engine.api import GenerationRequest
