@@ -57,6 +57,7 @@ class Generator:
         self.keeps_recurrent_state = bool(getattr(kv, "recurrent", False))  # hybrid models (kv/recurrent.py)
         self.sessions = SessionPool(max_sessions)  # chats that keep their KV (engine/runtime/sessions.py)
         self.graphs = None  # DecodeGraphs where decode steps can be replayed (engine/runtime/decode_graph.py)
+        self.threads = None  # ThreadChooser where the CPU's thread count is measured (engine/runtime/thread_chooser.py)
         self.live: list[SeqRun] = []  # admitted and not ended, in order of admission
         self._pending: _Launched | None = None
         self.timer: GenerationTimer | None = None  # counts since the batch was last idle
@@ -371,6 +372,7 @@ class Generator:
         return accepted
 
     def _forward(self, sessions: list[Session], tokens: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
         positions = self.kv.begin_step([s.seq_id for s in sessions], tokens.shape[1])  # (B, T)
         try:
             logits = None
@@ -384,6 +386,8 @@ class Generator:
                 self.kv.crop(s.seq_id, len(s.cached))
             raise
         self.kv.end_step()
+        if self.threads is not None and tokens.shape[1] == 1:  # (a CPU step: done when the forward returns)
+            self.threads.step(time.perf_counter() - started, tokens.shape[0])
         return logits
 
     def _accept(self, r: SeqRun, logits: torch.Tensor) -> None:

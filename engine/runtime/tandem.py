@@ -37,6 +37,24 @@ class TandemBackend:
         self.generator = Generator(p.model, p.kv, p.device, p.max_context, config.max_batch, self.telemetry)
         self.graphs_off: str | None = None  # why decode steps run eagerly (None: graphs are on)
         self._setup_graphs()
+        self._setup_threads()
+
+    def _setup_threads(self) -> None:
+        """On a CPU device with the thread count left to Tandem, decode steps measure it (a core busy
+        with another program makes every thread wait: engine/runtime/thread_chooser.py)."""
+        from engine.kernels import native
+        from engine.runtime.thread_chooser import ThreadChooser
+
+        cores = native.available_cores()
+        if self.parts.device.type != "cpu" or self.config.cpu_threads or self.config.simulate_hybrid or cores < 2:
+            return
+
+        def apply(n: int) -> None:
+            torch.set_num_threads(n)
+            native.set_threads(n)
+
+        apply(cores)
+        self.generator.threads = ThreadChooser(cores, apply)
 
     def _setup_graphs(self) -> None:
         """Decode steps as CUDA graphs when the config asks and the KV and experts allow; re-run after
@@ -74,7 +92,8 @@ class TandemBackend:
                 "expert_policy": p.experts.policy if p.experts else None,
                 "load_s": p.load_s, "vocab_size": p.args.vocab_size,
                 "plan": self.plan.to_dict() | {"summary": self.plan.summary()} if self.plan else None,
-                "cuda_graphs": self.generator.graphs.telemetry() if self.generator.graphs else {"off": self.graphs_off}}
+                "cuda_graphs": self.generator.graphs.telemetry() if self.generator.graphs else {"off": self.graphs_off},
+                **(self.generator.threads.telemetry() if self.generator.threads else {})}
 
     def _need_tokenizer(self):
         if self.parts.tokenizer is None:
