@@ -78,3 +78,25 @@ def test_the_amx_guard_turns_extra_buffers_off_only_inside_and_only_with_amx():
         inside = low.llama_model_default_params().use_extra_bufts
     assert inside is ("amx_tile" not in cpu_flags())
     assert low.llama_model_default_params is before and before().use_extra_bufts
+
+
+def test_decode_threads_are_measured_unless_the_config_fixes_them(llama, monkeypatch):
+    """With the count left to it, the backend's decode steps feed the thread chooser, which sets
+    llama.cpp's decode threads through llama_set_n_threads (prompts keep every core)."""
+    import llama_cpp
+
+    assert "cpu_threads_now" not in llama.info()  # the fixture fixes cpu_threads=2
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    calls = []
+    real = llama_cpp.llama_set_n_threads
+    monkeypatch.setattr(llama_cpp, "llama_set_n_threads", lambda ctx, n, n_batch: (calls.append((n, n_batch)),
+                                                                                 real(ctx, n, n_batch)))
+    engine = Engine(EngineConfig(model="builtin:smollm2-135m", backend="llamacpp", max_context=1024))
+    try:
+        res = engine.generate(GenerationRequest(prompt="Write one sentence about Paris.", max_new_tokens=32,
+                                                greedy=True, ignore_eos=True))
+        info = engine.info()
+        assert res.completion_tokens == 32 and info["cpu_threads_max"] == 2 and info["cpu_thread_probes"] >= 1
+        assert calls and all(n in (1, 2) and n_batch == 2 for n, n_batch in calls)
+    finally:
+        engine.close()

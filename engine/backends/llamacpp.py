@@ -23,6 +23,7 @@ from engine.runtime.chat import eos_ids, load_tokenizer, render_chat
 from engine.runtime.requests import GenerationRequest, GenerationResult, prompt_ids_of
 from engine.runtime.telemetry import GenerationTimer, Telemetry
 from engine.runtime.textstream import TextStream
+from engine.runtime.thread_chooser import ThreadChooser
 
 
 def gguf_path_for(model: str) -> Path:
@@ -101,12 +102,23 @@ class LlamaCppBackend:
         self.max_context = self.llm.n_ctx()
         self.telemetry = Telemetry()
         self._session: str | None = None  # the chat whose KV llama.cpp holds now
+        # llama.cpp's decode waits on a thread that shares a busy core as Tandem's kernels do: the same
+        # measured count (engine/runtime/thread_chooser.py), unless the config fixes it
+        self.chooser = None
+        if config.cpu_threads is None and self.threads > 1:
+            ctx = self.llm._ctx.ctx  # the llama_context of llama-cpp-python's Llama
+
+            def apply(n: int) -> None:  # decode steps on n threads; prompts keep every core
+                llama_cpp.llama_set_n_threads(ctx, n, self.threads)
+
+            self.chooser = ThreadChooser(self.threads, apply)
         report("ready", 1.0)
 
     def info(self) -> dict:
         return {"backend": self.name, "model": self.config.model, "family": "gguf", "layers": None,
                 "experts": None, "top_k": None, "device": "cpu", "dtype": "gguf", "max_context": self.max_context,
-                "kv_policy": "llama.cpp", "expert_policy": None, "llama_cpp": self.version}
+                "kv_policy": "llama.cpp", "expert_policy": None, "llama_cpp": self.version,
+                **(self.chooser.telemetry() if self.chooser else {})}
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -158,6 +170,8 @@ class LlamaCppBackend:
                 else:
                     timer.decode_tokens += 1
                     timer.decode_s += now - last
+                    if self.chooser is not None:
+                        self.chooser.step(now - last)
                 last = now
                 generated.append(token)
                 if token in eos:

@@ -2,9 +2,11 @@
 
     python3 -m engine.bench.busy_core [--model FILE] [--rounds N] [--json out.json]
 
-A desktop's cores are rarely all free. Both systems run with their default thread count (every
-core), first on the idle machine, then with a process spinning on core 0 (pinned there); the systems
-take turns, the order reversed every other round. Each round generates NEW_TOKENS tokens after the
+A desktop's cores are rarely all free. Three systems run with their default thread count, first on
+the idle machine, then with a process spinning on core 0 (pinned there), taking turns, the order
+reversed every other round: Tandem; llama.cpp as its own programs run it (every core, fixed); and
+llama.cpp inside Tandem (`backend llamacpp`, what `auto` picks for a GGUF on a CPU-only machine),
+whose decode steps measure their thread count as Tandem's do. Each round generates NEW_TOKENS tokens after the
 README's question (greedy, EOS ignored) and reports the engine's decode tok/s (prefill excluded).
 Tandem's rounds continue one engine, as a chat would: its thread count is measured by decode steps
 (engine/runtime/thread_chooser.py), so its first busy round includes finding the busy core.
@@ -28,8 +30,11 @@ def main(model: str, rounds: int) -> dict:
 
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs Linux and at least two usable cores")
-    engines = {name: Engine(EngineConfig(model=model, device="cpu", backend=name, max_context=2048, max_batch=1))
-               for name in ("tandem", "llamacpp")}
+    cores = len(os.sched_getaffinity(0))
+    systems = {"tandem": dict(backend="tandem"), "llamacpp": dict(backend="llamacpp", cpu_threads=cores),
+               "tandem llamacpp backend": dict(backend="llamacpp")}
+    engines = {name: Engine(EngineConfig(model=model, device="cpu", max_context=2048, max_batch=1, **config))
+               for name, config in systems.items()}
     request = GenerationRequest(messages=[{"role": "user", "content": "What is the capital of France?"}],
                                 max_new_tokens=NEW_TOKENS, greedy=True, ignore_eos=True)
     for engine in engines.values():
@@ -48,16 +53,16 @@ def main(model: str, rounds: int) -> dict:
                 if spinner is not None:
                     spinner.kill()
                     spinner.wait()
-        chooser = engines["tandem"].info()
+        chosen = {name: {k: v for k, v in engines[name].info().items() if k.startswith("cpu_thread")}
+                  for name in ("tandem", "tandem llamacpp backend")}
     finally:
         for engine in engines.values():
             engine.close()
     result = {c: {n: {"median": median(v), "rounds": v} for n, v in runs.items()} for c, runs in figures.items()}
     for condition, runs in result.items():
-        ratio = runs["tandem"]["median"] / runs["llamacpp"]["median"]
-        print(f"{condition:12s} decode tok/s  Tandem {runs['tandem']['median']:6.1f}  llama.cpp "
-              f"{runs['llamacpp']['median']:6.1f}  Tandem / llama.cpp {ratio:.2f}")
-    return {"decode_tok_s": result, "tandem_threads": {k: v for k, v in chooser.items() if k.startswith("cpu_thread")}}
+        print(f"{condition:12s} decode tok/s  " + "  ".join(f"{n} {r['median']:.1f}" for n, r in runs.items())
+              + f"  Tandem / llama.cpp {runs['tandem']['median'] / runs['llamacpp']['median']:.2f}")
+    return {"decode_tok_s": result, "threads_chosen": chosen}
 
 
 if __name__ == "__main__":
