@@ -46,6 +46,14 @@ def profile_words(profile: str | None) -> str:
     return "calibrated" + (f" ({', '.join(parts)})" if parts else "")
 
 
+def thread_words(model: dict) -> str:
+    """"CPU threads 1 of 2 (a core is busy)" where the engine measures its thread count, else ""."""
+    now, most = model.get("cpu_threads_now"), model.get("cpu_threads_max")
+    if now is None or most is None:
+        return ""
+    return f" · CPU threads {now} of {most}" + (" (fewer ran faster: cores busy with other programs)" if now < most else "")
+
+
 def is_remote(snap: dict) -> bool:
     """The model runs on another machine: only what this client measures is known here."""
     return (snap.get("model") or {}).get("backend") == "remote"
@@ -285,7 +293,7 @@ class LivePanels(QWidget):
             return
         self.kernel_text.setText(f"{m.get('device', '?')} · {m.get('dtype', '?')} · CPU attention "
                                  f"{k.get('cpu_attention') or 'n/a'} · CPU experts {k.get('cpu_experts') or 'n/a'}"
-                                 f" · {profile_words(s.get('profile'))}")
+                                 f"{thread_words(m)} · {profile_words(s.get('profile'))}")
 
 
 class PanelsDock(QDockWidget):

@@ -32,6 +32,17 @@ def test_panels_show_the_engine_snapshot(qtbot, open_window, moe_engine):
     assert f"TTFT {snap['speed']['ttft_s']:.2f} s" in p.speed_text.text()
     assert "torch-sdpa" in p.kernel_text.text()
     assert p.r_plot.values("r_deployed")[-1] is None  # a gap in the plot, not a zero
+    model = snap["model"]  # a CPU engine on ≥ 2 cores measures its thread count, and the panel says what it runs
+    if model.get("cpu_threads_max"):
+        assert f"CPU threads {model['cpu_threads_now']} of {model['cpu_threads_max']}" in p.kernel_text.text()
+
+
+def test_thread_words_say_when_fewer_threads_ran_faster():
+    from app.panels import thread_words
+
+    assert thread_words({}) == ""  # fixed by the config, a GPU, or another backend
+    assert thread_words({"cpu_threads_now": 2, "cpu_threads_max": 2}) == " · CPU threads 2 of 2"
+    assert "cores busy with other programs" in thread_words({"cpu_threads_now": 1, "cpu_threads_max": 2})
 
 
 def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine):
