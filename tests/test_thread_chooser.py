@@ -105,3 +105,27 @@ def test_a_cpu_engine_measures_its_threads_unless_told(threads, chooses, monkeyp
             assert "cpu_threads_now" not in info
     finally:
         engine.close()
+
+
+def test_closing_the_engine_puts_the_process_thread_settings_back(monkeypatch):
+    """torch's and the native kernels' thread counts are the process's: an engine that chose one puts
+    back what it found when it closes."""
+    import torch
+
+    from engine.api import Engine, EngineConfig, GenerationRequest
+    from engine.kernels import native
+
+    monkeypatch.setattr(native, "available_cores", lambda: 2)
+    before_torch, before_native = torch.get_num_threads(), native.threads_setting()
+    torch.set_num_threads(1)
+    native.set_threads(None)
+    try:
+        engine = Engine(EngineConfig(model="builtin:smollm2-135m", device="cpu", backend="tandem", max_context=512,
+                                     max_batch=1))
+        assert torch.get_num_threads() == 2 and native.threads() == 2  # every core to start with
+        engine.generate(GenerationRequest(prompt_ids=[1, 2, 3], max_new_tokens=8, greedy=True, ignore_eos=True))
+        engine.close()
+        assert torch.get_num_threads() == 1 and native.threads_setting() is None
+    finally:
+        torch.set_num_threads(before_torch)
+        native.set_threads(before_native)

@@ -71,6 +71,11 @@ def set_threads(n: int | None) -> None:
     _threads = n
 
 
+def threads_setting() -> int | None:
+    """What set_threads was last given (None: the default), to put back later."""
+    return _threads
+
+
 def threads() -> int:
     global _threads
     if _threads is None:

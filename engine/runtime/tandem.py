@@ -53,8 +53,18 @@ class TandemBackend:
             torch.set_num_threads(n)
             native.set_threads(n)
 
+        # process-wide settings: close() puts back what was there (the probe, another engine read them)
+        self._threads_before = (torch.get_num_threads(), native.threads_setting())
         apply(cores)
         self.generator.threads = ThreadChooser(cores, apply)
+
+    def _restore_threads(self) -> None:
+        from engine.kernels import native
+
+        if self.generator.threads is not None:
+            torch.set_num_threads(self._threads_before[0])
+            native.set_threads(self._threads_before[1])
+            self.generator.threads = None
 
     def _setup_graphs(self) -> None:
         """Decode steps as CUDA graphs when the config asks and the KV and experts allow; re-run after
@@ -198,7 +208,8 @@ class TandemBackend:
             return
         for key in list(self.generator.sessions):
             self.generator.end_session(key)
-        self._drop_graphs()  # first: they point into the KV and the experts
+        self._restore_threads()  # set up last: put back first
+        self._drop_graphs()  # they point into the KV and the experts
         if hasattr(self.parts.experts, "close"):  # offloaded experts: copies done, worker stopped, store unpinned
             self.parts.experts.close()
         if hasattr(self.parts.kv, "close"):  # hybrid KV: copies done, CPU-side thread stopped, host regions unpinned

@@ -23,22 +23,10 @@ from engine.quant.blocks import QTYPES, QuantTensor, dequantize_blocks_torch
 
 TYPES = [T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 NAT = native.module()
-ISAS = NAT.supported_quant_isas() if NAT is not None and hasattr(NAT, "supported_quant_isas") else []
 # Where each type keeps its fp16 factors, and their size: weights of O(0.1) whatever the random
 # integers (Q4_K: d·63·15 ≈ 0.1; Q6_K: d·128·32 ≈ 0.1; Q5_x: d·16).
 HALVES = {T.Q5_0: {0: 6e-3}, T.Q5_1: {0: 3e-3, 2: 0.05}, T.Q4_K: {0: 1e-4, 2: 1e-4},
           T.Q5_K: {0: 5e-5, 2: 1e-4}, T.Q6_K: {208: 2.5e-5}}
-
-
-@pytest.fixture(params=ISAS + ["torch"])
-def isa(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(qm, "_native", lambda: None)
-    else:
-        assert NAT.select_quant_isa(request.param)
-    yield request.param
-    if request.param != "torch":
-        NAT.select_quant_isa("auto")
 
 
 def random_blocks(rows: int, cols: int, qtype, seed: int = 0) -> np.ndarray:
@@ -63,7 +51,7 @@ def _bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,cols", [(77, 512), (1, 256), (203, 768)])
 @pytest.mark.parametrize("n_tokens", [1, 2, 3, 4, 5, 7, 9, 16])
-def test_matmul_matches_dequantised_fp32(isa, qtype, rows, cols, n_tokens):
+def test_matmul_matches_dequantised_fp32(every_isa, qtype, rows, cols, n_tokens):
     data = random_blocks(rows, cols, qtype, seed=rows + cols)
     w, ref_w = QuantTensor.from_gguf(data, int(qtype), "w"), dequantize(data, qtype)
     x = torch.randn(n_tokens, cols, generator=torch.Generator().manual_seed(n_tokens)) * 3
@@ -74,7 +62,7 @@ def test_matmul_matches_dequantised_fp32(isa, qtype, rows, cols, n_tokens):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_the_prefill_path_and_extreme_blocks(isa, qtype):
+def test_the_prefill_path_and_extreme_blocks(every_isa, qtype):
     """24 tokens (dequantised tiles + GEMM on the native path), and blocks whose integers are all at
     one end: Q6_K's q' = (0 − 32)·(−128) = 4096 in every weight against activations at ±32767."""
     data = random_blocks(40, 512, qtype, seed=3)
@@ -93,7 +81,7 @@ def test_the_prefill_path_and_extreme_blocks(isa, qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_dequantise_and_rows_are_exact(isa, qtype):
+def test_dequantise_and_rows_are_exact(every_isa, qtype):
     data = random_blocks(130, 512, qtype, seed=7)
     w, ref_w = QuantTensor.from_gguf(data, int(qtype), "w"), dequantize(data, qtype)
     assert w.shape == (130, 512)

@@ -23,19 +23,7 @@ from engine.quant import matmul as qm
 from engine.quant.blocks import QuantStack, QuantTensor, dequantize_blocks_torch
 
 NAT = native.module()
-ISAS = NAT.supported_quant_isas() if NAT is not None and hasattr(NAT, "supported_quant_isas") else []
 MX = int(T.MXFP4)
-
-
-@pytest.fixture(params=ISAS + ["torch"])
-def isa(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(qm, "_native", lambda: None)
-    else:
-        assert NAT.select_quant_isa(request.param)
-    yield request.param
-    if request.param != "torch":
-        NAT.select_quant_isa("auto")
 
 
 def random_blocks(rows: int, cols: int, seed: int = 0, exponents: tuple[int, int] = (124, 126)) -> np.ndarray:
@@ -59,7 +47,7 @@ def _bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # gguf's own ±inf at e = 255
-def test_every_scale_byte_and_code_dequantises_as_gguf(isa):
+def test_every_scale_byte_and_code_dequantises_as_gguf(every_isa):
     """All 256 scale bytes × all 256 code bytes (both nibbles' orders), compared as fp32 bit patterns:
     signed zeros, subnormals and infinities included."""
     codes = np.arange(256, dtype=np.uint8)
@@ -76,7 +64,7 @@ def test_every_scale_byte_and_code_dequantises_as_gguf(isa):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-def test_rows_lookups_and_stacks_are_exact(isa):
+def test_rows_lookups_and_stacks_are_exact(every_isa):
     data = random_blocks(130, 96, seed=7, exponents=(0, 255))
     ref_w = dequantize(data, T.MXFP4)
     w = QuantTensor.from_gguf(data, MX, "w")
@@ -91,7 +79,7 @@ def test_rows_lookups_and_stacks_are_exact(isa):
 
 @pytest.mark.parametrize("rows,cols", [(77, 512), (1, 32), (203, 96), (64, 2880)])
 @pytest.mark.parametrize("n_tokens", [1, 2, 3, 4, 5, 7, 9, 16])
-def test_matmul_matches_dequantised_fp32(isa, rows, cols, n_tokens):
+def test_matmul_matches_dequantised_fp32(every_isa, rows, cols, n_tokens):
     """Odd row counts (tiles of 4, 2, 1 rows and their remainders), widths of 1, 3 and 90 blocks
     (2880: gpt-oss's hidden size), every token group size of the integer kernel."""
     data = random_blocks(rows, cols, seed=rows + cols)
@@ -103,7 +91,7 @@ def test_matmul_matches_dequantised_fp32(isa, rows, cols, n_tokens):
     assert ((y - ref).abs() <= _bound(x, ref_w)).all(), float((y - ref).abs().max())
 
 
-def test_the_prefill_path_extreme_codes_and_a_bias(isa):
+def test_the_prefill_path_extreme_codes_and_a_bias(every_isa):
     """24 tokens (dequantised tiles + GEMM on the native path); rows of ±12 codes only (nibble 7 or 15)
     against activations at ±32767; a bias added after the product."""
     data = random_blocks(40, 512, seed=3)
@@ -119,7 +107,7 @@ def test_the_prefill_path_extreme_codes_and_a_bias(isa):
         assert ((y - ref[:n]).abs() <= _bound(x[:n], ref_w)).all(), float((y - ref[:n]).abs().max())
 
 
-def test_gguf_quantised_weights_round_trip(isa):
+def test_gguf_quantised_weights_round_trip(every_isa):
     """Weights quantised by gguf's MXFP4 quantiser (realistic scale bytes) compute as their
     dequantisation does."""
     rng = np.random.default_rng(1)

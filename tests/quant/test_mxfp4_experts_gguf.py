@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import stepped_logits as logits
+from test_quant_experts_gguf import llama_quantise
 
 from engine.api import Engine, EngineConfig
 from engine.kernels.experts_torch import ClampedSwiGLU, moe_experts
@@ -62,14 +63,7 @@ def write_mxfp4_gpt_oss(directory, tokenizer: tuple | None = None) -> str:
     f32, out = directory / "gpt-oss-f32.gguf", directory / "gpt-oss-mxfp4.gguf"
     gguf_export.write_gguf(f32, family="gpt_oss", config=config, args=args, dtype="f32", tokenizer=tokenizer,
                            tensors=tensors())
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_MXFP4_MOE
-    params.allow_requantize = True
-    params.nthread = 1
-    if llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), params) != 0:
-        raise RuntimeError(f"llama.cpp could not quantise {f32} to MXFP4_MOE")
-    f32.unlink()
-    return str(out)
+    return llama_quantise(f32, out, "LLAMA_FTYPE_MOSTLY_MXFP4_MOE")
 
 
 def file_expert_weight_bytes(path) -> int:

@@ -53,8 +53,13 @@ def write_quantised(directory, family: str, ftype: str, layers: int = 2, vocab: 
     tokenizer = (("tokenizer.ggml.tokens", [f"t{i}" for i in range(vocab)], *_array()),)
     gguf_export.write_gguf(f32, family=family, config=config, args=args, dtype="f32", tokenizer=tokenizer,
                            tensors=synthetic.generate(name, config, device=torch.device("cpu"), dtype=torch.float32))
+    return llama_quantise(f32, out, FTYPES[ftype])
+
+
+def llama_quantise(f32, out, ftype: str) -> str:
+    """llama.cpp's own quantiser (ftype: a llama_cpp LLAMA_FTYPE_* name) from f32 to out; f32 removed."""
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, FTYPES[ftype])
+    params.ftype = getattr(llama_cpp, ftype)
     params.allow_requantize = True
     params.nthread = 1
     if llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), params) != 0:
