@@ -3,7 +3,7 @@
 The chooser is fed step times from a model of the machine (seconds a step takes at n threads), so
 its decisions are checked exactly; the engine test checks that a CPU engine feeds it and says what
 it chose. How much it saves on a machine with a busy core is a benchmark's question
-(`python3 -m engine.bench.busy_core`), not a test's.
+(`tandem bench suite --cells cpu-busy-core`), not a test's.
 """
 
 import pytest
@@ -82,6 +82,18 @@ def test_steps_of_another_batch_size_start_the_measurement_over():
     assert chooser.probes == before and chooser.threads == 2
 
 
+def test_the_count_starts_at_the_cores_that_are_free(monkeypatch):
+    import psutil
+
+    from engine.runtime.thread_chooser import free_cores
+
+    for busy, free in (([90.0, 10.0], 1), ([10.0, 20.0], 2), ([95.0, 99.0], 1), ([90.0, 10.0, 5.0], 1)):
+        monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu, b=busy: b)
+        assert free_cores({0, 1}) == free, busy  # (CPU 2 is not ours: not counted)
+    chooser = ThreadChooser(4, lambda n: None, start=3)
+    assert chooser.threads == 3 and chooser.max_threads == 4
+
+
 def test_one_core_has_nothing_to_choose():
     chooser = chooser_for(1)
     run(chooser, lambda n: 0.01, 100)
@@ -115,7 +127,10 @@ def test_closing_the_engine_puts_the_process_thread_settings_back(monkeypatch):
     from engine.api import Engine, EngineConfig, GenerationRequest
     from engine.kernels import native
 
+    from engine.runtime import thread_chooser
+
     monkeypatch.setattr(native, "available_cores", lambda: 2)
+    monkeypatch.setattr(thread_chooser, "free_cores", lambda cores: 2)  # (the test machine may be busy)
     before_torch, before_native = torch.get_num_threads(), native.threads_setting()
     torch.set_num_threads(1)
     native.set_threads(None)

@@ -23,7 +23,7 @@ from engine.runtime.chat import eos_ids, load_tokenizer, render_chat
 from engine.runtime.requests import GenerationRequest, GenerationResult, prompt_ids_of
 from engine.runtime.telemetry import GenerationTimer, Telemetry
 from engine.runtime.textstream import TextStream
-from engine.runtime.thread_chooser import ThreadChooser
+from engine.runtime.thread_chooser import ThreadChooser, free_cores
 
 
 def gguf_path_for(model: str) -> Path:
@@ -111,7 +111,9 @@ class LlamaCppBackend:
             def apply(n: int) -> None:  # decode steps on n threads; prompts keep every core
                 llama_cpp.llama_set_n_threads(ctx, n, self.threads)
 
-            self.chooser = ThreadChooser(self.threads, apply)
+            start = free_cores(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else self.threads
+            apply(min(start, self.threads))
+            self.chooser = ThreadChooser(self.threads, apply, start)
         report("ready", 1.0)
 
     def info(self) -> dict:

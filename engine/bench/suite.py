@@ -175,6 +175,45 @@ def cell_cpu_builtin(ctx: Ctx) -> list[dict]:
                 target="prefill ≥ 50% of llama.cpp")]
 
 
+SPIN = "import os; os.sched_setaffinity(0, {0}); exec('while True: pass')"  # another program, on core 0
+
+
+def cell_cpu_busy_core(ctx: Ctx) -> list[dict]:
+    """Decode while another process keeps core 0 busy: Tandem with its default threads (its decode
+    steps measure the count: engine/runtime/thread_chooser.py) against llama.cpp on every core, as its
+    own programs run, and llama.cpp inside Tandem (what `backend auto` runs for a GGUF on a CPU-only
+    machine; its decode threads measured the same way). Each probe is a fresh process (engines in one
+    process slow each other: their idle thread pools poll), so the figures include finding the core."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        raise Skip("needs Linux and two usable cores")
+    cores = len(os.sched_getaffinity(0))
+    spec = {"decode_prompt": 32, "new_tokens": 48 if ctx.quick else 128, "seed": 0, "warmup": True, "warmup_tokens": 8}
+    tandem = {"model": "builtin:smollm2-135m", "backend": "tandem", "device": "cpu"}
+    llama = {"model": "builtin:smollm2-135m", "backend": "llamacpp", "cpu_threads": cores, "max_context": 2048,
+             "kv_policy": "resident", "expert_policy": "resident"}
+
+    def beside_a_busy_core(measure):
+        def run():
+            spinner = subprocess.Popen([sys.executable, "-c", SPIN])
+            try:
+                return measure()
+            finally:
+                spinner.kill()
+                spinner.wait()
+        return run
+
+    systems = {name: beside_a_busy_core(lambda t=ctx.tree_of(name): probe(t.path, {**spec, "config": tandem}))
+               for name in ctx.tandem_names()}
+    systems["llama.cpp"] = beside_a_busy_core(lambda: probe(ctx.trees[0].path, {**spec, "config": llama}))
+    inside = {k: v for k, v in llama.items() if k != "cpu_threads"}
+    systems["llama.cpp in Tandem"] = beside_a_busy_core(lambda: probe(ctx.trees[0].path, {**spec, "config": inside}))
+    res = alternate(ctx, systems)
+    cond = (f"{spec['new_tokens']} tokens after a {spec['decode_prompt']}-token prompt, core 0 kept busy by another "
+            f"process; Tandem's default threads, llama.cpp on all {cores} cores")
+    return [row(ctx, "decode tok/s", cond, {n: [r["decode_tok_s"] for r in rs] for n, rs in res.items()}, "llama.cpp",
+                info={name: rs[-1].get("info") for name, rs in res.items()})]
+
+
 def cell_cpu_kernels(ctx: Ctx) -> list[dict]:
     """The native CPU kernels against the STREAM read of the same call (the bound)."""
     threads = ctx.threads or os.cpu_count() or 1
@@ -231,6 +270,8 @@ def cells() -> list[Cell]:
              "decode ≥ 50% of llama.cpp", cell_cpu_builtin),
         Cell("cpu-kernels", "Native CPU kernels against the STREAM read", "cpu",
              "per row", cell_cpu_kernels),
+        Cell("cpu-busy-core", "Built-in SmolLM2-135M on the CPU with a core busy with another program", "cpu",
+             "decode ≥ 1× llama.cpp", cell_cpu_busy_core),
         *suite_gpu.cells(Cell),
     ]
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from statistics import median
 from typing import Callable
 
+BUSY_PERCENT = 50  # a core this busy with other work at the start does not get a thread to begin with
+
 SETTLE = 2  # steps after a change of count that are not measured (the thread pool resizes); a trial waits 1
 WINDOW = 4  # steps measured per count in a comparison: medians of 4 steps of 10-100 ms
 MIN_INTERVAL = 16  # steps between probes once the current count has won one (a probe costs up to WINDOW
@@ -28,12 +30,22 @@ ABORT = 1.5  # a trial step this much slower than the current count's ends the t
 SHIFT = 0.5  # the current count's step time moved by this share: the load changed, probe soon
 
 
-class ThreadChooser:
-    """Feed it every decode step's wall time (`step`); it calls `apply(n)` when the count changes."""
+def free_cores(cores: set[int], seconds: float = 0.1) -> int:
+    """How many of `cores` (CPU ids) were less than BUSY_PERCENT busy over the next `seconds`: where the
+    count starts, so that a one-off `tandem generate` does not spend its first steps finding a busy core."""
+    import psutil
 
-    def __init__(self, max_threads: int, apply: Callable[[int], None]):
+    busy = psutil.cpu_percent(interval=seconds, percpu=True)  # per CPU id, the whole machine's work
+    return max(1, sum(1 for c in cores if c < len(busy) and busy[c] < BUSY_PERCENT))
+
+
+class ThreadChooser:
+    """Feed it every decode step's wall time (`step`); it calls `apply(n)` when the count changes.
+    `start`: the count to begin with (free_cores), max_threads by default."""
+
+    def __init__(self, max_threads: int, apply: Callable[[int], None], start: int | None = None):
         self.max_threads, self.apply = max_threads, apply
-        self.threads = max_threads
+        self.threads = min(max_threads, start or max_threads)
         self.interval = WINDOW
         self.changes = self.probes = 0
         self._batch: int | None = None
