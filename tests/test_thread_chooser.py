@@ -80,6 +80,10 @@ def test_steps_of_another_batch_size_start_the_measurement_over():
     before = chooser.probes
     run(chooser, lambda n: 4 * idle(n), 3, batch=4)  # too few at the new size for a trial
     assert chooser.probes == before and chooser.threads == 2
+    run(chooser, idle, 7, batch=1)  # a trial of one thread starts (the interval is WINDOW at first)…
+    assert chooser.applied == 1
+    run(chooser, idle, 1, batch=2)  # …and a batch of another size ends it: the chosen count again
+    assert chooser.applied == chooser.threads == 2
 
 
 def test_the_count_starts_at_the_cores_that_are_free(monkeypatch):

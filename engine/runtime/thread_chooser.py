@@ -62,6 +62,8 @@ class ThreadChooser:
     def step(self, seconds: float, batch: int = 1) -> None:
         """One decode step of `batch` sequences took `seconds` (wall) at the count last applied."""
         if batch != self._batch:  # steps of another batch size do not compare: start over
+            if self._probe is not None:  # (a trial under way: back to the chosen count first)
+                self.apply(self.threads)
             self._batch = batch
             self._reset()
         if self._skip:
