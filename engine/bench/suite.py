@@ -183,7 +183,7 @@ def cell_cpu_busy_core(ctx: Ctx) -> list[dict]:
     steps measure the count: engine/runtime/thread_chooser.py) against llama.cpp on every core, as its
     own programs run, and llama.cpp inside Tandem (what `backend auto` runs for a GGUF on a CPU-only
     machine; its decode threads measured the same way). Each probe is a fresh process (engines in one
-    process slow each other: their idle thread pools poll), so the figures include finding the core."""
+    process slowed each other in a first measurement), so the figures include finding the core."""
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
         raise Skip("needs Linux and two usable cores")
     cores = len(os.sched_getaffinity(0))
