@@ -134,7 +134,7 @@ def test_closing_the_engine_puts_the_process_thread_settings_back(monkeypatch):
     from engine.runtime import thread_chooser
 
     monkeypatch.setattr(native, "available_cores", lambda: 2)
-    monkeypatch.setattr(thread_chooser, "free_cores", lambda cores: 2)  # (the test machine may be busy)
+    monkeypatch.setattr(thread_chooser, "free_cores", lambda: 2)  # (the test machine may be busy)
     before_torch, before_native = torch.get_num_threads(), native.threads_setting()
     torch.set_num_threads(1)
     native.set_threads(None)

@@ -23,7 +23,7 @@ from engine.runtime.chat import eos_ids, load_tokenizer, render_chat
 from engine.runtime.requests import GenerationRequest, GenerationResult, prompt_ids_of
 from engine.runtime.telemetry import GenerationTimer, Telemetry
 from engine.runtime.textstream import TextStream
-from engine.runtime.thread_chooser import ThreadChooser, free_cores
+from engine.runtime.thread_chooser import ThreadChooser
 
 
 def gguf_path_for(model: str) -> Path:
@@ -105,15 +105,14 @@ class LlamaCppBackend:
         # llama.cpp's decode waits on a thread that shares a busy core as Tandem's kernels do: the same
         # measured count (engine/runtime/thread_chooser.py), unless the config fixes it
         self.chooser = None
-        if config.cpu_threads is None and self.threads > 1:
-            ctx = self.llm._ctx.ctx  # the llama_context of llama-cpp-python's Llama
-
+        # the llama_context of llama-cpp-python's Llama (a private attribute: a release without it keeps
+        # the fixed count rather than failing the load)
+        ctx = getattr(getattr(self.llm, "_ctx", None), "ctx", None)
+        if config.cpu_threads is None and self.threads > 1 and ctx is not None:
             def apply(n: int) -> None:  # decode steps on n threads; prompts keep every core
                 llama_cpp.llama_set_n_threads(ctx, n, self.threads)
 
-            start = free_cores(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else self.threads
-            apply(min(start, self.threads))
-            self.chooser = ThreadChooser(self.threads, apply, start)
+            self.chooser = ThreadChooser.from_free_cores(self.threads, apply)
         report("ready", 1.0)
 
     def info(self) -> dict:

@@ -42,10 +42,8 @@ class TandemBackend:
     def _setup_threads(self) -> None:
         """On a CPU device with the thread count left to Tandem, decode steps measure it (a core busy
         with another program makes every thread wait: engine/runtime/thread_chooser.py)."""
-        import os
-
         from engine.kernels import native
-        from engine.runtime.thread_chooser import ThreadChooser, free_cores
+        from engine.runtime.thread_chooser import ThreadChooser
 
         cores = native.available_cores()
         if self.parts.device.type != "cpu" or self.config.cpu_threads or self.config.simulate_hybrid or cores < 2:
@@ -57,9 +55,7 @@ class TandemBackend:
 
         # process-wide settings: close() puts back what was there (the probe, another engine read them)
         self._threads_before = (torch.get_num_threads(), native.threads_setting())
-        start = free_cores(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
-        apply(min(start, cores))
-        self.generator.threads = ThreadChooser(cores, apply, start)
+        self.generator.threads = ThreadChooser.from_free_cores(cores, apply)
 
     def _restore_threads(self) -> None:
         from engine.kernels import native

@@ -2,9 +2,9 @@
 
 The CPU kernels split each product across threads and wait at its end for the slowest. When another
 program keeps one of the cores busy, the thread the OS puts there runs part of the time and every
-product waits for it: on the 2-core development machine with one core kept busy, the built-in model
-decoded 7 tok/s on 2 threads against 50 on 1 (78 and 49 on the idle machine), and llama.cpp alike (9
-against 55). A desktop's cores are often busy with something else, so the count is measured, not
+product waits for it (the suite cell cpu-busy-core measures it: benchmarks/RESULTS.md, where
+llama.cpp on both of the development machine's cores decoded the built-in model at 4.0 tok/s with
+one core busy). A desktop's cores are often busy with something else, so the count is measured, not
 assumed: decode steps run at the current count and now and then at one thread fewer, half as many or
 one more, and the faster count stays. While the choice holds, probes grow rarer (the interval doubles up to
 MAX_INTERVAL steps); a step time that moves by more than SHIFT (the load changed) probes again soon.
@@ -30,11 +30,16 @@ ABORT = 1.5  # a trial step this much slower than the current count's ends the t
 SHIFT = 0.5  # the current count's step time moved by this share: the load changed, probe soon
 
 
-def free_cores(cores: set[int], seconds: float = 0.1) -> int:
-    """How many of `cores` (CPU ids) were less than BUSY_PERCENT busy over the next `seconds`: where the
-    count starts, so that a one-off `tandem generate` does not spend its first steps finding a busy core."""
+def free_cores(cores: set[int] | None = None, seconds: float = 0.1) -> int:
+    """How many of `cores` (CPU ids; None: this process's) were less than BUSY_PERCENT busy over the next
+    `seconds`: where the count starts, so that a one-off `tandem generate` does not spend its first
+    steps finding a busy core."""
+    import os
+
     import psutil
 
+    if cores is None:
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     busy = psutil.cpu_percent(interval=seconds, percpu=True)  # per CPU id, the whole machine's work
     return max(1, sum(1 for c in cores if c < len(busy) and busy[c] < BUSY_PERCENT))
 
@@ -50,6 +55,13 @@ class ThreadChooser:
         self.changes = self.probes = 0
         self._batch: int | None = None
         self._reset()
+
+    @classmethod
+    def from_free_cores(cls, max_threads: int, apply: Callable[[int], None]) -> ThreadChooser:
+        """A chooser that starts on the cores found free now, that count applied."""
+        start = min(max_threads, free_cores())
+        apply(start)
+        return cls(max_threads, apply, start)
 
     def _reset(self) -> None:
         self._skip = SETTLE
