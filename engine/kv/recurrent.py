@@ -20,13 +20,27 @@ the addresses it was captured with, so for such a step the states sit in fixed b
 rows (a batch of B uses the first B, whatever B): `fix_states(B)` copies the step's states into them
 (unless a row holds its sequence's already), the layers read them there and write the new states
 back in place, and `end_step` copies each row out for the sequence (its snapshots must survive the
-next step's writes). Per step that is one copy of
-the batch's states (Qwen3.5-35B-A3B: 66 MB a chat, ~30 µs on an H200) against the ~1 ms a layer's
-eager launches cost.
+next step's writes). Per step that is one copy of the batch's states (Qwen3.5-35B-A3B: 66 MB a chat,
+~30 µs on an H200) against the ~1 ms a layer's eager launches cost.
+
+Those copies are one per sequence, not one per layer and tensor (Qwen3.5-35B-A3B: 60), because a
+row is one contiguous run of S floats, S all of one sequence's states: the fixed buffers are one
+(R, S) fp32 tensor whose per-layer (conv, state) are views of it, and a row is copied out to one
+(1, S) tensor. A sequence's state is therefore one of two forms:
+  - flat, one (1, S) tensor: what a captured step leaves (captured steps run on CUDA, whose caching
+    allocator hands the freed tensors' blocks back); a layer of an eager step reads views of it
+    (`_layer`), and staging it into a row is one copy;
+  - per layer, a list of (conv (1, C, K−1), state (1, …)): what an eager step leaves. One sequence's
+    are the model's own tensors, kept by reference as the snapshots are (flattening them would add
+    a full copy of the state to every prefill and eager decode step); a batched step copies each
+    row out per layer, since on the CPU a (1, S) tensor per row (66 MB) is above the C allocator's
+    mmap threshold and comes as fresh pages every step, where the per-layer copies reuse freed
+    memory. Staging this form into a row is one concatenation; the row's copy out is flat.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -41,34 +55,44 @@ STATES_PER_SEQUENCE = SNAPSHOTS + 3  # at most: the current one, the snapshots, 
 
 @dataclass
 class _Fixed:
-    """Captured steps' states: per recurrent layer (conv (R, C, K−1), state (R, …)), at fixed
-    addresses; `holds` the (seq_id, layers) each row holds a copy of, None where it must be staged;
-    `batch` the rows of the step under way."""
+    """Captured steps' states at fixed addresses: `flat` (R, S) fp32, `layers` its views per
+    recurrent layer (conv (R, C, K−1), state (R, …)); `holds` the (seq_id, state) each row holds a
+    copy of, None where it must be staged; `batch` the rows of the step under way."""
 
+    flat: torch.Tensor
     layers: list
     holds: list
     batch: int = 0
 
 
+# A sequence's state (module docstring): a (1, S) tensor, a list per recurrent layer of
+# (conv (1, C, K−1), state (1, …)), or None: fresh (the layers start from zeros).
+State = torch.Tensor | list | None
+
+
 @dataclass
 class _SeqState:
     length: int = 0
-    layers: list | None = None  # per recurrent layer (conv, state), batch dim 1; None: fresh (zeros)
-    snapshots: dict[int, list | None] = field(default_factory=dict)  # length → layers, oldest first
-    kept: tuple[int, list | None] | None = None  # (length, layers) held past the snapshots (keep_state)
+    state: State = None
+    snapshots: dict[int, State] = field(default_factory=dict)  # length → state, oldest first
+    kept: tuple[int, State] | None = None  # (length, state) held past the snapshots (keep_state)
 
 
 class RecurrentKV(KVBackend):
     recurrent = True
 
-    def __init__(self, inner: KVBackend, n_recurrent_layers: int, row_shapes: tuple | None = None,
-                 device: torch.device | None = None, max_rows: int = 1):
-        """row_shapes: one sequence's (conv (C, K−1), state (…)) of a layer, which sizes the fixed
-        buffers of captured steps (None: read off the first state kept), on `device`; max_rows: the
-        largest batch a step runs (the buffers' rows, made at the first captured step)."""
+    def __init__(self, inner: KVBackend, n_recurrent_layers: int, row_shapes: tuple, device: torch.device,
+                 max_rows: int = 1):
+        """row_shapes: one sequence's (conv (C, K−1), state (…)) of a layer, the same for every
+        recurrent layer; they lay out the flat states (S floats a sequence, per layer conv then
+        state) and size the fixed buffers of captured steps, on `device`; max_rows: the largest
+        batch a step runs (the buffers' rows, made at the first captured step)."""
         self.inner = inner
         self.n_layers = n_recurrent_layers
         self.row_shapes, self.device, self.max_rows = row_shapes, device, max_rows
+        self._conv_floats = math.prod(row_shapes[0])
+        self._layer_floats = self._conv_floats + math.prod(row_shapes[1])
+        self.row_floats = self._layer_floats * n_recurrent_layers  # S
         self.states: dict[int, _SeqState] = {}
         self._step: list[int] | None = None  # the sequences of the step under way, in row order
         self._new: list | None = None  # per recurrent layer: the step's (conv, state), batched
@@ -107,7 +131,7 @@ class RecurrentKV(KVBackend):
         """Hold the sequence's current state until a crop goes below it or the next keep_state: the
         generator keeps the state one token before a prompt's end, where a regenerate resumes."""
         st = self.states[seq_id]
-        st.kept = (st.length, st.layers)
+        st.kept = (st.length, st.state)
 
     def crop(self, seq_id: int, n_tokens: int) -> None:
         st = self.states[seq_id]
@@ -115,11 +139,11 @@ class RecurrentKV(KVBackend):
             self.inner.crop(seq_id, n_tokens)
             return
         if n_tokens == 0:
-            st.layers = None
+            st.state = None
         elif n_tokens in st.snapshots:
-            st.layers = st.snapshots[n_tokens]
+            st.state = st.snapshots[n_tokens]
         elif st.kept and st.kept[0] == n_tokens:
-            st.layers = st.kept[1]
+            st.state = st.kept[1]
         else:
             raise ValueError(f"sequence {seq_id}: no recurrent state at {n_tokens} tokens "
                              f"(kept: {sorted(st.snapshots)}, {st.length}); ask resume_point first")
@@ -134,11 +158,21 @@ class RecurrentKV(KVBackend):
         positions = self.inner.begin_step(seq_ids, n_new)
         for sid in seq_ids:
             st = self.states[sid]
-            st.snapshots[st.length] = st.layers
+            st.snapshots[st.length] = st.state
             while len(st.snapshots) > SNAPSHOTS:
                 st.snapshots.pop(next(iter(st.snapshots)))
         self._step, self._new = list(seq_ids), [None] * self.n_layers
         return positions
+
+    def _layer(self, state: State, index: int) -> tuple:
+        """Recurrent layer `index`'s (conv (R, C, K−1), state (R, …)) of a state in either form:
+        views of a flat (R, S) one, or the per-layer list's entry."""
+        if not isinstance(state, torch.Tensor):
+            return state[index]
+        rows, start = state.shape[0], index * self._layer_floats
+        mid, end = start + self._conv_floats, start + self._layer_floats
+        conv_shape, state_shape = self.row_shapes
+        return state[:, start:mid].view(rows, *conv_shape), state[:, mid:end].view(rows, *state_shape)
 
     def recurrent_state(self, index: int):
         """(conv (B, C, K−1), state (B, …)) of the step's sequences for recurrent layer `index`, or
@@ -147,20 +181,21 @@ class RecurrentKV(KVBackend):
         if fixed is not None:
             conv, state = fixed.layers[index]
             return conv[:fixed.batch], state[:fixed.batch]  # views: the same addresses at every step
-        per_seq = [self.states[sid].layers for sid in self._step]
-        if all(layers is None for layers in per_seq):
+        per_seq = [self.states[sid].state for sid in self._step]
+        if all(s is None for s in per_seq):
             return None, None
         if len(per_seq) == 1:
-            return per_seq[0][index]
+            return self._layer(per_seq[0], index)
         conv, state = [], []
-        for layers, sid in zip(per_seq, self._step):
-            if layers is None:  # a fresh sequence beside continuing ones: explicit zeros
-                ref_conv, ref_state = next(p for p in per_seq if p is not None)[index]
+        for s in per_seq:
+            if s is None:  # a fresh sequence beside continuing ones: explicit zeros
+                ref_conv, ref_state = self._layer(next(p for p in per_seq if p is not None), index)
                 conv.append(torch.zeros_like(ref_conv))
                 state.append(torch.zeros_like(ref_state))
             else:
-                conv.append(layers[index][0])
-                state.append(layers[index][1])
+                c, v = self._layer(s, index)
+                conv.append(c)
+                state.append(v)
         return torch.cat(conv), torch.cat(state)
 
     def set_recurrent_state(self, index: int, conv: torch.Tensor, state: torch.Tensor) -> None:
@@ -177,30 +212,28 @@ class RecurrentKV(KVBackend):
     def fix_states(self, batch: int) -> None:
         """This step's states are read and written in the first `batch` rows of the fixed buffers (made
         at the first call): copies each sequence's state into its row unless the row holds it already."""
-        per_seq = [self.states[sid].layers for sid in self._step]
+        per_seq = [self.states[sid].state for sid in self._step]
         if batch != len(per_seq) or batch > self.max_rows:
             raise ValueError(f"a captured step of {batch} rows: the step has {len(per_seq)} sequences, "
                              f"the buffers {self.max_rows} rows")
         fixed = self._fixed
         if fixed is None:
-            shapes = self._state_shapes(per_seq)
-            rows = self.max_rows
-            fixed = self._fixed = _Fixed(
-                [tuple(torch.zeros((rows, *shape), dtype=torch.float32, device=device) for shape, device in layer)
-                 for layer in shapes], [None] * rows)
+            flat = torch.zeros(self.max_rows, self.row_floats, dtype=torch.float32, device=self.device)  # (R, S)
+            fixed = self._fixed = _Fixed(flat, [self._layer(flat, i) for i in range(self.n_layers)],
+                                         [None] * self.max_rows)
         fixed.batch = batch
-        for row, (sid, layers) in enumerate(zip(self._step, per_seq)):
+        for row, (sid, state) in enumerate(zip(self._step, per_seq)):
             held = fixed.holds[row]
-            if held is not None and held[0] == sid and held[1] is layers:
+            if held is not None and held[0] == sid and held[1] is state:
                 continue
-            for (conv, state), source in zip(fixed.layers, layers or [None] * self.n_layers):
-                if source is None:  # fresh: the layer starts from zeros
-                    conv[row].zero_()
-                    state[row].zero_()
-                else:
-                    conv[row:row + 1].copy_(source[0])
-                    state[row:row + 1].copy_(source[1])
-            fixed.holds[row] = (sid, layers)
+            dest = fixed.flat[row:row + 1]  # (1, S), contiguous
+            if state is None:  # fresh: the layers start from zeros
+                dest.zero_()
+            elif isinstance(state, torch.Tensor):
+                dest.copy_(state)
+            else:  # one concatenation (a conv state that is a view of the layer's window is copied first)
+                torch.cat([t.reshape(1, -1) for pair in state for t in pair], dim=1, out=dest)
+            fixed.holds[row] = (sid, state)
         self._fixed_step = fixed
 
     def unfix_states(self) -> None:
@@ -211,20 +244,9 @@ class RecurrentKV(KVBackend):
         """The captured step ran to its end: the fixed buffers hold the new states (end_step keeps them)."""
         self._replayed = True
 
-    def _state_shapes(self, per_seq: list) -> list:
-        """Per layer ((C, K−1), device), ((…), device) of one row: given, or read off a kept state."""
-        if self.row_shapes is not None:
-            return [tuple((torch.Size(shape), self.device) for shape in self.row_shapes)] * self.n_layers
-        layers = next((p for p in per_seq if p is not None), None)
-        if layers is None:
-            layers = next((st.layers for st in self.states.values() if st.layers is not None), None)
-        if layers is None:
-            raise RuntimeError("no recurrent state to size the fixed buffers by: prefill before decode")
-        return [((c.shape[1:], c.device), (s.shape[1:], s.device)) for c, s in layers]
-
     def fixed_bytes(self) -> int:
         fixed = self._fixed
-        return 0 if fixed is None else sum(t.numel() * t.element_size() for pair in fixed.layers for t in pair)
+        return 0 if fixed is None else fixed.flat.numel() * fixed.flat.element_size()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
         return self.inner.attend(layer, q, k, v, **options)
@@ -239,22 +261,22 @@ class RecurrentKV(KVBackend):
         for row, sid in enumerate(self._step):
             st = self.states[sid]
             if not complete:  # the step raised: no usable state; the caller crops back to the snapshot
-                st.layers = None
+                st.state = None
             elif len(self._step) == 1:
-                st.layers = self._new
+                st.state = self._new
             else:  # copies: a row's view would keep the whole batch's tensor alive in the snapshots
-                st.layers = [(c[row:row + 1].clone(), s[row:row + 1].clone()) for c, s in self._new]
+                st.state = [(c[row:row + 1].clone(), s[row:row + 1].clone()) for c, s in self._new]
             st.length = self.inner.length(sid)
         self._step = self._new = None
 
     def _end_fixed_step(self, fixed: _Fixed, replayed: bool) -> None:
         for row, sid in enumerate(self._step):
             st = self.states[sid]
-            if replayed:  # a copy per sequence: the next step overwrites the rows in place
-                st.layers = [(c[row:row + 1].clone(), s[row:row + 1].clone()) for c, s in fixed.layers]
-                fixed.holds[row] = (sid, st.layers)
+            if replayed:  # one copy per sequence: the next step overwrites the rows in place
+                st.state = fixed.flat[row:row + 1].clone()  # (1, S)
+                fixed.holds[row] = (sid, st.state)
             else:  # the step raised part-way: no usable state; the caller crops back to the snapshot
-                st.layers = None
+                st.state = None
                 fixed.holds[row] = None
             st.length = self.inner.length(sid)
         self._step = self._new = None
@@ -263,14 +285,16 @@ class RecurrentKV(KVBackend):
         return self.inner.telemetry()
 
     def state_bytes(self) -> int:
-        """Device bytes the kept states, snapshots and fixed buffers hold (a tensor counted once)."""
+        """Device bytes the sequences' states (current, snapshots, the one keep_state holds) and the
+        fixed buffers hold, each storage counted once and whole (a conv state that is a view of the
+        layer's window counts the window)."""
         seen, total = set(), self.fixed_bytes()
         for st in self.states.values():
-            for layers in [st.layers, *st.snapshots.values()]:
-                for pair in layers or ():
-                    for t in pair:
-                        key = t.untyped_storage().data_ptr()
-                        if key not in seen:
-                            seen.add(key)
-                            total += t.untyped_storage().nbytes()
+            for state in [st.state, *st.snapshots.values(), st.kept[1] if st.kept else None]:
+                tensors = [state] if isinstance(state, torch.Tensor) else [t for pair in state or () for t in pair]
+                for t in tensors:
+                    key = t.untyped_storage().data_ptr()
+                    if key not in seen:
+                        seen.add(key)
+                        total += t.untyped_storage().nbytes()
         return total

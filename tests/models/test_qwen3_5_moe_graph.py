@@ -85,7 +85,7 @@ def test_a_failed_step_leaves_the_snapshot(tmp_path, monkeypatch):
     kv.begin_step([sid], 1)
     kv.fix_states(1)
     kv.end_step()  # no replayed_step: the step raised
-    assert kv.states[sid].layers is None
+    assert kv.states[sid].state is None
     kv.crop(sid, len(PROMPT))
     torch.testing.assert_close(_step(ours, [sid], [3], True), _step(ref, [rid], [3], False), atol=1e-6, rtol=0)
 
