@@ -6,7 +6,8 @@
 `--prune` writes a minimal source tarball (what the build reads, no models, docs, tests, web UI or
 foreign GPU backends): small enough to carry to a machine without network. `--source` takes the sdist,
 such a pruned tarball, or an unpacked llama.cpp folder. The build is CMake + ninja, Release, static,
-only the requested targets (default `llama-bench`), with CUDA (`-DGGML_CUDA=ON`, architectures
+only the requested targets (default `llama-bench`; the suite's GPU cells add `llama-batched-bench`, and
+`llama-quantize` to make their Q4_K_M files the way llama.cpp's users do), with CUDA (`-DGGML_CUDA=ON`, architectures
 `--cuda-arch`, default 90 = H100/H200) when `nvcc` is found and `--cpu` is not given, CPU only
 otherwise. GGML_NATIVE stays on: the binary is built on the machine that runs it. A CUDA toolkit
 without cuBLAS (nvcc and cudart only) is completed by the pip cuBLAS of the same CUDA major that
@@ -223,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="llama-cpp-python sdist (.tar.gz), a pruned tarball, or a llama.cpp folder")
     p.add_argument("--prune", type=Path, default=None, help="only write a minimal source tarball here")
     p.add_argument("--build-dir", type=Path, default=Path("build-llamacpp"))
-    p.add_argument("--targets", default="llama-bench", help="comma-separated CMake targets")
+    p.add_argument("--targets", default="llama-bench",
+                   help="comma-separated CMake targets (e.g. llama-bench,llama-batched-bench,llama-quantize)")
     p.add_argument("--cpu", action="store_true", help="CPU only, even where nvcc exists")
     p.add_argument("--cuda-arch", default="90", help="CMAKE_CUDA_ARCHITECTURES (90: Hopper)")
     p.add_argument("-j", "--jobs", type=int, default=None)

@@ -15,11 +15,17 @@ Decode is measured after a prompt of the cell's context, untimed (llama-bench `-
 The new families' cells (gpt-oss, Qwen3.5, DeepSeek-V2-Lite) load each file once for both contexts
 (`one_load_decode_cell`); Tandem's prefill of each prompt is timed on the way to its decode, llama.cpp's
 by a second llama-bench run (`-p` the contexts, `-n 0`).
+
+The Q4_K_M cells (issue #33) read that BF16 export quantised by llama.cpp's own `llama-quantize`
+(`quantised_for`), so both systems run the same blocks: Tandem keeps offloaded experts in their blocks
+on the host. Those targets are ratios to llama.cpp on the file: experts on the CPU ≥ 1.2×, 8 GB ≥ 1.5×,
+everything on the GPU ≥ 1×, a 32K prefill under 8 GB ≥ 3×.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -38,6 +44,11 @@ NEW_TOKENS = 32
 # VRAM llama.cpp needs beyond weights and KV (CUDA context, compute buffers, graph), for the fit
 # estimate only: an allowance we set, not a measurement; a fit that is off shows as an OOM in the cell.
 LLAMA_OVERHEAD_GIB = 1.5
+BENCH_TARGETS = ("llama-bench", "llama-batched-bench")
+QUANT = "Q4_K_M"  # the quantised cells' type: the one issue #33 names
+# Q4_K_M bytes over BF16's, for the disk check only: Q4_K (4.5 bits a weight) with Q6_K (6.56) for some
+# ffn_down and attn_v layers and the head, about 4.9 of 16 bits; rounded up so the check errs safe
+QUANT_OF_BF16 = 0.35
 
 
 def cells(Cell) -> list:
@@ -69,6 +80,28 @@ def cells(Cell) -> list:
         Cell("gpu-kv-spill", "4 chats × 32K, 48 layers, 24 GB: KV beyond the budget, against llama.cpp -nkvo", "cuda",
              "decode ≥ 1.5× llama.cpp -nkvo", lambda ctx: decode_cell(ctx, L48, 24.0, (32768,), (4,), nkvo=True),
              routed=True),
+        *quantised_cells(Cell),
+    ]
+
+
+def quantised_cells(Cell) -> list:
+    """Issue #33's targets on one GPU, both systems on the same Q4_K_M file (16 layers)."""
+    title, both = "Qwen3-30B-A3B (16 layers), same Q4_K_M GGUF: ", (2048, 32768)
+
+    def decode(budget, **kw):
+        return lambda ctx: one_load_decode_cell(ctx, L16, budget, both, file_for=quantised_for, **kw)
+
+    return [
+        # -ncmoe 16: the routed experts of all 16 layers in host memory, as Tandem's cpu-only keeps them
+        Cell("gpu-q4km-L16-cpu-experts", title + "every routed expert on the CPU (Tandem expert_policy cpu-only, "
+             "llama.cpp -ncmoe 16)", "cuda", "decode ≥ 1.2× llama.cpp -ngl 99 -ncmoe 16",
+             decode(None, ncmoe=16, tandem={"expert_policy": "cpu-only"}, setting="routed experts on the CPU")),
+        Cell("gpu-q4km-L16-8gb", title + "an 8 GB VRAM budget, default plan vs best fitting -ncmoe", "cuda",
+             "decode ≥ 1.5× llama.cpp", decode(8.0), routed=True),
+        Cell("gpu-q4km-L16-resident", title + "everything on the GPU (llama.cpp -ngl 99)", "cuda",
+             "decode ≥ 1× llama.cpp", decode(None)),
+        Cell("gpu-q4km-prefill-32k", title + "prefill of a 32K prompt under 8 GB", "cuda", "prefill ≥ 3× llama.cpp",
+             lambda ctx: prefill_cell(ctx, ((L16, 8.0),), file_for=quantised_for), routed=True),
     ]
 
 
@@ -78,7 +111,7 @@ def gguf_for(ctx: Ctx, model: str, routing: str | None) -> Path:
     """The BF16 export of `model` under `routing`, made once into the work folder."""
     from engine.bench import gguf_export, routing as routing_mod
 
-    out = ctx.work / f"{model.split(':')[1]}-{routing_mod.label(routing)}.gguf"
+    out = export_path(ctx, model, routing)
     if not out.exists():
         need, free = export_bytes(model), shutil.disk_usage(ctx.work).free
         if need > free:  # the 48-layer export is 61 GB; a one-GPU machine's disk may not hold two
@@ -86,6 +119,40 @@ def gguf_for(ctx: Ctx, model: str, routing: str | None) -> Path:
                        f"(--work on a larger disk, or fewer --routing)")
         ctx.progress(f"[suite] exporting {model} ({routing_mod.label(routing)} routing) to {out.name}")
         gguf_export.export(model, out, device="cuda", routing=routing, tokenizer_from=ctx.tokenizer_from)
+    return out
+
+
+def export_path(ctx: Ctx, model: str, routing: str | None, qtype: str | None = None) -> Path:
+    from engine.bench import routing as routing_mod
+
+    return ctx.work / f"{model.split(':')[1]}-{routing_mod.label(routing)}{'-' + qtype if qtype else ''}.gguf"
+
+
+def quantise_command(binary: str, src: Path, out: Path, qtype: str, threads: int) -> list[str]:
+    """`llama-quantize IN OUT TYPE NTHREADS`: llama.cpp's own quantiser, as its users make their files."""
+    return [str(binary), str(src), str(out), qtype, str(threads)]
+
+
+def quantised_for(ctx: Ctx, model: str, routing: str | None, qtype: str = QUANT) -> Path:
+    """`gguf_for`'s BF16 export quantised to `qtype` by `llama-quantize`, made once into the work folder.
+    The BF16 export is deleted afterwards when the disk would not hold another export beside it."""
+    out = export_path(ctx, model, routing, qtype)
+    if out.exists():
+        return out
+    quantise = llama_binaries(ctx, (*BENCH_TARGETS, "llama-quantize"))["llama-quantize"]
+    bf16 = export_bytes(model)
+    need = int(QUANT_OF_BF16 * bf16) + (0 if export_path(ctx, model, routing).exists() else bf16)
+    free = shutil.disk_usage(ctx.work).free
+    if need > free:
+        raise Skip(f"the {qtype} file of {model} (through its BF16 export) needs about {need / 1e9:.0f} GB of "
+                   f"disk, {free / 1e9:.0f} GB free")
+    src = gguf_for(ctx, model, routing)
+    ctx.progress(f"[suite] quantising {src.name} to {qtype}")
+    partial = out.with_name(out.name + ".partial")  # a quantise cut short is not taken for the file
+    _run(quantise_command(quantise, src, partial, qtype, os.cpu_count() or 1))
+    partial.rename(out)
+    if shutil.disk_usage(ctx.work).free < bf16:
+        src.unlink()
     return out
 
 
@@ -101,11 +168,10 @@ def export_bytes(model: str) -> int:
     return sum(2 * math.prod(shape) for shape in tensor_shapes(args).values())
 
 
-def llama_binaries(ctx: Ctx) -> dict:
+def llama_binaries(ctx: Ctx, targets: tuple = BENCH_TARGETS) -> dict:
     from engine.bench import llamacpp_build
 
     build_dir = ctx.work / "llamacpp"
-    targets = ("llama-bench", "llama-batched-bench")
     found = {t: p for t in targets for p in build_dir.glob(f"build-cuda/bin/{t}")}
     if len(found) == len(targets):
         return {t: str(p) for t, p in found.items()}
@@ -245,24 +311,32 @@ def decode_cell(ctx: Ctx, model: str, budget: float | None, contexts, chats_list
     return rows
 
 
-def one_load_decode_cell(ctx: Ctx, model: str, budget: float, contexts) -> list[dict]:
+def one_load_decode_cell(ctx: Ctx, model: str, budget: float | None, contexts, *, file_for=None,
+                         ncmoe: int | None = None, tandem: dict | None = None, setting: str | None = None
+                         ) -> list[dict]:
     """One chat's decode at each context, each system loading the file once for all of them: the new
     families' files take minutes to load, a load per context would double the cell. Both systems are set
     up for the largest context (Tandem plans for it; llama.cpp's -ncmoe fits its KV), as a user who sets
-    that context and then chats shorter would have them."""
+    that context and then chats shorter would have them. `file_for(ctx, model, routing)` makes the file
+    (default `gguf_for`: the BF16 export); `ncmoe` fixes llama.cpp's -ncmoe instead of fitting it to the
+    budget (no budget and no `ncmoe`: everything on the GPU); `tandem` adds fields to Tandem's config (a
+    policy the question names); `setting` says in each row what the systems were given (default: the
+    budget)."""
     from engine.bench import llamacpp_bench, routing as routing_mod
 
     contexts = _asked_contexts(ctx, contexts)
     bins = llama_binaries(ctx)
+    setting = setting or (f"VRAM {budget:g} GB" if budget else "all on the GPU")
     rows = []
     for routing in _routings(ctx, budget):
-        gguf = gguf_for(ctx, model, routing)
-        ncmoe = fitting_ncmoe(gguf_sizes(gguf), budget, max(contexts) + NEW_TOKENS)
+        gguf = (file_for or gguf_for)(ctx, model, routing)
+        n_cpu_moe = ncmoe if ncmoe is not None or budget is None else \
+            fitting_ncmoe(gguf_sizes(gguf), budget, max(contexts) + NEW_TOKENS)
         config = {"model": str(gguf), "backend": "tandem", "max_context": max(contexts) + NEW_TOKENS + 64,
-                  "max_batch": 1, "vram_budget_gb": budget}
+                  "max_batch": 1, **({"vram_budget_gb": budget} if budget else {}), **(tandem or {})}
         spec = {"config": config, "decode_prompts": contexts, "new_tokens": NEW_TOKENS, "batch": 1}
 
-        def llama(m=ncmoe, g=gguf) -> dict:
+        def llama(m=n_cpu_moe, g=gguf) -> dict:
             flags = {"n_gpu_layers": 99, "flash_attn": 1, "reps": 1, "n_cpu_moe": m or None}
             # two runs: one -p and -d list would cross every prompt with every depth
             decode = llamacpp_bench.run(bins["llama-bench"], g, depth=contexts, n_prompt=0, n_gen=NEW_TOKENS, **flags)
@@ -273,27 +347,29 @@ def one_load_decode_cell(ctx: Ctx, model: str, budget: float, contexts) -> list[
         systems = {n: (lambda t=ctx.tree_of(n): probe(t.path, spec)) for n in ctx.tandem_names()}
         systems["llama.cpp"] = llama
         res = alternate(ctx, systems)
-        flags = "-ngl 99 -fa 1" + (f" -ncmoe {ncmoe}" if ncmoe else "")
+        flags = "-ngl 99 -fa 1" + (f" -ncmoe {n_cpu_moe}" if n_cpu_moe else "")
         plan = {n: rs[-1].get("plan") for n, rs in res.items() if n != "llama.cpp"}
         for context in contexts:
             for metric, key, what in (("decode tok/s", "decode_tok_s_by_prompt", "context"),
                                       ("prefill tok/s", "prefill_tok_s_by_prompt", "prompt")):
-                rows.append(row(ctx, metric, f"{context // 1024}K {what}, 1 chat, VRAM {budget:g} GB "
+                rows.append(row(ctx, metric, f"{context // 1024}K {what}, 1 chat, {setting} "
                                 f"(both set up for {max(contexts) // 1024}K)",
                                 {n: [r[key].get(str(context)) for r in rs] for n, rs in res.items()}, "llama.cpp",
                                 routing=routing_mod.label(routing), llama_flags=flags, plan=plan))
     return rows
 
 
-def prefill_cell(ctx: Ctx) -> list[dict]:
+def prefill_cell(ctx: Ctx, setups=((L16, 8.0), (L48, 24.0)), file_for=None) -> list[dict]:
+    """A 32K prompt's prefill for each (model, VRAM budget) of `setups`, on `file_for(ctx, model,
+    routing)`'s file (default `gguf_for`: the BF16 export)."""
     from engine.bench import routing as routing_mod
 
     bins = llama_binaries(ctx)
-    rows, n, skipped = [], 32768, []
-    for model, budget in ((L16, 8.0), (L48, 24.0)):
+    rows, n, skipped, file_for = [], 32768, [], file_for or gguf_for
+    for model, budget in setups:
         for routing in ctx.routings:
             try:
-                gguf = gguf_for(ctx, model, routing)
+                gguf = file_for(ctx, model, routing)
             except Skip as e:  # the 48-layer export may not fit the disk: keep the 16-layer rows
                 skipped.append(str(e))
                 continue

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue #33's GPU cells on one Q4_K_M file (Qwen3-30B-A3B cut to 16 layers) in one lease: the CUDA
+# tests of the quantised experts first, then each cell as its own suite run (a lease cut short keeps
+# the records made so far). The suite quantises the BF16 export with the built `llama-quantize` once.
+# Carried in and started as families.sh's header says, with this script in its place; CONTEXTS=2048
+# keeps a short lease to 2K, ROUTING (default random: one export, one quantised file) adds zipf:1.0.
+set -uo pipefail
+res=${RES:-/tmp/lease}; work=${WORK:-$res/work}; mkdir -p "$res" "$work"
+log="$res/progress.log"
+step() { echo "=== $* ($(date -u +%T))" | tee -a "$log"; }
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$log" 2>&1 || exit 1
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+
+step start "${COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
+python3 setup.py -q build_ext --inplace >>"$res/build.log" 2>&1 || step "native build FAILED"
+nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,driver_version --format=csv >>"$log"
+free -g >>"$log"; df -h / >>"$log"
+
+step llama.cpp build starts in the background
+python3 -m engine.bench.llamacpp_build --source .llamacpp/llamacpp-src.tar.xz --build-dir "$work/llamacpp" \
+  --targets llama-bench,llama-batched-bench,llama-quantize >"$res/llamacpp-build.log" 2>&1 &
+build=$!
+
+step CUDA tests
+python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/quant tests/experts 2>&1 \
+  | tail -30 >"$res/pytest-cuda.log"
+tail -1 "$res/pytest-cuda.log" >>"$log"
+
+step export L16  # the name the suite looks for; the suite quantises it
+python3 -m engine.cli export-gguf --model synthetic:qwen3-30b-a3b-L16 --out "$work/qwen3-30b-a3b-L16-random.gguf" \
+  --device cuda --tokenizer-from .llamacpp/smollm2-vocab.gguf --quiet >>"$res/export.log" 2>&1
+step waiting for llama.cpp
+wait $build; echo "llama.cpp build rc $?" >>"$log"
+
+for cell in gpu-q4km-L16-8gb gpu-q4km-L16-cpu-experts gpu-q4km-L16-resident gpu-q4km-prefill-32k; do
+  step "suite $cell"
+  python3 -m engine.cli bench suite --work "$work" --llama-cpp-source .llamacpp/llamacpp-src.tar.xz \
+    --tokenizer-from .llamacpp/smollm2-vocab.gguf --routing "${ROUTING:-random}" --rounds 1 --cells "$cell" \
+    ${CONTEXTS:+--contexts "$CONTEXTS"} --json "$res/$cell.json" >/dev/null 2>>"$res/suite.log"
+  echo "suite $cell rc $?" >>"$log"
+done
+step ALL DONE
