@@ -8,7 +8,9 @@ slot a kernel still reads.
 
 `ExpertCache` owns the slots: one (n_slots, P) tensor allocated once, where a slot holds one
 expert's block [gate_up (2I·H) | down (H·I)] exactly as the host store lays it out, so a fill is one
-contiguous copy, issued on its own copy stream. Nothing is allocated after construction.
+contiguous copy, issued on its own copy stream. Nothing is allocated after construction but the
+staging buffer of a quantised store's fills: their bytes cross the link as the file has them into
+`staging`, and are dequantised on the device into the slots (engine/experts/store.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from engine.errors import OutOfMemoryError
 from engine.kernels.cuda_streams import Switch, indexed
 
 Key = tuple[int, int]  # (layer, expert)
+# Quantised fills dequantised per batch of this many blocks: a decode layer's fills are a few, so
+# one batch (one dequantisation, ~20 kernels) each; the staging rows cost 16 blocks' bytes
+# (Qwen3-30B-A3B Q4_K_M: 16 × 1.8 MB) beside the slots' gigabytes.
+QUANT_STAGING = 16
 
 
 @dataclass
@@ -201,6 +207,7 @@ class ExpertCache:
         self.gate_up = self.pool[:, :split].unflatten(1, (2 * expert_ffn, hidden))
         self.down = self.pool[:, split:].unflatten(1, (hidden, expert_ffn))
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.staging: torch.Tensor | None = None  # (QUANT_STAGING, block bytes) uint8: quantised fills
         # Recorded after the copies issued so far, each time a stream must wait for them (one event
         # reused: Stream.wait_stream creates a new one per call).
         self._copies_done = torch.cuda.Event() if self.copy_stream is not None else None
@@ -222,8 +229,15 @@ class ExpertCache:
         a plain copy when the "GPU" is the CPU (simulated hybrid)."""
         self.copy_in_many([slot], [block])
 
-    def copy_in_many(self, slots: list[int], blocks: list[torch.Tensor]) -> None:
-        """Several blocks into their slots, in order, entering the copy stream once."""
+    def copy_in_many(self, slots: list[int], blocks: list[torch.Tensor], layout=None) -> None:
+        """Several blocks into their slots, in order, entering the copy stream once. layout: the
+        blocks' QuantLayout when they are quantised bytes (one layer's): copied as bytes, then
+        dequantised into the slots."""
+        if not slots:
+            return
+        if layout is not None:
+            self._fill_quantised(slots, blocks, layout)
+            return
         if self.copy_stream is None:
             for slot, block in zip(slots, blocks):
                 self.pool[slot].copy_(block)
@@ -231,6 +245,26 @@ class ExpertCache:
         with Switch(self.copy_stream, torch.cuda.current_stream(self.device)):
             for slot, block in zip(slots, blocks):
                 self.pool[slot].copy_(block, non_blocking=True)
+
+    def _fill_quantised(self, slots: list[int], blocks: list[torch.Tensor], layout) -> None:
+        """Quantised blocks (nbytes,) uint8 on the host → the slots, dequantised: on a GPU the bytes go
+        into `staging` (QUANT_STAGING blocks at a time) and one dequantisation per batch writes the
+        slots, all on the copy stream, which orders each batch's reuse of the staging rows."""
+        index = torch.tensor(slots, dtype=torch.long)
+        if self.copy_stream is None:  # simulated: the host's kernels straight from the store
+            self.pool.index_copy_(0, index, layout.dequantize(torch.stack(blocks)).to(self.pool.dtype))
+            return
+        if self.staging is None or self.staging.shape[1] < layout.nbytes:
+            self.copy_stream.synchronize()  # the old staging rows may still be read
+            self.staging = torch.empty((QUANT_STAGING, layout.nbytes), dtype=torch.uint8, device=self.device)
+        with Switch(self.copy_stream, torch.cuda.current_stream(self.device)):
+            for a in range(0, len(slots), QUANT_STAGING):
+                part = blocks[a:a + QUANT_STAGING]
+                for row, block in enumerate(part):
+                    self.staging[row, :layout.nbytes].copy_(block[:layout.nbytes], non_blocking=True)
+                values = layout.dequantize(self.staging[:len(part)])  # (n, P) fp32 on the device
+                self.pool.index_copy_(0, index[a:a + len(part)].to(self.device, non_blocking=True),
+                                      values.to(self.pool.dtype))
 
     def wait_copies(self, stream=None) -> None:
         """Make the compute stream (the current one unless given) wait for every fill and prefetch

@@ -1,7 +1,8 @@
 """A layer's CPU set: its operands, the kernel that computes it, and the thread that runs it.
 
 The driving thread prepares the set: at decode sizes as the layer's routing, which the extension
-groups in C++ on its way to the native worker (`routed_cpu_set`); else with the native extension
+groups in C++ on its way to the native worker (`routed_cpu_set`); a quantised store's set expert by
+expert over its blocks (`quant_cpu_set`); else with the native extension
 straight from the store's block addresses (`native_cpu_set`: a table built by a few numpy calls, no
 tensor view per expert); else from per-expert views (`cpu_set_inputs`, then `prepare` from
 `default_cpu_moe` or `per_expert_moe`).
@@ -20,6 +21,7 @@ import torch
 
 from engine.experts.store import ExpertStore
 from engine.kernels.experts_torch import expert_ffn
+from engine.quant.experts import clamped_swiglu_blocks, swiglu_blocks
 
 
 def default_cpu_kernel():
@@ -66,6 +68,36 @@ def form_cpu_set(form, x: torch.Tensor, expert_ids: list[int], experts, tokens, 
     return compute
 
 
+def prepare_cpu_set(store: ExpertStore, layer: int, experts: list[int], ids_h: np.ndarray, w_h: torch.Tensor,
+                    x_h: torch.Tensor, out: torch.Tensor | None, form=None, prepare=None):
+    """The layer's CPU set, ready for CpuSetRunner.submit: over a quantised store's blocks; through
+    the form's kernel (gpt-oss); as one native call from the layer's routing or the store's addresses;
+    else per expert with `prepare` (an injected kernel) or the default one. out: a result buffer
+    (N, H) fp32 or None; form: the layer's ClampedSwiGLU with host biases, or None."""
+    if store.quantised:
+        return quant_cpu_set(store, layer, experts, ids_h, w_h, x_h, out, form)
+    if form is not None:
+        return form_cpu_set(form, x_h, experts, *cpu_set_inputs(store, layer, experts, ids_h, w_h), out=out)
+    prepared = None
+    if prepare is None:  # the default kernel: one native call
+        out = out if out is not None else torch.empty(x_h.shape, dtype=torch.float32)
+        prepared = routed_cpu_set(store, layer, experts, ids_h, w_h, x_h, out) or \
+            native_cpu_set(store, layer, experts, ids_h, w_h, x_h, out)
+        prepare = prepare or default_cpu_moe()[0]
+    return prepared or prepare(x_h, *cpu_set_inputs(store, layer, experts, ids_h, w_h), out=out)
+
+
+def cpu_set_kernel(store: ExpertStore, ffn=None) -> str:
+    """The name the stats give the CPU set's kernel."""
+    if ffn is not None:
+        return getattr(ffn, "__module__", "custom")
+    if store.quantised:
+        from engine.quant.matmul import implementation
+
+        return f"{implementation(1)} over quantised blocks"
+    return default_cpu_moe()[1]
+
+
 def default_cpu_moe():
     """A layer's whole CPU set in one call (one fork of the native thread team per layer):
     (prepare(x, experts, tokens, weights, out) → compute(), name)."""
@@ -88,6 +120,24 @@ def cpu_set_inputs(store: ExpertStore, layer: int, experts: list[int], ids_h: np
     w_flat = w_h.reshape(-1).float().numpy()  # (N·k,)
     pairs = [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
     return [store.expert(layer, e) for e in experts], [p // k for p in pairs], [w_flat[p] for p in pairs]
+
+
+def quant_cpu_set(store: ExpertStore, layer: int, experts: list[int], ids_h: np.ndarray, w_h: torch.Tensor,
+                  x_h: torch.Tensor, out: torch.Tensor | None, form=None):
+    """The CPU set of a quantised store → compute(): expert by expert over the blocks in place
+    (engine/quant's products, which leave the GIL to the driving thread while they run), in fp32.
+    form: the layer's experts_torch.ClampedSwiGLU with host biases (gpt-oss), or None (SwiGLU)."""
+    views, tokens, weights = cpu_set_inputs(store, layer, experts, ids_h, w_h)
+
+    def compute():
+        result = torch.zeros(x_h.shape, dtype=torch.float32) if out is None else out.zero_()  # (N, H)
+        for e, (gate_up, down), tok, w in zip(experts, views, tokens, weights):
+            idx = torch.from_numpy(tok)
+            x = x_h[idx].float()  # (n, H): fp32 through the products
+            y = swiglu_blocks(x, gate_up, down) if form is None else clamped_swiglu_blocks(x, gate_up, down, form, e)
+            result.index_add_(0, idx, y * torch.from_numpy(w).unsqueeze(1))
+        return result
+    return compute
 
 
 def native_cpu_set(store: ExpertStore, layer: int, experts: list[int], ids_h: np.ndarray, w_h: torch.Tensor,

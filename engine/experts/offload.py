@@ -28,9 +28,7 @@ import torch
 
 from engine.experts.cache import ExpertCache
 from engine.experts.cpu_mailbox import default_share
-from engine.experts.cpu_set import (CpuSetRunner, cpu_set_inputs, default_cpu_moe, form_cpu_set, native_cpu_set,
-                                     per_expert_moe,
-                                    routed_cpu_set)
+from engine.experts.cpu_set import CpuSetRunner, cpu_set_kernel, per_expert_moe, prepare_cpu_set
 from engine.experts.executor import ExpertExecutor
 from engine.experts.gpu_set import GpuSet
 from engine.experts.planner import PLANNED_POLICIES, MissPlanner
@@ -62,13 +60,13 @@ class OffloadedExperts(ExpertExecutor):
         if policy not in OFFLOAD_POLICIES:
             raise ValueError(f"unknown offload policy '{policy}' (one of {', '.join(OFFLOAD_POLICIES)})")
         self.policy, self.store, self.device = policy, store, indexed(device)
-        self.costs = costs or ExpertCostModel.from_shape(store.hidden, store.expert_ffn, store.blocks.element_size())
+        # bytes an expert costs the link and the CPU: the store's (quantised: the file's blocks)
+        self.costs = costs or ExpertCostModel.from_shape(store.hidden, store.expert_ffn,
+                                                         store.block_bytes / store.weights_per_expert)
         self.planner = MissPlanner(policy, self.costs, max_decode_tokens)
-        if cpu_ffn is None:  # the layer's CPU set in one native call
-            self.cpu_prepare, default_name = default_cpu_moe()
-        else:  # an injected per-expert kernel
-            self.cpu_prepare, default_name = per_expert_moe(cpu_ffn), getattr(cpu_ffn, "__module__", "custom")
-        self.cpu_ffn, self.cpu_kernel = cpu_ffn, cpu_kernel or default_name
+        # an injected per-expert kernel (tests, benchmarks), else cpu_set.prepare_cpu_set's choice
+        self.cpu_prepare = per_expert_moe(cpu_ffn) if cpu_ffn is not None else None
+        self.cpu_ffn, self.cpu_kernel = cpu_ffn, cpu_kernel or cpu_set_kernel(store, cpu_ffn)
         self.cache: ExpertCache | None = None
         self.predictor: GateLookahead | None = None
         self.trace = HotTable(store.n_layers, store.n_experts)  # tokens per (layer, expert), always counted
@@ -115,6 +113,8 @@ class OffloadedExperts(ExpertExecutor):
         """adaptive on a GPU may also run decode as one graph, reading misses in place (zero_copy.py)."""
         if self.forms:  # its device table runs the matrix-vector kernels: plain SwiGLU only
             self.zero_copy_off = "its experts have biases and a clamped SwiGLU"
+        elif self.store.quantised:  # its kernels read misses in place as BF16
+            self.zero_copy_off = "the host store is quantised"
         elif self.policy != "adaptive" or self.cache is None:
             self.zero_copy_off = f"policy {self.policy}" if self.policy != "adaptive" else "no cache slots"
         elif self.device.type != "cuda" or moe_decode_gpu.triton is None:
@@ -137,12 +137,20 @@ class OffloadedExperts(ExpertExecutor):
         whole-step graph) know only plain SwiGLU, so such a model's MoE layers run eagerly between
         graph pieces."""
         self.forms[layer] = form
-        host = lambda b: b.detach().to("cpu", self.store.dtype)  # noqa: E731  (E, 2I), (E, H): small
+        bias_dtype = torch.float32 if self.store.quantised else self.store.dtype  # what the CPU products run in
+        host = lambda b: b.detach().to("cpu", bias_dtype)  # noqa: E731  (E, 2I), (E, H): small
         self._cpu_forms[layer] = ClampedSwiGLU(host(form.gate_up_bias), host(form.down_bias), form.alpha, form.limit)
         if self.zero_copy is not None:
             self.zero_copy.close()
             self.zero_copy = None
         self.zero_copy_off = "its experts have biases and a clamped SwiGLU"
+
+    def _copy_in(self, layer: int, slots: list[int], experts: list[int]) -> None:
+        """The layer's experts' blocks into these slots (dequantised there when the store is quantised)."""
+        if not slots:
+            return
+        self.cache.copy_in_many(slots, [self.store.block(layer, e) for e in experts], self.store.layouts.get(layer))
+        self.h2d_bytes += len(slots) * self.store.block_bytes
 
     def attach_predictor(self, predictor: GateLookahead) -> None:
         self.predictor = predictor
@@ -151,13 +159,16 @@ class OffloadedExperts(ExpertExecutor):
         """Place (layer, expert) pairs into free slots at load (hot table / static placement)."""
         placed = 0
         if self.cache is not None:
+            by_layer: dict[int, tuple[list[int], list[int]]] = {}  # layer → (slots, experts): one copy call each
             for layer, e in keys:
                 slot = self.cache.lru.place(layer, e)
-                if slot is None:
-                    continue
-                self.cache.copy_in(slot, self.store.block(layer, e))
-                self.h2d_bytes += self.store.block_bytes
-                placed += 1
+                if slot is not None:
+                    slots, experts = by_layer.setdefault(layer, ([], []))
+                    slots.append(slot)
+                    experts.append(e)
+            for layer, (slots, experts) in by_layer.items():
+                self._copy_in(layer, slots, experts)
+                placed += len(slots)
             self.cache.synchronize()
         self.hot_source = source
         return placed
@@ -222,19 +233,9 @@ class OffloadedExperts(ExpertExecutor):
         # the plan allows; its worker only computes.
         on_cpu = bool(plan.cpu)
         if on_cpu:
-            buf = self._result_buffer(x_h.shape)
-            prepared = None
-            form = self._cpu_forms.get(layer)
-            if form is not None:
-                prepared = form_cpu_set(form, x_h, plan.cpu, *cpu_set_inputs(self.store, layer, plan.cpu, ids_h, w_h),
-                                        out=buf)
-            elif self.cpu_ffn is None:  # the default kernel: one native call built from the store's addresses
-                buf = buf if buf is not None else torch.empty(x_h.shape, dtype=torch.float32)
-                prepared = routed_cpu_set(self.store, layer, plan.cpu, ids_h, w_h, x_h, buf) or \
-                    native_cpu_set(self.store, layer, plan.cpu, ids_h, w_h, x_h, buf)
-            if prepared is None:
-                prepared = self.cpu_prepare(x_h, *cpu_set_inputs(self.store, layer, plan.cpu, ids_h, w_h), out=buf)
-            self._cpu_runner.submit(prepared)
+            self._cpu_runner.submit(prepare_cpu_set(
+                self.store, layer, plan.cpu, ids_h, w_h, x_h, self._result_buffer(x_h.shape),
+                self._cpu_forms.get(layer), self.cpu_prepare))
             self.cpu_executed += len(plan.cpu)
         marks.append(time.perf_counter())
         fill_slots = self._fill(layer, plan.fill)
@@ -302,9 +303,7 @@ class OffloadedExperts(ExpertExecutor):
     def _fill(self, layer: int, experts: list[int]) -> list[int]:
         """Admit the experts into slots and copy them in (copy stream) → their slots."""
         slots = [self.cache.lru.admit(layer, e)[0] for e in experts]
-        if slots:
-            self.cache.copy_in_many(slots, [self.store.block(layer, e) for e in experts])
-            self.h2d_bytes += len(slots) * self.store.block_bytes
+        self._copy_in(layer, slots, experts)
         return slots
 
     def device_side_ok(self, x: torch.Tensor) -> bool:
@@ -339,7 +338,7 @@ class OffloadedExperts(ExpertExecutor):
         wanted = sorted(np.flatnonzero(counts).tolist(), key=lambda e: (-counts[e], e))
         lru = self.cache.lru
         protect = {(nxt, e) for e in wanted}
-        slots, blocks = [], []
+        slots, experts = [], []
         for e in wanted:
             if len(slots) >= depth:
                 break
@@ -349,10 +348,8 @@ class OffloadedExperts(ExpertExecutor):
             if slot is None:
                 break
             slots.append(slot)
-            blocks.append(self.store.block(nxt, e))
-        if slots:
-            self.cache.copy_in_many(slots, blocks)
-            self.h2d_bytes += len(slots) * self.store.block_bytes
+            experts.append(e)
+        self._copy_in(nxt, slots, experts)
 
     # -- reporting ------------------------------------------------------------------------------
     def hit_rate(self) -> float | None:
@@ -377,6 +374,7 @@ class OffloadedExperts(ExpertExecutor):
             "slots": self.cache.n_slots if self.cache is not None else 0,
             "cache_bytes": self.cache.nbytes if self.cache is not None else 0,
             "store_bytes": self.store.nbytes, "store_pinned": self.store.pinned,
+            "store_types": sorted({t for layout in self.store.layouts.values() for t in layout.types}) or None,
             "store_huge_pages": self.store.huge_pages, "bytes": 0,
             "cpu_kernel": self.cpu_kernel, "gpu_kernel": grouped_impl(self.device, self.store.dtype),
             "h2d_bytes": h2d, "h2d_gbps": (h2d - b0) / (now - t0) / 1e9 if now > t0 else None,

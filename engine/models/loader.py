@@ -39,9 +39,10 @@ class Checkpoint:
     gguf_file: str | None = None  # file name inside tokenizer_dir when the tokenizer is in a GGUF
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32, quantised: bool = False
-                    ) -> Checkpoint:
-    """quantised: keep a GGUF's dense matrices of engine/quant's types in blocks (module docstring)."""
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32, quantised: bool = False,
+                    expert_blocks: bool = False) -> Checkpoint:
+    """quantised: keep a GGUF's dense matrices and routed experts of engine/quant's types in blocks
+    (module docstring); expert_blocks: the routed experts alone (an offloading plan's host store)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelFileError(f"model not found: {path}",
@@ -49,7 +50,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if path.is_dir():
         return _load_folder(path, dtype)
     if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dtype, quantised)
+        return _load_gguf(path, dtype, quantised, expert_blocks)
     raise ModelFileError(f"{path} is neither a .gguf file nor a model folder",
                          "pass a .gguf file or a folder holding config.json and *.safetensors")
 
@@ -68,10 +69,9 @@ EXPERT_BLOCK_FAMILIES = frozenset({"qwen3_moe", "olmoe", "mixtral", "gpt_oss"})
 
 
 def keeps_expert_blocks(family: str, quantised: bool) -> bool:
-    """Whether a GGUF's stacked routed experts load as `QuantStack`s. `quantised` is the CPU plan
-    (runtime/loading: device cpu, dtype auto, expert policy resident), where every expert runs in place
-    on the CPU; GPU placements and the offloading policies (their store and cache take float tensors)
-    load without it, and so dequantise."""
+    """Whether a GGUF's stacked routed experts load as `QuantStack`s. `quantised` is a plan that keeps
+    them (runtime/loading, dtype auto): the CPU plan, where every expert runs in place on the CPU, and
+    the offloading policies, whose host store keeps the blocks; experts resident on a GPU dequantise."""
     return quantised and family in EXPERT_BLOCK_FAMILIES
 
 
@@ -173,7 +173,7 @@ def held_bytes(path: str | os.PathLike, family: str, dtype_bytes: int) -> dict[s
     return out
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False) -> Checkpoint:
+def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False, expert_blocks: bool = False) -> Checkpoint:
     import gguf
     from gguf.quants import dequantize
 
@@ -198,7 +198,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False) -> Check
             continue
     family = families.for_gguf_meta(meta, path)
     config = family.config_from_gguf(meta)
-    expert_blocks = keeps_expert_blocks(family.NAME, quantised)
+    expert_blocks = keeps_expert_blocks(family.NAME, quantised or expert_blocks)
 
     supported = set(gguf.quants._type_traits) | {gguf.GGMLQuantizationType.F32,
                                                  gguf.GGMLQuantizationType.F16,

@@ -210,8 +210,9 @@ class QuantStack:
 
 
 def dequantize_blocks_torch(blocks: torch.Tensor, type_code: int) -> torch.Tensor:
-    """Block bytes (rows, row_bytes) → fp32 (rows, cols) with torch ops alone: the fallback when the
-    native extension is absent. Each value is gguf's: q·d is exact in fp32, so only "+ m" rounds."""
+    """Block bytes (rows, row_bytes) → fp32 (rows, cols) with torch ops alone, on the blocks' device: the
+    fallback when the native extension is absent, and the dequantisation of expert fills on a GPU. Each
+    value is gguf's: q·d is exact in fp32, so only "+ m" rounds."""
     qt = qtype(type_code)
     rows = blocks.shape[0]
     b = blocks.reshape(rows, -1, qt.block_bytes)  # (rows, blocks, bytes)
@@ -229,7 +230,7 @@ def dequantize_blocks_torch(blocks: torch.Tensor, type_code: int) -> torch.Tenso
     if qt.name in ("Q5_0", "Q5_1"):
         at = 4 if has_m else 2
         qh = b[..., at:at + 4].contiguous().view(torch.int32)  # (rows, cols/32, 1), little-endian
-        q |= ((qh >> torch.arange(32, dtype=torch.int32)) & 1) << 4  # bit i: weight i's fifth bit
+        q |= ((qh >> torch.arange(32, dtype=torch.int32, device=b.device)) & 1) << 4  # bit i: weight i's fifth bit
     if has_m:
         m = b[..., 2:4].contiguous().view(torch.float16).float()
     else:  # (q − 8)·d or (q − 16)·d as q·d + m: both terms exact, so the sum is too
@@ -245,5 +246,5 @@ def _dequantize_mxfp4(b: torch.Tensor) -> torch.Tensor:
     scale = bits.view(torch.float32)
     qs = b[..., 1:].long()  # (rows, n, 16)
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # (rows, n, 32): low nibbles first
-    q = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[codes]
+    q = torch.tensor(E2M1_DOUBLED, dtype=torch.float32, device=b.device)[codes]
     return q * scale  # exact: a small integer times a power of two (±inf past fp32's range, as gguf)

@@ -65,14 +65,14 @@ class QuantResidentExperts(ResidentExperts):
         pairs = self.unique[layer]
         if len(pairs) == 1:  # every expert the same blocks: one SwiGLU, each token weighted by its k weights' sum
             gate_up, down = pairs[0]
-            return _swiglu(x, gate_up, down) * weights.sum(-1, keepdim=True).to(x.dtype)
+            return swiglu_blocks(x, gate_up, down) * weights.sum(-1, keepdim=True).to(x.dtype)
         group = self.groups[layer][ids]  # (N, k): distinct expert of each choice
         out = torch.zeros(x.shape, dtype=torch.float32)
         for j in torch.unique(group).tolist():
             w = (weights.float() * (group == j)).sum(-1)  # (N,): the token's weight on expert j
             rows = torch.nonzero(w, as_tuple=True)[0]
             gate_up, down = pairs[j]
-            out.index_add_(0, rows, _swiglu(x[rows], gate_up, down).float() * w[rows, None])
+            out.index_add_(0, rows, swiglu_blocks(x[rows], gate_up, down).float() * w[rows, None])
         return out.to(x.dtype)
 
     def _run_form(self, layer, form: ClampedSwiGLU, x, ids, weights):
@@ -82,7 +82,7 @@ class QuantResidentExperts(ResidentExperts):
             chose = ids == e  # (N, k)
             rows = torch.nonzero(chose.any(-1), as_tuple=True)[0]
             w = (weights.float() * chose).sum(-1)[rows]  # (n,): each token's weight on expert e
-            out.index_add_(0, rows, _clamped_swiglu(x[rows], gate_up[e], down[e], form, e).float() * w[:, None])
+            out.index_add_(0, rows, clamped_swiglu_blocks(x[rows], gate_up[e], down[e], form, e).float() * w[:, None])
         return out.to(x.dtype)
 
     def nbytes(self) -> int:
@@ -102,7 +102,7 @@ class QuantResidentExperts(ResidentExperts):
         return {"policy": self.policy, "bytes": self.nbytes(), "kernel": kernel}
 
 
-def _swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+def swiglu_blocks(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     """x (n, H) → (n, H); gate_up a QuantTensor (2I, H) or a QuantRows of its gate and up (I, H) each."""
     if not isinstance(gate_up, QuantRows):
         h = quant_linear(x, gate_up)  # (n, 2I)
@@ -115,7 +115,7 @@ def _swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     return quant_linear(F.silu(h[..., :inter]) * h[..., inter:], down)  # (n, H)
 
 
-def _clamped_swiglu(x: torch.Tensor, gate_up, down, form: ClampedSwiGLU, e: int) -> torch.Tensor:
+def clamped_swiglu_blocks(x: torch.Tensor, gate_up, down, form: ClampedSwiGLU, e: int) -> torch.Tensor:
     """x (n, H) → (n, H) through expert e of a biased, clamped form; gate_up a QuantTensor (2I, H) or a
     QuantRows of gate and up (I, H) each, its bias added to the fp32 products before the activation."""
     bias = form.gate_up_bias[e]  # (2I,) gate half first

@@ -50,7 +50,7 @@ def _q6k_values(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
     lead = ql.shape[:-1]
     lo = ql.reshape(*lead, 2, 1, 64)
     low = torch.cat([lo & 0x0F, lo >> 4], dim=-2).reshape(*lead, 2, 4, 32)  # [h, p]: p = 2·nibble + ql half
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qh.device).reshape(4, 1)
     top = (qh.reshape(*lead, 2, 1, 32) >> shifts) & 3  # (…, 2, 4, 32)
     return ((low | (top << 4)).int() - 32).reshape(*lead, 16, 16)
 
@@ -70,7 +70,7 @@ def dequantize_kquant_torch(b: torch.Tensor, name: str) -> torch.Tensor:
     q = _nibble_subblocks(b[..., -128:])  # (rows, n, 8, 32)
     if name == "Q5_K":
         qh = b[..., 16:48].reshape(*lead, 1, 32)
-        q = q | (((qh >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1).int() << 4)  # bit j: sub-block j
+        q = q | (((qh >> torch.arange(8, dtype=torch.uint8, device=b.device).reshape(8, 1)) & 1).int() << 4)  # bit j: sub-block j
     scale = (d * sc.float())[..., None]  # (rows, n, 8, 1)
     offset = (dmin * m.float())[..., None]
     return (scale * q.float() - offset).reshape(*lead, QK_K)

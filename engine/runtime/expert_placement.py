@@ -22,6 +22,7 @@ from engine.experts.offload import OFFLOAD_POLICIES, OffloadedExperts
 from engine.experts.predictor import GateLookahead, HotTable, default_hot_table_path, even_spread
 from engine.experts.store import ExpertStore
 from engine.hw.shapes import ExpertShape, dtype_name
+from engine.quant.blocks import QuantStack
 from engine.sched.expert_cost import ExpertCostModel
 
 log = logging.getLogger(__name__)
@@ -42,16 +43,19 @@ def check_offload(policy: str, device: torch.device, simulate_hybrid: bool) -> b
     return True
 
 
-def costs_from_profile(profile, hidden: int, expert_ffn: int, dtype: torch.dtype) -> ExpertCostModel | None:
+def costs_from_profile(profile, hidden: int, expert_ffn: int, dtype: torch.dtype,
+                       bytes_per_weight: float | None = None) -> ExpertCostModel | None:
     """The expert cost model with this machine's calibration (the nearest calibrated expert shape,
     scaled by bytes); None without a profile or usable expert measurements: the documented defaults
-    (the load goes on; a profile is advice, and a damaged one is reported, not fatal)."""
+    (the load goes on; a profile is advice, and a damaged one is reported, not fatal).
+    bytes_per_weight: what the store holds an expert in (quantised blocks), if not `dtype`."""
     if profile is None:
         return None
     try:
         costs = profile.expert_costs(ExpertShape(hidden, expert_ffn, dtype_name(dtype)))
         beside = (costs.concurrent or {}).get("B_H_GBps")  # the CPU's rate while fills stream
-        return ExpertCostModel.from_calibration(hidden, expert_ffn, torch.empty((), dtype=dtype).element_size(),
+        return ExpertCostModel.from_calibration(hidden, expert_ffn,
+                                                bytes_per_weight or torch.empty((), dtype=dtype).element_size(),
                                                 costs.cpu_ms_by_tokens, costs.B_P_GBps, beside)
     except TandemError:
         return None
@@ -63,9 +67,12 @@ def costs_from_profile(profile, hidden: int, expert_ffn: int, dtype: torch.dtype
 
 def build_offloaded(policy: str, gate_up, down, *, device: torch.device, dtype: torch.dtype,
                     max_decode_tokens: int, costs: ExpertCostModel | None = None) -> OffloadedExperts:
-    """The store (pinned when the device is a GPU) and the executor; the cache opens later.
+    """The store (pinned when the device is a GPU) and the executor; the cache opens later. gate_up,
+    down: per layer tensors, or QuantStacks (a GGUF's experts, then stored in their blocks).
     costs: the expert cost model from a calibration profile (None: the documented defaults)."""
-    store = ExpertStore.from_layers(gate_up, down, dtype=dtype, pin=device.type == "cuda")
+    quantised = any(isinstance(t, QuantStack) for t in gate_up)
+    store = (ExpertStore.from_quant_layers if quantised else ExpertStore.from_layers)(
+        gate_up, down, dtype=dtype, pin=device.type == "cuda")
     gate_up.clear()  # the store holds the weights now; drop the loader's references
     down.clear()
     return OffloadedExperts(policy, store, device=device, max_decode_tokens=max_decode_tokens, costs=costs)
@@ -81,7 +88,7 @@ def cache_slots(config, device: torch.device, executor: OffloadedExperts, used_b
         if config.expert_cache_slots < 0:
             raise ConfigError("expert_cache_slots must be ≥ 0", "pass a slot count, or leave it unset")
         return int(config.expert_cache_slots)
-    slot_bytes = executor.store.block_bytes
+    slot_bytes = executor.store.slot_bytes
     if config.vram_budget_gb:
         budget = int(config.vram_budget_gb * 2**30)
         return slots_for_budget(budget, used_bytes, slot_bytes, min(RESERVE_BYTES, budget // 10))

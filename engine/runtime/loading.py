@@ -17,6 +17,7 @@ from engine.models import builtin, families, synthetic
 from engine.models.assemble import assemble
 from engine.models.common import Decoder, ModelArgs
 from engine.models.loader import load_checkpoint
+from engine.quant.blocks import QuantStack
 from engine.quant.experts import resident_experts
 from engine.runtime.chat import load_tokenizer
 from engine.runtime.expert_placement import build_offloaded, check_offload, costs_from_profile, open_offloaded
@@ -106,10 +107,13 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
             raise OutOfMemoryError(f"{config.model} does not fit in the memory of {device} ({e})",
                                    "choose fewer layers (-L<n>) or a device with more memory") from e
     else:
-        # dtype auto on a CPU: GGUF's matrices of engine/quant's types stay blocks; explicit dtypes,
-        # GPUs (no kernels over blocks yet) and offloading (its store takes tensors) dequantise
-        keep_blocks = config.dtype == "auto" and device.type == "cpu" and not offload
-        ckpt = load_checkpoint(path, dtype, quantised=keep_blocks)
+        # dtype auto: GGUF's matrices of engine/quant's types stay blocks where kernels take them: all
+        # of them on a CPU-only engine; with offloaded experts the routed experts (their host store
+        # keeps the blocks; slots dequantise), the dense weights going to the GPU dequantised (no GPU
+        # kernels over blocks yet). Explicit dtypes dequantise everything.
+        auto = config.dtype == "auto"
+        ckpt = load_checkpoint(path, dtype, quantised=auto and device.type == "cpu" and not offload,
+                               expert_blocks=auto and offload)
     family = families.get(ckpt.family)
     args = family.args_from_config(ckpt.config)
     tensors = ckpt.tensors
@@ -124,9 +128,13 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
     def make_experts(gate_up, down):
         if offload:
             hidden, expert_ffn = gate_up[0].shape[-1], gate_up[0].shape[-2] // 2  # (E, 2I, H) per layer
+            per_weight = None
+            if isinstance(gate_up[0], QuantStack):  # a quantised store: its bytes per weight
+                per_weight = (gate_up[0].experts[0].nbytes + down[0].experts[0].nbytes) / (3 * hidden * expert_ffn)
             holder["experts"] = build_offloaded(config.expert_policy, gate_up, down, device=device, dtype=dtype,
                                                 max_decode_tokens=config.max_batch,
-                                                costs=costs_from_profile(profile, hidden, expert_ffn, dtype))
+                                                costs=costs_from_profile(profile, hidden, expert_ffn, dtype,
+                                                                         per_weight))
         else:
             holder["experts"] = resident_experts(gate_up, down)  # over blocks when they are quantised
         return holder["experts"]

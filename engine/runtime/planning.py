@@ -22,6 +22,7 @@ from engine.kv.latent import format_shape
 from engine.kv.layer_split import split_windows
 from engine.kv.partition import PartitionSpec
 from engine.models.common import ModelArgs
+from engine.models.loader import keeps_expert_blocks
 from engine.models.shape import model_args
 from engine.models.sizes import model_parts, recurrent_state_bytes
 from engine.runtime.expert_placement import costs_from_profile
@@ -57,7 +58,10 @@ def _gpu_side(config) -> tuple[bool, bool]:
     return cuda or bool(config.simulate_hybrid), not cuda and bool(config.simulate_hybrid)
 
 
-def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int) -> MachineCosts:
+def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int,
+                  expert_bytes_per_weight: float | None = None) -> MachineCosts:
+    """expert_bytes_per_weight: what the expert store holds a weight in, where not dtype_bytes (a
+    GGUF's quantised experts): the link and the CPU move those bytes."""
     gpu, simulated = _gpu_side(config)
     ram = psutil.virtual_memory().available
     if config.vram_budget_gb:
@@ -72,7 +76,7 @@ def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int) -> Machine
     experts, kv, dram, cpu_tflops, costs_source = None, None, DEFAULT_DRAM_GBPS, DEFAULT_CPU_TFLOPS, "defaults"
     if profile is not None:
         if args.is_moe:
-            experts = costs_from_profile(profile, args.dim, args.expert_ffn_dim, dtype)
+            experts = costs_from_profile(profile, args.dim, args.expert_ffn_dim, dtype, expert_bytes_per_weight)
         n_kv, head_dim = format_shape(args)  # the shape calibrated and looked up: latent rows as two planes
         kv = roofline_from_profile(profile, replace(args, n_kv_heads=n_kv, head_dim=head_dim), dtype, config.max_batch)
         measured = (profile.data.get("memory") or {}).get("read_GBps")
@@ -82,7 +86,8 @@ def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int) -> Machine
             cpu_tflops = experts.cpu_tflops
         costs_source = f"calibrated ({profile.name})"
     if experts is None:
-        experts = ExpertCostModel.from_shape(args.dim, max(args.expert_ffn_dim, 1), dtype_bytes)
+        experts = ExpertCostModel.from_shape(args.dim, max(args.expert_ffn_dim, 1),
+                                             expert_bytes_per_weight or dtype_bytes)
     if kv is None:
         kv = PartitionSpec.for_shape(*format_shape(args), dtype, cuda=gpu and not simulated).roofline
     return MachineCosts(gpu=gpu, vram_bytes=vram, ram_bytes=ram, experts=experts, kv=kv, dram_gbps=dram,
@@ -96,7 +101,6 @@ def placement_plan(config, profile=None) -> Plan:
     gpu, simulated = _gpu_side(config)
     dev_bytes = _dtype_bytes(config, "cuda" if gpu and not simulated else "cpu")
     cpu_bytes = _dtype_bytes(config, "cpu")
-    costs = machine_costs(config, args, profile, dev_bytes)
     # what the engine's hybrid paths cannot run for this model (runtime/loading.py and the families refuse
     # it): a model-wide window; per-layer windows keep their layers' KV resident (kv/layer_split.py)
     windows = split_windows(args, max_context) or []
@@ -105,9 +109,20 @@ def placement_plan(config, profile=None) -> Plan:
     can = dict(can_spill_kv=not model_wide and resident_layers < len(args.kv_layer_ids()),
                can_offload_experts=args.expert_act in ("silu", "clamped"), resident_kv_layers=resident_layers)
     parts = replace(model_parts(args, dev_bytes, config.model), **can)
-    if not gpu and config.dtype == "auto" and config.model.lower().endswith(".gguf"):
+    gguf_auto = config.dtype == "auto" and config.model.lower().endswith(".gguf")
+    if not gpu and gguf_auto:
         parts = _in_blocks(parts, config.model, args, cpu_bytes)  # what the CPU load holds (runtime/loading.py)
-    cpu_parts = parts if cpu_bytes == dev_bytes else replace(model_parts(args, cpu_bytes, config.model), **can)
+    elif gguf_auto and parts.n_experts and keeps_expert_blocks(args.arch, True):
+        # offloaded experts keep their blocks in the host store; slots and dense weights dequantise
+        held = _in_blocks(parts, config.model, args, cpu_bytes).expert_bytes
+        parts = replace(parts, store_expert_bytes=held)
+    cpu_parts = parts
+    if cpu_bytes != dev_bytes:  # a GPU machine's CPU placement loads as a CPU-only engine would
+        cpu_parts = replace(model_parts(args, cpu_bytes, config.model), **can)
+        if gguf_auto:
+            cpu_parts = _in_blocks(cpu_parts, config.model, args, cpu_bytes)
+    per_weight = parts.store_expert_bytes / (3 * args.dim * args.expert_ffn_dim) if parts.store_expert_bytes else None
+    costs = machine_costs(config, args, profile, dev_bytes, per_weight)
     return plan(parts, costs, max_context=max_context, max_batch=config.max_batch,
                 spill_device_bytes=spill_device_bytes(config, args, dev_bytes, max_context, gpu and not simulated),
                 prefill_chunk=PREFILL_CHUNK,

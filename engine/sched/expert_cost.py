@@ -25,7 +25,7 @@ FLOP_PER_MS_PER_TFLOPS = 1e9  # 1 TFLOP/s does 1e9 FLOP a millisecond
 
 @dataclass(frozen=True)
 class ExpertCostModel:
-    expert_bytes: int  # one expert's gate_up + down in the store's dtype
+    expert_bytes: float  # one expert's gate_up + down as the store holds it (its dtype, or quantised blocks)
     flops_per_token: float  # 6·H·I: three (H × I) matmuls, 2 FLOP per multiply-add
     pcie_gbps: float = 52.7  # B_P: pinned H2D into a slot (0.179 ms per 9.4 MB expert)
     host_gbps: float = 76.0  # B_H: DRAM bandwidth fills and CPU experts share (23 GB/s CPU beside a 53.7 GB/s fill)
@@ -46,13 +46,13 @@ class ExpertCostModel:
                 raise ValueError(f"ExpertCostModel.{f.name} must be a positive number (got {value!r})")
 
     @classmethod
-    def from_shape(cls, hidden: int, expert_ffn: int, dtype_bytes: int, **measured) -> "ExpertCostModel":
+    def from_shape(cls, hidden: int, expert_ffn: int, dtype_bytes: float, **measured) -> "ExpertCostModel":
         """Cost model of an expert of shape (H, I); `measured` overrides the default constants."""
         return cls(expert_bytes=3 * hidden * expert_ffn * dtype_bytes, flops_per_token=6.0 * hidden * expert_ffn,
                    **measured)
 
     @classmethod
-    def from_calibration(cls, hidden: int, expert_ffn: int, dtype_bytes: int, cpu_ms_by_tokens: dict[int, float],
+    def from_calibration(cls, hidden: int, expert_ffn: int, dtype_bytes: float, cpu_ms_by_tokens: dict[int, float],
                          pcie_gbps: float | None = None,
                          cpu_beside_fills_gbps: float | None = None) -> "ExpertCostModel":
         """The model with a calibration's measurements of the engine's own kernels (engine/hw/expert_costs.py):

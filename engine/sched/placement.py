@@ -127,12 +127,12 @@ def _memory(p: Placement, m: ModelParts) -> tuple[list[PlanRow], int, int]:
                         m.n_layers * m.layer_dense_bytes))
     if m.n_experts:
         if p.device == "cpu" or p.expert_policy == "cpu-only":
-            rows.append(PlanRow("routed experts (all)", "RAM", m.routed_bytes))
+            rows.append(PlanRow("routed experts (all)", "RAM", m.host_routed_bytes))
         elif p.expert_policy == "resident":
             rows.append(PlanRow("routed experts (all)", "GPU", m.routed_bytes))
         else:
             rows.append(PlanRow("routed experts (cache)", "GPU", p.slots * m.expert_bytes))
-            rows.append(PlanRow("routed experts (store)", "RAM", m.routed_bytes))
+            rows.append(PlanRow("routed experts (store)", "RAM", m.host_routed_bytes))
     if p.device == "cpu":
         rows.append(PlanRow("KV cache", "RAM", p.kv_host_bytes))
     elif p.kv_policy == "resident":

@@ -139,13 +139,13 @@ def test_model_over_expert_blocks_follows_the_dequantised_one(files, key):
         ref.close()
 
 
-def test_offloading_policy_keeps_dequantising(files):
-    """An offload policy (its store and GPU cache take float tensors; here the simulated hybrid path on
-    the CPU) loads the experts dequantised, as any GPU placement does."""
+def test_offloading_with_an_explicit_dtype_dequantises(files):
+    """An offload policy with dtype float32 (the reference path) stores the experts dequantised; with
+    dtype auto it keeps their blocks (test_quant_expert_store.py)."""
     from engine.experts.offload import OffloadedExperts
 
     path = files[("qwen3_moe", "Q8_0")]
-    eng = engine_for(path, expert_policy="cpu-only", simulate_hybrid=True)
+    eng = engine_for(path, dtype="float32", expert_policy="cpu-only", simulate_hybrid=True)
     try:
         experts = eng.backend.parts.experts
         assert isinstance(experts, OffloadedExperts) and experts.store.blocks.dtype == torch.float32
@@ -158,7 +158,7 @@ def test_decision_by_family_and_plan():
     assert all(keeps_expert_blocks(family, True) for family in ("qwen3_moe", "olmoe", "mixtral", "gpt_oss"))
     for family in ("qwen3_5_moe", "deepseek_v2", "glm4_moe"):  # experts that need more, or own mappings
         assert family not in EXPERT_BLOCK_FAMILIES and not keeps_expert_blocks(family, True)
-    assert not keeps_expert_blocks("qwen3_moe", False)  # GPU, explicit dtype or offloading: not the CPU plan
+    assert not keeps_expert_blocks("qwen3_moe", False)  # experts resident on a GPU, or an explicit dtype
 
 
 def test_experts_of_mixed_kinds_are_all_dequantised(caplog):

@@ -1,0 +1,162 @@
+"""Offloaded experts from a quantised GGUF stay quantised in the host store (issue #33, item 4): a
+block is the expert's gate, up and down bytes as the file has them, fills move those bytes and
+dequantise into the slots, the CPU set computes over the blocks in place; the engine's output follows
+the same file dequantised to float32 under every offload policy (simulated hybrid on the CPU).
+
+Logit tolerance as in test_quant_experts_gguf.py (1e-3 of max |logit|): the CPU set's products round
+their activations to int16 per 32-block; slots hold the exact dequantised weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import stepped_logits as logits
+from test_quant_experts_gguf import PROMPT, engine_for, file_expert_bytes, write_quantised
+
+from engine.experts.cache import ExpertCache
+from engine.experts.store import ExpertStore, QuantLayout
+from engine.models.loader import load_checkpoint
+from engine.quant.blocks import QuantStack, dequantize_blocks_torch
+from engine.runtime.planning import placement_plan
+
+pytest.importorskip("llama_cpp")
+
+POLICIES = ("cpu-only", "on-demand", "adaptive")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant-store")
+    return {ftype: write_quantised(d, "qwen3_moe", ftype) for ftype in ("Q4_K_M", "Q8_0")}
+
+
+def experts_of(path):
+    """(gate_up stacks, down stacks) per layer in blocks, and the same dequantised to float32."""
+    kept = load_checkpoint(path, torch.float32, expert_blocks=True).tensors
+    plain = load_checkpoint(path, torch.float32).tensors
+    names = [f"model.layers.{l}.mlp.experts." for l in range(2)]
+    blocks = ([kept[n + "gate_up_proj"] for n in names], [kept[n + "down_proj"] for n in names])
+    floats = ([plain[n + "gate_up_proj"] for n in names], [plain[n + "down_proj"] for n in names])
+    return blocks, floats
+
+
+def test_store_holds_the_files_expert_bytes_and_dequantises_to_the_file(files):
+    path = files["Q4_K_M"]
+    (gate_up, down), (gate_up_f, down_f) = experts_of(path)
+    assert all(isinstance(t, QuantStack) for t in (*gate_up, *down))
+    store = ExpertStore.from_quant_layers(gate_up, down, dtype=torch.float32)
+    assert store.quantised and store.blocks.dtype == torch.uint8
+    # the file's bytes, plus the padding of layers whose blocks are shorter than the longest one's
+    longest = max(layout.nbytes for layout in store.layouts.values())
+    assert store.nbytes == 2 * 8 * longest and file_expert_bytes(path) <= store.nbytes
+    assert store.nbytes <= 1.15 * file_expert_bytes(path)
+    assert store.slot_bytes == 3 * 256 * 256 * 4  # a slot: the expert dequantised (fp32 on this CPU)
+    for layer in store.layers:
+        layout = store.layouts[layer]
+        assert "Q4_K" in layout.types
+        blocks = torch.stack([store.block(layer, e) for e in range(8)])  # (8, block bytes)
+        values = layout.dequantize(blocks)  # (8, P)
+        want = torch.cat([gate_up_f[layer].flatten(1), down_f[layer].flatten(1)], dim=1)
+        assert torch.equal(values, want)
+        gate_up_view, down_view = store.expert(layer, 3)
+        assert torch.equal(gate_up_view.dequantize(), gate_up_f[layer][3])
+        assert torch.equal(down_view.dequantize(), down_f[layer][3])
+        assert down_view.blocks.data_ptr() == store.block(layer, 3).data_ptr() + layout.parts[2][3]  # in place
+    with pytest.raises(ValueError, match="quantised"):
+        store.moe_rows(0)
+
+
+def test_torch_dequantisation_matches_the_native_one_for_each_part(files):
+    """What a GPU fill runs (torch ops on the device) against what the CPU runs (native)."""
+    path = files["Q4_K_M"]
+    (gate_up, down), _ = experts_of(path)
+    store = ExpertStore.from_quant_layers(gate_up, down, dtype=torch.float32)
+    for layer, layout in store.layouts.items():
+        blocks = torch.stack([store.block(layer, e) for e in range(8)])
+        native = layout.dequantize(blocks)
+        offset = 0
+        for code, rows, cols, at, nbytes in layout.parts:
+            part = blocks[:, at:at + nbytes].reshape(8 * rows, nbytes // rows)
+            torch_values = dequantize_blocks_torch(part, code).reshape(8, rows * cols)
+            assert torch.equal(torch_values, native[:, offset:offset + rows * cols])
+            offset += rows * cols
+
+
+def test_fill_dequantises_into_the_slot(files):
+    (gate_up, down), (gate_up_f, down_f) = experts_of(files["Q8_0"])
+    store = ExpertStore.from_quant_layers(gate_up, down, dtype=torch.float32)
+    cache = ExpertCache(4, 256, 256, torch.float32, torch.device("cpu"))
+    cache.copy_in_many([2, 0], [store.block(1, 5), store.block(1, 6)], store.layouts[1])
+    assert torch.equal(cache.gate_up[2], gate_up_f[1][5]) and torch.equal(cache.down[2], down_f[1][5])
+    assert torch.equal(cache.gate_up[0], gate_up_f[1][6]) and torch.equal(cache.down[0], down_f[1][6])
+    assert cache.allocations == 1
+
+
+def test_layout_refuses_rows_that_are_not_whole_blocks():
+    from engine.errors import ModelFileError
+
+    with pytest.raises(ModelFileError):
+        QuantLayout((12, 12, 14), hidden=100, expert_ffn=256)  # Q4_K needs 256-weight rows
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_offloaded_quantised_experts_follow_the_dequantised_file(files, policy):
+    path = files["Q4_K_M"]
+    quant = engine_for(path, expert_policy=policy, simulate_hybrid=True, expert_cache_slots=5)
+    ref = engine_for(path, dtype="float32")
+    try:
+        experts = quant.backend.parts.experts
+        assert experts.store.quantised and experts.store.nbytes <= 1.15 * file_expert_bytes(path)
+        assert experts.costs.expert_bytes == experts.store.block_bytes  # link and CPU move the blocks
+        for prefill in (len(PROMPT), 12):
+            got, want = logits(quant, PROMPT, prefill), logits(ref, PROMPT, prefill)
+            scale = float(want.abs().max())
+            assert scale > 0.1 and float((got - want).abs().max()) <= 1e-3 * scale
+        assert quant.generate_ids(PROMPT, 8) == ref.generate_ids(PROMPT, 8)
+        stats = experts.telemetry()
+        assert "Q4_K" in stats["store_types"] and stats["zero_copy"] == {"off": "the host store is quantised"}
+        assert stats["h2d_bytes"] % experts.store.block_bytes == 0  # every copy a quantised block
+        if policy == "cpu-only":
+            assert stats["cpu_executed"] > 0 and stats["fills"] == 0
+        if policy == "on-demand":
+            assert stats["fills"] > 0
+    finally:
+        quant.close()
+        ref.close()
+
+
+def test_plan_counts_the_store_in_blocks_and_the_slots_dequantised(files):
+    from engine.api import EngineConfig
+
+    path = files["Q4_K_M"]
+    # 6 MB: the dense weights and KV fit, the experts dequantised (6.3 MB in fp32) do not
+    config = EngineConfig(model=str(path), device="cpu", simulate_hybrid=True, vram_budget_gb=0.006,
+                          max_context=256, max_batch=1)
+    p = placement_plan(config)
+    rows = {r.part: r for r in p.rows}
+    assert p.expert_policy in ("adaptive", "cpu-only")  # the experts in RAM, all or behind a cache
+    store = rows["routed experts (store)" if p.expert_policy == "adaptive" else "routed experts (all)"]
+    assert store.where == "RAM" and file_expert_bytes(path) <= store.bytes <= 1.15 * file_expert_bytes(path)
+    if p.expert_policy == "adaptive":  # slots hold the experts dequantised
+        assert rows["routed experts (cache)"].bytes == p.expert_cache_slots * 3 * 256 * 256 * 4
+
+
+@pytest.mark.parametrize("policy", ("cpu-only", "on-demand"))
+def test_offloaded_mxfp4_experts_with_their_form_follow_the_dequantised_file(tmp_path, policy):
+    """gpt-oss: MXFP4 blocks in the store, the biased clamped SwiGLU on both sides of the split."""
+    from test_mxfp4_experts_gguf import write_mxfp4_gpt_oss
+
+    path = write_mxfp4_gpt_oss(tmp_path)
+    quant = engine_for(path, expert_policy=policy, simulate_hybrid=True, expert_cache_slots=4)
+    ref = engine_for(path, dtype="float32")
+    try:
+        experts = quant.backend.parts.experts
+        assert experts.store.quantised and experts.telemetry()["store_types"] == ["MXFP4"]
+        assert experts.forms  # the layers' biases and clamp
+        got, want = logits(quant, PROMPT, len(PROMPT)), logits(ref, PROMPT, len(PROMPT))
+        scale = float(want.abs().max())
+        assert scale > 0.1 and float((got - want).abs().max()) <= 1e-3 * scale
+    finally:
+        quant.close()
+        ref.close()
