@@ -1,0 +1,119 @@
+"""A quantised expert store's fills on a GPU: the bytes go over PCIe into the cache's staging rows and
+are dequantised there by torch ops (engine/quant/blocks.py, kquants.py on the device); every slot must
+equal the CPU's dequantisation of its block bit for bit, through several staging batches and a layer
+whose blocks are longer than the staging rows. Then an offloaded layer over those slots and the CPU
+share against the float experts. Needs no llama.cpp (random blocks), so it runs on the GPU machine
+(`-m cuda`); the CPU rows run the same checks on the simulated hybrid path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from test_block_types import random_blocks
+
+from engine.experts.cache import QUANT_STAGING, ExpertCache
+from engine.experts.offload import OffloadedExperts
+from engine.experts.store import ExpertStore
+from engine.quant.blocks import QuantRows, QuantStack, QuantTensor, dequantize_blocks_torch
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+# the same checks on the CPU (the simulated hybrid path: no copy stream, native dequantisation) check
+# the tests themselves where no GPU is
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=CUDA)]
+
+H = I = 256  # whole K-quant super-blocks
+E = 20  # experts a layer: more than one staging batch
+LAYER_TYPES = [(T.Q4_K, T.Q5_K, T.Q6_K), (T.Q6_K, T.Q6_K, T.Q5_1)]  # the second layer's blocks are longer
+
+
+def stack(qtype, rows: int, cols: int, seed: int) -> QuantStack:
+    data = random_blocks(E * rows, cols, qtype, seed=seed)
+    whole = QuantTensor.from_gguf(data, int(qtype), "w")
+    return QuantStack([whole[e * rows:(e + 1) * rows] for e in range(E)])
+
+
+def layers():
+    gate_up, down = [], []
+    for l, (g, u, d) in enumerate(LAYER_TYPES):
+        gs, us = stack(g, I, H, 10 * l), stack(u, I, H, 10 * l + 1)
+        gate_up.append(QuantStack([QuantRows([a, b]) for a, b in zip(gs.experts, us.experts)]))
+        down.append(stack(d, H, I, 10 * l + 2))
+    return gate_up, down
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4])
+def test_torch_dequantisation_on_the_gpu_is_the_cpus(qtype):
+    if qtype in (T.Q4_0, T.Q4_1, T.Q8_0, T.MXFP4):
+        rng = np.random.default_rng(0)
+        data = rng.integers(0, 256, (64, 512 // 32 * {2: 18, 3: 20, 8: 34, 39: 17}[int(qtype)]), dtype=np.uint8)
+        lead = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q8_0: [0]}.get(qtype, [])  # fp16 factors: finite, small
+        blocks = data.reshape(64, 16, -1)
+        for at in lead:
+            blocks[:, :, at:at + 2] = (rng.uniform(-0.01, 0.01, (64, 16)).astype(np.float16)).view(np.uint8).reshape(
+                64, 16, 2)
+        if qtype == T.MXFP4:
+            blocks[:, :, 0] = rng.integers(100, 140, (64, 16))  # scale exponents around 2^0
+        data = blocks.reshape(64, -1)
+    else:
+        data = random_blocks(64, 512, qtype, seed=5)
+    cpu = QuantTensor.from_gguf(data, int(qtype), "w").dequantize()
+    gpu = dequantize_blocks_torch(torch.from_numpy(data).cuda(), int(qtype)).cpu()
+    assert torch.equal(gpu, cpu)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fills_dequantise_into_the_slots_exactly(device):
+    gate_up, down = layers()
+    store = ExpertStore.from_quant_layers(gate_up, down, dtype=torch.bfloat16, pin=device == "cuda")
+    try:
+        assert store.pinned == (device == "cuda") and len({layout.nbytes for layout in store.layouts.values()}) == 2
+        cache = ExpertCache(2 * E, H, I, torch.bfloat16, torch.device(device))
+        assert E > QUANT_STAGING
+        for layer in (0, 1):  # the second layer's longer blocks make the staging rows grow
+            slots = list(range(layer * E, (layer + 1) * E))[::-1]
+            cache.copy_in_many(slots, [store.block(layer, e) for e in range(E)], store.layouts[layer])
+        cache.synchronize()
+        for layer in (0, 1):
+            blocks = torch.stack([store.block(layer, e) for e in range(E)])
+            want = store.layouts[layer].dequantize(blocks).to(torch.bfloat16)  # (E, P), CPU kernels
+            slots = list(range(layer * E, (layer + 1) * E))[::-1]
+            assert torch.equal(cache.pool[slots].cpu(), want)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ["on-demand", "cpu-only"])
+def test_an_offloaded_layer_over_quantised_blocks(policy, device):
+    gate_up, down = layers()
+    floats = [(g.dequantize(), d.dequantize()) for g, d in zip(gate_up, down)]  # (E, 2I, H), (E, H, I) fp32
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    store = ExpertStore.from_quant_layers(gate_up, down, dtype=dtype, pin=device == "cuda")
+    experts = OffloadedExperts(policy, store, device=torch.device(device), n_slots=6, max_decode_tokens=4)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for layer in (0, 1):
+            for n in (1, 3, 40):  # decode sizes (CPU share), and prefill (fills)
+                x = torch.randn(n, H, generator=gen) * 0.5
+                ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(n)])  # (n, 2)
+                w = torch.softmax(torch.randn(n, 2, generator=gen), -1)
+                got = experts.run(layer, x.to(device, dtype), ids.to(device), w.to(device, dtype)).float().cpu()
+                gu, dn = floats[layer]
+                want = torch.zeros(n, H)
+                for t in range(n):
+                    for j in range(2):
+                        e = int(ids[t, j])
+                        h = gu[e] @ x[t]
+                        want[t] += w[t, j] * (dn[e] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
+                # bf16 activations and slots, int16-rounded activations on the CPU: 2% of the scale
+                assert (got - want).abs().max() <= 0.02 * want.abs().max() + 1e-3
+        stats = experts.telemetry()
+        assert stats["zero_copy"] == {"off": "the host store is quantised"}
+        assert (stats["fills"] > 0) == (policy == "on-demand") and stats["cpu_executed"] > 0
+    finally:
+        experts.close()
