@@ -16,6 +16,7 @@
 #include "cpu_mailbox.h"
 #include "moe_worker.h"
 #include "quant_blocks.h"
+#include "quant_moe.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -241,6 +242,45 @@ void quant_matmul_py(uintptr_t w, int type, int64_t n_rows, int64_t k, int64_t w
   quant_matmul(p, threads);
 }
 
+// A quantised CPU set (quant_moe.h) from Python's arrays, copied: the problem's pointers point into
+// the copies, which live as long as the set (the worker may run it after the call returns). x and out
+// stay the caller's, alive until the set is done.
+struct QuantMoeSet {
+  std::vector<QuantMoeExpert> experts;
+  std::vector<int64_t> tokens;
+  std::vector<float> weights;
+  QuantMoeProblem problem{};
+  int threads = 0;
+};
+
+std::shared_ptr<QuantMoeSet> quant_moe_set(uintptr_t x, int64_t n_rows, int64_t hidden, int64_t inter,
+                                           int64_t x_stride, int gate_type, int up_type, int down_type,
+                                           const py::array_t<int64_t, py::array::c_style>& experts,
+                                           const py::array_t<int64_t, py::array::c_style>& tokens,
+                                           const py::array_t<float, py::array::c_style>& weights, uintptr_t out,
+                                           int64_t out_stride, int threads) {
+  require(experts.ndim() == 2 && experts.shape(1) == 4, "experts must be an int64 table (J, 4): gate, up, down, pairs");
+  require(tokens.ndim() == 1 && weights.ndim() == 1 && tokens.shape(0) == weights.shape(0),
+          "tokens and weights: one per pair");
+  auto set = std::make_shared<QuantMoeSet>();
+  int64_t pairs = 0;
+  for (int64_t j = 0; j < experts.shape(0); ++j) {
+    const int64_t* r = experts.data() + 4 * j;
+    set->experts.push_back({reinterpret_cast<const uint8_t*>(r[0]), reinterpret_cast<const uint8_t*>(r[1]),
+                            reinterpret_cast<const uint8_t*>(r[2]), r[3]});
+    pairs += r[3];
+  }
+  require(pairs == tokens.shape(0), "the experts' pair counts must add up to the pairs given");
+  set->tokens.assign(tokens.data(), tokens.data() + tokens.shape(0));
+  set->weights.assign(weights.data(), weights.data() + weights.shape(0));
+  set->problem = {reinterpret_cast<const float*>(x), n_rows, hidden, inter, x_stride, QType(gate_type),
+                  QType(up_type), QType(down_type), set->experts.data(), int64_t(set->experts.size()),
+                  set->tokens.data(), set->weights.data(), reinterpret_cast<float*>(out), out_stride};
+  set->threads = threads;
+  check_quant_moe(set->problem);  // here, so a bad set fails in the caller, not on the worker
+  return set;
+}
+
 void quant_dequantize_py(uintptr_t w, int type, int64_t k, int64_t w_row_bytes, int64_t n_rows, int64_t row_begin,
                          int64_t row_end, const py::object& ids, uintptr_t out, int64_t out_stride, int threads) {
   const QType t = checked_qtype(type, k, w_row_bytes);
@@ -326,6 +366,19 @@ PYBIND11_MODULE(_native, m) {
            py::arg("route_dtype"), py::arg("out"), py::arg("out_stride"), py::arg("threads"),
            "Build a layer's CPU set from its routing (the chosen experts' pairs, grouped as moe_ffn takes "
            "them) in the worker's buffers and start it.")
+      .def("submit_quant", [](MoeWorker& w, uintptr_t x, int64_t n_rows, int64_t hidden, int64_t inter,
+                              int64_t x_stride, int gate_type, int up_type, int down_type,
+                              const py::array_t<int64_t, py::array::c_style>& experts,
+                              const py::array_t<int64_t, py::array::c_style>& tokens,
+                              const py::array_t<float, py::array::c_style>& weights, uintptr_t out,
+                              int64_t out_stride, int threads) {
+        auto set = quant_moe_set(x, n_rows, hidden, inter, x_stride, gate_type, up_type, down_type, experts, tokens,
+                                 weights, out, out_stride, threads);
+        w.submit_job([set] { quant_moe(set->problem, set->threads); });
+      }, py::arg("x"), py::arg("n_rows"), py::arg("hidden"), py::arg("inter"), py::arg("x_stride"),
+           py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("experts").noconvert(),
+           py::arg("tokens").noconvert(), py::arg("weights").noconvert(), py::arg("out"), py::arg("out_stride"),
+           py::arg("threads"), "Start quant_moe's arguments on the worker (the previous set must be collected).")
       .def("wait", [](MoeWorker& w) {
         py::gil_scoped_release release;
         return w.wait();
@@ -355,6 +408,20 @@ PYBIND11_MODULE(_native, m) {
         py::arg("y_stride"), py::arg("threads"),
         "y (n_tokens, n_rows) fp32 = x (n_tokens, k) fp32 · Wᵀ, W (n_rows, k) in GGUF blocks (Q4_0/1, Q5_0/1, "
         "Q8_0, Q4_K, Q5_K, Q6_K, MXFP4); the activations are quantised to int16 per 32-block.");
+  m.def("quant_moe", [](uintptr_t x, int64_t n_rows, int64_t hidden, int64_t inter, int64_t x_stride, int gate_type,
+                        int up_type, int down_type, const py::array_t<int64_t, py::array::c_style>& experts,
+                        const py::array_t<int64_t, py::array::c_style>& tokens,
+                        const py::array_t<float, py::array::c_style>& weights, uintptr_t out, int64_t out_stride,
+                        int threads) {
+    auto set = quant_moe_set(x, n_rows, hidden, inter, x_stride, gate_type, up_type, down_type, experts, tokens,
+                             weights, out, out_stride, threads);
+    py::gil_scoped_release release;
+    quant_moe(set->problem, set->threads);
+  }, py::arg("x"), py::arg("n_rows"), py::arg("hidden"), py::arg("inter"), py::arg("x_stride"), py::arg("gate_type"),
+        py::arg("up_type"), py::arg("down_type"), py::arg("experts").noconvert(), py::arg("tokens").noconvert(),
+        py::arg("weights").noconvert(), py::arg("out"), py::arg("out_stride"), py::arg("threads"),
+        "A MoE layer's CPU set over quantised experts, added into out (N, H) fp32: experts (J, 4) int64 "
+        "(gate, up, down block addresses, pairs), the pairs' token rows and weights grouped by expert.");
   m.def("quant_dequantize", &quant_dequantize_py, py::arg("w"), py::arg("type"), py::arg("k"),
         py::arg("w_row_bytes"), py::arg("n_rows"), py::arg("row_begin"), py::arg("row_end"), py::arg("ids"),
         py::arg("out"), py::arg("out_stride"), py::arg("threads"),

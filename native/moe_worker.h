@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -50,6 +51,20 @@ class MoeWorker {
     wake_.notify_one();
   }
 
+  // Start a set of another kind (a quantised one, quant_moe.h) on the worker: the job owns or keeps
+  // alive what it reads; same protocol as `submit`.
+  void submit_job(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (state_ != State::idle) throw std::logic_error("the previous CPU set has not been collected (wait)");
+      job_ = std::move(job);
+      submitted_ = Clock::now();
+      error_.clear();
+      state_ = State::queued;
+    }
+    wake_.notify_one();
+  }
+
   // Block until the submitted set is done → (seconds from submit to start, seconds computing);
   // rethrows what the compute threw.
   std::pair<double, double> wait() {
@@ -82,11 +97,16 @@ class MoeWorker {
       state_ = State::running;
       const MoeProblem p = problem_;
       const int threads = threads_;
+      std::function<void()> job = std::move(job_);
+      job_ = nullptr;
       lock.unlock();
       const Clock::time_point start = Clock::now();
       std::string error;
       try {
-        moe_ffn(p, threads);
+        if (job)
+          job();
+        else
+          moe_ffn(p, threads);
       } catch (const std::exception& e) {
         error = e.what();
       } catch (...) {
@@ -108,6 +128,7 @@ class MoeWorker {
   bool stop_ = false;
   MoeProblem problem_{};
   int threads_ = 0;
+  std::function<void()> job_;  // set: the queued set is this job instead of problem_
   Clock::time_point submitted_;
   double queue_s_ = 0, compute_s_ = 0;
   std::string error_;

@@ -21,6 +21,7 @@ import torch
 
 from engine.experts.store import ExpertStore
 from engine.kernels.experts_torch import expert_ffn
+from engine.quant import moe as quant_moe
 from engine.quant.experts import clamped_swiglu_blocks, swiglu_blocks
 
 
@@ -126,7 +127,15 @@ def quant_cpu_set(store: ExpertStore, layer: int, experts: list[int], ids_h: np.
                   x_h: torch.Tensor, out: torch.Tensor | None, form=None):
     """The CPU set of a quantised store → compute(): expert by expert over the blocks in place
     (engine/quant's products, which leave the GIL to the driving thread while they run), in fp32.
-    form: the layer's experts_torch.ClampedSwiGLU with host biases (gpt-oss), or None (SwiGLU)."""
+    form: the layer's experts_torch.ClampedSwiGLU with host biases (gpt-oss), or None (SwiGLU).
+    Decode sizes of plain SwiGLU go as one native call (engine/quant/moe.py) instead."""
+    if form is None:
+        chosen, counts, rows, pair_w = quant_moe.group_pairs(ids_h, w_h, experts, store.n_experts)
+        table = np.concatenate([store.quant_addresses(layer)[chosen], counts[:, None]], axis=1)  # (J, 4)
+        types = tuple(code for code, *_ in store.layouts[layer].parts)
+        prepared = quant_moe.prepare(x_h, table, rows, pair_w, types, store.expert_ffn, out)
+        if prepared is not None:
+            return prepared
     views, tokens, weights = cpu_set_inputs(store, layer, experts, ids_h, w_h)
 
     def compute():
@@ -151,17 +160,10 @@ def native_cpu_set(store: ExpertStore, layer: int, experts: list[int], ids_h: np
         return None
     if native.module() is None:  # before the numpy work: without the extension every layer falls back
         return None
-    k = ids_h.shape[1]
-    flat = ids_h.ravel()  # (N·k,) expert of each (token, choice) pair
-    chosen = np.array(sorted(experts), dtype=np.int64)  # (J,) distinct, ascending: the order the pairs come in
-    on_cpu = np.zeros(store.n_experts, dtype=bool)
-    on_cpu[chosen] = True
-    pairs = np.flatnonzero(on_cpu[flat])
-    pairs = pairs[np.argsort(flat[pairs], kind="stable")]  # the CPU set's pairs grouped by expert
+    chosen, counts, tokens, weights = quant_moe.group_pairs(ids_h, w_h, experts, store.n_experts)
     table = store.moe_table(layer, chosen)  # (J, 5) int64
-    table[:, 4] = np.bincount(flat[pairs], minlength=store.n_experts)[chosen]  # pairs per expert
-    weights = np.ascontiguousarray(w_h.reshape(-1).float().numpy()[pairs])  # (pairs,) fp32
-    return experts_cpu.prepare_moe_table(x_h, table, pairs // k, weights, store.expert_ffn, store.dtype, out=out)
+    table[:, 4] = counts  # pairs per expert
+    return experts_cpu.prepare_moe_table(x_h, table, tokens, weights, store.expert_ffn, store.dtype, out=out)
 
 
 def routed_cpu_set(store: ExpertStore, layer: int, experts: list[int], ids_h: np.ndarray, w_h: torch.Tensor,

@@ -108,6 +108,7 @@ class ExpertStore:
         self._block_views: dict[int, torch.Tensor] = {}
         self._expert_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._moe_rows: np.ndarray | None = None  # (L, E, 5) int64, see moe_table
+        self._quant_rows: dict[int, np.ndarray] = {}  # layer → (E, 3) int64, see quant_addresses
         self.huge_pages = self.nbytes >= HUGE_PAGE and bool(huge_page_eligible(self.blocks))
         self.pinned = False
         self._finalizer = None
@@ -229,6 +230,16 @@ class ExpertStore:
                          block[self._split:].view(self.hidden, self.expert_ffn))
             self._expert_views[index] = views
         return views
+
+    def quant_addresses(self, layer: int) -> np.ndarray:
+        """A quantised store's (E, 3) int64 gate, up and down block addresses of the layer's experts
+        (engine/quant/moe.py's table), made once a layer (the blocks never move)."""
+        rows = self._quant_rows.get(layer)
+        if rows is None:
+            first = self.blocks.data_ptr() + self.block_of[layer] * self.block_bytes  # (E,)
+            offsets = np.array([at for _, _, _, at, _ in self.layouts[layer].parts], dtype=np.int64)
+            rows = self._quant_rows[layer] = first[:, None] + offsets  # (E, 3)
+        return rows
 
     def moe_table(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Rows of the native moe_ffn table for these experts, (J, 5) int64 (a new array): gate_up

@@ -318,6 +318,10 @@ class PreparedMoe:
         self._add_torch_part()
         return self.out
 
+    def start(self, worker) -> None:
+        """Hand the set to the native worker (native/moe_worker.h)."""
+        worker.submit(*self.native_args)
+
     def _add_torch_part(self) -> None:
         """Experts above native_max_tokens, through the reference kernel, added into out."""
         for j in self._on_torch:
@@ -343,6 +347,10 @@ class RoutedMoe:
     def __call__(self) -> torch.Tensor:
         raise RuntimeError("a routed CPU set runs on the native worker (MoeWorker.submit)")
 
+    def start(self, worker) -> None:
+        """Hand the set to the native worker (native/moe_worker.h)."""
+        worker.submit_routed(*self.routed_args)
+
 
 class MoeWorker:
     """The native worker thread (native/moe_worker.h): runs a PreparedMoe that is one native call with
@@ -357,13 +365,12 @@ class MoeWorker:
         nat = native.module()
         return cls(nat.MoeWorker()) if nat is not None and hasattr(nat, "MoeWorker") else None
 
-    def submit(self, prepared: "PreparedMoe | RoutedMoe") -> None:
+    def submit(self, prepared) -> None:
+        """prepared: a set that is one native call (PreparedMoe, RoutedMoe, quant.moe.QuantMoe): its
+        `start` hands it to the worker."""
         if not prepared.one_native_call:
             raise ValueError("the native worker runs sets that are one native call (PreparedMoe.one_native_call)")
-        if isinstance(prepared, RoutedMoe):
-            self._worker.submit_routed(*prepared.routed_args)
-        else:
-            self._worker.submit(*prepared.native_args)
+        prepared.start(self._worker)
         self._job = prepared  # keeps x, the table and the pair arrays alive while the worker reads them
 
     def wait(self) -> tuple[torch.Tensor, float, float]:

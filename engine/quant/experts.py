@@ -17,13 +17,15 @@ activation between them, expert by expert (the biases differ per expert, so copi
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.experts.executor import ResidentExperts
 from engine.kernels.experts_torch import ClampedSwiGLU
 from engine.quant.blocks import QuantRows, QuantStack
-from engine.quant.matmul import implementation, quant_linear
+from engine.quant import moe as quant_moe
+from engine.quant.matmul import NATIVE_MAX_TOKENS, implementation, quant_linear
 
 
 class QuantResidentExperts(ResidentExperts):
@@ -46,6 +48,13 @@ class QuantResidentExperts(ResidentExperts):
                 of.append(index[key])
             self.groups.append(torch.tensor(of, dtype=torch.long))  # (E,)
             self.unique.append(pairs)
+        # per layer: the distinct experts' (G, 3) block addresses and the layer's types, for decode
+        # steps as one native call (engine/quant/moe.py); None where the types vary within the layer
+        self.tables: list[tuple[np.ndarray, tuple] | None] = []
+        for pairs in self.unique:
+            rows = [quant_moe.block_addresses(gu, dn) for gu, dn in pairs]
+            same = len({types for *_, types in rows}) == 1
+            self.tables.append((np.array([r[:3] for r in rows], dtype=np.int64), rows[0][3]) if same else None)
 
     def set_form(self, layer, form: ClampedSwiGLU) -> None:
         """The layer's experts have biases and the clamped SwiGLU (gpt-oss): the form's biases are
@@ -67,6 +76,15 @@ class QuantResidentExperts(ResidentExperts):
             gate_up, down = pairs[0]
             return swiglu_blocks(x, gate_up, down) * weights.sum(-1, keepdim=True).to(x.dtype)
         group = self.groups[layer][ids]  # (N, k): distinct expert of each choice
+        table = self.tables[layer]
+        if table is not None and x.shape[0] <= NATIVE_MAX_TOKENS:  # a decode step: one native call
+            addresses, types = table
+            g = group.numpy()
+            chosen, counts, rows, w = quant_moe.group_pairs(g, weights, np.unique(g).tolist(), len(pairs))
+            prepared = quant_moe.prepare(x, np.concatenate([addresses[chosen], counts[:, None]], axis=1), rows, w,
+                                         types, self.gate_up[layer].shape[1] // 2)
+            if prepared is not None:
+                return prepared().to(x.dtype)
         out = torch.zeros(x.shape, dtype=torch.float32)
         for j in torch.unique(group).tolist():
             w = (weights.float() * (group == j)).sum(-1)  # (N,): the token's weight on expert j

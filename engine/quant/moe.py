@@ -1,0 +1,95 @@
+"""One MoE layer's quantised experts in one native call (native/quant_moe.h): `QuantMoe`.
+
+The experts' gate, up and down products over their blocks, SiLU(gate)·up and the weighted sum, for
+every (token, choice) pair the set holds, without Python between the products: the per-expert loop
+(engine/quant/experts.py `swiglu_blocks`) spends ~60 µs of Python an expert around the same native
+products. Decode sizes only (≤ NATIVE_MAX_TOKENS tokens): larger sets run the loop, whose products
+switch to dequantised tiles and a GEMM there. Plain SwiGLU only (gpt-oss's biased, clamped form runs
+the loop).
+
+The table gives each expert's three block addresses (rows contiguous, a layer's types fixed):
+
+    experts (J, 4) int64   gate address, up address, down address, pairs
+    tokens  (P,) int64     the token row of each pair, grouped by expert in table order
+    weights (P,) float32   its routing weight
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.kernels import native
+from engine.quant.blocks import QuantRows, QuantTensor
+from engine.quant.matmul import NATIVE_MAX_TOKENS
+
+
+def available() -> bool:
+    nat = native.module()
+    return nat is not None and hasattr(nat, "quant_moe")
+
+
+def block_addresses(gate_up, down: QuantTensor) -> tuple[int, int, int, tuple[int, int, int]]:
+    """An expert's (gate, up, down) addresses and their type codes; gate_up a QuantRows of gate and up
+    (a GGUF's) or one QuantTensor of both (gate rows first)."""
+    if isinstance(gate_up, QuantRows):
+        gate, up = gate_up.parts
+        return gate.blocks.data_ptr(), up.blocks.data_ptr(), down.blocks.data_ptr(), \
+            (gate.qtype.code, up.qtype.code, down.qtype.code)
+    half = gate_up.shape[0] // 2  # (2I, H): the up rows start I rows in
+    start = gate_up.blocks.data_ptr()
+    return start, start + half * gate_up.row_bytes, down.blocks.data_ptr(), \
+        (gate_up.qtype.code, gate_up.qtype.code, down.qtype.code)
+
+
+def group_pairs(ids: np.ndarray, weights: torch.Tensor, experts: list[int], n_experts: int):
+    """The pairs of `experts` among the routing ids (N, k): (chosen (J,) ascending, pairs per chosen
+    expert (J,), token rows (P,), weights (P,) fp32), pairs grouped by expert, in (token, choice) order
+    (the order every native CPU set takes them in: engine/kernels/experts_cpu.py's tables too)."""
+    k = ids.shape[1]
+    flat = ids.ravel()  # (N·k,) expert of each (token, choice) pair
+    chosen = np.array(sorted(experts), dtype=np.int64)
+    on = np.zeros(n_experts, dtype=bool)
+    on[chosen] = True
+    pairs = np.flatnonzero(on[flat])
+    pairs = pairs[np.argsort(flat[pairs], kind="stable")]
+    counts = np.bincount(flat[pairs], minlength=n_experts)[chosen]
+    w = np.ascontiguousarray(weights.reshape(-1).float().numpy()[pairs])
+    return chosen, counts, np.ascontiguousarray(pairs // k), w
+
+
+class QuantMoe:
+    """A prepared set: calling it computes on the calling thread (the GIL released) and returns `out`
+    (N, H) fp32; `start(worker)` hands it to the native worker instead (experts_cpu.MoeWorker)."""
+
+    one_native_call = True
+
+    def __init__(self, x: torch.Tensor, table: np.ndarray, tokens: np.ndarray, weights: np.ndarray,
+                 types: tuple[int, int, int], inter: int, out: torch.Tensor, threads: int):
+        N, H = x.shape
+        self.out = out
+        self._x = x  # read through its address until the set is done
+        self._args = (x.data_ptr(), N, H, inter, x.stride(0), *types, table, tokens, weights, out.data_ptr(),
+                      out.stride(0), threads)
+
+    def __call__(self) -> torch.Tensor:
+        self.out.zero_()
+        native.module().quant_moe(*self._args)
+        return self.out
+
+    def start(self, worker) -> None:
+        self.out.zero_()
+        worker.submit_quant(*self._args)
+
+
+def prepare(x: torch.Tensor, table: np.ndarray, tokens: np.ndarray, weights: np.ndarray, types: tuple[int, int, int],
+            inter: int, out: torch.Tensor | None = None) -> QuantMoe | None:
+    """x (N, H) on the host, any float dtype; table (J, 4) int64 as the module docstring says; out
+    (N, H) fp32 or None → a QuantMoe, or None where the native set does not take it (no extension,
+    more than NATIVE_MAX_TOKENS tokens)."""
+    if not available() or x.shape[0] > NATIVE_MAX_TOKENS or not len(table):
+        return None
+    xf = x.float().contiguous()  # (N, H) fp32: a copy for any other dtype, read until the set is done
+    out = torch.empty(xf.shape, dtype=torch.float32) if out is None else out
+    return QuantMoe(xf, np.ascontiguousarray(table, dtype=np.int64), tokens, weights, types, inter, out,
+                    native.threads())
