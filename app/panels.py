@@ -221,6 +221,8 @@ class LivePanels(QWidget):
         parts += [f"{label} {fmt_bytes(h[key])}" for key, label in
                   (("kv_pinned", "KV pinned"), ("kv_unpinned", "KV unpinned"), ("expert_store", "expert store"))
                   if h.get(key) is not None]  # a region this engine does not keep is left out, not shown as n/a
+        if h.get("expert_store") is not None and h.get("expert_store_types"):  # quantised as the file has them
+            parts[-1] += f" ({'/'.join(h['expert_store_types'])} blocks)"
         plan = (s.get("model") or {}).get("plan")
         line = plan_line(plan) if plan else ""
         self.host_text.setText("Host: " + " · ".join(parts) + (f"<br>Plan: {line}" if line else ""))

@@ -105,7 +105,7 @@ def test_stop_strings_cut_the_text(dense_engine):
 SECTION_KEYS = {
     "vram": {"weights", "expert_cache", "kv_dwindow", "kv_pingpong", "kv_resident", "workspace", "budget",
              "device_total", "device_used"},
-    "host": {"kv_pinned", "kv_unpinned", "expert_store", "rss"},
+    "host": {"kv_pinned", "kv_unpinned", "expert_store", "expert_store_types", "rss"},
     "kv": {"tokens", "r_target", "r_deployed", "A_ns_per_token", "B_ns_per_token", "delta_ms"},
     "experts": {"hits", "misses", "fills", "cpu_executed", "evictions", "prefetch_used", "prefetch_wasted",
                 "hit_rate"},

@@ -80,7 +80,8 @@ class Telemetry:
         if pinned is not None and kv_bytes.get("kv_staging"):
             pinned += kv_bytes["kv_staging"]
         host = {"kv_pinned": pinned, "kv_unpinned": kv_bytes.get("kv_unpinned"),
-                "expert_store": (experts_tel or {}).get("store_bytes"), "rss": psutil.Process().memory_info().rss}
+                "expert_store": (experts_tel or {}).get("store_bytes"), "rss": psutil.Process().memory_info().rss,
+                "expert_store_types": (experts_tel or {}).get("store_types")}  # a GGUF's blocks kept: their types
         kv_tokens = {"dwindow": None, "pinned": None, "unpinned": None, "resident": None}
         kv_tokens.update(kv_tel.get("tokens", {}))
         kv = {"policy": kv_tel.get("policy"), "tokens": kv_tokens}

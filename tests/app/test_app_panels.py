@@ -56,6 +56,7 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
                            prefetch_wasted=1, hit_rate=0.9,
                            zero_copy={"graph_steps": 40, "zero_copy_experts": 1200, "graph_fills": 1100})
     base["pcie"].update(h2d_bytes=3 * gib, d2h_bytes=gib // 10, h2d_gbps=24.5, d2h_gbps=1.5)
+    base["host"].update(expert_store=17 * gib, expert_store_types=["Q4_K", "Q6_K"])  # a Q4_K_M file's experts
     snap = StatsSnapshot(**base).to_dict()  # the engine's own record type: the fields must exist
     snap["t"] = 1.0
     panels = LivePanels()
@@ -73,6 +74,7 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
     assert "fills 10.0/s" in panels.experts_text.text() and "CPU-executed 2.0/s" in panels.experts_text.text()
     assert panels.flow_plot.values("fills_per_s") == [None, 10.0]  # no rate from a single sample
     assert "one-graph steps 40 · read in place 1,200" in panels.counts_text.text()
+    assert "expert store 17.00 GiB (Q4_K/Q6_K blocks)" in panels.host_text.text()
     assert "H2D 24.50 GB/s" in panels.pcie_text.text() and "D2H 1.50 GB/s" in panels.pcie_text.text()
     img = panels.grab()
     assert not img.isNull() and img.width() > 100

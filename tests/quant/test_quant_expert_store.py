@@ -117,6 +117,8 @@ def test_offloaded_quantised_experts_follow_the_dequantised_file(files, policy):
         stats = experts.telemetry()
         assert "Q4_K" in stats["store_types"] and stats["zero_copy"] == {"off": "the host store is quantised"}
         assert stats["h2d_bytes"] % experts.store.block_bytes == 0  # every copy a quantised block
+        host = quant.stats().to_dict()["host"]  # what the app's memory panel shows
+        assert host["expert_store"] == experts.store.nbytes and host["expert_store_types"] == stats["store_types"]
         if policy == "cpu-only":
             assert stats["cpu_executed"] > 0 and stats["fills"] == 0
         if policy == "on-demand":
