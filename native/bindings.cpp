@@ -258,16 +258,21 @@ std::shared_ptr<QuantMoeSet> quant_moe_set(uintptr_t x, int64_t n_rows, int64_t 
                                            const py::array_t<int64_t, py::array::c_style>& experts,
                                            const py::array_t<int64_t, py::array::c_style>& tokens,
                                            const py::array_t<float, py::array::c_style>& weights, uintptr_t out,
-                                           int64_t out_stride, int threads) {
-  require(experts.ndim() == 2 && experts.shape(1) == 4, "experts must be an int64 table (J, 4): gate, up, down, pairs");
+                                           int64_t out_stride, int threads, bool clamped, double alpha,
+                                           double limit) {
+  require(experts.ndim() == 2 && (experts.shape(1) == 4 || experts.shape(1) == 6),
+          "experts must be an int64 table (J, 4): gate, up, down, pairs; or (J, 6) with the two bias addresses");
   require(tokens.ndim() == 1 && weights.ndim() == 1 && tokens.shape(0) == weights.shape(0),
           "tokens and weights: one per pair");
   auto set = std::make_shared<QuantMoeSet>();
   int64_t pairs = 0;
   for (int64_t j = 0; j < experts.shape(0); ++j) {
-    const int64_t* r = experts.data() + 4 * j;
+    const int64_t* r = experts.data() + experts.shape(1) * j;
+    const bool biased = experts.shape(1) == 6;
     set->experts.push_back({reinterpret_cast<const uint8_t*>(r[0]), reinterpret_cast<const uint8_t*>(r[1]),
-                            reinterpret_cast<const uint8_t*>(r[2]), r[3]});
+                            reinterpret_cast<const uint8_t*>(r[2]), r[3],
+                            biased ? reinterpret_cast<const float*>(r[4]) : nullptr,
+                            biased ? reinterpret_cast<const float*>(r[5]) : nullptr});
     pairs += r[3];
   }
   require(pairs == tokens.shape(0), "the experts' pair counts must add up to the pairs given");
@@ -275,7 +280,8 @@ std::shared_ptr<QuantMoeSet> quant_moe_set(uintptr_t x, int64_t n_rows, int64_t 
   set->weights.assign(weights.data(), weights.data() + weights.shape(0));
   set->problem = {reinterpret_cast<const float*>(x), n_rows, hidden, inter, x_stride, QType(gate_type),
                   QType(up_type), QType(down_type), set->experts.data(), int64_t(set->experts.size()),
-                  set->tokens.data(), set->weights.data(), reinterpret_cast<float*>(out), out_stride};
+                  set->tokens.data(), set->weights.data(), reinterpret_cast<float*>(out), out_stride, clamped,
+                  float(alpha), float(limit)};
   set->threads = threads;
   check_quant_moe(set->problem);  // here, so a bad set fails in the caller, not on the worker
   return set;
@@ -371,14 +377,15 @@ PYBIND11_MODULE(_native, m) {
                               const py::array_t<int64_t, py::array::c_style>& experts,
                               const py::array_t<int64_t, py::array::c_style>& tokens,
                               const py::array_t<float, py::array::c_style>& weights, uintptr_t out,
-                              int64_t out_stride, int threads) {
+                              int64_t out_stride, int threads, bool clamped, double alpha, double limit) {
         auto set = quant_moe_set(x, n_rows, hidden, inter, x_stride, gate_type, up_type, down_type, experts, tokens,
-                                 weights, out, out_stride, threads);
+                                 weights, out, out_stride, threads, clamped, alpha, limit);
         w.submit_job([set] { quant_moe(set->problem, set->threads); });
       }, py::arg("x"), py::arg("n_rows"), py::arg("hidden"), py::arg("inter"), py::arg("x_stride"),
            py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("experts").noconvert(),
            py::arg("tokens").noconvert(), py::arg("weights").noconvert(), py::arg("out"), py::arg("out_stride"),
-           py::arg("threads"), "Start quant_moe's arguments on the worker (the previous set must be collected).")
+           py::arg("threads"), py::arg("clamped") = false, py::arg("alpha") = 1.702, py::arg("limit") = 7.0,
+           "Start quant_moe's arguments on the worker (the previous set must be collected).")
       .def("wait", [](MoeWorker& w) {
         py::gil_scoped_release release;
         return w.wait();
@@ -412,16 +419,18 @@ PYBIND11_MODULE(_native, m) {
                         int up_type, int down_type, const py::array_t<int64_t, py::array::c_style>& experts,
                         const py::array_t<int64_t, py::array::c_style>& tokens,
                         const py::array_t<float, py::array::c_style>& weights, uintptr_t out, int64_t out_stride,
-                        int threads) {
+                        int threads, bool clamped, double alpha, double limit) {
     auto set = quant_moe_set(x, n_rows, hidden, inter, x_stride, gate_type, up_type, down_type, experts, tokens,
-                             weights, out, out_stride, threads);
+                             weights, out, out_stride, threads, clamped, alpha, limit);
     py::gil_scoped_release release;
     quant_moe(set->problem, set->threads);
   }, py::arg("x"), py::arg("n_rows"), py::arg("hidden"), py::arg("inter"), py::arg("x_stride"), py::arg("gate_type"),
         py::arg("up_type"), py::arg("down_type"), py::arg("experts").noconvert(), py::arg("tokens").noconvert(),
         py::arg("weights").noconvert(), py::arg("out"), py::arg("out_stride"), py::arg("threads"),
+        py::arg("clamped") = false, py::arg("alpha") = 1.702, py::arg("limit") = 7.0,
         "A MoE layer's CPU set over quantised experts, added into out (N, H) fp32: experts (J, 4) int64 "
-        "(gate, up, down block addresses, pairs), the pairs' token rows and weights grouped by expert.");
+        "(gate, up, down block addresses, pairs; (J, 6) adds fp32 gate_up and down bias addresses), the pairs' "
+        "token rows and weights grouped by expert; clamped: gpt-oss's clamped SwiGLU with alpha and limit.");
   m.def("quant_dequantize", &quant_dequantize_py, py::arg("w"), py::arg("type"), py::arg("k"),
         py::arg("w_row_bytes"), py::arg("n_rows"), py::arg("row_begin"), py::arg("row_end"), py::arg("ids"),
         py::arg("out"), py::arg("out_stride"), py::arg("threads"),

@@ -7,8 +7,12 @@
 //
 // Decode sizes only (a few tokens an expert): the integer products' cost grows with the tokens, and
 // above engine/quant/matmul.py's NATIVE_MAX_TOKENS dequantised tiles and a GEMM win (Python does those).
+//
+// gpt-oss's form: fp32 biases per expert added to the gate/up and down products, and the clamped
+// SwiGLU (g = min(g, limit), u = clamp(u, ±limit), (u + 1)·g·σ(alpha·g)) in place of SiLU(g)·u.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -25,6 +29,8 @@ struct QuantMoeExpert {
   const uint8_t* up;
   const uint8_t* down;
   int64_t n_pairs;
+  const float* gate_up_bias = nullptr;  // (2·inter,) fp32, gate half first, or null: none
+  const float* down_bias = nullptr;     // (hidden,) fp32, or null: none
 };
 
 struct QuantMoeProblem {
@@ -37,6 +43,8 @@ struct QuantMoeProblem {
   const float* weights;   // (Σ n_pairs,) its routing weight
   float* out;             // (n_rows, hidden) fp32, row stride out_stride: the set's sum is added to it
   int64_t out_stride;
+  bool clamped = false;  // gpt-oss's clamped SwiGLU instead of SiLU(g)·u
+  float alpha = 1.702f, limit = 7.0f;
 };
 
 inline int64_t quant_row_bytes(QType type, int64_t k) {
@@ -83,9 +91,16 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
     quant_matmul({e.gate, p.gate_type, I, H, quant_row_bytes(p.gate_type, H), xs.data(), n, H, gate.data(), I},
                  n_threads);
     quant_matmul({e.up, p.up_type, I, H, quant_row_bytes(p.up_type, H), xs.data(), n, H, up.data(), I}, n_threads);
-    for (int64_t i = 0; i < n * I; ++i) {  // SiLU(gate)·up, in place in gate: (n, I)
-      const float g = gate[size_t(i)];
-      gate[size_t(i)] = g / (1.0f + std::exp(-g)) * up[size_t(i)];
+    for (int64_t i = 0; i < n * I; ++i) {  // act(gate, up), in place in gate: (n, I)
+      float g = gate[size_t(i)], u = up[size_t(i)];
+      if (e.gate_up_bias) g += e.gate_up_bias[i % I], u += e.gate_up_bias[I + i % I];
+      if (p.clamped) {
+        g = std::min(g, p.limit);
+        u = std::max(std::min(u, p.limit), -p.limit);
+        gate[size_t(i)] = (u + 1.0f) * g / (1.0f + std::exp(-p.alpha * g));
+      } else {
+        gate[size_t(i)] = g / (1.0f + std::exp(-g)) * u;
+      }
     }
     quant_matmul({e.down, p.down_type, H, I, quant_row_bytes(p.down_type, I), gate.data(), n, I, y.data(), H},
                  n_threads);
@@ -93,7 +108,10 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
       const float w = p.weights[at + i];
       float* row = p.out + p.tokens[at + i] * p.out_stride;
       const float* yi = y.data() + i * H;
-      for (int64_t h = 0; h < H; ++h) row[h] += w * yi[h];
+      if (e.down_bias)
+        for (int64_t h = 0; h < H; ++h) row[h] += w * (yi[h] + e.down_bias[h]);
+      else
+        for (int64_t h = 0; h < H; ++h) row[h] += w * yi[h];
     }
     at += n;
   }

@@ -128,14 +128,13 @@ def quant_cpu_set(store: ExpertStore, layer: int, experts: list[int], ids_h: np.
     """The CPU set of a quantised store → compute(): expert by expert over the blocks in place
     (engine/quant's products, which leave the GIL to the driving thread while they run), in fp32.
     form: the layer's experts_torch.ClampedSwiGLU with host biases (gpt-oss), or None (SwiGLU).
-    Decode sizes of plain SwiGLU go as one native call (engine/quant/moe.py) instead."""
-    if form is None:
-        chosen, counts, rows, pair_w = quant_moe.group_pairs(ids_h, w_h, experts, store.n_experts)
-        table = np.concatenate([store.quant_addresses(layer)[chosen], counts[:, None]], axis=1)  # (J, 4)
-        types = tuple(code for code, *_ in store.layouts[layer].parts)
-        prepared = quant_moe.prepare(x_h, table, rows, pair_w, types, store.expert_ffn, out)
-        if prepared is not None:
-            return prepared
+    Decode sizes go as one native call (engine/quant/moe.py) instead."""
+    chosen, counts, rows, pair_w = quant_moe.group_pairs(ids_h, w_h, experts, store.n_experts)
+    table = np.concatenate([store.quant_addresses(layer)[chosen], counts[:, None]], axis=1)  # (J, 4)
+    types = tuple(code for code, *_ in store.layouts[layer].parts)
+    prepared = quant_moe.prepare(x_h, table, rows, pair_w, types, store.expert_ffn, out, form, chosen)
+    if prepared is not None:
+        return prepared
     views, tokens, weights = cpu_set_inputs(store, layer, experts, ids_h, w_h)
 
     def compute():

@@ -58,31 +58,31 @@ class QuantResidentExperts(ResidentExperts):
 
     def set_form(self, layer, form: ClampedSwiGLU) -> None:
         """The layer's experts have biases and the clamped SwiGLU (gpt-oss): the form's biases are
-        (E, 2I) gate half first and (E, H), indexed by expert id."""
+        (E, 2I) gate half first and (E, H), indexed by expert id (so its experts are not merged)."""
         E, two_i, H = self.gate_up[layer].shape
         if form.gate_up_bias.shape != (E, two_i) or form.down_bias.shape != (E, H):
             raise ValueError(f"layer {layer}: expert biases {tuple(form.gate_up_bias.shape)}, "
                              f"{tuple(form.down_bias.shape)} do not fit {E} experts of ({two_i}, {H})")
+        if len(self.unique[layer]) != E:
+            raise ValueError(f"layer {layer}: experts with biases of their own cannot share blocks")
         self.forms[layer] = form
 
     def run(self, layer, x, ids, weights):
         """x (N, H), ids (N, k), weights (N, k) → (N, H) in x's dtype."""
         self.tokens_routed += ids.numel()
         form = self.forms.get(layer)
-        if form is not None:
-            return self._run_form(layer, form, x, ids, weights)
         pairs = self.unique[layer]
-        if len(pairs) == 1:  # every expert the same blocks: one SwiGLU, each token weighted by its k weights' sum
-            gate_up, down = pairs[0]
+        if len(pairs) == 1 and form is None:  # every expert the same blocks: one SwiGLU, each token weighted
+            gate_up, down = pairs[0]  # by its k weights' sum
             return swiglu_blocks(x, gate_up, down) * weights.sum(-1, keepdim=True).to(x.dtype)
-        group = self.groups[layer][ids]  # (N, k): distinct expert of each choice
+        group = self.groups[layer][ids]  # (N, k): distinct expert of each choice (the expert, with a form)
         table = self.tables[layer]
         if table is not None and x.shape[0] <= NATIVE_MAX_TOKENS:  # a decode step: one native call
             addresses, types = table
             g = group.numpy()
             chosen, counts, rows, w = quant_moe.group_pairs(g, weights, np.unique(g).tolist(), len(pairs))
             prepared = quant_moe.prepare(x, np.concatenate([addresses[chosen], counts[:, None]], axis=1), rows, w,
-                                         types, self.gate_up[layer].shape[1] // 2)
+                                         types, self.gate_up[layer].shape[1] // 2, form=form, chosen=chosen)
             if prepared is not None:
                 return prepared().to(x.dtype)
         out = torch.zeros(x.shape, dtype=torch.float32)
@@ -90,17 +90,9 @@ class QuantResidentExperts(ResidentExperts):
             w = (weights.float() * (group == j)).sum(-1)  # (N,): the token's weight on expert j
             rows = torch.nonzero(w, as_tuple=True)[0]
             gate_up, down = pairs[j]
-            out.index_add_(0, rows, swiglu_blocks(x[rows], gate_up, down).float() * w[rows, None])
-        return out.to(x.dtype)
-
-    def _run_form(self, layer, form: ClampedSwiGLU, x, ids, weights):
-        gate_up, down = self.gate_up[layer].experts, self.down[layer].experts
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        for e in torch.unique(ids).tolist():
-            chose = ids == e  # (N, k)
-            rows = torch.nonzero(chose.any(-1), as_tuple=True)[0]
-            w = (weights.float() * chose).sum(-1)[rows]  # (n,): each token's weight on expert e
-            out.index_add_(0, rows, clamped_swiglu_blocks(x[rows], gate_up[e], down[e], form, e).float() * w[:, None])
+            y = swiglu_blocks(x[rows], gate_up, down) if form is None else \
+                clamped_swiglu_blocks(x[rows], gate_up, down, form, j)
+            out.index_add_(0, rows, y.float() * w[rows, None])
         return out.to(x.dtype)
 
     def nbytes(self) -> int:

@@ -4,12 +4,13 @@ The experts' gate, up and down products over their blocks, SiLU(gate)·up and th
 every (token, choice) pair the set holds, without Python between the products: the per-expert loop
 (engine/quant/experts.py `swiglu_blocks`) spends ~60 µs of Python an expert around the same native
 products. Decode sizes only (≤ NATIVE_MAX_TOKENS tokens): larger sets run the loop, whose products
-switch to dequantised tiles and a GEMM there. Plain SwiGLU only (gpt-oss's biased, clamped form runs
-the loop).
+switch to dequantised tiles and a GEMM there. gpt-oss's form (experts_torch.ClampedSwiGLU: fp32 biases
+on the host, the clamped SwiGLU) is two more columns of the table and three arguments.
 
 The table gives each expert's three block addresses (rows contiguous, a layer's types fixed):
 
     experts (J, 4) int64   gate address, up address, down address, pairs
+                           (J, 6) with a form: + its gate_up and down bias rows' addresses
     tokens  (P,) int64     the token row of each pair, grouped by expert in table order
     weights (P,) float32   its routing weight
 """
@@ -65,12 +66,13 @@ class QuantMoe:
     one_native_call = True
 
     def __init__(self, x: torch.Tensor, table: np.ndarray, tokens: np.ndarray, weights: np.ndarray,
-                 types: tuple[int, int, int], inter: int, out: torch.Tensor, threads: int):
+                 types: tuple[int, int, int], inter: int, out: torch.Tensor, threads: int, form=None):
         N, H = x.shape
         self.out = out
-        self._x = x  # read through its address until the set is done
+        self._keep = (x, form)  # read through their addresses (x, the form's biases) until the set is done
+        clamp = () if form is None else (True, float(form.alpha), float(form.limit))
         self._args = (x.data_ptr(), N, H, inter, x.stride(0), *types, table, tokens, weights, out.data_ptr(),
-                      out.stride(0), threads)
+                      out.stride(0), threads, *clamp)
 
     def __call__(self) -> torch.Tensor:
         self.out.zero_()
@@ -83,13 +85,21 @@ class QuantMoe:
 
 
 def prepare(x: torch.Tensor, table: np.ndarray, tokens: np.ndarray, weights: np.ndarray, types: tuple[int, int, int],
-            inter: int, out: torch.Tensor | None = None) -> QuantMoe | None:
+            inter: int, out: torch.Tensor | None = None, form=None, chosen: np.ndarray | None = None
+            ) -> QuantMoe | None:
     """x (N, H) on the host, any float dtype; table (J, 4) int64 as the module docstring says; out
-    (N, H) fp32 or None → a QuantMoe, or None where the native set does not take it (no extension,
-    more than NATIVE_MAX_TOKENS tokens)."""
+    (N, H) fp32 or None; form: a ClampedSwiGLU with the experts `chosen` (the table's rows) → a
+    QuantMoe, or None where the native set does not take it (no extension, more than NATIVE_MAX_TOKENS
+    tokens, biases that are not fp32 rows on the host)."""
     if not available() or x.shape[0] > NATIVE_MAX_TOKENS or not len(table):
         return None
+    if form is not None:
+        biases = [form.gate_up_bias, form.down_bias]  # (E, 2I), (E, H)
+        if any(b.dtype != torch.float32 or b.device.type != "cpu" or b.stride(-1) != 1 for b in biases):
+            return None
+        rows = [b.data_ptr() + chosen.astype(np.int64) * b.stride(0) * 4 for b in biases]  # each chosen expert's row
+        table = np.concatenate([table, np.stack(rows, axis=1)], axis=1)  # (J, 6)
     xf = x.float().contiguous()  # (N, H) fp32: a copy for any other dtype, read until the set is done
     out = torch.empty(xf.shape, dtype=torch.float32) if out is None else out
     return QuantMoe(xf, np.ascontiguousarray(table, dtype=np.int64), tokens, weights, types, inter, out,
-                    native.threads())
+                    native.threads(), form)

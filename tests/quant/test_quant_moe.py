@@ -123,3 +123,29 @@ def test_bad_tables_are_refused_before_any_output(experts):
         from engine.kernels import native
 
         native.module().quant_moe(*args)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_gpt_oss_form_biases_and_clamp(experts, n, monkeypatch):
+    """Biases per expert and the clamped SwiGLU (scaled so that many pre-activations pass the clamp)."""
+    from engine.kernels.experts_torch import ClampedSwiGLU
+    from engine.quant.experts import clamped_swiglu_blocks
+
+    gate_up, down = experts
+    gen = torch.Generator().manual_seed(11)
+    form = ClampedSwiGLU(torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen), alpha=1.702, limit=0.5)
+    x, ids, w = routing(n, seed=20 + n)
+    x = x * 4  # pre-activations of a few units: past ±limit often
+    want = torch.zeros(n, H)
+    for t in range(n):
+        for j in range(K):
+            e = int(ids[t, j])
+            want[t] += w[t, j] * clamped_swiglu_blocks(x[t:t + 1], gate_up.experts[e], down.experts[e], form, e)[0]
+    executor = QuantResidentExperts([gate_up], [down])
+    executor.set_form(0, form)
+    calls = []
+    monkeypatch.setattr(quant_moe.QuantMoe, "__call__",
+                        lambda self, f=quant_moe.QuantMoe.__call__: calls.append(1) or f(self))
+    got = executor.run(0, x, ids, w)
+    assert calls  # one native call, biases and clamp inside it
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
