@@ -260,10 +260,11 @@ class Cell:
     target: str
     run: Callable[[Ctx], list[dict]]
     routed: bool = False  # offloads experts: reported under every routing
+    in_quick: bool = True  # a CPU cell --quick runs (not one that first makes a multi-GB model file)
 
 
 def cells() -> list[Cell]:
-    from engine.bench import suite_gpu
+    from engine.bench import suite_cpu_moe, suite_gpu
 
     return [
         Cell("cpu-builtin", "Built-in SmolLM2-135M on the CPU, same GGUF (Q4_1)", "cpu",
@@ -272,6 +273,7 @@ def cells() -> list[Cell]:
              "per row", cell_cpu_kernels),
         Cell("cpu-busy-core", "Built-in SmolLM2-135M on the CPU with a core busy with another program", "cpu",
              "decode ≥ 1× llama.cpp", cell_cpu_busy_core),
+        *suite_cpu_moe.cells(Cell),
         *suite_gpu.cells(Cell),
     ]
 
@@ -358,7 +360,7 @@ def run(*, quick: bool = False, rounds: int | None = None, cell_ids: list[str] |
             raise ValueError(f"unknown cells {unknown}; the cells are: {', '.join(sorted(known))}")
         selected = [c for c in all_cells if c.id in cell_ids]
     else:
-        selected = [c for c in all_cells if c.needs == "cpu"] if quick else all_cells
+        selected = [c for c in all_cells if c.needs == "cpu" and c.in_quick] if quick else all_cells
     trees = [this_tree()]
     if against:
         trees.append(add_worktree(against, progress))

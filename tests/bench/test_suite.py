@@ -285,3 +285,19 @@ def test_the_probe_decodes_each_of_several_prompt_lengths_with_one_load():
     out = suite.probe(suite.REPO, spec)
     assert set(out["decode_tok_s_by_prompt"]) == {"8", "40"} and all(v > 0 for v in out["decode_tok_s_by_prompt"].values())
     assert out["prefill_tok_s_by_prompt"]["40"] > 0 and "decode_tok_s" not in out
+
+
+def test_the_cpu_moe_cell_makes_its_file_once_and_stays_out_of_quick(tmp_path, monkeypatch):
+    from engine.bench import suite_cpu_moe
+
+    cell = next(c for c in suite.cells() if c.id == "cpu-moe-q4km-L8")
+    assert cell.needs == "cpu" and not cell.in_quick  # --quick stays minutes: no 10 GB export on its way
+    ctx = suite.Ctx(trees=[], work=tmp_path)
+    made = tmp_path / "qwen3-30b-a3b-L8-Q4_K_M.gguf"
+    made.write_bytes(b"GGUF")
+    assert suite_cpu_moe.moe_file(ctx) == made  # made once: an existing file is used as it is
+    made.unlink()
+    monkeypatch.setattr(suite_cpu_moe.shutil, "disk_usage", lambda p: type("U", (), {"free": 10**9})())
+    pytest.importorskip("llama_cpp")
+    with pytest.raises(suite.Skip, match="GB of disk"):
+        suite_cpu_moe.moe_file(ctx)

@@ -1,0 +1,76 @@
+"""The CPU-only MoE cell of `tandem bench suite`: a quantised MoE GGUF on a machine without a GPU,
+Tandem against llama.cpp, both as `backend auto` could run them (engine/api.py `choose_backend`).
+
+`cpu-moe-q4km-L8`: `synthetic:qwen3-30b-a3b-L8` (the published widths, 8 layers, random routers)
+exported to BF16 GGUF and quantised to Q4_K_M by llama.cpp's own quantiser (llama-cpp-python's API
+here: the CPU machines have it), made once into the work folder (~9.7 GB of export on the way, 3.2 GB
+kept). Both engines load that file with their default threads (Tandem's thread chooser measures its
+count; the llama.cpp backend does the same inside Tandem), decode and prefill, taking turns.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+MODEL = "synthetic:qwen3-30b-a3b-L8"
+QUANT = "Q4_K_M"
+
+
+def cells(Cell) -> list:
+    return [Cell("cpu-moe-q4km-L8", "Qwen3-30B-A3B (8 layers, Q4_K_M) on the CPU: Tandem against llama.cpp, "
+                 "both as backend auto could run them", "cpu", "decode ≥ llama.cpp: backend auto runs Tandem",
+                 cell_cpu_moe, in_quick=False)]
+
+
+def moe_file(ctx) -> Path:
+    """The Q4_K_M file, made once: BF16 export, then llama.cpp's quantiser (the export deleted)."""
+    from engine.bench import gguf_export
+    from engine.bench.suite import Skip
+    from engine.bench.suite_gpu import export_bytes
+
+    out = ctx.work / f"{MODEL.split(':')[1]}-{QUANT}.gguf"
+    if out.exists():
+        return out
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise Skip("llama-cpp-python is not installed (it quantises the file and is the peer)") from e
+    ctx.work.mkdir(parents=True, exist_ok=True)
+    need = export_bytes(MODEL) * 13 // 10  # the export and the quantised file beside it
+    if shutil.disk_usage(ctx.work).free < need:
+        raise Skip(f"making the {QUANT} file needs about {need / 1e9:.0f} GB of disk in {ctx.work}")
+    bf16 = ctx.work / f"{MODEL.split(':')[1]}-bf16.gguf"
+    ctx.progress(f"[suite] exporting {MODEL} to {bf16.name}")
+    gguf_export.export(MODEL, bf16, device="cpu", tokenizer_from=ctx.tokenizer_from)
+    ctx.progress(f"[suite] quantising it to {QUANT}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{QUANT}")
+    partial = out.with_name(out.name + ".partial")  # a quantise cut short is not taken for the file
+    if llama_cpp.llama_model_quantize(str(bf16).encode(), str(partial).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantise {bf16.name} to {QUANT}")
+    partial.rename(out)
+    bf16.unlink()
+    return out
+
+
+def cell_cpu_moe(ctx) -> list[dict]:
+    from engine.bench.suite import alternate, probe, row
+
+    path = moe_file(ctx)
+    spec = {"prefill": 64 if ctx.quick else 512, "decode_prompt": 32, "new_tokens": 24 if ctx.quick else 64,
+            "seed": 0, "warmup": True, "warmup_tokens": 4}
+    base = {"model": str(path), "device": "cpu", "max_context": 2048, "max_batch": 1}
+    tandem = {**base, "backend": "tandem"}
+    llama = {**base, "backend": "llamacpp", "kv_policy": "resident", "expert_policy": "resident"}
+    systems = {name: (lambda t=ctx.tree_of(name): probe(t.path, {**spec, "config": tandem}))
+               for name in ctx.tandem_names()}
+    systems["llama.cpp"] = lambda: probe(ctx.trees[0].path, {**spec, "config": llama})
+    res = alternate(ctx, systems)
+    info = {name: rs[-1].get("info") for name, rs in res.items()}
+    cond = f"{path.name}, default threads, greedy, EOS ignored"
+    return [row(ctx, "decode tok/s", f"{spec['new_tokens']} tokens after a {spec['decode_prompt']}-token prompt, "
+                f"{cond}", {n: [r["decode_tok_s"] for r in rs] for n, rs in res.items()}, "llama.cpp", info=info),
+            row(ctx, "prefill tok/s", f"{spec['prefill']}-token prompt, {cond}",
+                {n: [r["prefill_tok_s"] for r in rs] for n, rs in res.items()}, "llama.cpp",
+                target="prefill ≥ 50% of llama.cpp")]
