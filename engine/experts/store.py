@@ -124,20 +124,12 @@ class ExpertStore:
                     dtype: torch.dtype, pin: bool = False) -> "ExpertStore":
         """Per layer fused (E, 2I, H) and (E, H, I) tensors (None: a layer without routed experts),
         any device or dtype → a store in `dtype`. Storage-sharing experts share a block."""
-        layers = [l for l, t in enumerate(gate_up) if t is not None]
-        if not layers:
-            raise ModelFileError("the model has no routed experts to store", "use expert_policy resident")
-        E, two_i, H = gate_up[layers[0]].shape
-        I = two_i // 2
+        layers, E, H, I = _expert_layers(gate_up, down)
         block_of = np.full((len(gate_up), E), -1, dtype=np.int64)
         firsts: dict[tuple, int] = {}
         sources: list[tuple[int, int]] = []  # (layer, expert) whose weights fill each block
         for l in layers:
             gu, dn = gate_up[l], down[l]
-            if tuple(gu.shape) != (E, 2 * I, H) or dn is None or tuple(dn.shape) != (E, H, I):
-                raise ModelFileError(f"layer {l}: expert tensors of shapes {tuple(gu.shape)} / "
-                                     f"{None if dn is None else tuple(dn.shape)} do not match ({E}, {2 * I}, {H})",
-                                     "the weights do not match the config")
             for e in range(E):
                 a, b = gu[e], dn[e]
                 key = (a.device, a.data_ptr(), a.stride(), b.data_ptr(), b.stride(), a.dtype)
@@ -156,19 +148,11 @@ class ExpertStore:
         """Per layer a QuantStack (E, 2I, H) and (E, H, I) of quantised experts (None: a layer without
         routed experts) → a store of their bytes, copied out of the file's map once; `dtype` is what
         the GPU slots hold them in. Experts that are one object listed several times share a block."""
-        layers = [l for l, t in enumerate(gate_up) if t is not None]
-        if not layers:
-            raise ModelFileError("the model has no routed experts to store", "use expert_policy resident")
-        E, two_i, H = gate_up[layers[0]].shape
-        I = two_i // 2
+        layers, E, H, I = _expert_layers(gate_up, down)
         block_of = np.full((len(gate_up), E), -1, dtype=np.int64)
         layouts, sources, firsts = {}, [], {}
         for l in layers:
             gu, dn = gate_up[l], down[l]
-            if tuple(gu.shape) != (E, 2 * I, H) or dn is None or tuple(dn.shape) != (E, H, I):
-                raise ModelFileError(f"layer {l}: expert tensors of shapes {tuple(gu.shape)} / "
-                                     f"{None if dn is None else tuple(dn.shape)} do not match ({E}, {2 * I}, {H})",
-                                     "the weights do not match the config")
             layouts[l] = QuantLayout(_gate_up_types(gu.experts[0]) + (dn.experts[0].qtype.code,), H, I)
             for e in range(E):
                 key = (id(gu.experts[e]), id(dn.experts[e]))
@@ -302,3 +286,20 @@ def _gate_up_types(gate_up) -> tuple[int, int]:
                                  "the file is damaged: download or convert it again")
         return gate_up.parts[0].qtype.code, gate_up.parts[1].qtype.code
     return gate_up.qtype.code, gate_up.qtype.code
+
+
+def _expert_layers(gate_up: list, down: list) -> tuple[list[int], int, int, int]:
+    """The layers with routed experts and their (E, H, I), every layer's (E, 2I, H) and (E, H, I)
+    stacks checked against the first's."""
+    layers = [l for l, t in enumerate(gate_up) if t is not None]
+    if not layers:
+        raise ModelFileError("the model has no routed experts to store", "use expert_policy resident")
+    E, two_i, H = gate_up[layers[0]].shape
+    I = two_i // 2
+    for l in layers:
+        gu, dn = gate_up[l], down[l]
+        if tuple(gu.shape) != (E, 2 * I, H) or dn is None or tuple(dn.shape) != (E, H, I):
+            raise ModelFileError(f"layer {l}: expert tensors of shapes {tuple(gu.shape)} / "
+                                 f"{None if dn is None else tuple(dn.shape)} do not match ({E}, {2 * I}, {H})",
+                                 "the weights do not match the config")
+    return layers, E, H, I
