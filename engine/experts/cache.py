@@ -26,7 +26,7 @@ from engine.kernels.cuda_streams import Switch, indexed
 
 Key = tuple[int, int]  # (layer, expert)
 # Quantised fills dequantised per batch of this many blocks: a decode layer's fills are a few, so
-# one batch (one dequantisation, ~20 kernels) each; the staging rows cost 16 blocks' bytes
+# one batch (one dequantisation: a kernel per part) each; the staging rows cost 16 blocks' bytes
 # (Qwen3-30B-A3B Q4_K_M: 16 × 1.8 MB) beside the slots' gigabytes.
 QUANT_STAGING = 16
 
@@ -249,7 +249,8 @@ class ExpertCache:
     def _fill_quantised(self, slots: list[int], blocks: list[torch.Tensor], layout) -> None:
         """Quantised blocks (nbytes,) uint8 on the host → the slots, dequantised: on a GPU the bytes go
         into `staging` (QUANT_STAGING blocks at a time) and one dequantisation per batch writes the
-        slots, all on the copy stream, which orders each batch's reuse of the staging rows."""
+        slots (`QuantLayout.dequantize_into`), all on the copy stream, which orders each batch's reuse
+        of the staging rows."""
         index = torch.tensor(slots, dtype=torch.long)
         if self.copy_stream is None:  # simulated: the host's kernels straight from the store
             self.pool.index_copy_(0, index, layout.dequantize(torch.stack(blocks)).to(self.pool.dtype))
@@ -262,9 +263,8 @@ class ExpertCache:
                 part = blocks[a:a + QUANT_STAGING]
                 for row, block in enumerate(part):
                     self.staging[row, :layout.nbytes].copy_(block[:layout.nbytes], non_blocking=True)
-                values = layout.dequantize(self.staging[:len(part)])  # (n, P) fp32 on the device
-                self.pool.index_copy_(0, index[a:a + len(part)].to(self.device, non_blocking=True),
-                                      values.to(self.pool.dtype))
+                layout.dequantize_into(self.pool, index[a:a + len(part)].to(self.device, non_blocking=True),
+                                       self.staging[:len(part)])
 
     def wait_copies(self, stream=None) -> None:
         """Make the compute stream (the current one unless given) wait for every fill and prefetch

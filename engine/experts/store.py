@@ -19,14 +19,16 @@ A GGUF's quantised experts stay quantised here (`from_quant_layers`): a block is
 bytes as the file has them, [gate rows | up rows | down rows] (uint8; a layer's three matrices may be
 of different types, `QuantLayout`), so the host holds the file's size, not 3.5× it in BF16, a fill
 moves the quantised bytes over PCIe, and the CPU computes over them in place (engine/quant's kernels).
-GPU slots hold the dequantised expert in the engine dtype: the fill dequantises on the device
-(`QuantLayout.dequantize`) after the copy, so every GPU kernel sees the same slot layout as before.
+GPU slots hold the dequantised expert in the engine dtype: the fill dequantises on the device after
+the copy (`QuantLayout.dequantize_into`: a Triton kernel per part writing the slots, torch ops where
+Triton is absent), so every GPU kernel sees the same slot layout as before.
 Blocks are as long as the longest layer's (Q4_K_M files give some layers' down rows Q6_K): a few % of
 padding instead of a table of offsets.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import numpy as np
@@ -34,7 +36,11 @@ import torch
 
 from engine.errors import ModelFileError
 from engine.hw.hostmem import HUGE_PAGE, huge_page_eligible, large_host_tensor
+from engine.kernels import dequant_gpu
 from engine.quant.blocks import QuantRows, QuantStack, QuantTensor, dequantize_blocks_torch, qtype
+
+log = logging.getLogger("tandem")
+_said_torch_fills = False  # the torch fallback for GPU fills is reported once a process
 
 
 class QuantLayout:
@@ -76,6 +82,22 @@ class QuantLayout:
                 values = dequantize_blocks_torch(part, code)
             out.append(values.reshape(n, rows * cols))
         return torch.cat(out, dim=1)
+
+    def dequantize_into(self, pool: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Blocks (n, ≥ nbytes) uint8 on the pool's device → pool[slots[i]] (pool (S, P), slots (n,) int64
+        on its device) in the slot layout and the pool's dtype, on the current stream: one Triton kernel
+        per part (engine/kernels/dequant_gpu.py), else `dequantize` and an `index_copy_`."""
+        if dequant_gpu.available(pool.device):
+            weight = 0  # where the part starts in a slot, in weights
+            for code, rows, cols, at, nbytes in self.parts:
+                dequant_gpu.dequantize_into(pool, slots, blocks[:, at:at + nbytes], code, weight)
+                weight += rows * cols
+            return
+        global _said_torch_fills
+        if not _said_torch_fills:
+            _said_torch_fills = True
+            log.info("quantised expert fills dequantise with torch ops on %s: Triton is not available", pool.device)
+        pool.index_copy_(0, slots, self.dequantize(blocks).to(pool.dtype))
 
 
 def _unregister(ptr: int, keepalive: torch.Tensor) -> None:
