@@ -1,5 +1,5 @@
 """A quantised expert store's fills on a GPU: the bytes go over PCIe into the cache's staging rows and
-are dequantised there by torch ops (engine/quant/blocks.py, kquants.py on the device); every slot must
+are dequantised there into the slots (engine/kernels/dequant_gpu.py; torch ops without Triton); every slot must
 equal the CPU's dequantisation of its block bit for bit, through several staging batches and a layer
 whose blocks are longer than the staging rows. Then an offloaded layer over those slots and the CPU
 share against the float experts. Needs no llama.cpp (random blocks), so it runs on the GPU machine
