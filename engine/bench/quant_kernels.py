@@ -53,7 +53,7 @@ def _product_us(nat, w: torch.Tensor, code: int, rows: int, cols: int, rounds: i
     return best
 
 
-def main(cold_gib: float = 1.0, rounds: int = 3) -> dict:
+def main(cold_gib: float = 1.0, rounds: int = 3, stream_mib: int = 512) -> dict:
     from engine.kernels import native
 
     nat = native.module()
@@ -73,7 +73,7 @@ def main(cold_gib: float = 1.0, rounds: int = 3) -> dict:
         rows_out.append({"type": name, "rows": rows, "cols": cols, "bytes": nbytes, "warm_us": round(warm, 1),
                          "warm_GBps": round(nbytes / warm / 1e3, 2), "cold_us": round(cold, 1),
                          "cold_GBps": round(nbytes / cold / 1e3, 2)})
-    src = torch.ones(512 * 2**20, dtype=torch.uint8)
+    src = torch.ones(stream_mib * 2**20, dtype=torch.uint8)
     best = float("inf")
     for _ in range(max(rounds, 3)):
         t0 = time.perf_counter()
@@ -87,7 +87,7 @@ def main(cold_gib: float = 1.0, rounds: int = 3) -> dict:
         print(f"{r['type']} {r['rows']}x{r['cols']}: warm {r['warm_us']:7.1f} µs {r['warm_GBps']:5.2f} GB/s | "
               f"cold {r['cold_us']:7.1f} µs {r['cold_GBps']:5.2f} GB/s ({r['cold_over_stream']} of the read)")
     return {"isa": nat.quant_isa(), "threads": 1, "tokens": 1, "cold_gib": cold_gib, "rounds": rounds,
-            "stream_read_GBps": stream, "products": rows_out}
+            "stream_mib": stream_mib, "stream_read_GBps": stream, "products": rows_out}
 
 
 if __name__ == "__main__":
