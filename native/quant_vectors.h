@@ -4,6 +4,8 @@
 //   Bytes  32 unsigned bytes, a sub-block's small integers q as they are unpacked from the blocks
 //   WVec   the same 32 weights as int16 (what vpmaddwd takes)
 //   FVec   float lanes of a running dot product (one lane for the scalar set)
+//   F8     8 floats: a K-quant super-block's per-sub-block factors (kquant_kernels.h)
+//   Sc16   Q6_K's 16 int8 scales of a super-block, held for picking each sub-block's pair
 //
 // A type's decoder (quant_kernels.h, kquant_kernels.h) is written once in these operations; only this
 // file differs between AVX-512, AVX2 and the scalar loops.
@@ -138,7 +140,7 @@ TANDEM_ALWAYS_INLINE void kscales8(const uint8_t* scales, F8& sc, F8& m) {
     sc.v[j] = float(s), m.v[j] = float(mm);
   }
 }
-// Q6_K's 16 int8 scales; q6_scale_pair gives sub-block j's two (weights 0…15, 16…31) as a WVec.
+// Q6_K's 16 int8 scales; centre_scale_pair scales sub-block j by its two (weights 0…15, 16…31).
 using Sc16 = const int8_t*;
 TANDEM_ALWAYS_INLINE Sc16 load_sc16(const int8_t* sc) { return sc; }
 TANDEM_ALWAYS_INLINE WVec centre_scale_pair(const WVec& w, int centre, Sc16 sc, int j) {
@@ -177,7 +179,6 @@ TANDEM_ALWAYS_INLINE Bytes bit_bytes(uint32_t bits) {
 TANDEM_ALWAYS_INLINE Bytes lookup16(Bytes idx, const int8_t* table) {
   return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), idx);
 }
-
 
 // The tile loop broadcasts each sub-block's factor from the array it stored (a load-port broadcast);
 // left to itself the compiler keeps the array in a register and spends two shuffle-port µops a
