@@ -154,6 +154,10 @@ template <QType TY> void dequantize_row_t(const uint8_t* w, int64_t k, float* ou
 template <QType TY, int NT, int R>
 TANDEM_ALWAYS_INLINE void rows_tile(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int64_t r) {
   using D = Decode<TY>;
+  if constexpr (D::kSub == kKSub) {
+    ksuper_tile<TY, NT, R>(P, A, t0, r);
+    return;
+  }
   const int64_t nb = P.k / kQBlock, bytes = qblock_bytes(int(TY));
   const int16_t* a = A.q + t0 * P.k;
   const float* ad = A.d + t0 * nb;

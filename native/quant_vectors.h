@@ -4,6 +4,8 @@
 //   Bytes  32 unsigned bytes, a sub-block's small integers q as they are unpacked from the blocks
 //   WVec   the same 32 weights as int16 (what vpmaddwd takes)
 //   FVec   float lanes of a running dot product (one lane for the scalar set)
+//   F8     8 floats: a K-quant super-block's per-sub-block factors (kquant_kernels.h)
+//   Sc16   Q6_K's 16 int8 scales of a super-block, held for picking each sub-block's pair
 //
 // A type's decoder (quant_kernels.h, kquant_kernels.h) is written once in these operations; only this
 // file differs between AVX-512, AVX2 and the scalar loops.
@@ -83,6 +85,68 @@ TANDEM_ALWAYS_INLINE void store_block(float* out, const WVec& w, float s, float 
   for (int j = 0; j < 32; ++j) out[j] = float(w.v[j]) * s + c;
 }
 
+// 32 bytes → their low nibbles (lo) and high nibbles (hi) as 32 words each: one widening for both.
+TANDEM_ALWAYS_INLINE void widen_nibbles(const Bytes& q, WVec& lo, WVec& hi) {
+  for (int j = 0; j < 32; ++j) lo.v[j] = int16_t(q.b[j] & 0x0f), hi.v[j] = int16_t(q.b[j] >> 4);
+}
+// Word shifts of small non-negative integers (the K-quants' bit fields after widening).
+TANDEM_ALWAYS_INLINE WVec shift16(const WVec& w, int left) {
+  WVec r;
+  for (int j = 0; j < 32; ++j) r.v[j] = int16_t(left >= 0 ? w.v[j] << left : w.v[j] >> -left);
+  return r;
+}
+// a | (b & mask) in every word.
+TANDEM_ALWAYS_INLINE WVec or_masked(const WVec& a, const WVec& b, int16_t mask) {
+  WVec r;
+  for (int j = 0; j < 32; ++j) r.v[j] = int16_t(a.v[j] | (b.v[j] & mask));
+  return r;
+}
+// Nothing to keep the compiler from: the scalar loops read the factors however they like.
+TANDEM_ALWAYS_INLINE void factors_in_memory(const float*) {}
+
+// -- the K-quants' per-super-block factors: 8 floats, one per 32-weight sub-block --
+struct F8 { float v[8]; };
+TANDEM_ALWAYS_INLINE F8 f8_load(const float* p) {
+  F8 r;
+  std::memcpy(r.v, p, sizeof r.v);
+  return r;
+}
+TANDEM_ALWAYS_INLINE void f8_store(float* p, const F8& a) { std::memcpy(p, a.v, sizeof a.v); }
+TANDEM_ALWAYS_INLINE F8 f8_set1(float x) {
+  F8 r;
+  for (float& v : r.v) v = x;
+  return r;
+}
+TANDEM_ALWAYS_INLINE F8 f8_mul(const F8& a, const F8& b) {
+  F8 r;
+  for (int j = 0; j < 8; ++j) r.v[j] = a.v[j] * b.v[j];
+  return r;
+}
+TANDEM_ALWAYS_INLINE F8 f8_fmadd(const F8& a, const F8& b, const F8& c) {
+  F8 r;
+  for (int j = 0; j < 8; ++j) r.v[j] = std::fma(a.v[j], b.v[j], c.v[j]);
+  return r;
+}
+TANDEM_ALWAYS_INLINE float f8_hsum(const F8& a) {
+  float s = 0.0f;
+  for (float v : a.v) s += v;
+  return s;
+}
+// Q4_K/Q5_K's 12 bytes of packed scales (kquant_blocks.h) → the 8 sub-blocks' scales and mins as floats.
+TANDEM_ALWAYS_INLINE void kscales8(const uint8_t* scales, F8& sc, F8& m) {
+  for (int j = 0; j < 8; ++j) {
+    int s, mm;
+    kscale_min(scales, j, s, mm);
+    sc.v[j] = float(s), m.v[j] = float(mm);
+  }
+}
+// Q6_K's 16 int8 scales; centre_scale_pair scales sub-block j by its two (weights 0…15, 16…31).
+using Sc16 = const int8_t*;
+TANDEM_ALWAYS_INLINE Sc16 load_sc16(const int8_t* sc) { return sc; }
+TANDEM_ALWAYS_INLINE WVec centre_scale_pair(const WVec& w, int centre, Sc16 sc, int j) {
+  return centre_scale(w, centre, sc[2 * j], sc[2 * j + 1]);
+}
+
 #else  // x86: Bytes in one 256-bit register
 
 using Bytes = __m256i;
@@ -116,17 +180,75 @@ TANDEM_ALWAYS_INLINE Bytes lookup16(Bytes idx, const int8_t* table) {
   return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), idx);
 }
 
+// The tile loop broadcasts each sub-block's factor from the array it stored (a load-port broadcast);
+// left to itself the compiler keeps the array in a register and spends two shuffle-port µops a
+// sub-block picking and broadcasting lanes, on the port the widening already needs. The empty asm
+// with the array's address makes its reads go to memory.
+TANDEM_ALWAYS_INLINE void factors_in_memory(const float* f) { asm volatile("" : : "r"(f) : "memory"); }
+
+// -- the K-quants' per-super-block factors: 8 floats, one per 32-weight sub-block (AVX2 and AVX-512) --
+using F8 = __m256;
+TANDEM_ALWAYS_INLINE F8 f8_load(const float* p) { return _mm256_loadu_ps(p); }
+TANDEM_ALWAYS_INLINE void f8_store(float* p, F8 a) { _mm256_storeu_ps(p, a); }
+TANDEM_ALWAYS_INLINE F8 f8_set1(float x) { return _mm256_set1_ps(x); }
+TANDEM_ALWAYS_INLINE F8 f8_mul(F8 a, F8 b) { return _mm256_mul_ps(a, b); }
+TANDEM_ALWAYS_INLINE F8 f8_fmadd(F8 a, F8 b, F8 c) { return _mm256_fmadd_ps(a, b, c); }
+TANDEM_ALWAYS_INLINE float f8_hsum(F8 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// Q4_K/Q5_K's 12 bytes of packed scales → the 8 sub-blocks' scales and mins as floats, in 32-bit
+// lanes of u0, u1, u2 (bytes 0–3, 4–7, 8–11; kquant_blocks.h has the layout):
+//   scales 0–3 = u0 & 63, 4–7 = (u2 & 15) | (u0 >> 6 & 3) << 4;  mins 0–3 = u1 & 63, 4–7 = (u2 >> 4 & 15) | (u1 >> 6 & 3) << 4
+// ((u >> 6 & 3) << 4 per byte is u >> 2 & 0x30: the bits that shift in from the next byte are masked.)
+// Reads 16 bytes: the 4 after the scales are the block's own quants.
+TANDEM_ALWAYS_INLINE void kscales8(const uint8_t* scales, F8& sc, F8& m) {
+  const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales));
+  const __m128i low = _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0));   // u0, u2, u1, u2
+  const __m128i high = _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0));  // u0, u0, u1, u1
+  const __m128i lo = _mm_and_si128(_mm_srlv_epi32(low, _mm_setr_epi32(0, 0, 0, 4)),
+                                   _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi32(high, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  const __m128i both = _mm_or_si128(lo, hi);  // bytes 0–7 the scales, 8–15 the mins
+  sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both));
+  m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(both, both)));
+}
+
 #if defined(TANDEM_QUANT_AVX512)
 using WVec = __m512i;  // a block's 32 weights as int16
 using FVec = __m512;
 
 TANDEM_ALWAYS_INLINE WVec widen_u8(Bytes v) { return _mm512_cvtepu8_epi16(v); }
 TANDEM_ALWAYS_INLINE WVec widen_i8(Bytes v) { return _mm512_cvtepi8_epi16(v); }
+TANDEM_ALWAYS_INLINE void widen_nibbles(Bytes q, WVec& lo, WVec& hi) {
+  const __m512i w = _mm512_cvtepu8_epi16(q);  // upper byte of each word 0: the shift needs no mask
+  lo = _mm512_and_si512(w, _mm512_set1_epi16(0x0f)), hi = _mm512_srli_epi16(w, 4);
+}
+TANDEM_ALWAYS_INLINE WVec shift16(WVec w, int left) {
+  return left >= 0 ? _mm512_slli_epi16(w, unsigned(left)) : _mm512_srli_epi16(w, unsigned(-left));
+}
+TANDEM_ALWAYS_INLINE WVec or_masked(WVec a, WVec b, int16_t mask) {
+  return _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi16(mask), 0xf8);  // 0xf8: A | (B & C)
+}
+
 TANDEM_ALWAYS_INLINE WVec load_i8(const uint8_t* p) { return _mm512_cvtepi8_epi16(load_bytes(p)); }
 TANDEM_ALWAYS_INLINE WVec centre_scale(WVec w, int centre, int sc0, int sc1) {
   const __m512i sc = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(int16_t(sc0))),
                                         _mm256_set1_epi16(int16_t(sc1)), 1);
   return _mm512_mullo_epi16(_mm512_sub_epi16(w, _mm512_set1_epi16(int16_t(centre))), sc);
+}
+// Q6_K's 16 int8 scales as int16 words; sub-block j's pair (words 2j, 2j+1) spread over its 32
+// weights by one vpermw, instead of two broadcasts and an insert per sub-block.
+using Sc16 = __m512i;
+TANDEM_ALWAYS_INLINE Sc16 load_sc16(const int8_t* sc) {
+  return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
+}
+TANDEM_ALWAYS_INLINE WVec centre_scale_pair(WVec w, int centre, Sc16 sc, int j) {
+  const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(int16_t(2 * j))),
+                                          _mm256_set1_epi16(int16_t(2 * j + 1)), 1);  // constant once j is
+  return _mm512_mullo_epi16(_mm512_sub_epi16(w, _mm512_set1_epi16(int16_t(centre))), _mm512_permutexvar_epi16(pick, sc));
 }
 // The int32 lanes are exact (two products of |w| ≤ 4096, |a| ≤ 32767); their float conversion is too
 // while |w| ≤ 128 (every type but Q6_K, whose lanes can pass 2^24 and round by 2^-24 of themselves).
@@ -156,10 +278,30 @@ TANDEM_ALWAYS_INLINE WVec widen_i8(Bytes v) {
   return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1))};
 }
 TANDEM_ALWAYS_INLINE WVec load_i8(const uint8_t* p) { return widen_i8(load_bytes(p)); }
+TANDEM_ALWAYS_INLINE void widen_nibbles(Bytes q, WVec& lo, WVec& hi) {
+  const WVec w = widen_u8(q);
+  const __m256i low4 = _mm256_set1_epi16(0x0f);
+  lo = {_mm256_and_si256(w.lo, low4), _mm256_and_si256(w.hi, low4)};
+  hi = {_mm256_srli_epi16(w.lo, 4), _mm256_srli_epi16(w.hi, 4)};
+}
+TANDEM_ALWAYS_INLINE WVec shift16(const WVec& w, int left) {
+  if (left >= 0) return {_mm256_slli_epi16(w.lo, left), _mm256_slli_epi16(w.hi, left)};
+  return {_mm256_srli_epi16(w.lo, -left), _mm256_srli_epi16(w.hi, -left)};
+}
+TANDEM_ALWAYS_INLINE WVec or_masked(const WVec& a, const WVec& b, int16_t mask) {
+  const __m256i m = _mm256_set1_epi16(mask);
+  return {_mm256_or_si256(a.lo, _mm256_and_si256(b.lo, m)), _mm256_or_si256(a.hi, _mm256_and_si256(b.hi, m))};
+}
+
 TANDEM_ALWAYS_INLINE WVec centre_scale(const WVec& w, int centre, int sc0, int sc1) {
   const __m256i c = _mm256_set1_epi16(int16_t(centre));
   return {_mm256_mullo_epi16(_mm256_sub_epi16(w.lo, c), _mm256_set1_epi16(int16_t(sc0))),
           _mm256_mullo_epi16(_mm256_sub_epi16(w.hi, c), _mm256_set1_epi16(int16_t(sc1)))};
+}
+using Sc16 = const int8_t*;  // Q6_K's scales: two broadcasts a sub-block
+TANDEM_ALWAYS_INLINE Sc16 load_sc16(const int8_t* sc) { return sc; }
+TANDEM_ALWAYS_INLINE WVec centre_scale_pair(const WVec& w, int centre, Sc16 sc, int j) {
+  return centre_scale(w, centre, sc[2 * j], sc[2 * j + 1]);
 }
 // The int32 lanes are exact (four products, < 2^31); their conversion as in the AVX-512 set.
 TANDEM_ALWAYS_INLINE FVec block_dot(const WVec& w, const int16_t* a) {
