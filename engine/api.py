@@ -49,11 +49,14 @@ class EngineConfig:
 
 
 def choose_backend(config: EngineConfig) -> str:
-    """`auto`: llama.cpp for GGUF files on machines without CUDA when llama-cpp-python is installed,
-    else Tandem. On the CPU llama.cpp still decodes a quantised file faster than Tandem's block
-    kernels: 20.0 against 24.5 ms a token for the built-in Q4_1 file, 23.5 against 25.6 for its Q4_K_M
-    requantisation (one thread each, 2026-12-04, benchmarks/RESULTS.md); the rule goes once Tandem is
-    at least as fast on the same file.
+    """`auto`: llama.cpp for dense GGUF files on machines without CUDA when llama-cpp-python is
+    installed, else Tandem. What the rule follows (benchmarks/RESULTS.md, the 2-core machine):
+
+    - MoE files whose routed experts Tandem keeps in blocks (models/loader.EXPERT_BLOCK_FAMILIES) run
+      on Tandem: a Q4_K_M Qwen3-30B-A3B cut to 8 layers decoded at 35.1 tok/s against llama.cpp's
+      29.9 with default threads (prefill 170 against 278), record benchmarks/suite/cpu-moe-q4km-L8.json.
+    - Dense files stay with llama.cpp: the built-in Q4_1 file decoded at 76.9 tok/s against its 108
+      (benchmarks/suite/cpu-builtin.json, 2026-12-05).
 
     The built-in models stay on Tandem: they are the reference the tests hold to transformers, and
     llama.cpp's quantised-activation kernels change the dense model's greedy answer (asked for the
@@ -69,9 +72,23 @@ def choose_backend(config: EngineConfig) -> str:
     gguf_model = config.model.lower().endswith(".gguf")
     plain = {config.kv_policy, config.expert_policy} <= {"auto", "resident"} and not config.simulate_hybrid
     no_gpu = config.device == "cpu" or not torch.cuda.is_available()
-    if gguf_model and plain and no_gpu and importlib.util.find_spec("llama_cpp") is not None:
+    if gguf_model and plain and no_gpu and importlib.util.find_spec("llama_cpp") is not None \
+            and not _moe_in_blocks(config.model):
         return "llamacpp"
     return "tandem"
+
+
+def _moe_in_blocks(path: str) -> bool:
+    """Whether a GGUF is a MoE model whose routed experts Tandem keeps in blocks (read from its header;
+    a file that cannot be read answers no, and its load says what is wrong)."""
+    from engine.models.loader import keeps_expert_blocks
+    from engine.models.shape import model_args
+
+    try:
+        args = model_args(path)
+    except Exception:  # missing, damaged, unknown architecture: the backend's load reports it
+        return False
+    return bool(args.is_moe) and keeps_expert_blocks(args.arch, True)
 
 
 class Engine:
