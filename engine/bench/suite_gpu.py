@@ -96,8 +96,11 @@ def quantised_cells(Cell) -> list:
         Cell("gpu-q4km-L16-cpu-experts", title + "every routed expert on the CPU (Tandem expert_policy cpu-only, "
              "llama.cpp -ncmoe 16)", "cuda", "decode ≥ 1.2× llama.cpp -ngl 99 -ncmoe 16",
              decode(None, ncmoe=16, tandem={"expert_policy": "cpu-only"}, setting="routed experts on the CPU")),
+        # beside: the same file with its experts dequantised to a BF16 store (the one-graph decode form
+        # reads misses in place only from BF16): what the quantised store costs or gains on a GPU
         Cell("gpu-q4km-L16-8gb", title + "an 8 GB VRAM budget, default plan vs best fitting -ncmoe", "cuda",
-             "decode ≥ 1.5× llama.cpp", decode(8.0), routed=True),
+             "decode ≥ 1.5× llama.cpp", decode(8.0, variants={"tandem, BF16 store": {"dtype": "bfloat16"}}),
+             routed=True),
         Cell("gpu-q4km-L16-resident", title + "everything on the GPU (llama.cpp -ngl 99)", "cuda",
              "decode ≥ 1× llama.cpp", decode(None)),
         Cell("gpu-q4km-prefill-32k", title + "prefill of a 32K prompt under 8 GB", "cuda", "prefill ≥ 3× llama.cpp",
@@ -312,8 +315,8 @@ def decode_cell(ctx: Ctx, model: str, budget: float | None, contexts, chats_list
 
 
 def one_load_decode_cell(ctx: Ctx, model: str, budget: float | None, contexts, *, file_for=None,
-                         ncmoe: int | None = None, tandem: dict | None = None, setting: str | None = None
-                         ) -> list[dict]:
+                         ncmoe: int | None = None, tandem: dict | None = None, setting: str | None = None,
+                         variants: dict[str, dict] | None = None) -> list[dict]:
     """One chat's decode at each context, each system loading the file once for all of them: the new
     families' files take minutes to load, a load per context would double the cell. Both systems are set
     up for the largest context (Tandem plans for it; llama.cpp's -ncmoe fits its KV), as a user who sets
@@ -321,7 +324,8 @@ def one_load_decode_cell(ctx: Ctx, model: str, budget: float | None, contexts, *
     (default `gguf_for`: the BF16 export); `ncmoe` fixes llama.cpp's -ncmoe instead of fitting it to the
     budget (no budget and no `ncmoe`: everything on the GPU); `tandem` adds fields to Tandem's config (a
     policy the question names); `setting` says in each row what the systems were given (default: the
-    budget)."""
+    budget); `variants` adds systems, each this tree's Tandem with more config fields (in the record
+    beside the others, not the ratio)."""
     from engine.bench import llamacpp_bench, routing as routing_mod
 
     contexts = _asked_contexts(ctx, contexts)
@@ -345,6 +349,8 @@ def one_load_decode_cell(ctx: Ctx, model: str, budget: float | None, contexts, *
                     "prefill_tok_s_by_prompt": {str(r["n_prompt"]): r["tok_s"] for r in prefill["results"]}}
 
         systems = {n: (lambda t=ctx.tree_of(n): probe(t.path, spec)) for n in ctx.tandem_names()}
+        for name, fields in (variants or {}).items():
+            systems[name] = lambda f=fields: probe(ctx.trees[0].path, {**spec, "config": {**config, **f}})
         systems["llama.cpp"] = llama
         res = alternate(ctx, systems)
         flags = "-ngl 99 -fa 1" + (f" -ncmoe {n_cpu_moe}" if n_cpu_moe else "")

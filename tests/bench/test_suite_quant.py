@@ -144,8 +144,10 @@ def test_everything_on_the_gpu_gives_no_policy_and_no_ncmoe(stub_engines):
 
 def test_the_8gb_cells_fit_llama_cpps_ncmoe_and_give_tandem_the_budget_alone(stub_engines):
     rows = _cell("gpu-q4km-L16-8gb").run(_ctx())
-    (spec,) = stub_engines["specs"]
+    spec, bf16_store = stub_engines["specs"]  # beside the default: the same file's experts dequantised
     assert set(spec["config"]) == {"model", "backend", "max_context", "max_batch", "vram_budget_gb"}
+    assert bf16_store["config"] == {**spec["config"], "dtype": "bfloat16"}
+    assert set(rows[0]["systems"]) == {"tandem", "tandem, BF16 store", "llama.cpp"} and set(rows[0]["ratio"]) == {"tandem"}
     # 8 GiB less 1 GiB of other weights, KV of 32K tokens at 1 KiB and the overhead: 5 layers' experts fit
     ncmoe = suite_gpu.fitting_ncmoe(suite_gpu.gguf_sizes(None), 8.0, 32768 + suite_gpu.NEW_TOKENS)
     assert ncmoe == 11 and {r["llama_flags"] for r in rows} == {"-ngl 99 -fa 1 -ncmoe 11"}
