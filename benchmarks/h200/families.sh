@@ -13,17 +13,7 @@
 #   (cd /tmp/src && COMMIT=<sha> RES=/tmp/lease setsid nohup bash benchmarks/h200/families.sh &)
 # The disk (64 GB) holds one of the two exports (40 and 26 GB), so gpt-oss's is deleted before
 # Qwen3.5's is made.
-set -uo pipefail
-res=${RES:-/tmp/lease}; work=${WORK:-$res/work}; mkdir -p "$res" "$work"
-log="$res/progress.log"
-step() { echo "=== $* ($(date -u +%T))" | tee -a "$log"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$log" 2>&1 || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
-
-step start "${COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
-python3 setup.py -q build_ext --inplace >>"$res/build.log" 2>&1 || step "native build FAILED"
-nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,driver_version --format=csv >>"$log"
-free -g >>"$log"; df -h / >>"$log"
+source benchmarks/h200/lease_start.sh  # folders, log, wheels, native build, machine header
 
 step llama.cpp build starts in the background
 python3 -m engine.bench.llamacpp_build --source .llamacpp/llamacpp-src.tar.xz --build-dir "$work/llamacpp" \
