@@ -98,6 +98,19 @@ def test_the_count_starts_at_the_cores_that_are_free(monkeypatch):
     assert chooser.threads == 3 and chooser.max_threads == 4
 
 
+def test_with_every_core_free_at_the_start_trials_wait_unless_the_load_shifts():
+    from engine.runtime.thread_chooser import IDLE_START_INTERVAL
+
+    def apply(n):
+        chooser.applied = n
+
+    chooser = ThreadChooser(2, apply, start=2, all_free=True)
+    chooser.applied = 2
+    assert run(chooser, idle, IDLE_START_INTERVAL).count(1) == 0 and chooser.probes == 0  # a reply's length: no trial
+    run(chooser, busy_core, 12)  # another program takes a core: the step time shifts, a trial follows at once
+    assert chooser.threads == 1 and chooser.changes == 1
+
+
 def test_one_core_has_nothing_to_choose():
     chooser = chooser_for(1)
     run(chooser, lambda n: 0.01, 100)
@@ -110,6 +123,8 @@ def test_a_cpu_engine_measures_its_threads_unless_told(threads, chooses, monkeyp
     from engine.kernels import native
 
     monkeypatch.setattr(native, "available_cores", lambda: 2)
+    # one core found busy at the start: the chooser begins on one thread and tries two within the reply
+    monkeypatch.setattr("engine.runtime.thread_chooser.free_cores", lambda *a, **k: 1)
     engine = Engine(EngineConfig(model="builtin:smollm2-135m", device="cpu", backend="tandem", max_context=512,
                                  max_batch=1, cpu_threads=threads))
     try:

@@ -23,6 +23,10 @@ MIN_INTERVAL = 16  # steps between probes once the current count has won one (a 
 # steps at the other count); at the start, after a change or a shift in load: WINDOW, so that a busy core
 # is found within ~10 steps and a walk down from 16 threads takes a step per probe
 MAX_INTERVAL = 512  # while the choice holds: probing 4 of 512 steps costs < 1% when it is right
+# When every core was free as decode began (from_free_cores), the first trial waits this many steps (a
+# chat reply's length) unless the step time shifts (another program started): on an idle machine the
+# early trials of fewer threads only cost time (a few % of a short reply on the 2-core machine)
+IDLE_START_INTERVAL = 128
 MARGIN = 0.05  # a count replaces the current one only if its median step is this much faster
 SETTLE_ABORT = 3.0  # the trial's first step (the pool resizing) may be slower, but not this much
 ABORT = 1.5  # a trial step this much slower than the current count's ends the trial at once: with a core
@@ -48,10 +52,12 @@ class ThreadChooser:
     """Feed it every decode step's wall time (`step`); it calls `apply(n)` when the count changes.
     `start`: the count to begin with (free_cores), max_threads by default."""
 
-    def __init__(self, max_threads: int, apply: Callable[[int], None], start: int | None = None):
+    def __init__(self, max_threads: int, apply: Callable[[int], None], start: int | None = None,
+                 all_free: bool = False):
+        """all_free: every core was found free at the start (the first trial waits IDLE_START_INTERVAL)."""
         self.max_threads, self.apply = max_threads, apply
         self.threads = min(max_threads, start or max_threads)
-        self.interval = WINDOW
+        self.interval = IDLE_START_INTERVAL if all_free else WINDOW
         self.changes = self.probes = 0
         self._batch: int | None = None
         self._reset()
@@ -61,7 +67,7 @@ class ThreadChooser:
         """A chooser that starts on the cores found free now, that count applied."""
         start = min(max_threads, free_cores())
         apply(start)
-        return cls(max_threads, apply, start)
+        return cls(max_threads, apply, start, all_free=start == max_threads)
 
     def _reset(self) -> None:
         self._skip = SETTLE
@@ -92,7 +98,9 @@ class ThreadChooser:
         self._current = (self._current + [seconds])[-WINDOW:]
         self._since_probe += 1
         now = median(self._current) if len(self._current) == WINDOW else None
-        if now is not None and self._reference is not None and abs(now - self._reference) > SHIFT * self._reference:
+        if now is not None and self._reference is None:
+            self._reference = now  # the count's first full window: what a shift in load is measured from
+        if now is not None and abs(now - self._reference) > SHIFT * self._reference:
             self.interval = WINDOW  # the load changed: look again soon
             self._reference = now
         if now is not None and self._since_probe >= self.interval:
