@@ -41,6 +41,7 @@ from engine.quant.blocks import QuantRows, QuantStack, QuantTensor, dequantize_b
 
 log = logging.getLogger("tandem")
 _said_torch_fills = False  # the torch fallback for GPU fills is reported once a process
+_kernels_failed: str | None = None  # why the Triton fill kernels stopped being used in this process
 
 
 class QuantLayout:
@@ -87,14 +88,21 @@ class QuantLayout:
         """Blocks (n, ≥ nbytes) uint8 on the pool's device → pool[slots[i]] (pool (S, P), slots (n,) int64
         on its device) in the slot layout and the pool's dtype, on the current stream: one Triton kernel
         per part (engine/kernels/dequant_gpu.py), else `dequantize` and an `index_copy_`."""
-        if dequant_gpu.available(pool.device):
-            weight = 0  # where the part starts in a slot, in weights
-            for code, rows, cols, at, nbytes in self.parts:
-                dequant_gpu.dequantize_into(pool, slots, blocks[:, at:at + nbytes], code, weight)
-                weight += rows * cols
-            return
+        global _kernels_failed
+        if dequant_gpu.available(pool.device) and _kernels_failed is None:
+            try:
+                weight = 0  # where the part starts in a slot, in weights
+                for code, rows, cols, at, nbytes in self.parts:
+                    dequant_gpu.dequantize_into(pool, slots, blocks[:, at:at + nbytes], code, weight)
+                    weight += rows * cols
+                return
+            except Exception as e:  # a kernel that does not compile here (a Triton or driver version): the
+                # fills go on with torch ops, which write every part again, rather than stop the reply
+                _kernels_failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                log.warning("quantised expert fills dequantise with torch ops from now on: the Triton kernels "
+                            "failed (%s)", _kernels_failed)
         global _said_torch_fills
-        if not _said_torch_fills:
+        if not _said_torch_fills and _kernels_failed is None:
             _said_torch_fills = True
             log.info("quantised expert fills dequantise with torch ops on %s: Triton is not available", pool.device)
         pool.index_copy_(0, slots, self.dequantize(blocks).to(pool.dtype))

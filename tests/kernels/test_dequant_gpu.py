@@ -125,6 +125,28 @@ def test_without_the_kernels_the_torch_path_fills_and_says_so_once(monkeypatch, 
     assert torch.equal(pool[[2, 0]], layout.dequantize(rows)) and (pool[1] == 0).all()
 
 
+def test_kernels_that_fail_give_way_to_the_torch_path_for_good(monkeypatch, caplog):
+    """A Triton kernel that does not compile on the machine (never run on a GPU here) must not stop the
+    reply: the fill is done with torch ops, and so is every later one."""
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("PTX JIT compilation failed\nmore")
+
+    monkeypatch.setattr(dequant_gpu, "available", lambda device: True)
+    monkeypatch.setattr(dequant_gpu, "dequantize_into", broken)
+    monkeypatch.setattr(store_module, "_kernels_failed", None)
+    layout, rows = layout_blocks((T.Q4_K, T.Q5_K, T.Q6_K), 256, 256, 2, QuantLayout((12, 13, 14), 256, 256).nbytes, 4)
+    pool = torch.zeros(3, 3 * 256 * 256)
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        for _ in range(2):
+            layout.dequantize_into(pool, torch.tensor([2, 0]), rows)
+    assert len(calls) == 1 and store_module._kernels_failed == "RuntimeError: PTX JIT compilation failed"
+    assert sum("failed (RuntimeError: PTX JIT compilation failed)" in r.getMessage() for r in caplog.records) == 1
+    assert torch.equal(pool[[2, 0]], layout.dequantize(rows)) and (pool[1] == 0).all()
+
+
 def test_misshapen_arguments_are_refused():
     pool, slots = torch.zeros(2, 64), torch.tensor([0])
     blocks = torch.zeros(1, 36, dtype=torch.uint8)  # two Q4_0 blocks: 64 weights
