@@ -109,7 +109,8 @@ class QuantResidentExperts(ResidentExperts):
         kernel = f"{implementation(1)} over {'/'.join(types)} blocks" if types else None
         if kernel and self.forms:
             kernel += " (expert biases, clamped SwiGLU)"
-        return {"policy": self.policy, "bytes": self.nbytes(), "kernel": kernel}
+        # they run on the CPU: the stats' (and the kernel panel's) CPU expert kernel
+        return {"policy": self.policy, "bytes": self.nbytes(), "kernel": kernel, "cpu_kernel": kernel}
 
 
 def swiglu_blocks(x: torch.Tensor, gate_up, down) -> torch.Tensor:

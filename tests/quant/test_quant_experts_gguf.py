@@ -134,6 +134,7 @@ def test_model_over_expert_blocks_follows_the_dequantised_one(files, key):
             assert scale > 0.1 and float((got - want).abs().max()) <= 1e-3 * scale
         assert quant.generate_ids(PROMPT, 8) == ref.generate_ids(PROMPT, 8)
         assert "Q" in experts.telemetry()["kernel"]
+        assert quant.stats().to_dict()["kernels"]["cpu_experts"] == experts.telemetry()["kernel"]  # the panel's
     finally:
         quant.close()
         ref.close()
