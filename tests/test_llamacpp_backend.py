@@ -87,6 +87,8 @@ def test_decode_threads_are_measured_unless_the_config_fixes_them(llama, monkeyp
 
     assert "cpu_threads_now" not in llama.info()  # the fixture fixes cpu_threads=2
     monkeypatch.setattr("os.cpu_count", lambda: 2)
+    # one core found busy at the start: the chooser begins on one thread and tries two within the reply
+    monkeypatch.setattr("engine.runtime.thread_chooser.free_cores", lambda *a, **k: 1)
     calls = []
     real = llama_cpp.llama_set_n_threads
     monkeypatch.setattr(llama_cpp, "llama_set_n_threads", lambda ctx, n, n_batch: (calls.append((n, n_batch)),
