@@ -2,9 +2,9 @@
 
 The CPU kernels split each product across threads and wait at its end for the slowest. When another
 program keeps one of the cores busy, the thread the OS puts there runs part of the time and every
-product waits for it (the suite cell cpu-busy-core measures it: benchmarks/RESULTS.md, where
-llama.cpp on both of the development machine's cores decoded the built-in model at 4.0 tok/s with
-one core busy). A desktop's cores are often busy with something else, so the count is measured, not
+product waits for it (the suite cell cpu-busy-core measures it: benchmarks/suite/cpu-busy-core.json,
+where llama.cpp on both of the development machine's cores decoded the built-in model at 1.6 tok/s
+with one core busy). A desktop's cores are often busy with something else, so the count is measured, not
 assumed: decode steps run at the current count and now and then at one thread fewer, half as many or
 one more, and the faster count stays. While the choice holds, probes grow rarer (the interval doubles up to
 MAX_INTERVAL steps); a step time that moves by more than SHIFT (the load changed) probes again soon.
