@@ -112,14 +112,21 @@ def test_a_layout_writes_its_slots_like_the_torch_path(types, device):
     assert torch.equal(pool.cpu(), want)
 
 
-def test_without_the_kernels_the_torch_path_fills_and_says_so_once(monkeypatch, caplog):
-    monkeypatch.setattr(dequant_gpu, "available", lambda device: False)
-    monkeypatch.setattr(store_module, "_said_torch_fills", False)
+def fill_twice(caplog):
+    """Two experts' K-quant blocks filled into slots 2 and 0 of a 3-slot pool, twice, the log captured
+    → (layout, the blocks, the pool)."""
     layout, rows = layout_blocks((T.Q4_K, T.Q5_K, T.Q6_K), 256, 256, 2, QuantLayout((12, 13, 14), 256, 256).nbytes, 4)
     pool = torch.zeros(3, 3 * 256 * 256)
     with caplog.at_level(logging.INFO, logger="tandem"):
         for _ in range(2):
             layout.dequantize_into(pool, torch.tensor([2, 0]), rows)
+    return layout, rows, pool
+
+
+def test_without_the_kernels_the_torch_path_fills_and_says_so_once(monkeypatch, caplog):
+    monkeypatch.setattr(dequant_gpu, "available", lambda device: False)
+    monkeypatch.setattr(store_module, "_said_torch_fills", False)
+    layout, rows, pool = fill_twice(caplog)
     assert [r.getMessage() for r in caplog.records].count(
         "quantised expert fills dequantise with torch ops on cpu: Triton is not available") == 1
     assert torch.equal(pool[[2, 0]], layout.dequantize(rows)) and (pool[1] == 0).all()
@@ -137,11 +144,7 @@ def test_kernels_that_fail_give_way_to_the_torch_path_for_good(monkeypatch, capl
     monkeypatch.setattr(dequant_gpu, "available", lambda device: True)
     monkeypatch.setattr(dequant_gpu, "dequantize_into", broken)
     monkeypatch.setattr(store_module, "_kernels_failed", None)
-    layout, rows = layout_blocks((T.Q4_K, T.Q5_K, T.Q6_K), 256, 256, 2, QuantLayout((12, 13, 14), 256, 256).nbytes, 4)
-    pool = torch.zeros(3, 3 * 256 * 256)
-    with caplog.at_level(logging.WARNING, logger="tandem"):
-        for _ in range(2):
-            layout.dequantize_into(pool, torch.tensor([2, 0]), rows)
+    layout, rows, pool = fill_twice(caplog)
     assert len(calls) == 1 and store_module._kernels_failed == "RuntimeError: PTX JIT compilation failed"
     assert sum("failed (RuntimeError: PTX JIT compilation failed)" in r.getMessage() for r in caplog.records) == 1
     assert torch.equal(pool[[2, 0]], layout.dequantize(rows)) and (pool[1] == 0).all()
