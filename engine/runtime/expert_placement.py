@@ -66,15 +66,18 @@ def costs_from_profile(profile, hidden: int, expert_ffn: int, dtype: torch.dtype
 
 
 def build_offloaded(policy: str, gate_up, down, *, device: torch.device, dtype: torch.dtype,
-                    max_decode_tokens: int, costs: ExpertCostModel | None = None) -> OffloadedExperts:
+                    max_decode_tokens: int, profile=None) -> OffloadedExperts:
     """The store (pinned when the device is a GPU) and the executor; the cache opens later. gate_up,
-    down: per layer tensors, or QuantStacks (a GGUF's experts, then stored in their blocks).
-    costs: the expert cost model from a calibration profile (None: the documented defaults)."""
+    down: per layer tensors, or QuantStacks (a GGUF's experts, then stored in their blocks). profile:
+    the calibration whose expert costs the executor plans with, at the store's bytes per weight
+    (None, or none usable: the documented defaults)."""
     quantised = any(isinstance(t, QuantStack) for t in gate_up)
     store = (ExpertStore.from_quant_layers if quantised else ExpertStore.from_layers)(
         gate_up, down, dtype=dtype, pin=device.type == "cuda")
     gate_up.clear()  # the store holds the weights now; drop the loader's references
     down.clear()
+    costs = costs_from_profile(profile, store.hidden, store.expert_ffn, dtype,
+                               store.block_bytes / store.weights_per_expert)
     return OffloadedExperts(policy, store, device=device, max_decode_tokens=max_decode_tokens, costs=costs)
 
 

@@ -17,10 +17,9 @@ from engine.models import builtin, families, synthetic
 from engine.models.assemble import assemble
 from engine.models.common import Decoder, ModelArgs
 from engine.models.loader import load_checkpoint
-from engine.quant.blocks import QuantStack
 from engine.quant.experts import resident_experts
 from engine.runtime.chat import load_tokenizer
-from engine.runtime.expert_placement import build_offloaded, check_offload, costs_from_profile, open_offloaded
+from engine.runtime.expert_placement import build_offloaded, check_offload, open_offloaded
 from engine.runtime.kv_setup import build_kv
 
 KV_POLICIES = ("resident", "writescope", "gpu-centric", "cpu-centric", "monolithic")  # and fixed:<r>
@@ -127,14 +126,8 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
 
     def make_experts(gate_up, down):
         if offload:
-            hidden, expert_ffn = gate_up[0].shape[-1], gate_up[0].shape[-2] // 2  # (E, 2I, H) per layer
-            per_weight = None
-            if isinstance(gate_up[0], QuantStack):  # a quantised store: its bytes per weight
-                per_weight = (gate_up[0].experts[0].nbytes + down[0].experts[0].nbytes) / (3 * hidden * expert_ffn)
             holder["experts"] = build_offloaded(config.expert_policy, gate_up, down, device=device, dtype=dtype,
-                                                max_decode_tokens=config.max_batch,
-                                                costs=costs_from_profile(profile, hidden, expert_ffn, dtype,
-                                                                         per_weight))
+                                                max_decode_tokens=config.max_batch, profile=profile)
         else:
             holder["experts"] = resident_experts(gate_up, down)  # over blocks when they are quantised
         return holder["experts"]
