@@ -191,7 +191,10 @@ class SlotLRU:
 class ExpertCache:
     """The slot pool on the compute device, with the LRU over it and a copy stream for fills."""
 
-    def __init__(self, n_slots: int, hidden: int, expert_ffn: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, n_slots: int, hidden: int, expert_ffn: int, dtype: torch.dtype, device: torch.device,
+                 staging_bytes: int = 0):
+        """staging_bytes: a quantised store's block bytes (its longest layer's), so that the staging rows
+        of its fills are made here rather than on the first fill, in mid-decode (0: made when needed)."""
         self.lru = SlotLRU(n_slots)
         self.hidden, self.expert_ffn = hidden, expert_ffn
         self.device = indexed(device)
@@ -208,6 +211,8 @@ class ExpertCache:
         self.down = self.pool[:, split:].unflatten(1, (hidden, expert_ffn))
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.staging: torch.Tensor | None = None  # (QUANT_STAGING, block bytes) uint8: quantised fills
+        if staging_bytes and self.copy_stream is not None:
+            self.staging = torch.empty((QUANT_STAGING, staging_bytes), dtype=torch.uint8, device=self.device)
         # Recorded after the copies issued so far, each time a stream must wait for them (one event
         # reused: Stream.wait_stream creates a new one per call).
         self._copies_done = torch.cuda.Event() if self.copy_stream is not None else None
@@ -255,7 +260,7 @@ class ExpertCache:
         if self.copy_stream is None:  # simulated: the host's kernels straight from the store
             self.pool.index_copy_(0, index, layout.dequantize(torch.stack(blocks)).to(self.pool.dtype))
             return
-        if self.staging is None or self.staging.shape[1] < layout.nbytes:
+        if self.staging is None or self.staging.shape[1] < layout.nbytes:  # (a cache made without staging_bytes)
             self.copy_stream.synchronize()  # the old staging rows may still be read
             self.staging = torch.empty((QUANT_STAGING, layout.nbytes), dtype=torch.uint8, device=self.device)
         with Switch(self.copy_stream, torch.cuda.current_stream(self.device)):

@@ -104,7 +104,8 @@ class OffloadedExperts(ExpertExecutor):
         n_slots = 0 if self.policy == "cpu-only" else max(0, min(int(n_slots), self.store.n_routed))
         s = self.store
         if n_slots:
-            self.cache = ExpertCache(n_slots, s.hidden, s.expert_ffn, s.dtype, self.device)
+            self.cache = ExpertCache(n_slots, s.hidden, s.expert_ffn, s.dtype, self.device,
+                                     staging_bytes=s.block_bytes if s.quantised else 0)
         self.gpu_set = GpuSet(self.cache, n_slots, s.n_experts, self.device, s.dtype)
         self._opened = True
         self._open_zero_copy()
