@@ -1,9 +1,9 @@
 // One MoE layer's CPU set over quantised experts, in one native call: for each expert its tokens'
-// rows are gathered, the gate and up products run over the expert's blocks, SiLU(gate)·up, the down
-// product, and the weighted rows are added into out. Each product is quant_matmul (its threads split
-// the rows, every thread streaming its own part of the blocks), so a set of J experts costs 3J forks
-// of the team and no Python: the per-expert Python loop around the same products costs ~60 µs an
-// expert, which at 8 experts × 48 layers a token is ~23 ms of a decode step.
+// rows are quantised, the gate and up products run over the expert's blocks, SiLU(gate)·up, the down
+// product, and the weighted rows are added into out. The whole set is one parallel region: the
+// threads split the layer's gate/up rows, then its down rows, across all experts at once. No Python:
+// the per-expert Python loop around the same products costs ~60 µs an expert, which at 8 experts ×
+// 48 layers a token is ~23 ms of a decode step.
 //
 // Decode sizes only (a few tokens an expert): the integer products' cost grows with the tokens, and
 // above engine/quant/matmul.py's NATIVE_MAX_TOKENS dequantised tiles and a GEMM win (Python does those).
@@ -19,6 +19,10 @@
 #include <vector>
 
 #include "quant_blocks.h"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 namespace tandem {
 
@@ -73,47 +77,124 @@ inline void check_quant_moe(const QuantMoeProblem& p) {
     require(p.tokens[i] >= 0 && p.tokens[i] < p.n_rows, "a token row is out of range");
 }
 
+// Calls f(segment, r0, r1) for this thread's share of n_segments × seg_rows rows laid end to end:
+// a static split of the whole layer's rows, so every thread streams its own part of the blocks and
+// no expert waits for another's barrier.
+template <class F>
+inline void for_rows_of_part(int64_t n_segments, int64_t seg_rows, int part, int parts, F&& f) {
+  const int64_t total = n_segments * seg_rows, g1 = total * (part + 1) / parts;
+  for (int64_t g = total * part / parts; g < g1;) {
+    const int64_t seg = g / seg_rows, r0 = g % seg_rows, r1 = std::min(seg_rows, r0 + (g1 - g));
+    f(seg, r0, r1);
+    g += r1 - r0;
+  }
+}
+
+// A set's scratch, kept by the calling thread (the native worker) between calls.
+struct QuantMoeBuffers {
+  std::vector<int64_t> active, first;  // experts with pairs; each one's first pair, then the total
+  std::vector<int16_t> qx, qh;         // (pairs, H), (pairs, I) quantised rows
+  std::vector<float> dx, sx, dh, sh;   // (pairs, H/32), (pairs, I/32) block factors
+  std::vector<float> gate, up, y;      // (pairs, I), (pairs, I), (pairs, H)
+};
+
 inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
   check_quant_moe(p);
-  const int64_t H = p.hidden, I = p.inter;
-  static thread_local std::vector<float> xs, gate, up, y;  // reused: no allocation once sizes settle
-  int64_t at = 0;
+  const QuantKernelTable& K = active_quant_table();
+  const int64_t H = p.hidden, I = p.inter, nbH = H / kQBlock, nbI = I / kQBlock;
+  // Reused across calls on this thread (the native worker): no allocation once sizes settle.
+  // Thread-locals of the calling thread, named through these references: inside the parallel region
+  // the bare names would be each team thread's own (empty) copies.
+  static thread_local QuantMoeBuffers buffers;
+  auto &active = buffers.active, &first = buffers.first;
+  auto &qx = buffers.qx, &qh = buffers.qh;
+  auto &dx = buffers.dx, &sx = buffers.sx, &dh = buffers.dh, &sh = buffers.sh;
+  auto &gate = buffers.gate, &up = buffers.up, &y = buffers.y;
+  active.clear(), first.clear();
+  int64_t pairs = 0;
   for (int64_t j = 0; j < p.n_experts; ++j) {
-    const QuantMoeExpert& e = p.experts[j];
-    const int64_t n = e.n_pairs;
-    if (n == 0) continue;
-    if (xs.size() < size_t(n * H)) xs.resize(size_t(n * H)), y.resize(size_t(n * H));
-    if (gate.size() < size_t(n * I)) gate.resize(size_t(n * I)), up.resize(size_t(n * I));
-    for (int64_t i = 0; i < n; ++i) {  // (n, H): the expert's tokens
-      const float* row = p.x + p.tokens[at + i] * p.x_stride;
-      std::copy(row, row + H, xs.data() + i * H);
+    if (p.experts[j].n_pairs > 0) active.push_back(j), first.push_back(pairs);
+    pairs += p.experts[j].n_pairs;
+  }
+  if (pairs == 0) return;
+  first.push_back(pairs);
+  auto fit = [](auto& v, int64_t n) { if (v.size() < size_t(n)) v.resize(size_t(n)); };
+  fit(qx, pairs * H), fit(dx, pairs * nbH), fit(sx, pairs * nbH), fit(y, pairs * H);
+  fit(qh, pairs * I), fit(dh, pairs * nbI), fit(sh, pairs * nbI), fit(gate, pairs * I), fit(up, pairs * I);
+  const int64_t J = int64_t(active.size());
+  const int nt = n_threads > 0 ? n_threads : default_threads();
+
+  // One fork of the team for the whole set, four barriers: a fork per product (3J of them) cost more
+  // than the products at decode sizes on 16 threads.
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+#if defined(_OPENMP)
+    const int parts = omp_get_num_threads(), part = omp_get_thread_num();
+#else
+    const int parts = 1, part = 0;
+#endif
+    // 1. each pair's token row, quantised per block (the gate and up products read it)
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < pairs; ++i)
+      K.quantize_acts(p.x + p.tokens[i] * p.x_stride, H, qx.data() + i * H, dx.data() + i * nbH, sx.data() + i * nbH);
+
+    // 2. gate and up: segment 2a is expert a's gate (I rows), 2a+1 its up
+    for_rows_of_part(2 * J, I, part, parts, [&](int64_t seg, int64_t r0, int64_t r1) {
+      const QuantMoeExpert& e = p.experts[active[size_t(seg / 2)]];
+      const int64_t f = first[size_t(seg / 2)], n = e.n_pairs;
+      const bool is_up = seg % 2;
+      const QType type = is_up ? p.up_type : p.gate_type;
+      float* out = (is_up ? up : gate).data() + f * I;
+      const QuantMatmulProblem P{is_up ? e.up : e.gate, type, I, H, quant_row_bytes(type, H), nullptr, n, H, out, I};
+      K.matmul_rows(P, QuantActs{qx.data() + f * H, dx.data() + f * nbH, sx.data() + f * nbH}, r0, r1);
+    });
+#pragma omp barrier
+
+    // 3. act(gate, up) per pair row, quantised for the down product
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int64_t a = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+      const QuantMoeExpert& e = p.experts[active[size_t(a)]];
+      float* g = gate.data() + i * I;
+      const float* u = up.data() + i * I;
+      for (int64_t c = 0; c < I; ++c) {
+        float gc = g[c], uc = u[c];
+        if (e.gate_up_bias) gc += e.gate_up_bias[c], uc += e.gate_up_bias[I + c];
+        if (p.clamped) {
+          gc = std::min(gc, p.limit);
+          uc = std::max(std::min(uc, p.limit), -p.limit);
+          g[c] = (uc + 1.0f) * gc / (1.0f + std::exp(-p.alpha * gc));
+        } else {
+          g[c] = gc / (1.0f + std::exp(-gc)) * uc;
+        }
+      }
+      K.quantize_acts(g, I, qh.data() + i * I, dh.data() + i * nbI, sh.data() + i * nbI);
     }
-    quant_matmul({e.gate, p.gate_type, I, H, quant_row_bytes(p.gate_type, H), xs.data(), n, H, gate.data(), I},
-                 n_threads);
-    quant_matmul({e.up, p.up_type, I, H, quant_row_bytes(p.up_type, H), xs.data(), n, H, up.data(), I}, n_threads);
-    for (int64_t i = 0; i < n * I; ++i) {  // act(gate, up), in place in gate: (n, I)
-      float g = gate[size_t(i)], u = up[size_t(i)];
-      if (e.gate_up_bias) g += e.gate_up_bias[i % I], u += e.gate_up_bias[I + i % I];
-      if (p.clamped) {
-        g = std::min(g, p.limit);
-        u = std::max(std::min(u, p.limit), -p.limit);
-        gate[size_t(i)] = (u + 1.0f) * g / (1.0f + std::exp(-p.alpha * g));
-      } else {
-        gate[size_t(i)] = g / (1.0f + std::exp(-g)) * u;
+
+    // 4. down: segment a is expert a's down (H rows)
+    for_rows_of_part(J, H, part, parts, [&](int64_t a, int64_t r0, int64_t r1) {
+      const QuantMoeExpert& e = p.experts[active[size_t(a)]];
+      const int64_t f = first[size_t(a)];
+      const QuantMatmulProblem P{e.down, p.down_type, H, I, quant_row_bytes(p.down_type, I), nullptr, e.n_pairs, I,
+                                 y.data() + f * H, H};
+      K.matmul_rows(P, QuantActs{qh.data() + f * I, dh.data() + f * nbI, sh.data() + f * nbI}, r0, r1);
+    });
+#pragma omp barrier
+
+    // 5. out[token] += weight · (y + bias): each thread its own columns, so pairs of one token never race
+    const int64_t h0 = H * part / parts, h1 = H * (part + 1) / parts;
+    for (int64_t a = 0; a < J; ++a) {
+      const QuantMoeExpert& e = p.experts[active[size_t(a)]];
+      for (int64_t i = first[size_t(a)]; i < first[size_t(a) + 1]; ++i) {
+        const float w = p.weights[i];
+        float* row = p.out + p.tokens[i] * p.out_stride;
+        const float* yi = y.data() + i * H;
+        if (e.down_bias)
+          for (int64_t h = h0; h < h1; ++h) row[h] += w * (yi[h] + e.down_bias[h]);
+        else
+          for (int64_t h = h0; h < h1; ++h) row[h] += w * yi[h];
       }
     }
-    quant_matmul({e.down, p.down_type, H, I, quant_row_bytes(p.down_type, I), gate.data(), n, I, y.data(), H},
-                 n_threads);
-    for (int64_t i = 0; i < n; ++i) {  // out[token] += weight · y
-      const float w = p.weights[at + i];
-      float* row = p.out + p.tokens[at + i] * p.out_stride;
-      const float* yi = y.data() + i * H;
-      if (e.down_bias)
-        for (int64_t h = 0; h < H; ++h) row[h] += w * (yi[h] + e.down_bias[h]);
-      else
-        for (int64_t h = 0; h < H; ++h) row[h] += w * yi[h];
-    }
-    at += n;
   }
 }
 

@@ -78,6 +78,28 @@ def test_one_native_call_is_the_loop(experts, n):
     assert float((got - dense).abs().max()) <= 1e-3 * float(dense.abs().max())
 
 
+@pytest.mark.parametrize("threads", [3, 7, 64])
+@pytest.mark.parametrize("n", [1, 5])
+def test_any_team_size_splits_the_layer_rows_alike(experts, threads, n):
+    """The set's threads split the gate/up rows, then the down rows, of all its experts laid end to
+    end, and the output columns: every team size (one, uneven splits, more threads than the rows of
+    an expert's share) gives the one-thread result, also with experts of the table without pairs."""
+    from engine.kernels import native
+
+    gate_up, down = experts
+    x, ids, w = routing(n, seed=11)
+    before = native.threads_setting()
+    try:
+        native.set_threads(1)
+        want = native_set(x, ids, w, gate_up, down)()
+        native.set_threads(threads)
+        got = native_set(x, ids, w, gate_up, down)()
+    finally:
+        native.set_threads(before)
+    assert n > 1 or ids.unique().numel() < E  # one token: the table's other experts have no pairs
+    assert torch.equal(got, want)
+
+
 def test_a_subset_of_experts_and_the_native_worker(experts):
     gate_up, down = experts
     x, ids, w = routing(4, seed=7)
