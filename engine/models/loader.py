@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +207,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False, expert_b
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     raw = {}
     dequantised: dict[str, list[int]] = {}  # quant type → [tensors, file bytes] loaded dequantised
+    views: list[tuple[int, int]] = []  # (file offset, bytes) of the tensors kept as views of the map
     for t in reader.tensors:
         if t.tensor_type not in supported:
             raise UnsupportedModelError(
@@ -213,9 +215,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False, expert_b
                 "use a GGUF with a common quant type (F16, BF16, Q8_0, Q4_0/1, Q5_0/1, K-quants)")
         if quantised and int(t.tensor_type) in QTYPES and _keeps_blocks(t.name, t.shape):
             raw[t.name] = QuantTensor.from_gguf(t.data, int(t.tensor_type), t.name)  # a view of the map
+            views.append((int(t.data_offset), int(t.n_bytes)))
             continue
         if expert_blocks and int(t.tensor_type) in QTYPES and _keeps_stacked_experts(t.name, t.shape):
             raw[t.name] = QuantStack.from_gguf(t.data, int(t.tensor_type), t.name)  # row views of the map
+            views.append((int(t.data_offset), int(t.n_bytes)))
             continue
         if quantised and t.tensor_type not in plain:
             counts = dequantised.setdefault(t.tensor_type.name, [0, 0, 0])
@@ -231,6 +235,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False, expert_b
             array = array.copy()
         raw[t.name] = torch.from_numpy(array).to(dtype)
     _experts_all_blocks_or_none(raw, dtype)
+    populate_map(reader, views)
     if dequantised:
         item = torch.empty((), dtype=dtype).element_size()
         log.warning("%s: %s dequantised to %s at load (%.0f MB in the file, %.0f MB in memory): the CPU kernels "
@@ -243,6 +248,29 @@ def _load_gguf(path: Path, dtype: torch.dtype, quantised: bool = False, expert_b
     if "tokenizer.ggml.model" not in reader.fields:  # weights only: usable through token ids
         return Checkpoint(path, family.NAME, config, tensors)
     return Checkpoint(path, family.NAME, config, tensors, tokenizer_dir=path.parent, gguf_file=path.name)
+
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python names it from 3.13
+
+
+def populate_map(reader, spans: list[tuple[int, int]]) -> None:
+    """Map the pages under `spans` (file offset, bytes) now, at load, as llama.cpp's loader does
+    (MAP_POPULATE). Blocks kept as views of the map are otherwise paged in by the first decode steps
+    that route to them: a fault per 16 pages, and where the file is not in the page cache a random
+    read from disk (on the 2-core machine, 1.46 GB of experts read through first faults at 2.9 GB/s,
+    17.5 GB/s with the file cached, 27 GB/s once mapped). One madvise call where the kernel has it;
+    else one byte read a page, which faults each in."""
+    if not spans:
+        return
+    lo = min(o for o, _ in spans)
+    lo -= lo % mmap.PAGESIZE
+    hi = max(o + n for o, n in spans)
+    try:
+        reader.data._mmap.madvise(MADV_POPULATE_READ, lo, hi - lo)
+    except (AttributeError, OSError, ValueError):  # no such advice (older kernel, not Linux), or no mmap
+        import numpy as np
+
+        np.asarray(reader.data)[lo:hi:mmap.PAGESIZE].max()
 
 
 def _experts_all_blocks_or_none(raw: dict, dtype: torch.dtype) -> None:

@@ -174,3 +174,32 @@ def test_float_load_dequantises_each_block_type_as_gguf_does(moe_file):
         got = _dequantized(t, torch.float32).numpy()
         assert got.shape == want.shape and np.array_equal(got, want), t.name
     assert {"Q4_K", "Q6_K"} <= seen
+
+
+def _mapped_bytes(path) -> int:
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms offset dev inode [path]
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("advice", ["madvise", "touch"])
+def test_blocks_kept_as_views_are_mapped_at_load(moe_file, monkeypatch, advice):
+    """The blocks a quantised load keeps as views of the file are paged in by the load (as llama.cpp's
+    MAP_POPULATE), not by the decode steps that first route to them; where the kernel lacks the advice,
+    a read a page does it."""
+    from engine.models import loader
+
+    if advice == "touch":
+        monkeypatch.setattr(loader, "MADV_POPULATE_READ", -1)  # refused: EINVAL
+    ckpt = load_checkpoint(str(moe_file), torch.float32, quantised=True)
+    kept = sum(t.nbytes for t in ckpt.tensors.values() if isinstance(t, QuantTensor))
+    experts = [t for t in ckpt.tensors.values() if hasattr(t, "experts")]
+    kept += sum(s.nbytes for s in experts)
+    assert kept > 0 and _mapped_bytes(moe_file) >= 0.9 * kept
