@@ -45,12 +45,19 @@ def test_resident_experts_with_a_form_are_captured_in_a_cuda_graph():
     ex.set_form(0, form)
     x = (torch.randn(2, 32, device="cuda") * 2).bfloat16()
     ids, w = _routing(2, 6, 2, "cuda", torch.bfloat16)
-    ref = moe_experts(x, ids, w, gate_up, down, form)
-    ex.run(0, x, ids, w)  # warm-up outside the capture (kernel selection, allocator)
+    eager = ex.run(0, x, ids, w)  # also the warm-up outside the capture (kernel selection, allocator)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         out = ex.run(0, x, ids, w)
     graph.replay()
     torch.cuda.synchronize()
-    # bf16 weights and activations: two bf16 GEMMs with fp32 accumulation against the loop's
-    torch.testing.assert_close(out.float(), ref.float(), atol=5e-2, rtol=5e-2)
+    assert torch.equal(out, eager)  # the captured step computes what the eager one does
+    # Against fp32 arithmetic on the same bf16 values: the bf16 path rounds the gate/up products before
+    # the activation, whose slope reaches ~limit + 1 = 8 near the clamp, so one element can be off by
+    # several of its ulps (a CUDA run saw 0.17 on one of 64 elements against the loop). Over the whole
+    # output the error stays near bf16's scale: at most 0.0074 of the relative norm over 300 seeds of this
+    # layer on the CPU, for the loop and the grouped path alike.
+    f32 = ClampedSwiGLU(gate_up_bias=form.gate_up_bias.float(), down_bias=form.down_bias.float(),
+                        alpha=form.alpha, limit=form.limit)
+    ref = moe_experts(x.float(), ids, w.float(), gate_up.float(), down.float(), f32)
+    assert float((out.float() - ref).norm() / ref.norm()) < 1.5e-2
