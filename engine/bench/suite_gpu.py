@@ -355,13 +355,16 @@ def one_load_decode_cell(ctx: Ctx, model: str, budget: float | None, contexts, *
         res = alternate(ctx, systems)
         flags = "-ngl 99 -fa 1" + (f" -ncmoe {n_cpu_moe}" if n_cpu_moe else "")
         plan = {n: rs[-1].get("plan") for n, rs in res.items() if n != "llama.cpp"}
+        # where each Tandem's time went (its last round's counters, every context of the load together)
+        counters = {n: rs[-1].get("stats") for n, rs in res.items() if n != "llama.cpp"}
         for context in contexts:
             for metric, key, what in (("decode tok/s", "decode_tok_s_by_prompt", "context"),
                                       ("prefill tok/s", "prefill_tok_s_by_prompt", "prompt")):
                 rows.append(row(ctx, metric, f"{context // 1024}K {what}, 1 chat, {setting} "
                                 f"(both set up for {max(contexts) // 1024}K)",
                                 {n: [r[key].get(str(context)) for r in rs] for n, rs in res.items()}, "llama.cpp",
-                                routing=routing_mod.label(routing), llama_flags=flags, plan=plan))
+                                routing=routing_mod.label(routing), llama_flags=flags, plan=plan,
+                                counters=counters))
     return rows
 
 

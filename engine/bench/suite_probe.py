@@ -12,7 +12,8 @@ tokens of the timed prefill; 0: none), decode_prompt (prompt tokens before the t
 decode_prompts (several such lengths, decoded in turn by the one loaded engine: `decode_tok_s_by_prompt`,
 and `prefill_tok_s_by_prompt` of the prompts before them),
 new_tokens, batch (chats decoded together), seed, warmup and warmup_tokens (an untimed short
-generation first: kernel compiles, allocator growth, graph capture).
+generation first: kernel compiles, allocator growth, graph capture). The result carries the engine's
+expert, PCIe and kernel counters after the last generation (`stats`).
 Prompts are fixed pseudo-random token ids (seeded; the same for every engine and round), as
 `tandem generate --random-prompt` makes them. Prints one JSON object on its last line of stdout.
 """
@@ -73,6 +74,7 @@ def measure(spec: dict) -> dict:
         info = engine.info()
         out["info"] = {k: info.get(k) for k in ("backend", "model", "device", "dtype", "kv_policy", "expert_policy",
                                                  "llama_cpp", "native", "cuda_graphs")}  # graphs: captured or why not
+        out["stats"] = _stats(engine)
         plan = info.get("plan")
         if isinstance(plan, dict):  # what the default (auto) plan chose, kept short
             out["plan"] = {k: plan.get(k) for k in ("kv_policy", "expert_policy", "expert_cache_slots", "bottleneck",
@@ -81,6 +83,19 @@ def measure(spec: dict) -> dict:
     finally:
         engine.close()
     return out
+
+
+def _stats(engine) -> dict:
+    """The engine's counters after every generation of the probe (warm-up included), the scalars of the
+    parts that say where a step's time went: the experts' (hits, fills, CPU-computed experts and their
+    seconds), PCIe's, and which kernels ran. {} from an engine without `stats().to_dict()`."""
+    try:
+        snap = engine.stats().to_dict()
+    except Exception:  # an older tree's engine, or a backend without the counters
+        return {}
+    scalars = (int, float, str, bool, type(None))
+    return {part: {k: v for k, v in (snap.get(part) or {}).items() if isinstance(v, scalars)}
+            for part in ("experts", "pcie", "kernels")}
 
 
 def main(argv: list[str]) -> int:

@@ -285,6 +285,8 @@ def test_the_probe_decodes_each_of_several_prompt_lengths_with_one_load():
     out = suite.probe(suite.REPO, spec)
     assert set(out["decode_tok_s_by_prompt"]) == {"8", "40"} and all(v > 0 for v in out["decode_tok_s_by_prompt"].values())
     assert out["prefill_tok_s_by_prompt"]["40"] > 0 and "decode_tok_s" not in out
+    # the engine's counters come back beside the figures: where a cell's time went
+    assert set(out["stats"]) == {"experts", "pcie", "kernels"} and out["stats"]["kernels"]
 
 
 def test_the_cpu_moe_cell_makes_its_file_once_and_stays_out_of_quick(tmp_path, monkeypatch):
