@@ -288,7 +288,8 @@ std::shared_ptr<QuantMoeSet> quant_moe_set(uintptr_t x, int64_t n_rows, int64_t 
 }
 
 void quant_dequantize_py(uintptr_t w, int type, int64_t k, int64_t w_row_bytes, int64_t n_rows, int64_t row_begin,
-                         int64_t row_end, const py::object& ids, uintptr_t out, int64_t out_stride, int threads) {
+                         int64_t row_end, const py::object& ids, uintptr_t out, int64_t out_stride, int threads,
+                         bool bf16) {
   const QType t = checked_qtype(type, k, w_row_bytes);
   require(out_stride >= k, "out_stride must cover a row");
   const int64_t* id_ptr = nullptr;
@@ -306,7 +307,7 @@ void quant_dequantize_py(uintptr_t w, int type, int64_t k, int64_t w_row_bytes, 
   require(w && out, "null pointer");
   py::gil_scoped_release release;
   quant_dequantize(reinterpret_cast<const uint8_t*>(w), t, k, w_row_bytes, row_begin, row_end, id_ptr, n_ids,
-                   reinterpret_cast<float*>(out), out_stride, threads);
+                   reinterpret_cast<void*>(out), bf16, out_stride, threads);
 }
 
 }  // namespace
@@ -433,8 +434,9 @@ PYBIND11_MODULE(_native, m) {
         "token rows and weights grouped by expert; clamped: gpt-oss's clamped SwiGLU with alpha and limit.");
   m.def("quant_dequantize", &quant_dequantize_py, py::arg("w"), py::arg("type"), py::arg("k"),
         py::arg("w_row_bytes"), py::arg("n_rows"), py::arg("row_begin"), py::arg("row_end"), py::arg("ids"),
-        py::arg("out"), py::arg("out_stride"), py::arg("threads"),
-        "Rows of W (blocks) as fp32 into out: rows [row_begin, row_end), or the rows `ids` (int64) in turn.");
+        py::arg("out"), py::arg("out_stride"), py::arg("threads"), py::arg("bf16") = false,
+        "Rows of W (blocks) as fp32 (bf16, nearest even, with bf16=True) into out: rows [row_begin, row_end), "
+        "or the rows `ids` (int64) in turn.");
   m.def("stream_read", [](uintptr_t data, size_t n_bytes, int threads) {
     py::gil_scoped_release release;
     return stream_read(reinterpret_cast<const void*>(data), n_bytes, threads);

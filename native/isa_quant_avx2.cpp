@@ -25,7 +25,8 @@ namespace {
 #include "quant_kernels.h"
 }  // namespace
 
-const QuantKernelTable kQuantTableAvx2 = {"avx2", &quantize_acts, &matmul_rows, &dequantize_row};
+const QuantKernelTable kQuantTableAvx2 = {"avx2", &quantize_acts, &matmul_rows, &dequantize_row,
+                                           &dequantize_row_bf16};
 }  // namespace tandem
 
 #if defined(__clang__)

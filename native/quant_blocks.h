@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common.h"
 #include "kquant_blocks.h"
@@ -82,6 +83,7 @@ struct QuantKernelTable {
   // Rows [row_begin, row_end) of y, every token.
   void (*matmul_rows)(const QuantMatmulProblem&, const QuantActs&, int64_t row_begin, int64_t row_end);
   void (*dequantize_row)(const uint8_t* w, QType type, int64_t k, float* out);  // k floats
+  void (*dequantize_row_bf16)(const uint8_t* w, QType type, int64_t k, uint16_t* out);  // k bf16, nearest even
 };
 
 extern const QuantKernelTable kQuantTableScalar;
@@ -95,10 +97,10 @@ const QuantKernelTable& active_quant_table();
 bool select_quant_isa(const char* name);  // "auto" or one of supported_quant_isas()
 int supported_quant_isas(const char** names, int capacity);
 void quant_matmul(const QuantMatmulProblem& p, int n_threads);
-// Rows of W as fp32: rows [row_begin, row_end), or, when ids is not null, rows ids[0 … n_ids) in turn
-// (an embedding lookup); out row i at out + i·out_stride.
+// Rows of W as fp32 (bf16 with out_bf16): rows [row_begin, row_end), or, when ids is not null, rows
+// ids[0 … n_ids) in turn (an embedding lookup); out row i at out + i·out_stride elements.
 void quant_dequantize(const uint8_t* w, QType type, int64_t k, int64_t w_row_bytes, int64_t row_begin,
-                      int64_t row_end, const int64_t* ids, int64_t n_ids, float* out, int64_t out_stride,
-                      int n_threads);
+                      int64_t row_end, const int64_t* ids, int64_t n_ids, void* out, bool out_bf16,
+                      int64_t out_stride, int n_threads);
 
 }  // namespace tandem

@@ -117,15 +117,18 @@ void quant_matmul(const QuantMatmulProblem& P, int n_threads) {
 }
 
 void quant_dequantize(const uint8_t* w, QType type, int64_t k, int64_t w_row_bytes, int64_t row_begin,
-                      int64_t row_end, const int64_t* ids, int64_t n_ids, float* out, int64_t out_stride,
-                      int n_threads) {
+                      int64_t row_end, const int64_t* ids, int64_t n_ids, void* out, bool out_bf16,
+                      int64_t out_stride, int n_threads) {
   const QuantKernelTable& K = active_quant_table();
   const int nt = n_threads > 0 ? n_threads : default_threads();
   const int64_t n = ids ? n_ids : row_end - row_begin;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && n >= kMinParallelRows)
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t row = ids ? ids[i] : row_begin + i;
-    K.dequantize_row(w + row * w_row_bytes, type, k, out + i * out_stride);
+    const uint8_t* row = w + (ids ? ids[i] : row_begin + i) * w_row_bytes;
+    if (out_bf16)
+      K.dequantize_row_bf16(row, type, k, static_cast<uint16_t*>(out) + i * out_stride);
+    else
+      K.dequantize_row(row, type, k, static_cast<float*>(out) + i * out_stride);
   }
 }
 

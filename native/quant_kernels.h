@@ -135,14 +135,18 @@ template <> struct Decode<QType::mxfp4> {
 
 // -- the loops, over any decoder --
 
-template <QType TY> void dequantize_row_t(const uint8_t* w, int64_t k, float* out) {
+// Out is float (fp32) or uint16_t (bf16 bits).
+template <QType TY, class Out> void dequantize_row_t(const uint8_t* w, int64_t k, Out* out) {
   using D = Decode<TY>;
   const int64_t bytes = qblock_bytes(int(TY));
   for (int64_t b = 0; b < k / (kQBlock * D::kSub); ++b, w += bytes) {
     for (int j = 0; j < D::kSub; ++j, out += kQBlock) {
       float s, c;
       const WVec q = D::at(w, j, s, c);
-      store_block(out, q, s, c);
+      if constexpr (std::is_same_v<Out, float>)
+        store_block(out, q, s, c);
+      else
+        store_block_bf16(out, q, s, c);
     }
   }
 }
@@ -239,13 +243,16 @@ template <template <QType> class F, class... Args> void by_type(QType type, Args
   }
 }
 template <QType TY> struct DequantizeRow {
-  static void run(const uint8_t* w, int64_t k, float* out) { dequantize_row_t<TY>(w, k, out); }
+  template <class Out> static void run(const uint8_t* w, int64_t k, Out* out) { dequantize_row_t<TY>(w, k, out); }
 };
 template <QType TY> struct MatmulRows {
   static void run(const QuantMatmulProblem& P, const QuantActs& A, int64_t r0, int64_t r1) { matmul_rows_t<TY>(P, A, r0, r1); }
 };
 
 void dequantize_row(const uint8_t* w, QType type, int64_t k, float* out) { by_type<DequantizeRow>(type, w, k, out); }
+void dequantize_row_bf16(const uint8_t* w, QType type, int64_t k, uint16_t* out) {
+  by_type<DequantizeRow>(type, w, k, out);
+}
 
 void matmul_rows(const QuantMatmulProblem& P, const QuantActs& A, int64_t r0, int64_t r1) {
   by_type<MatmulRows>(P.type, P, A, r0, r1);

@@ -84,6 +84,10 @@ TANDEM_ALWAYS_INLINE float hsum(FVec v) { return v; }
 TANDEM_ALWAYS_INLINE void store_block(float* out, const WVec& w, float s, float c) {
   for (int j = 0; j < 32; ++j) out[j] = float(w.v[j]) * s + c;
 }
+// The same values rounded to bf16 (nearest even): the prefill tiles of routed experts.
+TANDEM_ALWAYS_INLINE void store_block_bf16(uint16_t* out, const WVec& w, float s, float c) {
+  for (int j = 0; j < 32; ++j) out[j] = f32_to_bf16(float(w.v[j]) * s + c);
+}
 
 // 32 bytes → their low nibbles (lo) and high nibbles (hi) as 32 words each: one widening for both.
 TANDEM_ALWAYS_INLINE void widen_nibbles(const Bytes& q, WVec& lo, WVec& hi) {
@@ -258,13 +262,31 @@ TANDEM_ALWAYS_INLINE FVec block_dot(WVec w, const int16_t* a) {
 TANDEM_ALWAYS_INLINE FVec fzero() { return _mm512_setzero_ps(); }
 TANDEM_ALWAYS_INLINE FVec fmadd(FVec a, float b, FVec c) { return _mm512_fmadd_ps(a, _mm512_set1_ps(b), c); }
 TANDEM_ALWAYS_INLINE float hsum(FVec v) { return _mm512_reduce_add_ps(v); }
-// q·s is exact (quant_blocks.h), so the FMA's one rounding is the plain multiply-then-add's (gguf's).
-TANDEM_ALWAYS_INLINE void store_block(float* out, WVec w, float s, float c) {
+// The block's 32 values q·s + c as two 16-float vectors: q·s is exact (quant_blocks.h), so the FMA's
+// one rounding is the plain multiply-then-add's (gguf's).
+TANDEM_ALWAYS_INLINE void block_values(WVec w, float s, float c, __m512 v[2]) {
   const __m512 vs = _mm512_set1_ps(s), vc = _mm512_set1_ps(c);
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1)));
-  _mm512_storeu_ps(out, _mm512_fmadd_ps(lo, vs, vc));
-  _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(hi, vs, vc));
+  v[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w))), vs, vc);
+  v[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1))), vs, vc);
+}
+TANDEM_ALWAYS_INLINE void store_block(float* out, WVec w, float s, float c) {
+  __m512 v[2];
+  block_values(w, s, c, v);
+  _mm512_storeu_ps(out, v[0]);
+  _mm512_storeu_ps(out + 16, v[1]);
+}
+// 16 floats → 16 bf16, rounded to nearest even (no NaN comes out of a block: no NaN check).
+TANDEM_ALWAYS_INLINE __m256i bf16_of(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+TANDEM_ALWAYS_INLINE void store_block_bf16(uint16_t* out, WVec w, float s, float c) {
+  __m512 v[2];
+  block_values(w, s, c, v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bf16_of(v[0]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), bf16_of(v[1]));
 }
 
 #else  // AVX2: a block as two halves of 16 int16
@@ -317,14 +339,34 @@ TANDEM_ALWAYS_INLINE float hsum(FVec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-TANDEM_ALWAYS_INLINE void store_block(float* out, const WVec& w, float s, float c) {
+// The block's 32 values q·s + c as four 8-float vectors (one rounding each, as gguf's).
+TANDEM_ALWAYS_INLINE void block_values(const WVec& w, float s, float c, __m256 v[4]) {
   const __m256 vs = _mm256_set1_ps(s), vc = _mm256_set1_ps(c);
   const __m256i parts[2] = {w.lo, w.hi};
   for (int h = 0; h < 2; ++h) {
-    const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(parts[h])));
-    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(parts[h], 1)));
-    _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(a, vs, vc));
-    _mm256_storeu_ps(out + 16 * h + 8, _mm256_fmadd_ps(b, vs, vc));
+    v[2 * h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(parts[h]))), vs, vc);
+    v[2 * h + 1] =
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(parts[h], 1))), vs, vc);
+  }
+}
+TANDEM_ALWAYS_INLINE void store_block(float* out, const WVec& w, float s, float c) {
+  __m256 v[4];
+  block_values(w, s, c, v);
+  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, v[i]);
+}
+// 8 floats → their bf16 bit patterns in 32-bit lanes, rounded to nearest even (no NaN from a block).
+TANDEM_ALWAYS_INLINE __m256i bf16_lanes(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+}
+TANDEM_ALWAYS_INLINE void store_block_bf16(uint16_t* out, const WVec& w, float s, float c) {
+  __m256 v[4];
+  block_values(w, s, c, v);
+  for (int h = 0; h < 2; ++h) {
+    // packus works per 128-bit lane (a0-3 b0-3 a4-7 b4-7): the permute puts the words back in order
+    const __m256i packed = _mm256_packus_epi32(bf16_lanes(v[2 * h]), bf16_lanes(v[2 * h + 1]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h), _mm256_permute4x64_epi64(packed, 0xD8));
   }
 }
 #endif

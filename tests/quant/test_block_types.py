@@ -122,3 +122,15 @@ def test_native_refuses_a_k_quant_width_off_its_super_block():
         NAT.quant_matmul(x.data_ptr(), int(T.Q4_K), 4, 288, 144, x.data_ptr(), 1, 288, y.data_ptr(), 4, 1)
     with pytest.raises(ValueError, match="whole blocks"):
         NAT.quant_matmul(x.data_ptr(), int(T.Q6_K), 4, 256, 209, x.data_ptr(), 1, 256, y.data_ptr(), 4, 1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_bf16_dequantisation_is_the_fp32_one_rounded(every_isa, qtype):
+    """The routed experts' prefill tiles: each ISA writes bf16 itself, equal to its fp32 values rounded
+    to nearest even (torch's conversion), all rows and picked rows alike."""
+    w = QuantTensor.from_gguf(random_blocks(37, 512, qtype, seed=5), int(qtype), "w")
+    want = qm.dequantize_rows(w).to(torch.bfloat16)
+    assert torch.equal(qm.dequantize_rows(w, dtype=torch.bfloat16), want)
+    rows = torch.tensor([36, 0, 7])
+    assert torch.equal(qm.dequantize_rows(w, rows=rows, dtype=torch.bfloat16), want[rows])
+    assert torch.equal(qm.dequantize_rows(w, row_range=(3, 9), dtype=torch.bfloat16), want[3:9])

@@ -125,3 +125,46 @@ def test_bad_inputs_are_refused():
         qm.quant_linear(torch.randn(2, 32), w)
     with pytest.raises(KernelInputError):
         qm.embedding(torch.tensor([8]), w)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_bf16_dequantisation_is_the_fp32_one_rounded(isa, qtype, monkeypatch):
+    if isa == "torch":
+        monkeypatch.setattr(qm, "_native", lambda: None)
+    w, ref_w = _blocks(70, 96, qtype)
+    want = torch.from_numpy(ref_w).to(torch.bfloat16)
+    assert torch.equal(qm.dequantize_rows(w, dtype=torch.bfloat16), want)
+    assert torch.equal(qm.dequantize_rows(w, rows=torch.tensor([69, 2]), dtype=torch.bfloat16), want[[69, 2]])
+
+
+@pytest.mark.parametrize("tiles", [torch.float32, torch.bfloat16])
+def test_tiles_of_many_tokens_in_either_dtype(tiles):
+    """Above NATIVE_MAX_TOKENS the product is dequantised tiles and a GEMM: fp32 tiles keep the float
+    reference's values to fp32's rounding; bf16 tiles (routed experts' prefill where the CPU multiplies
+    bf16) round x, the weights and the products to bf16, 8 bits of mantissa each: a relative error of
+    at most ~3·2^-9 per element against Σ|w||x|."""
+    w, ref_w = _blocks(203, 320, T.Q4_1)
+    x = torch.randn(qm.NATIVE_MAX_TOKENS + 9, 320, generator=torch.Generator().manual_seed(3))
+    ref = x @ torch.from_numpy(ref_w).t()
+    y = qm.quant_linear(x, w, tiles=tiles)
+    scale = x.abs() @ torch.from_numpy(np.abs(ref_w)).t()  # (n, rows): Σ|w||x| per element
+    assert y.dtype == torch.float32
+    if tiles == torch.float32:
+        assert ((y - ref).abs() <= 1e-5 * scale + 1e-6).all()
+    else:
+        err = (y - ref).abs() / scale
+        assert float(err.max()) <= 3 * 2**-9 and float(err.max()) > 1e-6  # bf16, and not fp32 in disguise
+
+
+def test_routed_experts_take_bf16_tiles_where_the_cpu_multiplies_bf16(monkeypatch):
+    from engine.quant import experts as qe
+
+    bf16_isa = NAT is not None and bool({"amx-bf16", "avx512bf16"} & set(NAT.supported_isas()))
+    assert qm.expert_tiles() == (torch.bfloat16 if bf16_isa else torch.float32)
+    seen = []
+    real = qm.quant_linear
+    monkeypatch.setattr(qe, "quant_linear", lambda *a, **kw: seen.append(kw.get("tiles", a[3:4])) or real(*a, **kw))
+    gate_up, _ = _blocks(64, 96, T.Q8_0)
+    down, _ = _blocks(96, 32, T.Q8_0)
+    qe.swiglu_blocks(torch.randn(20, 96), gate_up, down)
+    assert seen == [qm.expert_tiles()] * 2
