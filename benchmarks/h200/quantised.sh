@@ -16,6 +16,9 @@ python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/quant te
   | tail -30 >"$res/pytest-cuda.log"
 tail -1 "$res/pytest-cuda.log" >>"$log"
 
+step CPU kernels  # the K-quant products and a MoE layer's CPU set at 1–16 threads (the 16-thread figure)
+python3 -m engine.bench.quant_kernels --moe-threads 1,4,8,16 --json "$res/quant-kernels.json" >>"$log" 2>&1
+
 step export L16  # the name the suite looks for; the suite quantises it
 python3 -m engine.cli export-gguf --model synthetic:qwen3-30b-a3b-L16 --out "$work/qwen3-30b-a3b-L16-random.gguf" \
   --device cuda --tokenizer-from .llamacpp/smollm2-vocab.gguf --quiet >>"$res/export.log" 2>&1
