@@ -86,7 +86,7 @@ def expert_tiles() -> torch.dtype:
     prefill stays its float32 reference's)."""
     global _EXPERT_TILES
     if _EXPERT_TILES is None:
-        nat = _native()
+        nat = native.module()  # the CPU's instruction sets as the extension found them, kernels hidden or not
         fast = nat is not None and bool({"amx-bf16", "avx512bf16"} & set(nat.supported_isas()))
         _EXPERT_TILES = torch.bfloat16 if fast else torch.float32
     return _EXPERT_TILES
