@@ -193,8 +193,8 @@ class ExpertCache:
 
     def __init__(self, n_slots: int, hidden: int, expert_ffn: int, dtype: torch.dtype, device: torch.device,
                  staging_bytes: int = 0):
-        """staging_bytes: a quantised store's block bytes (its longest layer's), so that the staging rows
-        of its fills are made here rather than on the first fill, in mid-decode (0: made when needed)."""
+        """staging_bytes: a quantised store's block bytes (its longest layer's): the staging rows of its
+        fills are made here, not on a first fill in mid-decode (0: a store of plain tensors)."""
         self.lru = SlotLRU(n_slots)
         self.hidden, self.expert_ffn = hidden, expert_ffn
         self.device = indexed(device)
@@ -260,9 +260,9 @@ class ExpertCache:
         if self.copy_stream is None:  # simulated: the host's kernels straight from the store
             self.pool.index_copy_(0, index, layout.dequantize(torch.stack(blocks)).to(self.pool.dtype))
             return
-        if self.staging is None or self.staging.shape[1] < layout.nbytes:  # (a cache made without staging_bytes)
-            self.copy_stream.synchronize()  # the old staging rows may still be read
-            self.staging = torch.empty((QUANT_STAGING, layout.nbytes), dtype=torch.uint8, device=self.device)
+        if self.staging is None or self.staging.shape[1] < layout.nbytes:
+            raise ValueError(f"quantised fills of {layout.nbytes} bytes need the cache opened with staging_bytes "
+                             f"≥ that (got {0 if self.staging is None else self.staging.shape[1]})")
         with Switch(self.copy_stream, torch.cuda.current_stream(self.device)):
             for a in range(0, len(slots), QUANT_STAGING):
                 part = blocks[a:a + QUANT_STAGING]

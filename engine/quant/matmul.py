@@ -79,11 +79,11 @@ def dequantize_rows(w: QuantTensor, rows: torch.Tensor | None = None, row_range:
 
 def expert_tiles() -> torch.dtype:
     """What routed experts' prefill tiles are dequantised to and multiplied in: bf16 where the CPU
-    multiplies bf16 in hardware (AMX or AVX-512 BF16), else fp32. At 32 tokens, a Q4_K 768×2048 tile
-    takes 0.17 ms to dequantise to bf16 and 0.12 ms to multiply against 0.27 and 0.58 ms in fp32 (2-core
-    Sapphire Rapids): the prefill of a MoE layer is that product ~400 times. The activations and products
-    then round to bf16, as a GPU's BF16 experts do; dense layers keep fp32 tiles (the built-in model's
-    prefill stays its float32 reference's)."""
+    multiplies bf16 in hardware (AMX or AVX-512 BF16), else fp32: the tile is half the bytes to write
+    and torch's bf16 GEMM runs on the matrix units. The suite's cpu-moe-q4km-L8 prefill went from 158
+    to 195 tok/s with it (benchmarks/suite/cpu-moe-q4km-L8.json; 158 in its record at c42184b). The
+    activations and products then round to bf16, as a GPU's BF16 experts do; dense layers keep fp32
+    tiles (the built-in model's prefill stays its float32 reference's)."""
     global _EXPERT_TILES
     if _EXPERT_TILES is None:
         nat = native.module()  # the CPU's instruction sets as the extension found them, kernels hidden or not

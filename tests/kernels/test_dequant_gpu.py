@@ -193,7 +193,7 @@ def test_cuda_fills_write_the_slots_through_the_kernels(dtype, monkeypatch):
     monkeypatch.setattr(dequant_gpu, "dequantize_into", lambda *args: launches.append(args[3]) or kernel(*args))
     store = ExpertStore.from_quant_layers(gate_up, down, dtype=dtype, pin=True)
     try:
-        cache = ExpertCache(3 * E, H, I, dtype, torch.device("cuda"))
+        cache = ExpertCache(3 * E, H, I, dtype, torch.device("cuda"), staging_bytes=store.block_bytes)
         for layer in range(3):
             slots = list(range(layer * E, (layer + 1) * E))[::-1]
             cache.copy_in_many(slots, [store.block(layer, e) for e in range(E)], store.layouts[layer])

@@ -72,9 +72,9 @@ def test_fills_dequantise_into_the_slots_exactly(device):
     store = ExpertStore.from_quant_layers(gate_up, down, dtype=torch.bfloat16, pin=device == "cuda")
     try:
         assert store.pinned == (device == "cuda") and len({layout.nbytes for layout in store.layouts.values()}) == 2
-        cache = ExpertCache(2 * E, H, I, torch.bfloat16, torch.device(device))
+        cache = ExpertCache(2 * E, H, I, torch.bfloat16, torch.device(device), staging_bytes=store.block_bytes)
         assert E > QUANT_STAGING
-        for layer in (0, 1):  # the second layer's longer blocks make the staging rows grow
+        for layer in (0, 1):  # staging rows of the longest layer's blocks serve the shorter one too
             slots = list(range(layer * E, (layer + 1) * E))[::-1]
             cache.copy_in_many(slots, [store.block(layer, e) for e in range(E)], store.layouts[layer])
         cache.synchronize()
