@@ -7,10 +7,12 @@ locked until the layer ends, so neither its own fills nor the next layer's prefe
 slot a kernel still reads.
 
 `ExpertCache` owns the slots: one (n_slots, P) tensor allocated once, where a slot holds one
-expert's block [gate_up (2I·H) | down (H·I)] exactly as the host store lays it out, so a fill is one
-contiguous copy, issued on its own copy stream. Nothing is allocated after construction but the
-staging buffer of a quantised store's fills: their bytes cross the link as the file has them into
-`staging`, and are dequantised on the device into the slots (engine/experts/store.py).
+expert's block exactly as the host store lays it out, so a fill is one contiguous copy, issued on its
+own copy stream, and nothing is allocated after construction. A store of tensors gives slots of P
+elements [gate_up (2I·H) | down (H·I)] in the engine dtype; a quantised store gives slots of its
+block bytes as the file has them (uint8; engine/experts/store.py `QuantLayout`), which the GPU
+kernels read in place (engine/kernels/quant_moe_gpu.py), so a slot costs the file's bytes, not 3.5×
+them in BF16, and a fill moves them with no work on the device.
 """
 
 from __future__ import annotations
@@ -25,10 +27,6 @@ from engine.errors import OutOfMemoryError
 from engine.kernels.cuda_streams import Switch, indexed
 
 Key = tuple[int, int]  # (layer, expert)
-# Quantised fills dequantised per batch of this many blocks: a decode layer's fills are a few, so
-# one batch (one dequantisation: a kernel per part) each; the staging rows cost 16 blocks' bytes
-# (Qwen3-30B-A3B Q4_K_M: 16 × 1.8 MB) beside the slots' gigabytes.
-QUANT_STAGING = 16
 
 
 @dataclass
@@ -192,27 +190,28 @@ class ExpertCache:
     """The slot pool on the compute device, with the LRU over it and a copy stream for fills."""
 
     def __init__(self, n_slots: int, hidden: int, expert_ffn: int, dtype: torch.dtype, device: torch.device,
-                 staging_bytes: int = 0):
-        """staging_bytes: a quantised store's block bytes (its longest layer's): the staging rows of its
-        fills are made here, not on a first fill in mid-decode (0: a store of plain tensors)."""
+                 block_bytes: int = 0):
+        """block_bytes: a quantised store's block bytes (its longest layer's): the slots then hold
+        those bytes (uint8) and have no tensor views; 0: slots of 3·I·H elements of `dtype`."""
         self.lru = SlotLRU(n_slots)
         self.hidden, self.expert_ffn = hidden, expert_ffn
         self.device = indexed(device)
-        block = 3 * hidden * expert_ffn  # elements: gate_up (2I·H) then down (H·I)
+        self.quantised = block_bytes > 0
+        block = block_bytes if self.quantised else 3 * hidden * expert_ffn  # bytes, or elements
         try:
-            self.pool = torch.empty((n_slots, block), dtype=dtype, device=self.device)  # (S, P), the only allocation
+            self.pool = torch.empty((n_slots, block), dtype=torch.uint8 if self.quantised else dtype,
+                                    device=self.device)  # (S, P), the only allocation
         except torch.OutOfMemoryError as e:
             raise OutOfMemoryError(f"cannot allocate {n_slots} expert slots on {self.device}",
                                    "lower vram_budget_gb or expert_cache_slots") from e
         self.allocations = 1  # slot allocations ever made; stays 1 (tests check it)
-        split = 2 * expert_ffn * hidden
         # Views over the pool, never copies: (S, 2I, H) and (S, H, I), slot-major like the store.
-        self.gate_up = self.pool[:, :split].unflatten(1, (2 * expert_ffn, hidden))
-        self.down = self.pool[:, split:].unflatten(1, (hidden, expert_ffn))
+        self.gate_up = self.down = None
+        if not self.quantised:
+            split = 2 * expert_ffn * hidden
+            self.gate_up = self.pool[:, :split].unflatten(1, (2 * expert_ffn, hidden))
+            self.down = self.pool[:, split:].unflatten(1, (hidden, expert_ffn))
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.staging: torch.Tensor | None = None  # (QUANT_STAGING, block bytes) uint8: quantised fills
-        if staging_bytes and self.copy_stream is not None:
-            self.staging = torch.empty((QUANT_STAGING, staging_bytes), dtype=torch.uint8, device=self.device)
         # Recorded after the copies issued so far, each time a stream must wait for them (one event
         # reused: Stream.wait_stream creates a new one per call).
         self._copies_done = torch.cuda.Event() if self.copy_stream is not None else None
@@ -234,14 +233,10 @@ class ExpertCache:
         a plain copy when the "GPU" is the CPU (simulated hybrid)."""
         self.copy_in_many([slot], [block])
 
-    def copy_in_many(self, slots: list[int], blocks: list[torch.Tensor], layout=None) -> None:
-        """Several blocks into their slots, in order, entering the copy stream once. layout: the
-        blocks' QuantLayout when they are quantised bytes (one layer's): copied as bytes, then
-        dequantised into the slots."""
+    def copy_in_many(self, slots: list[int], blocks: list[torch.Tensor]) -> None:
+        """Several blocks into their slots, in order, entering the copy stream once (a quantised
+        block's bytes land as they are: its slot is read in place)."""
         if not slots:
-            return
-        if layout is not None:
-            self._fill_quantised(slots, blocks, layout)
             return
         if self.copy_stream is None:
             for slot, block in zip(slots, blocks):
@@ -250,26 +245,6 @@ class ExpertCache:
         with Switch(self.copy_stream, torch.cuda.current_stream(self.device)):
             for slot, block in zip(slots, blocks):
                 self.pool[slot].copy_(block, non_blocking=True)
-
-    def _fill_quantised(self, slots: list[int], blocks: list[torch.Tensor], layout) -> None:
-        """Quantised blocks (nbytes,) uint8 on the host → the slots, dequantised: on a GPU the bytes go
-        into `staging` (QUANT_STAGING blocks at a time) and one dequantisation per batch writes the
-        slots (`QuantLayout.dequantize_into`), all on the copy stream, which orders each batch's reuse
-        of the staging rows."""
-        index = torch.tensor(slots, dtype=torch.long)
-        if self.copy_stream is None:  # simulated: the host's kernels straight from the store
-            self.pool.index_copy_(0, index, layout.dequantize(torch.stack(blocks)).to(self.pool.dtype))
-            return
-        if self.staging is None or self.staging.shape[1] < layout.nbytes:
-            raise ValueError(f"quantised fills of {layout.nbytes} bytes need the cache opened with staging_bytes "
-                             f"≥ that (got {0 if self.staging is None else self.staging.shape[1]})")
-        with Switch(self.copy_stream, torch.cuda.current_stream(self.device)):
-            for a in range(0, len(slots), QUANT_STAGING):
-                part = blocks[a:a + QUANT_STAGING]
-                for row, block in enumerate(part):
-                    self.staging[row, :layout.nbytes].copy_(block[:layout.nbytes], non_blocking=True)
-                layout.dequantize_into(self.pool, index[a:a + len(part)].to(self.device, non_blocking=True),
-                                       self.staging[:len(part)])
 
     def wait_copies(self, stream=None) -> None:
         """Make the compute stream (the current one unless given) wait for every fill and prefetch

@@ -67,6 +67,16 @@ class ResidentExperts(ExpertExecutor):
             return moe_experts_grouped(x, ids, weights, gate_up, down)
         return moe_experts(x, ids, weights, gate_up=gate_up, down=down)
 
+    def capture_problem(self, device: torch.device, max_batch: int) -> str | None:
+        """Why decode steps of up to max_batch tokens cannot be captured as CUDA graphs here, or None."""
+        if max_batch > GROUPED_MAX_TOKENS:
+            return f"max_batch above {GROUPED_MAX_TOKENS} takes the per-expert path, which syncs with the host"
+        if self.gate_up:
+            dtype = self.gate_up[0].dtype
+            if self.gate_up[0].shape[0] > MAX_GROUPS or not uses_grouped_mm(device, dtype):
+                return "the grouped expert GEMM does not run here"
+        return None
+
     def nbytes(self) -> int:
         # Views that share storage (identical upcycled experts on the host) count once.
         seen, total = set(), 0

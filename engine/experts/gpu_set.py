@@ -4,11 +4,13 @@ The driving thread publishes which slot each expert is in (`publish`: a host map
 device; the CPU set's experts map to a sentinel slot past the pool). The device then computes every
 (token, choice) pair whose expert has a slot, in one of two ways:
 
-    a few tokens (moe_decode_gpu)   matrix-vector products over the slots in place, one launch
+    a few tokens (moe_decode_gpu,   matrix-vector products over the slots in place, one launch a step
+    quant_moe_gpu)                  of the product: a quantised slot's blocks are dequantised in registers
     more tokens, or biased experts  rows sorted by slot, one grouped GEMM over the slot pool
-                                    (engine/kernels/experts_gpu.py), summed back per token
+                                    (engine/kernels/experts_gpu.py), summed back per token; quantised
+                                    slots are first dequantised into tiles, a window of experts at a time
 
-Both read only the published map on the device, so a decode graph piece can capture them (`side`).
+Both read only the published map on the device, so a decode graph piece can capture the first (`side`).
 """
 
 from __future__ import annotations
@@ -17,23 +19,29 @@ import numpy as np
 import torch
 
 from engine.experts.cache import ExpertCache
-from engine.kernels import moe_decode_gpu
-from engine.kernels.experts_gpu import grouped_expert_ffn, uses_grouped_mm
+from engine.experts.grouped_pairs import QuantTiles, grouped_pairs
+from engine.kernels import moe_decode_gpu, quant_moe_gpu
+from engine.kernels.experts_gpu import uses_grouped_mm
 from engine.kernels.experts_torch import ClampedSwiGLU
 
 
 class GpuSet:
     def __init__(self, cache: ExpertCache | None, n_slots: int, n_experts: int, device: torch.device,
-                 dtype: torch.dtype):
-        """cache: the slot pool, None without slots (cpu-only: the map then holds the sentinel only)."""
+                 dtype: torch.dtype, layouts: dict | None = None):
+        """cache: the slot pool, None without slots (cpu-only: the map then holds the sentinel only).
+        layouts: per MoE layer its QuantLayout where the pool holds quantised blocks."""
         self.cache = cache
+        self.layouts = layouts or {}
         self.sentinel = n_slots  # slot id of experts the CPU computes: sorts after every real slot
         on_gpu = device.type == "cuda"
         self.map_host = torch.full((n_experts,), n_slots, dtype=torch.int64, pin_memory=on_gpu)  # expert → slot
         self.map_np = self.map_host.numpy()
         self.map_dev = torch.empty_like(self.map_host, device=device) if on_gpu else self.map_host
-        self._group_ends = torch.arange(1, n_slots + 1, device=device)  # searchsorted → group end rows
-        self._grouped_mm = uses_grouped_mm(device, dtype)  # else: a loop over the host-known groups
+        grouped_mm = uses_grouped_mm(device, dtype)  # else: a loop over the host-known groups
+        self._group_ends = torch.arange(1, n_slots + 1, device=device) if grouped_mm else None  # (S,)
+        self.tiles = None  # a quantised pool's experts dequantised for a batch of many tokens
+        if cache is not None and cache.quantised:
+            self.tiles = QuantTiles(cache.hidden, cache.expert_ffn, n_experts, dtype, device, grouped_mm)
 
     def publish(self, experts: list[int], slots: list[int], stream=None) -> None:
         """This layer's expert → slot map on the device (the sentinel for the rest), and the compute
@@ -45,39 +53,36 @@ class GpuSet:
         if self.cache is not None:
             self.cache.wait_copies(stream)
 
-    def side(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-        """The experts the published map puts in slots → (N, H) in x's dtype; None without cache
-        slots. Device work only (captured)."""
+    def in_place_ok(self, x: torch.Tensor) -> bool:
+        """Whether the matrix-vector kernels take these tokens over the slots in place (a few, on CUDA)."""
+        if self.tiles is not None:
+            return quant_moe_gpu.available(x) and x.is_cuda and x.shape[0] <= moe_decode_gpu.MAX_TOKENS
+        return moe_decode_gpu.available(x)
+
+    def side(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The experts the published map puts in slots → (N, H) in x's dtype, by the matrix-vector
+        kernels over the slots in place; None without cache slots. Device work only (captured)."""
         if self.cache is None:
             return None
-        slot_ids = self.map_dev[ids]  # (N, k) slot, or the sentinel (skipped) for CPU pairs
-        return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down)
+        slot_ids = self.map_dev[ids]  # (N, k) slot, or the sentinel (past the pool: skipped) for CPU pairs
+        if self.tiles is not None:
+            return quant_moe_gpu.moe_decode_quant(x, slot_ids, weights, self.cache.pool,
+                                                  self.layouts[layer].kernel_parts, self.cache.expert_ffn, out=out)
+        return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down, out=out)
 
-    def compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[int],
+    def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[int],
                 slots: list[int], pairs_per_expert: np.ndarray, form: ClampedSwiGLU | None = None, stream=None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """Σ over the experts in `slots` (pairs_per_expert: (token, choice) pairs of each), as one
-        grouped computation over the slot pool → (N, H) in x's dtype. form: the layer's experts'
-        biases and clamped SwiGLU (gpt-oss), or None for plain SwiGLU."""
-        N, k = ids.shape
+        """Σ over the experts in `slots` (pairs_per_expert: (token, choice) pairs of each) → (N, H) in
+        x's dtype. form: the layer's experts' biases and clamped SwiGLU (gpt-oss), or None for plain SwiGLU."""
         self.publish(experts, slots, stream)
-        if form is None and moe_decode_gpu.available(x):  # a few tokens: matrix-vector products over the slots in place
-            slot_ids = self.map_dev[ids]  # (N, k) slot, or the sentinel (past the pool: skipped) for CPU pairs
-            return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down, out=out)
-        slot_of_pair = self.map_dev[ids.reshape(-1)]  # (N·k,) slot, or the sentinel for CPU pairs
-        sorted_slots, perm = torch.sort(slot_of_pair, stable=True)
-        xs = x[perm // k]  # (N·k, H) rows grouped by slot
-        # The host knows the groups (slot order, rows per slot): a pool of more slots than one grouped
-        # GEMM takes runs in windows of them without reading the group ends back.
-        by_slot = np.argsort(slots)
-        ends = np.cumsum(pairs_per_expert[by_slot])
-        groups = list(zip(np.asarray(slots)[by_slot].tolist(), (ends - pairs_per_expert[by_slot]).tolist(),
-                          ends.tolist()))
-        offs = torch.searchsorted(sorted_slots, self._group_ends, out_int32=True) if self._grouped_mm else None  # (S,)
-        rows = ids.reshape(-1)[perm] if form is not None else None  # (N·k,) the expert of each row: its biases
-        y = grouped_expert_ffn(xs, self.cache.gate_up, self.cache.down, offs, groups, form=form, rows=rows)  # (N·k, H)
-        on_gpu = (sorted_slots < self.sentinel).unsqueeze(1)  # (N·k, 1)
-        w = weights.reshape(-1)[perm].unsqueeze(1).float()
-        y = torch.where(on_gpu, y.float() * w, 0.0)  # CPU pairs' rows are undefined: zero them
-        pairs = torch.empty_like(y).index_copy_(0, perm, y)  # back to (token, choice) order
-        return pairs.view(N, k, -1).sum(1).to(x.dtype)  # (N, H)
+        if form is None and self.in_place_ok(x):
+            return self.side(layer, x, ids, weights, out=out)
+        if self.tiles is not None:
+            y = self.tiles.ffn(x, ids, weights, self.cache.pool, self.layouts[layer], experts, slots,
+                               pairs_per_expert, len(self.map_np), form)
+        else:
+            y = grouped_pairs(x, ids, weights, self.map_dev, self.cache.gate_up, self.cache.down, slots,
+                              pairs_per_expert, form, self._group_ends)
+        return y.to(x.dtype)

@@ -105,8 +105,8 @@ class OffloadedExperts(ExpertExecutor):
         s = self.store
         if n_slots:
             self.cache = ExpertCache(n_slots, s.hidden, s.expert_ffn, s.dtype, self.device,
-                                     staging_bytes=s.block_bytes if s.quantised else 0)
-        self.gpu_set = GpuSet(self.cache, n_slots, s.n_experts, self.device, s.dtype)
+                                     block_bytes=s.block_bytes if s.quantised else 0)
+        self.gpu_set = GpuSet(self.cache, n_slots, s.n_experts, self.device, s.dtype, s.layouts)
         self._opened = True
         self._open_zero_copy()
 
@@ -114,8 +114,6 @@ class OffloadedExperts(ExpertExecutor):
         """adaptive on a GPU may also run decode as one graph, reading misses in place (zero_copy.py)."""
         if self.forms:  # its device table runs the matrix-vector kernels: plain SwiGLU only
             self.zero_copy_off = "its experts have biases and a clamped SwiGLU"
-        elif self.store.quantised:  # its kernels read misses in place as BF16
-            self.zero_copy_off = "the host store is quantised"
         elif self.policy != "adaptive" or self.cache is None:
             self.zero_copy_off = f"policy {self.policy}" if self.policy != "adaptive" else "no cache slots"
         elif self.device.type != "cuda" or moe_decode_gpu.triton is None:
@@ -147,10 +145,10 @@ class OffloadedExperts(ExpertExecutor):
         self.zero_copy_off = "its experts have biases and a clamped SwiGLU"
 
     def _copy_in(self, layer: int, slots: list[int], experts: list[int]) -> None:
-        """The layer's experts' blocks into these slots (dequantised there when the store is quantised)."""
+        """The layer's experts' blocks into these slots."""
         if not slots:
             return
-        self.cache.copy_in_many(slots, [self.store.block(layer, e) for e in experts], self.store.layouts.get(layer))
+        self.cache.copy_in_many(slots, [self.store.block(layer, e) for e in experts])
         self.h2d_bytes += len(slots) * self.store.block_bytes
 
     def attach_predictor(self, predictor: GateLookahead) -> None:
@@ -248,7 +246,7 @@ class OffloadedExperts(ExpertExecutor):
                 between()
             result = None
         else:
-            result = self.gpu_set.compute(x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts],
+            result = self.gpu_set.compute(layer, x, ids, weights, gpu_experts, hit_slots + fill_slots, counts[gpu_experts],
                                           self.forms.get(layer), stream,
                                           out=None if on_cpu else out) if gpu_experts else None
         marks.append(time.perf_counter())
@@ -309,14 +307,14 @@ class OffloadedExperts(ExpertExecutor):
 
     def device_side_ok(self, x: torch.Tensor) -> bool:
         """Whether a graph piece can hold this layer's GPU side (`gpu_side`): a few tokens on CUDA."""
-        return self.device.type == "cuda" and moe_decode_gpu.available(x) and not self.forms
+        return self.device.type == "cuda" and self.gpu_set.in_place_ok(x) and not self.forms
 
-    def gpu_side(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+    def gpu_side(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
         """The device half of a decode layer whose host half runs as `run(..., cpu_buf=)`: the experts
         the published map puts in slots → (N, H) in x's dtype, to which the caller adds the CPU set's
         sum; None without cache slots (cpu-only: the CPU computes everything). Device work only
         (captured)."""
-        return self.gpu_set.side(x, ids, weights)
+        return self.gpu_set.side(layer, x, ids, weights)
 
     def _result_buffer(self, shape) -> torch.Tensor | None:
         """A pinned (N, H) fp32 buffer per decode size for the CPU set's result, so it returns to the
@@ -377,7 +375,7 @@ class OffloadedExperts(ExpertExecutor):
             "store_bytes": self.store.nbytes, "store_pinned": self.store.pinned,
             "store_types": sorted({t for layout in self.store.layouts.values() for t in layout.types}) or None,
             "store_huge_pages": self.store.huge_pages, "bytes": 0,
-            "cpu_kernel": self.cpu_kernel, "gpu_kernel": grouped_impl(self.device, self.store.dtype),
+            "cpu_kernel": self.cpu_kernel, "gpu_kernel": self._gpu_kernel(),
             "h2d_bytes": h2d, "h2d_gbps": (h2d - b0) / (now - t0) / 1e9 if now > t0 else None,
             "cpu_expert_s": self.cpu_s, "cpu_queue_s": self.cpu_queue_s, "cpu_wait_s": self.cpu_wait_s,
             "hot_table": self.hot_source,
@@ -387,6 +385,12 @@ class OffloadedExperts(ExpertExecutor):
             "predictor": self.predictor.accuracy() if self.predictor is not None else None,
             "zero_copy": self.zero_copy.telemetry() if self.zero_copy is not None else {"off": self.zero_copy_off},
         }
+
+    def _gpu_kernel(self) -> str:
+        grouped = grouped_impl(self.device, self.store.dtype)
+        if not self.store.quantised:
+            return grouped
+        return f"decode over the blocks in place (quant_moe_gpu), else {grouped} over dequantised tiles"
 
     def close(self, release_store: bool = True) -> None:
         if self.cache is not None:

@@ -19,9 +19,9 @@ A GGUF's quantised experts stay quantised here (`from_quant_layers`): a block is
 bytes as the file has them, [gate rows | up rows | down rows] (uint8; a layer's three matrices may be
 of different types, `QuantLayout`), so the host holds the file's size, not 3.5× it in BF16, a fill
 moves the quantised bytes over PCIe, and the CPU computes over them in place (engine/quant's kernels).
-GPU slots hold the dequantised expert in the engine dtype: the fill dequantises on the device after
-the copy (`QuantLayout.dequantize_into`: a Triton kernel per part writing the slots, torch ops where
-Triton is absent), so every GPU kernel sees the same slot layout as before.
+GPU slots hold the same bytes: decode reads them in place (engine/kernels/quant_moe_gpu.py), larger
+batches dequantise the slots they use into tiles first (`QuantLayout.dequantize_into`: a Triton kernel
+per part, torch ops where Triton is absent).
 Blocks are as long as the longest layer's (Q4_K_M files give some layers' down rows Q6_K): a few % of
 padding instead of a table of offsets.
 """
@@ -40,8 +40,8 @@ from engine.kernels import dequant_gpu
 from engine.quant.blocks import QuantRows, QuantStack, QuantTensor, dequantize_blocks_torch, qtype
 
 log = logging.getLogger("tandem")
-_said_torch_fills = False  # the torch fallback for GPU fills is reported once a process
-_kernels_failed: str | None = None  # why the Triton fill kernels stopped being used in this process
+_said_torch_fills = False  # the torch fallback for GPU tiles is reported once a process
+_kernels_failed: str | None = None  # why the Triton dequantisation kernels stopped being used in this process
 
 
 class QuantLayout:
@@ -60,6 +60,16 @@ class QuantLayout:
             self.parts.append((code, rows, cols, offset, nbytes))
             offset += nbytes
         self.nbytes = offset
+
+    @classmethod
+    def of_expert(cls, gate_up, down: QuantTensor, hidden: int, expert_ffn: int) -> "QuantLayout":
+        """The layout of one expert's matrices: gate_up a QuantRows of gate and up, or one QuantTensor."""
+        return cls(_gate_up_types(gate_up) + (down.qtype.code,), hidden, expert_ffn)
+
+    @property
+    def kernel_parts(self) -> tuple[tuple[int, int], ...]:
+        """(type code, byte offset) of gate, up and down: what the GPU kernels read a slot by."""
+        return tuple((code, at) for code, _, _, at, _ in self.parts)
 
     @property
     def types(self) -> list[str]:
@@ -86,8 +96,9 @@ class QuantLayout:
 
     def dequantize_into(self, pool: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor) -> None:
         """Blocks (n, ≥ nbytes) uint8 on the pool's device → pool[slots[i]] (pool (S, P), slots (n,) int64
-        on its device) in the slot layout and the pool's dtype, on the current stream: one Triton kernel
-        per part (engine/kernels/dequant_gpu.py), else `dequantize` and an `index_copy_`."""
+        on its device) in the layout [gate_up (2I·H) | down (H·I)] and the pool's dtype, on the current
+        stream: one Triton kernel per part (engine/kernels/dequant_gpu.py), else `dequantize` and an
+        `index_copy_`. The tiles a batch of many tokens multiplies (engine/experts/gpu_set.py)."""
         global _kernels_failed
         if dequant_gpu.available(pool.device) and _kernels_failed is None:
             try:
@@ -99,12 +110,12 @@ class QuantLayout:
             except Exception as e:  # a kernel that does not compile here (a Triton or driver version): the
                 # fills go on with torch ops, which write every part again, rather than stop the reply
                 _kernels_failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                log.warning("quantised expert fills dequantise with torch ops from now on: the Triton kernels "
+                log.warning("quantised expert tiles dequantise with torch ops from now on: the Triton kernels "
                             "failed (%s)", _kernels_failed)
         global _said_torch_fills
         if not _said_torch_fills and _kernels_failed is None:
             _said_torch_fills = True
-            log.info("quantised expert fills dequantise with torch ops on %s: Triton is not available", pool.device)
+            log.info("quantised expert tiles dequantise with torch ops on %s: Triton is not available", pool.device)
         pool.index_copy_(0, slots, self.dequantize(blocks).to(pool.dtype))
 
 
@@ -183,7 +194,7 @@ class ExpertStore:
         layouts, sources, firsts = {}, [], {}
         for l in layers:
             gu, dn = gate_up[l], down[l]
-            layouts[l] = QuantLayout(_gate_up_types(gu.experts[0]) + (dn.experts[0].qtype.code,), H, I)
+            layouts[l] = QuantLayout.of_expert(gu.experts[0], dn.experts[0], H, I)
             for e in range(E):
                 key = (id(gu.experts[e]), id(dn.experts[e]))
                 if key not in firsts:
@@ -288,8 +299,8 @@ class ExpertStore:
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one expert in a GPU slot (the engine dtype; a quantised block is dequantised there)."""
-        return self.weights_per_expert * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one expert in a GPU slot: its block (a quantised store's bytes are kept there)."""
+        return self.block_bytes
 
     @property
     def nbytes(self) -> int:

@@ -5,7 +5,8 @@ sync, an LRU lookup, the plan and the launches cost the driving thread 0.3–0.6
 server host, more than the device work of a layer whose experts mostly hit. PDScope (seed 001,
 §4.4) compiles its decisions into a static graph with zero-copy I/O instead. Here the GPU finds each routed expert itself, through an offset table on the device, (L, E) int64:
 an expert's entry points into its cache slot or into the pinned host store, which the expert kernel
-(`moe_decode` with `offsets`) then reads in place over PCIe. A pair that reads from the store also
+(`moe_decode` with `offsets`; for a quantised store `moe_decode_quant`, every offset in bytes, the
+blocks read as the file has them) then reads in place over PCIe. A pair that reads from the store also
 claims a free slot from a list the host prepared and writes the weights it reads there: the miss is
 computed and filled by one PCIe read (a second copy over the link, a DMA beside the in-place read,
 would halve the rate at which misses are served). The whole step is one graph; the host's LRU
@@ -50,7 +51,7 @@ import numpy as np
 import torch
 
 from engine.experts.cpu_mailbox import ChurnGate, CpuMailbox
-from engine.kernels import moe_decode_gpu
+from engine.kernels import moe_decode_gpu, quant_moe_gpu
 from engine.kernels.cuda_streams import indexed
 
 # At most 1/SPARE_SHARE of the cache waits as free slots for the next step's misses: a churning step
@@ -81,6 +82,8 @@ class ZeroCopyDecode:
         self.mailbox: CpuMailbox | None = None
         self.cpu_in_step = False  # the step being run (or captured) posts part of its misses to the CPU
         self.mailbox_off: str | None = None if cpu_share > 0 else "cpu_share 0"  # why there is none
+        if store.quantised:  # the mailbox's native worker computes tensors, not blocks
+            self.mailbox_off, cpu_share = "the host store is quantised", 0.0
         self.cpu_gate = ChurnGate(cpu_share, cache.n_slots, cpu_gated)
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
@@ -149,9 +152,13 @@ class ZeroCopyDecode:
         spare = moe_decode_gpu.claim_free_slots(ids, offsets, self.spares, self.counter, self.pool_numel,
                                                 out=self.claims[layer, :N * k], log=log,
                                                 evict=(self.victims, self.table.view(-1), self.host_table))
+        cpu = self.mailbox.wait_args if posting else None
+        if self.store.quantised:  # offsets, spares and the pool in bytes: the blocks read in place
+            return quant_moe_gpu.moe_decode_quant(x, ids, weights, self.cache.pool, self.store.layouts[layer].kernel_parts,
+                                                  self.store.expert_ffn, offsets=offsets, spare=spare, admit=True,
+                                                  cpu=cpu)
         return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
-                                         offsets=offsets, spare=spare, admit=True,
-                                         cpu=self.mailbox.wait_args if posting else None)
+                                         offsets=offsets, spare=spare, admit=True, cpu=cpu)
 
     def _open_mailbox(self, top_k: int) -> None:
         if self.mailbox_off is not None or self.mailbox is not None:

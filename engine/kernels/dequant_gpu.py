@@ -13,7 +13,8 @@ intermediates, then a cast and an `index_copy_`.
 
 Both kernels work on rows of 32 weights: a block of the 32-weight types (Q4_0 … Q8_0, MXFP4) or a
 sub-block of the K-quants' 256-weight super-blocks (Q4_K, Q5_K, Q6_K), so per-row factors are loaded
-once a row. The arithmetic is the torch reference's, operand for operand (Q4_1: q·d + m; Q4_K:
+once a row. The per-type decoding of such rows is in two helpers, `_values32` and `_values_k`, which
+the quantised decode GEMVs (engine/kernels/quant_moe_gpu.py) call too. The arithmetic is the torch reference's, operand for operand (Q4_1: q·d + m; Q4_K:
 (d·sc)·q − dmin·m; Q6_K: (d·sc)·(q − 32)): every product in it is exact in fp32, so only the one
 addition rounds and a fused multiply-add rounds it the same way; the values equal gguf's bit for bit
 in fp32 and are then rounded once to the pool's dtype.
@@ -77,16 +78,9 @@ if triton is not None:
             tl.store(out_ptr + idx, values.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _dequant32_kernel(blocks_ptr, slots_ptr, out_ptr, stride_blocks, stride_out, offset, n_rows,
-                          QT: tl.constexpr, BB: tl.constexpr, BF16_BITS: tl.constexpr, ROWS: tl.constexpr):
-        """Program (tile, block row i): ROWS blocks of type QT (ggml's code; BB bytes, 32 weights each)
-        of blocks[i] → pool[slots[i], offset + 32·r + l]."""
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,) blocks of this part
-        i = tl.program_id(1)
-        row_ok = r < n_rows
-        l = tl.arange(0, 32)  # (32,) weight within a block
-        ok = row_ok[:, None] & (l[None, :] < 32)  # (ROWS, 32)
-        base = blocks_ptr + i.to(tl.int64) * stride_blocks + r.to(tl.int64) * BB  # (ROWS,) block starts
+    def _values32(base, row_ok, l, ok, QT: tl.constexpr, BB: tl.constexpr):
+        """(R,) start pointers of blocks of type QT (ggml's code; BB bytes, 32 weights each) → their
+        weights (R, 32) in fp32; row_ok (R,) and ok (R, 32) mask the loads, l = arange(0, 32)."""
         if QT == 8:  # Q8_0: d, 32 int8
             d = _half_rows(base, row_ok)
             q = tl.load(base[:, None] + 2 + l[None, :], mask=ok, other=0).to(tl.int8, bitcast=True)
@@ -113,21 +107,12 @@ if triton is not None:
             else:  # (q − 8)·d or (q − 16)·d as q·d + m: both terms exact, so the sum is too
                 m = -(8.0 if QT == 2 else 16.0) * d
             w = q.to(tl.float32) * d[:, None] + m[:, None]
-        idx = offset + r.to(tl.int64)[:, None] * 32 + l[None, :]
-        _store(out_ptr + tl.load(slots_ptr + i) * stride_out, idx, w, ok, BF16_BITS)
+        return w
 
     @triton.jit
-    def _dequant_k_kernel(blocks_ptr, slots_ptr, out_ptr, stride_blocks, stride_out, offset, n_rows,
-                          QT: tl.constexpr, BB: tl.constexpr, BF16_BITS: tl.constexpr, ROWS: tl.constexpr):
-        """Program (tile, block row i): ROWS sub-blocks of 32 weights (8 a super-block of BB bytes) of
-        K-quant type QT (ggml's code) of blocks[i] → pool[slots[i], offset + 32·r + l]."""
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,) sub-blocks of this part
-        i = tl.program_id(1)
-        row_ok = r < n_rows
-        l = tl.arange(0, 32)  # (32,) weight within a sub-block
-        ok = row_ok[:, None] & (l[None, :] < 32)  # (ROWS, 32)
-        j = r % 8  # (ROWS,) sub-block within its super-block
-        base = blocks_ptr + i.to(tl.int64) * stride_blocks + (r // 8).to(tl.int64) * BB  # (ROWS,) super-block starts
+    def _values_k(base, j, row_ok, l, ok, QT: tl.constexpr):
+        """(R,) start pointers of super-blocks of K-quant type QT (ggml's code) and the sub-block j (R,)
+        of each, 0–7 → the sub-blocks' 32 weights (R, 32) in fp32; masks and l as `_values32`'s."""
         if QT == 14:  # Q6_K: ql[128], qh[64], sc[16] int8, d; half h = j // 4, its sub-block p = j % 4
             h, p = j // 4, j % 4
             ql = tl.load(base[:, None] + (64 * h + 32 * (p % 2))[:, None] + l[None, :], mask=ok, other=0).to(tl.int32)
@@ -151,9 +136,38 @@ if triton is not None:
             if QT == 13:  # bit j of qh[l]: sub-block j's fifth bit
                 qh = tl.load(base[:, None] + 16 + l[None, :], mask=ok, other=0).to(tl.int32)
                 q = q | (((qh >> j[:, None]) & 1) << 4)
-            scale = d * sc.to(tl.float32)  # (ROWS,) exact
-            low = dmin * m.to(tl.float32)  # (ROWS,) exact
+            scale = d * sc.to(tl.float32)  # (R,) exact
+            low = dmin * m.to(tl.float32)  # (R,) exact
             w = scale[:, None] * q.to(tl.float32) - low[:, None]
+        return w
+
+    @triton.jit
+    def _dequant32_kernel(blocks_ptr, slots_ptr, out_ptr, stride_blocks, stride_out, offset, n_rows,
+                          QT: tl.constexpr, BB: tl.constexpr, BF16_BITS: tl.constexpr, ROWS: tl.constexpr):
+        """Program (tile, block row i): ROWS blocks of type QT (ggml's code; BB bytes, 32 weights each)
+        of blocks[i] → pool[slots[i], offset + 32·r + l]."""
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,) blocks of this part
+        i = tl.program_id(1)
+        row_ok = r < n_rows
+        l = tl.arange(0, 32)  # (32,) weight within a block
+        ok = row_ok[:, None] & (l[None, :] < 32)  # (ROWS, 32)
+        base = blocks_ptr + i.to(tl.int64) * stride_blocks + r.to(tl.int64) * BB  # (ROWS,) block starts
+        w = _values32(base, row_ok, l, ok, QT, BB)  # (ROWS, 32)
+        idx = offset + r.to(tl.int64)[:, None] * 32 + l[None, :]
+        _store(out_ptr + tl.load(slots_ptr + i) * stride_out, idx, w, ok, BF16_BITS)
+
+    @triton.jit
+    def _dequant_k_kernel(blocks_ptr, slots_ptr, out_ptr, stride_blocks, stride_out, offset, n_rows,
+                          QT: tl.constexpr, BB: tl.constexpr, BF16_BITS: tl.constexpr, ROWS: tl.constexpr):
+        """Program (tile, block row i): ROWS sub-blocks of 32 weights (8 a super-block of BB bytes) of
+        K-quant type QT (ggml's code) of blocks[i] → pool[slots[i], offset + 32·r + l]."""
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,) sub-blocks of this part
+        i = tl.program_id(1)
+        row_ok = r < n_rows
+        l = tl.arange(0, 32)  # (32,) weight within a sub-block
+        ok = row_ok[:, None] & (l[None, :] < 32)  # (ROWS, 32)
+        base = blocks_ptr + i.to(tl.int64) * stride_blocks + (r // 8).to(tl.int64) * BB  # (ROWS,) super-block starts
+        w = _values_k(base, r % 8, row_ok, l, ok, QT)  # (ROWS, 32)
         idx = offset + r.to(tl.int64)[:, None] * 32 + l[None, :]
         _store(out_ptr + tl.load(slots_ptr + i) * stride_out, idx, w, ok, BF16_BITS)
 

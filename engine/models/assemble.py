@@ -7,7 +7,8 @@ in order — `args.moe_layer_ids()`; a model with dense layers between them pass
 than it has layers, and `MoEFeedForward.expert_layer` indexes these lists). Tensors already on the
 target device in the target dtype (synthetic models generate them there) are taken as they are.
 Quantised blocks (engine/quant: `QuantTensor`, `QuantStack`) stay blocks on the CPU, their layers
-becoming `QuantLinear`/`QuantEmbedding`; on an accelerator they are dequantised at placement.
+becoming `QuantLinear`/`QuantEmbedding`; on an accelerator they are dequantised at placement, but for
+routed experts handed to make_experts unplaced (the GPU executors over blocks).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from engine.quant import modules as quant_modules
 from engine.quant.blocks import QuantStack, QuantTensor
 
 
-def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def place_tensor(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A real copy on an accelerator; on the host, keep storage (and shared views) where possible."""
     if isinstance(t, (QuantTensor, QuantStack)):
         if device.type == "cpu":
             return t  # computed over in blocks (engine/quant)
-        t = t.dequantize(dtype)  # no GPU kernels over blocks yet: dequantised here, as at load before
+        t = t.dequantize(dtype)  # dense layers have no GPU kernels over blocks: dequantised here
     same_device = t.device.type == device.type and device.index in (None, t.device.index)
     if same_device and t.dtype == dtype:
         return t  # already placed (generated in place)
@@ -62,8 +63,8 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
             dn = tensors.pop(f"model.layers.{i}.mlp.experts.down_proj", None)
             _check(source, f"model.layers.{i}.mlp.experts.gate_up_proj", gu, (E, 2 * I, H))
             _check(source, f"model.layers.{i}.mlp.experts.down_proj", dn, (E, H, I))
-            gate_up.append(_place(gu, device, dtype) if place_experts else gu)
-            down.append(_place(dn, device, dtype) if place_experts else dn)
+            gate_up.append(place_tensor(gu, device, dtype) if place_experts else gu)
+            down.append(place_tensor(dn, device, dtype) if place_experts else dn)
 
     for name, shape in expected.items():
         _check(source, name, tensors.get(name), shape)
@@ -71,7 +72,7 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
     if unexpected:
         raise ModelFileError(f"{source}: unexpected tensors {unexpected[:4]}{' …' if len(unexpected) > 4 else ''}",
                              "the file does not match its declared architecture")
-    placed = {name: _place(tensors[name], device, dtype) for name in expected}
+    placed = {name: place_tensor(tensors[name], device, dtype) for name in expected}
     blocks = {name: t for name, t in placed.items() if isinstance(t, QuantTensor)}
     model.load_state_dict({n: t for n, t in placed.items() if n not in blocks}, assign=True, strict=not blocks)
     quant_modules.install(model, blocks, dtype)  # a tied head shares the embedding's blocks

@@ -42,7 +42,6 @@ from engine.experts.executor import GROUPED_MAX_TOKENS, ExpertExecutor, Resident
 from engine.experts.offload import OffloadedExperts
 from engine.experts.mode_chooser import ModeChooser
 from engine.kernels.cuda_capture import GeneratorState
-from engine.kernels.experts_gpu import MAX_GROUPS, uses_grouped_mm
 from engine.kv.resident import ResidentKV
 
 log = logging.getLogger("tandem")
@@ -60,12 +59,10 @@ def unsupported_reason(kv, experts, device: torch.device, max_batch: int) -> str
         return None if experts.device.type == "cuda" else "the offloaded experts' GPU side is simulated on the CPU"
     if experts is not None and not isinstance(experts, ResidentExperts):
         return f"the {experts.policy} expert policy cannot be captured"
+    if experts is not None:
+        return experts.capture_problem(device, max_batch)
     if max_batch > GROUPED_MAX_TOKENS:
         return f"max_batch above {GROUPED_MAX_TOKENS} takes the per-expert path, which syncs with the host"
-    if experts is not None and experts.gate_up:
-        dtype = experts.gate_up[0].dtype
-        if experts.gate_up[0].shape[0] > MAX_GROUPS or not uses_grouped_mm(device, dtype):
-            return "the grouped expert GEMM does not run here"
     return None
 
 
@@ -129,7 +126,7 @@ class _Cut(ExpertExecutor):
             self.pieces[-1].out = buf
             return buf
         self.pieces[-1].cpu_buf = buf
-        on_slots = self.experts.gpu_side(x, ids, weights)  # (B, H) or None (cpu-only)
+        on_slots = self.experts.gpu_side(layer, x, ids, weights)  # (B, H) or None (cpu-only)
         if on_slots is None:
             return buf.to(x.dtype)
         gpu_graph, self.graph = self.graph, None

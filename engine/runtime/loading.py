@@ -10,13 +10,15 @@ from typing import Callable
 import torch
 
 from engine.errors import ConfigError, OutOfMemoryError, UnsupportedModelError
-from engine.experts.executor import ExpertExecutor
+from engine.experts.executor import ExpertExecutor, ResidentExperts
+from engine.experts.gpu_quant_resident import GpuQuantResidentExperts
 from engine.kernels import native
 from engine.kv.backend import KVBackend
 from engine.models import builtin, families, synthetic
-from engine.models.assemble import assemble
+from engine.models.assemble import assemble, place_tensor
 from engine.models.common import Decoder, ModelArgs
 from engine.models.loader import load_checkpoint
+from engine.quant.blocks import QuantStack
 from engine.quant.experts import resident_experts
 from engine.runtime.chat import load_tokenizer
 from engine.runtime.expert_placement import build_offloaded, check_offload, open_offloaded
@@ -96,6 +98,9 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
         path = config.model
     else:
         path = os.path.expanduser(config.model)
+    # a GGUF's routed experts resident on a GPU stay in blocks where its kernels take them (make_experts)
+    gpu_blocks = config.dtype == "auto" and device.type == "cuda" and not offload and \
+        not config.model.startswith(("synthetic:", "builtin:"))
     if config.model.startswith("synthetic:"):  # random weights generated where they will stay
         if config.dtype == "auto":
             dtype = torch.bfloat16  # the published models' dtype, on any device
@@ -107,12 +112,13 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
                                    "choose fewer layers (-L<n>) or a device with more memory") from e
     else:
         # dtype auto: GGUF's matrices of engine/quant's types stay blocks where kernels take them: all
-        # of them on a CPU-only engine; with offloaded experts the routed experts (their host store
-        # keeps the blocks; slots dequantise), the dense weights going to the GPU dequantised (no GPU
-        # kernels over blocks yet). Explicit dtypes dequantise everything.
+        # of them on a CPU-only engine; on a GPU the routed experts (the offloaded experts' host store
+        # and cache slots, or the resident experts' device pool keep the blocks), the dense weights
+        # going to the GPU dequantised (no GPU kernels over their blocks yet). Explicit dtypes
+        # dequantise everything.
         auto = config.dtype == "auto"
         ckpt = load_checkpoint(path, dtype, quantised=auto and device.type == "cpu" and not offload,
-                               expert_blocks=auto and offload)
+                               expert_blocks=auto and (offload or gpu_blocks))
     family = families.get(ckpt.family)
     args = family.args_from_config(ckpt.config)
     tensors = ckpt.tensors
@@ -128,13 +134,15 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
         if offload:
             holder["experts"] = build_offloaded(config.expert_policy, gate_up, down, device=device, dtype=dtype,
                                                 max_decode_tokens=config.max_batch, profile=profile)
+        elif gpu_blocks:
+            holder["experts"] = gpu_resident_experts(gate_up, down, args, device, dtype)
         else:
             holder["experts"] = resident_experts(gate_up, down)  # over blocks when they are quantised
         return holder["experts"]
 
     try:
         model = assemble(args, tensors, family.route, source=str(path), device=device, dtype=dtype,
-                         make_experts=make_experts, place_experts=not offload)
+                         make_experts=make_experts, place_experts=not (offload or gpu_blocks))
         del tensors, ckpt  # the model holds what it uses
         report("allocating KV cache", 0.8)
         window = args.sliding_window if args.sliding_window and args.sliding_window < max_context else None
@@ -159,3 +167,16 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
     report("ready", 1.0)
     return Parts(args, family_name, model, kv, holder.get("experts"), tokenizer, device, dtype,
                  max_context, weights_bytes, load_s=time.perf_counter() - t_start)
+
+
+def gpu_resident_experts(gate_up: list, down: list, args: ModelArgs, device: torch.device,
+                         dtype: torch.dtype) -> ResidentExperts:
+    """Routed experts as read (host, unplaced) → resident on the GPU: in their blocks where the GPU
+    kernels take them (plain SwiGLU), else dequantised onto the device (gpt-oss's biased experts, a
+    family whose experts load as tensors)."""
+    if gate_up and isinstance(gate_up[0], QuantStack) and args.expert_act == "silu" and not args.expert_bias:
+        return GpuQuantResidentExperts(gate_up, down, device, dtype)
+    def place(t):
+        return place_tensor(t.dequantize(dtype) if isinstance(t, QuantStack) else t, device, dtype)
+
+    return ResidentExperts([place(t) for t in gate_up], [place(t) for t in down])

@@ -113,15 +113,18 @@ def placement_plan(config, profile=None) -> Plan:
     if not gpu and gguf_auto:
         parts = _in_blocks(parts, config.model, args, cpu_bytes)  # what the CPU load holds (runtime/loading.py)
     elif gguf_auto and parts.n_experts and keeps_expert_blocks(args.arch, True):
-        # offloaded experts keep their blocks in the host store; slots and dense weights dequantise
+        # offloaded experts keep their blocks in the host store and the cache slots, resident ones in
+        # the device's pool (runtime/loading.py gpu_resident_experts), but for biased experts, which
+        # dequantise there as the dense weights do
         held = _in_blocks(parts, config.model, args, cpu_bytes).expert_bytes
-        parts = replace(parts, store_expert_bytes=held)
+        in_blocks = args.expert_act == "silu" and not args.expert_bias
+        parts = replace(parts, expert_bytes=held) if in_blocks else replace(parts, store_expert_bytes=held)
     cpu_parts = parts
     if cpu_bytes != dev_bytes:  # a GPU machine's CPU placement loads as a CPU-only engine would
         cpu_parts = replace(model_parts(args, cpu_bytes, config.model), **can)
         if gguf_auto:
             cpu_parts = _in_blocks(cpu_parts, config.model, args, cpu_bytes)
-    per_weight = parts.store_expert_bytes / (3 * args.dim * args.expert_ffn_dim) if parts.store_expert_bytes else None
+    per_weight = parts.slot_bytes / (3 * args.dim * args.expert_ffn_dim) if parts.n_experts else None  # store's bytes
     costs = machine_costs(config, args, profile, dev_bytes, per_weight)
     return plan(parts, costs, max_context=max_context, max_batch=config.max_batch,
                 spill_device_bytes=spill_device_bytes(config, args, dev_bytes, max_context, gpu and not simulated),

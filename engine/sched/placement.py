@@ -112,7 +112,7 @@ def _candidates(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, max_context: 
             continue
         if not m.can_offload_experts:
             continue
-        slots = int(room // max(m.expert_bytes, 1))
+        slots = min(int(room // max(m.slot_bytes, 1)), m.n_routed)
         if slots > 0:
             out.append(Placement("gpu", kv_policy, "adaptive", slots, kv_gpu, kv_host, window))
         out.append(Placement("gpu", kv_policy, "cpu-only", 0, kv_gpu, kv_host, window))
@@ -131,7 +131,7 @@ def _memory(p: Placement, m: ModelParts) -> tuple[list[PlanRow], int, int]:
         elif p.expert_policy == "resident":
             rows.append(PlanRow("routed experts (all)", "GPU", m.routed_bytes))
         else:
-            rows.append(PlanRow("routed experts (cache)", "GPU", p.slots * m.expert_bytes))
+            rows.append(PlanRow("routed experts (cache)", "GPU", p.slots * m.slot_bytes))
             rows.append(PlanRow("routed experts (store)", "RAM", m.host_routed_bytes))
     if p.device == "cpu":
         rows.append(PlanRow("KV cache", "RAM", p.kv_host_bytes))

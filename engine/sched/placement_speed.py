@@ -52,8 +52,9 @@ class ModelParts:
     # KV layers a hybrid policy keeps resident on the GPU: sliding windows shorter than the context
     # (gpt-oss's window layers, engine/kv/layer_split.py); only the others spill
     resident_kv_layers: int = 0
-    # one routed expert as the host store holds it where that differs from expert_bytes (a GGUF's
-    # quantised blocks, while GPU slots hold it dequantised: engine/experts/store.py); None: the same
+    # one routed expert as the host store and the GPU cache slots hold it where that differs from
+    # expert_bytes (a GGUF's quantised blocks, which resident experts hold dequantised:
+    # engine/experts/store.py); None: the same
     store_expert_bytes: int | None = None
 
     @property
@@ -73,9 +74,14 @@ class ModelParts:
         return self.n_routed * self.expert_bytes
 
     @property
+    def slot_bytes(self) -> int:
+        """One routed expert as the store and a cache slot hold it."""
+        return self.expert_bytes if self.store_expert_bytes is None else self.store_expert_bytes
+
+    @property
     def host_routed_bytes(self) -> int:
         """The routed experts in host memory (the store, or every expert of a CPU placement)."""
-        return self.n_routed * (self.expert_bytes if self.store_expert_bytes is None else self.store_expert_bytes)
+        return self.n_routed * self.slot_bytes
 
     @property
     def weights_bytes(self) -> int:

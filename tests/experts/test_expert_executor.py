@@ -343,7 +343,7 @@ def test_host_half_then_gpu_side_equals_the_whole_run(model, policy):
             cpu_buf = torch.full((3, H), float("nan"), device=device)
             on_slots = []
             assert ex.run(layer, xd, idsd, wd, cpu_buf=cpu_buf,
-                          between=lambda: on_slots.append(ex.gpu_side(xd, idsd, wd))) is None
+                          between=lambda: on_slots.append(ex.gpu_side(layer, xd, idsd, wd))) is None
             assert len(on_slots) == 1 and (on_slots[0] is None) == (policy == "cpu-only")
             out = cpu_buf.to(xd.dtype) if on_slots[0] is None else on_slots[0] + cpu_buf.to(xd.dtype)
             torch.testing.assert_close(out.cpu(), moe_experts(x, ids, w, gate_up[layer], down[layer]),

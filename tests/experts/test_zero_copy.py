@@ -4,6 +4,7 @@ Triton's interpreter): outputs equal resident execution while the table, the LRU
 slots change between steps; misses enter the cache in the slots they filled; every slot is in exactly
 one place; the table is the LRU's after a rebuild."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,38 @@ def _model(seed=0):
     gate_up = [torch.randn(E, 2 * I, H, generator=g) / H**0.5 for _ in range(L)]
     down = [torch.randn(E, H, I, generator=g) / I**0.5 for _ in range(L)]
     return gate_up, down
+
+
+QH, QI = 64, 32  # a quantised store's widths: whole 32-weight blocks
+
+
+def _quant_store(seed=0):
+    """A store of Q8_0 gate / Q4_1 up / Q8_0 down blocks (QH, QI) and the same experts dequantised:
+    (store, gate_up (E, 2QI, QH) per layer, down (E, QH, QI) per layer) in fp32."""
+    from gguf import GGMLQuantizationType as T
+
+    from engine.quant.blocks import QuantRows, QuantStack, QuantTensor
+
+    rng = np.random.default_rng(seed)
+
+    def stack(qtype, rows, cols):
+        nb, bb = cols // 32, {T.Q8_0: 34, T.Q4_1: 20}[qtype]
+        data = rng.integers(0, 256, (E * rows, nb, bb), dtype=np.uint8)
+        data[:, :, 0:2] = (rng.uniform(-0.01, 0.01, (E * rows, nb)).astype(np.float16)).view(np.uint8).reshape(
+            E * rows, nb, 2)  # d: small, so that the SiLU sees values of order one
+        if qtype == T.Q4_1:
+            data[:, :, 2:4] = (rng.uniform(-0.05, 0.05, (E * rows, nb)).astype(np.float16)).view(np.uint8).reshape(
+                E * rows, nb, 2)
+        whole = QuantTensor.from_gguf(data.reshape(E * rows, -1), int(qtype), "w")
+        return QuantStack([whole[e * rows:(e + 1) * rows] for e in range(E)])
+
+    gate_up, down = [], []
+    for _ in range(L):
+        gs, us = stack(T.Q8_0, QI, QH), stack(T.Q4_1, QI, QH)
+        gate_up.append(QuantStack([QuantRows([a, b]) for a, b in zip(gs.experts, us.experts)]))
+        down.append(stack(T.Q8_0, QH, QI))
+    store = ExpertStore.from_quant_layers(gate_up, down, dtype=torch.float32, pin=DEVICE == "cuda")
+    return store, [g.dequantize() for g in gate_up], [d.dequantize() for d in down]
 
 
 def _check_slots(zc, cache):
@@ -56,13 +89,20 @@ def _check_table(zc, cache, store):
 
 
 def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, check_each_step=True, lag_list_share=1.0,
-            inflight=None):
+            inflight=None, quantised=False):
     """lag_list_share 1.0: the host always lists a step's slots before reading the step before's log
     (caches this small would read it first under the default). inflight: the steps whose logs are
-    unread after each before_step, appended to."""
-    gate_up, down = _model()
-    store = ExpertStore.from_layers(gate_up, down, dtype=torch.float32, pin=DEVICE == "cuda")
-    cache = ExpertCache(n_slots, H, I, torch.float32, torch.device(DEVICE))
+    unread after each before_step, appended to. quantised: a store of blocks (`_quant_store`), slots
+    of bytes."""
+    if quantised:
+        store, gate_up, down = _quant_store()
+        h, i = QH, QI
+        cache = ExpertCache(n_slots, h, i, torch.float32, torch.device(DEVICE), block_bytes=store.block_bytes)
+    else:
+        gate_up, down = _model()
+        h, i = H, I
+        store = ExpertStore.from_layers(gate_up, down, dtype=torch.float32, pin=DEVICE == "cuda")
+        cache = ExpertCache(n_slots, h, i, torch.float32, torch.device(DEVICE))
     window = []
     zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, window=window,
                         lag_list_share=lag_list_share)
@@ -78,7 +118,7 @@ def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, check_each_s
             _check_table(zc, cache, store)
         used = set()
         for layer in range(L):
-            x = torch.randn(n_tokens, H, generator=g)
+            x = torch.randn(n_tokens, h, generator=g)
             # a few popular experts, and now and then anything, so that the cache has something to learn
             ids = routing[layer] if same_routing else \
                 torch.stack([torch.randperm(3 if step % 4 else E, generator=g)[:K] for _ in range(n_tokens)])
@@ -126,9 +166,10 @@ def test_the_host_runs_a_step_ahead_only_where_the_list_is_a_small_share_of_the_
     assert inflight == [0] + [1 if lags else 0] * 3  # (the first step has none before it)
 
 
-@pytest.mark.parametrize("n_slots", [1, 4, L * E])
-def test_outputs_equal_resident_while_the_cache_changes(n_slots):
-    zc, store, cache, window, used = _decode(n_slots, steps=9)
+@pytest.mark.parametrize("n_slots,quantised", [(1, False), (4, False), (L * E, False), (4, True)])
+def test_outputs_equal_resident_while_the_cache_changes(n_slots, quantised):
+    """quantised: misses read as blocks from the store and copied into byte slots on the way."""
+    zc, store, cache, window, used = _decode(n_slots, steps=9, quantised=quantised)
     lru = cache.lru
     t = zc.telemetry()
     lookups = sum(len(u) for u in used)
@@ -147,11 +188,12 @@ def test_link_bytes_count_each_in_place_read_once_and_fills_nothing_more():
     assert t["graph_fills"] > 0 and t["link_bytes"] == zc.zero_copy_experts * store.block_bytes
 
 
-def test_a_missed_expert_hits_from_the_slot_it_filled():
+@pytest.mark.parametrize("quantised", [False, True])
+def test_a_missed_expert_hits_from_the_slot_it_filled(quantised):
     """Same routing every step and room for it: a miss fills a listed slot on the way (the first list
     is short: some misses wait for the next step's, which follows the misses seen); then everything
     hits, and no expert was filled twice."""
-    zc, store, cache, _, used = _decode(4 * L * E, steps=4, same_routing=True)
+    zc, store, cache, _, used = _decode(4 * L * E, steps=4, same_routing=True, quantised=quantised)
     first = len(used[0])
     assert cache.lru.fills == first and zc.telemetry()["graph_fills"] == first
     assert cache.lru.hits + cache.lru.misses == 4 * first and cache.lru.misses <= 2 * first

@@ -1,8 +1,8 @@
 """The Triton dequantisation of GGUF blocks into expert slots (engine/kernels/dequant_gpu.py) against
 gguf's own, bit for bit: every kept type, bf16/fp16/fp32 pools, slots out of order, a part at an offset
 inside the slot. Interpreted on CPU tensors here (tests/conftest.py sets TRITON_INTERPRET=1 without
-CUDA); compiled on CUDA with `-m cuda`, where a quantised store's fills also go through the kernels end
-to end (tests/quant/test_quant_fills.py's CUDA rows take the same path).
+CUDA); compiled on CUDA with `-m cuda`, where a prefill over quantised cache slots also goes through
+them end to end (tests/quant/test_quant_fills.py's CUDA rows).
 
 The blocks are random bytes (every nibble, high bit and packed scale pattern) with finite fp16 factors
 from 2^-20 (fp16 subnormals) to 1 of either sign; MXFP4's exponent byte takes all 256 values (its
@@ -22,10 +22,9 @@ from gguf.quants import dequantize
 pytest.importorskip("triton")
 
 from engine.experts import store as store_module  # noqa: E402
-from engine.experts.cache import QUANT_STAGING, ExpertCache  # noqa: E402
-from engine.experts.store import ExpertStore, QuantLayout  # noqa: E402
+from engine.experts.store import QuantLayout  # noqa: E402
 from engine.kernels import dequant_gpu  # noqa: E402
-from engine.quant.blocks import QTYPES, QuantRows, QuantStack, QuantTensor  # noqa: E402
+from engine.quant.blocks import QTYPES  # noqa: E402
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K]
 FACTORS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.MXFP4: [],
@@ -128,7 +127,7 @@ def test_without_the_kernels_the_torch_path_fills_and_says_so_once(monkeypatch, 
     monkeypatch.setattr(store_module, "_said_torch_fills", False)
     layout, rows, pool = fill_twice(caplog)
     assert [r.getMessage() for r in caplog.records].count(
-        "quantised expert fills dequantise with torch ops on cpu: Triton is not available") == 1
+        "quantised expert tiles dequantise with torch ops on cpu: Triton is not available") == 1
     assert torch.equal(pool[[2, 0]], layout.dequantize(rows)) and (pool[1] == 0).all()
 
 
@@ -165,44 +164,3 @@ def test_misshapen_arguments_are_refused():
 
 def test_available_needs_cuda_or_the_interpreter():
     assert dequant_gpu.available(torch.device("cpu")) == dequant_gpu.interpreted()
-
-
-# -- a quantised store's fills on CUDA, end to end --------------------------------------------------
-
-E = QUANT_STAGING + 3  # experts a layer: two staging batches
-LAYER_TYPES = [(T.Q4_0, T.Q4_1, T.Q5_0), (T.Q5_1, T.Q8_0, T.MXFP4), (T.Q4_K, T.Q5_K, T.Q6_K)]
-
-
-def stack(qtype, rows: int, cols: int, seed: int) -> QuantStack:
-    whole = QuantTensor.from_gguf(random_blocks(E * rows, cols, qtype, seed), int(qtype), "w")
-    return QuantStack([whole[e * rows:(e + 1) * rows] for e in range(E)])
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_fills_write_the_slots_through_the_kernels(dtype, monkeypatch):
-    H = I = 256
-    gate_up, down = [], []
-    for l, (g, u, d) in enumerate(LAYER_TYPES):
-        gs, us = stack(g, I, H, 10 * l), stack(u, I, H, 10 * l + 1)
-        gate_up.append(QuantStack([QuantRows([a, b]) for a, b in zip(gs.experts, us.experts)]))
-        down.append(stack(d, H, I, 10 * l + 2))
-    launches = []
-    kernel = dequant_gpu.dequantize_into
-    monkeypatch.setattr(dequant_gpu, "dequantize_into", lambda *args: launches.append(args[3]) or kernel(*args))
-    store = ExpertStore.from_quant_layers(gate_up, down, dtype=dtype, pin=True)
-    try:
-        cache = ExpertCache(3 * E, H, I, dtype, torch.device("cuda"), staging_bytes=store.block_bytes)
-        for layer in range(3):
-            slots = list(range(layer * E, (layer + 1) * E))[::-1]
-            cache.copy_in_many(slots, [store.block(layer, e) for e in range(E)], store.layouts[layer])
-        cache.synchronize()
-        # one launch per part per staging batch, and nothing else wrote the slots
-        assert launches == [int(t) for types in LAYER_TYPES for t in [*types, *types]]
-        for layer in range(3):
-            blocks = torch.stack([store.block(layer, e) for e in range(E)])
-            want = store.layouts[layer].dequantize(blocks).to(dtype)  # (E, P): the CPU's kernels
-            assert torch.equal(cache.pool[list(range(layer * E, (layer + 1) * E))[::-1]].cpu(), want)
-    finally:
-        store.close()

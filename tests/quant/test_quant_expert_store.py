@@ -51,7 +51,7 @@ def test_store_holds_the_files_expert_bytes_and_dequantises_to_the_file(files):
     longest = max(layout.nbytes for layout in store.layouts.values())
     assert store.nbytes == 2 * 8 * longest and file_expert_bytes(path) <= store.nbytes
     assert store.nbytes <= 1.15 * file_expert_bytes(path)
-    assert store.slot_bytes == 3 * 256 * 256 * 4  # a slot: the expert dequantised (fp32 on this CPU)
+    assert store.slot_bytes == longest  # a GPU slot holds the blocks as they are
     for layer in store.layers:
         layout = store.layouts[layer]
         assert "Q4_K" in layout.types
@@ -83,13 +83,15 @@ def test_torch_dequantisation_matches_the_native_one_for_each_part(files):
             offset += rows * cols
 
 
-def test_fill_dequantises_into_the_slot(files):
+def test_a_fill_copies_the_blocks_into_the_slot(files):
     (gate_up, down), (gate_up_f, down_f) = experts_of(files["Q8_0"])
     store = ExpertStore.from_quant_layers(gate_up, down, dtype=torch.float32)
-    cache = ExpertCache(4, 256, 256, torch.float32, torch.device("cpu"))
-    cache.copy_in_many([2, 0], [store.block(1, 5), store.block(1, 6)], store.layouts[1])
-    assert torch.equal(cache.gate_up[2], gate_up_f[1][5]) and torch.equal(cache.down[2], down_f[1][5])
-    assert torch.equal(cache.gate_up[0], gate_up_f[1][6]) and torch.equal(cache.down[0], down_f[1][6])
+    cache = ExpertCache(4, 256, 256, torch.float32, torch.device("cpu"), block_bytes=store.block_bytes)
+    cache.copy_in_many([2, 0], [store.block(1, 5), store.block(1, 6)])
+    assert cache.gate_up is None and cache.nbytes == 4 * store.block_bytes
+    values = store.layouts[1].dequantize(cache.pool[[2, 0]])  # (2, P): the slots read as the kernels read them
+    want = torch.stack([torch.cat([gate_up_f[1][e].flatten(), down_f[1][e].flatten()]) for e in (5, 6)])
+    assert torch.equal(values, want)
     assert cache.allocations == 1
 
 
@@ -115,7 +117,8 @@ def test_offloaded_quantised_experts_follow_the_dequantised_file(files, policy):
             assert scale > 0.1 and float((got - want).abs().max()) <= 1e-3 * scale
         assert quant.generate_ids(PROMPT, 8) == ref.generate_ids(PROMPT, 8)
         stats = experts.telemetry()
-        assert "Q4_K" in stats["store_types"] and stats["zero_copy"] == {"off": "the host store is quantised"}
+        assert "Q4_K" in stats["store_types"]
+        assert stats["zero_copy"] == {"off": "needs CUDA and Triton" if policy == "adaptive" else f"policy {policy}"}
         assert stats["h2d_bytes"] % experts.store.block_bytes == 0  # every copy a quantised block
         host = quant.stats().to_dict()["host"]  # what the app's memory panel shows
         assert host["expert_store"] == experts.store.nbytes and host["expert_store_types"] == stats["store_types"]
@@ -128,20 +131,31 @@ def test_offloaded_quantised_experts_follow_the_dequantised_file(files, policy):
         ref.close()
 
 
-def test_plan_counts_the_store_in_blocks_and_the_slots_dequantised(files):
+def test_plan_counts_the_experts_in_blocks_on_both_sides(files):
+    """The GPU keeps a GGUF's routed experts in their blocks, resident or in cache slots, as the host
+    store does: the plan sizes every side by the blocks."""
     from engine.api import EngineConfig
 
     path = files["Q4_K_M"]
-    # 6 MB: the dense weights and KV fit, the experts dequantised (6.3 MB in fp32) do not
-    config = EngineConfig(model=str(path), device="cpu", simulate_hybrid=True, vram_budget_gb=0.006,
-                          max_context=256, max_batch=1)
-    p = placement_plan(config)
-    rows = {r.part: r for r in p.rows}
-    assert p.expert_policy in ("adaptive", "cpu-only")  # the experts in RAM, all or behind a cache
+    experts = file_expert_bytes(path)
+
+    def plan(budget_gb):
+        config = EngineConfig(model=str(path), device="cpu", simulate_hybrid=True, vram_budget_gb=budget_gb,
+                              max_context=256, max_batch=1)
+        p = placement_plan(config)
+        return p, {r.part: r for r in p.rows}
+
+    # 6 MB: the dense weights, KV and the experts in blocks (1.9 MB; 6.3 MB in fp32) fit
+    p, rows = plan(0.006)
+    assert p.expert_policy == "resident" and rows["routed experts (all)"].where == "GPU"
+    assert experts <= rows["routed experts (all)"].bytes <= 1.15 * experts
+    # 4 MB: the experts do not fit beside the rest, so they stay in RAM, all or behind a cache
+    p, rows = plan(0.004)
+    assert p.expert_policy in ("adaptive", "cpu-only")
     store = rows["routed experts (store)" if p.expert_policy == "adaptive" else "routed experts (all)"]
-    assert store.where == "RAM" and file_expert_bytes(path) <= store.bytes <= 1.15 * file_expert_bytes(path)
-    if p.expert_policy == "adaptive":  # slots hold the experts dequantised
-        assert rows["routed experts (cache)"].bytes == p.expert_cache_slots * 3 * 256 * 256 * 4
+    assert store.where == "RAM" and experts <= store.bytes <= 1.15 * experts
+    if p.expert_policy == "adaptive":  # a slot holds an expert's blocks, as the store does
+        assert rows["routed experts (cache)"].bytes == p.expert_cache_slots * store.bytes // 16
 
 
 @pytest.mark.parametrize("policy", ("cpu-only", "on-demand"))
@@ -174,3 +188,27 @@ def test_backend_auto_runs_a_moe_gguf_on_tandem_and_a_dense_one_on_llamacpp(file
     dense, _ = builtin.resolve("builtin:smollm2-135m")  # the built-in dense GGUF, by its path
     assert choose_backend(EngineConfig(model=str(dense), device="cpu")) == "llamacpp"
     assert choose_backend(EngineConfig(model=str(tmp_path / "missing.gguf"), device="cpu")) == "llamacpp"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_resident_experts_on_the_gpu_stay_in_blocks(files):
+    """dtype auto on a GPU: the routed experts go to the device as the file's blocks (decode over them in
+    place, the 19-token prefill over dequantised tiles) and follow the file dequantised on the CPU."""
+    from engine.api import Engine, EngineConfig
+    from engine.experts.gpu_quant_resident import GpuQuantResidentExperts
+
+    path = files["Q4_K_M"]
+    gpu = Engine(EngineConfig(model=str(path), backend="tandem", device="cuda", max_batch=1, expert_policy="resident"))
+    ref = engine_for(path, dtype="float32")
+    try:
+        experts = gpu.backend.parts.experts
+        assert isinstance(experts, GpuQuantResidentExperts)
+        assert file_expert_bytes(path) <= experts.nbytes() <= 1.15 * file_expert_bytes(path)
+        got, want = logits(gpu, PROMPT, len(PROMPT)), logits(ref, PROMPT, len(PROMPT))
+        scale = float(want.abs().max())
+        # bf16 weights of the dense layers and bf16 activations through two layers: 3% of the scale
+        assert scale > 0.1 and float((got.float() - want).abs().max()) <= 3e-2 * scale
+    finally:
+        gpu.close()
+        ref.close()

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from engine.api import Engine, EngineConfig, GenerationRequest
-from engine.models.assemble import _place
+from engine.models.assemble import place_tensor
 from engine.models.loader import load_checkpoint
 from engine.quant.blocks import QuantTensor
 from engine.quant.experts import QuantResidentExperts
@@ -112,7 +112,7 @@ def test_blocks_are_dequantised_when_placed_off_the_cpu():
     from gguf.quants import quantize
 
     data = quantize(np.ones((4, 32), np.float32), T.Q8_0)
-    placed = _place(QuantTensor.from_gguf(data, int(T.Q8_0), "w"), torch.device("meta"), torch.bfloat16)
+    placed = place_tensor(QuantTensor.from_gguf(data, int(T.Q8_0), "w"), torch.device("meta"), torch.bfloat16)
     assert isinstance(placed, torch.Tensor) and placed.dtype == torch.bfloat16 and placed.shape == (4, 32)
 
 

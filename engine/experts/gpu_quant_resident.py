@@ -1,0 +1,83 @@
+"""Every routed expert resident on the GPU as the file's quantised blocks.
+
+A GGUF's experts stay in their blocks on the device (one (L·E, B) uint8 pool, an expert a row laid
+out by its layer's `QuantLayout`: gate, up, down rows one after another), so a Q4_K_M model's experts
+cost the file's bytes in VRAM, not 3.5× them in BF16, and a decode step reads those bytes only:
+
+    a few tokens    the matrix-vector kernels over the rows in place (engine/kernels/quant_moe_gpu.py),
+                    no host sync: a decode graph captures them
+    more tokens     the experts the batch routes to dequantised into tiles, a window at a time, then
+                    the grouped GEMM (engine/experts/grouped_pairs.py); one host sync for the groups
+
+Experts with biases and a clamped SwiGLU (gpt-oss) are not taken: their decode needs the grouped
+path, which reads the groups on the host, so such a model's resident experts load dequantised.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.experts.executor import ResidentExperts
+from engine.experts.grouped_pairs import QuantTiles
+from engine.experts.store import ExpertStore, QuantLayout
+from engine.kernels import moe_decode_gpu, quant_moe_gpu
+from engine.kernels.experts_gpu import uses_grouped_mm
+from engine.quant.blocks import QuantStack
+
+
+class GpuQuantResidentExperts(ResidentExperts):
+    policy = "resident"
+
+    def __init__(self, gate_up: list[QuantStack], down: list[QuantStack], device: torch.device, dtype: torch.dtype):
+        super().__init__([], [])  # the blocks are copied to the device: nothing keeps the file's views
+        E, two_i, H = gate_up[0].shape
+        self.n_experts, self.hidden, self.expert_ffn = E, H, two_i // 2
+        self.layouts, self.pool, self.rows = [], None, []  # rows[l]: (E,) int64 pool row of each expert, on the device
+        at = 0
+        for l in range(len(gate_up)):  # a layer at a time through a host store of its blocks
+            store = ExpertStore.from_quant_layers([gate_up[l]], [down[l]], dtype=dtype)
+            if self.pool is None:  # every layer's blocks as long as the longest layer's
+                longest = max(QuantLayout.of_expert(gu.experts[0], dn.experts[0], H, two_i // 2).nbytes
+                              for gu, dn in zip(gate_up, down))
+                n_rows = sum(len({(id(g), id(d)) for g, d in zip(gu.experts, dn.experts)})  # shared experts once
+                             for gu, dn in zip(gate_up, down))
+                self.pool = torch.zeros((n_rows, longest), dtype=torch.uint8, device=device)  # (L·E, B)
+            n = store.blocks.shape[0]
+            self.pool[at:at + n, :store.block_bytes].copy_(store.blocks)
+            self.rows.append(torch.from_numpy(store.block_of[0] + at).to(device))
+            self.layouts.append(store.layouts[0])
+            at += n
+            store.close()
+        self.rows_np = [r.cpu().numpy() for r in self.rows]
+        self.tiles = QuantTiles(H, self.expert_ffn, E, dtype, device, uses_grouped_mm(device, dtype))
+
+    def set_form(self, layer: int, form) -> None:
+        raise ValueError("experts with biases and a clamped SwiGLU run dequantised on the GPU")
+
+    def run(self, layer, x, ids, weights):
+        """x (N, H), ids (N, k), weights (N, k) → (N, H) in x's dtype."""
+        self.tokens_routed += ids.numel()
+        if x.shape[0] <= moe_decode_gpu.MAX_TOKENS:  # a few tokens: the rows read in place, no host sync
+            return quant_moe_gpu.moe_decode_quant(x, self.rows[layer][ids], weights, self.pool,
+                                                  self.layouts[layer].kernel_parts, self.expert_ffn)
+        counts = torch.bincount(ids.reshape(-1), minlength=self.n_experts).cpu().numpy()  # the groups, on the host
+        experts = np.flatnonzero(counts)
+        y = self.tiles.ffn(x, ids, weights, self.pool, self.layouts[layer], experts.tolist(),
+                           self.rows_np[layer][experts].tolist(), counts[experts], self.n_experts)
+        return y.to(x.dtype)
+
+    def capture_problem(self, device: torch.device, max_batch: int) -> str | None:
+        if max_batch > moe_decode_gpu.MAX_TOKENS:
+            return f"max_batch above {moe_decode_gpu.MAX_TOKENS} dequantises resident expert blocks with a host sync"
+        return None
+
+    def nbytes(self) -> int:
+        return self.pool.numel()
+
+    def telemetry(self) -> dict:
+        types = sorted({t for layout in self.layouts for t in layout.types})
+        return {"policy": self.policy, "bytes": self.nbytes(),
+                "kernel": f"{'/'.join(types)} blocks on the GPU: decode in place (quant_moe_gpu), "
+                          "prefill over dequantised tiles"}
+

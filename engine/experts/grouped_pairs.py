@@ -1,0 +1,86 @@
+"""A layer's (token, choice) pairs over a pool of expert rows as one grouped computation, on the GPU.
+
+Shared by the cache slots (engine/experts/gpu_set.py) and quantised experts resident on the GPU
+(engine/experts/gpu_quant_resident.py): the pairs are sorted by the pool row their expert sits in,
+one grouped GEMM pair runs over the pool (engine/kernels/experts_gpu.py), and the weighted rows are
+summed back per token. A quantised pool holds blocks, not tensors: `QuantTiles` dequantises the rows a
+batch uses into tiles of the engine dtype, a window of experts at a time, and runs the same
+computation over the tiles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.kernels.experts_gpu import grouped_expert_ffn
+
+# Dequantised tiles of a quantised pool's experts for a batch of many tokens, in bytes: a window of
+# experts at a time (Qwen3-30B-A3B bf16: 27 experts of 9.4 MB; gpt-oss-20b: 5 of 50 MB), small beside
+# the planner's device reserve (engine/runtime/expert_placement.py RESERVE_BYTES).
+TILE_BYTES = 256 << 20
+
+
+def grouped_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor, rows: list[int], pairs_per_row: np.ndarray, form=None,
+                  group_ends: torch.Tensor | None = None) -> torch.Tensor:
+    """x (N, H); ids, weights (N, k); row_of (E,) int64 on x's device: the pool row of each expert, G
+    (= gate_up.shape[0]) for experts computed elsewhere; gate_up (G, 2I, H), down (G, H, I); rows: the
+    pool rows the pairs use, pairs_per_row their pairs (host-known groups); form: the experts' biases
+    and clamped SwiGLU (gpt-oss) or None; group_ends: arange(1, G + 1) on the device where torch's
+    grouped GEMM runs (None: the host-known groups' loop) → (N, H) fp32."""
+    N, k = ids.shape
+    G = gate_up.shape[0]
+    row_of_pair = row_of[ids.reshape(-1)]  # (N·k,) pool row, or G for the rest
+    sorted_rows, perm = torch.sort(row_of_pair, stable=True)
+    xs = x[perm // k]  # (N·k, H) grouped by row
+    # The host knows the groups (row order, pairs per row): a pool of more rows than one grouped GEMM
+    # takes runs in windows of them without reading the group ends back.
+    by_row = np.argsort(rows)
+    ends = np.cumsum(pairs_per_row[by_row])
+    groups = list(zip(np.asarray(rows)[by_row].tolist(), (ends - pairs_per_row[by_row]).tolist(), ends.tolist()))
+    offs = None if group_ends is None else torch.searchsorted(sorted_rows, group_ends, out_int32=True)  # (G,)
+    experts = ids.reshape(-1)[perm] if form is not None else None  # (N·k,) the expert of each row: its biases
+    y = grouped_expert_ffn(xs, gate_up, down, offs, groups, form=form, rows=experts)  # (N·k, H)
+    inside = (sorted_rows < G).unsqueeze(1)  # (N·k, 1)
+    w = weights.reshape(-1)[perm].unsqueeze(1).float()
+    y = torch.where(inside, y.float() * w, 0.0)  # the other pairs' rows are undefined: zero them
+    pairs = torch.empty_like(y).index_copy_(0, perm, y)  # back to (token, choice) order
+    return pairs.view(N, k, -1).sum(1)  # (N, H) fp32
+
+
+class QuantTiles:
+    """Tiles (W, 3·I·H) of the engine dtype on the device, for a batch over a quantised pool."""
+
+    def __init__(self, hidden: int, expert_ffn: int, n_experts: int, dtype: torch.dtype, device: torch.device,
+                 grouped_mm: bool):
+        self.hidden, self.expert_ffn = hidden, expert_ffn
+        P = 3 * hidden * expert_ffn
+        window = max(1, min(n_experts, TILE_BYTES // (P * torch.empty((), dtype=dtype).element_size())))
+        self.tiles = torch.empty((window, P), dtype=dtype, device=device)
+        split = 2 * expert_ffn * hidden
+        self.gate_up = self.tiles[:, :split].unflatten(1, (2 * expert_ffn, hidden))  # (W, 2I, H)
+        self.down = self.tiles[:, split:].unflatten(1, (hidden, expert_ffn))  # (W, H, I)
+        self.group_ends = torch.arange(1, window + 1, device=device) if grouped_mm else None
+
+    @property
+    def window(self) -> int:
+        return self.tiles.shape[0]
+
+    def ffn(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, layout,
+            experts: list[int], pool_rows: list[int], pairs_per_expert: np.ndarray, n_experts: int,
+            form=None) -> torch.Tensor:
+        """The pairs of `experts` (pool_rows: where each one's blocks sit in pool (S, B) uint8, laid out
+        by `layout`, a QuantLayout) → (N, H) fp32; the other pairs add nothing."""
+        total = None
+        for a in range(0, len(experts), self.window):
+            chunk = experts[a:a + self.window]
+            n = len(chunk)
+            blocks = pool[torch.tensor(pool_rows[a:a + n], device=pool.device)]  # (n, B): a gather on the device
+            layout.dequantize_into(self.tiles, torch.arange(n, device=self.tiles.device), blocks)
+            tile_of = np.full(n_experts, self.window, dtype=np.int64)  # expert → its tile, else past them
+            tile_of[chunk] = np.arange(n)
+            part = grouped_pairs(x, ids, weights, torch.from_numpy(tile_of).to(x.device), self.gate_up, self.down,
+                                 list(range(n)), pairs_per_expert[a:a + n], form, self.group_ends)
+            total = part if total is None else total + part
+        return total if total is not None else torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -1,0 +1,106 @@
+"""Routed experts resident on the GPU in their GGUF blocks (engine/experts/gpu_quant_resident.py):
+decode sizes through the matrix-vector kernels over the blocks in place, prefill sizes through
+dequantised tiles a window of experts at a time, both against the dequantised experts in fp32. The
+device pool holds the file's bytes. Triton's interpreter runs the kernels on CPU tensors here
+(tests/conftest.py); `-m cuda` compiles them on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from test_block_types import random_blocks
+
+pytest.importorskip("triton")
+
+from engine.experts import grouped_pairs  # noqa: E402
+from engine.experts.executor import ResidentExperts  # noqa: E402
+from engine.experts.gpu_quant_resident import GpuQuantResidentExperts  # noqa: E402
+from engine.kernels import dequant_gpu  # noqa: E402
+from engine.kernels.experts_torch import moe_experts  # noqa: E402
+from engine.models.common import ModelArgs  # noqa: E402
+from engine.quant.blocks import QuantRows, QuantStack, QuantTensor  # noqa: E402
+from engine.runtime.loading import gpu_resident_experts  # noqa: E402
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=CUDA)]
+H = I = 256  # whole K-quant super-blocks
+E = 6
+LAYER_TYPES = [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q5_0, T.Q5_1, T.Q5_K)]  # the second layer's blocks are longer
+
+
+def stack(qtype, rows: int, cols: int, seed: int, shared: bool = False) -> QuantStack:
+    whole = QuantTensor.from_gguf(random_blocks(E * rows, cols, qtype, seed), int(qtype), "w")
+    experts = [whole[e * rows:(e + 1) * rows] for e in range(E)]
+    return QuantStack([experts[0]] * E if shared else experts)
+
+
+def layers(shared_last: bool = False):
+    """Per layer gate_up (QuantRows of gate and up) and down stacks; shared_last: the last layer's
+    experts are one expert listed E times (the upcycled built-in's kind)."""
+    gate_up, down = [], []
+    for l, (g, u, d) in enumerate(LAYER_TYPES):
+        shared = shared_last and l == len(LAYER_TYPES) - 1
+        gs, us = stack(g, I, H, 10 * l, shared), stack(u, I, H, 10 * l + 1, shared)
+        rows = [QuantRows([a, b]) for a, b in zip(gs.experts, us.experts)]
+        gate_up.append(QuantStack([rows[0]] * E if shared else rows))
+        down.append(stack(d, H, I, 10 * l + 2, shared))
+    return gate_up, down
+
+
+def on(device: str) -> torch.device:
+    if device == "cpu" and not dequant_gpu.interpreted():
+        pytest.skip("CPU tensors need Triton's interpreter (set where there is no CUDA)")
+    return torch.device(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shared_last", [False, True])
+def test_decode_and_prefill_follow_the_dequantised_experts(device, shared_last, monkeypatch):
+    device = on(device)
+    monkeypatch.setattr(grouped_pairs, "TILE_BYTES", 4 * 3 * H * I * 4)  # tiles of 4 experts: two windows
+    gate_up, down = layers(shared_last)
+    ex = GpuQuantResidentExperts(gate_up, down, device, torch.float32)
+    distinct = len(LAYER_TYPES) * E - (E - 1 if shared_last else 0)
+    assert ex.pool.shape[0] == distinct and ex.pool.dtype == torch.uint8 and ex.pool.device.type == device.type
+    assert ex.nbytes() == ex.pool.numel() < 3 * H * I * distinct  # under a byte a weight: blocks, not floats
+    assert ex.tiles.window == 4 and ex.capture_problem(device, 8) is None
+    g = torch.Generator().manual_seed(0)
+    for layer in range(len(LAYER_TYPES)):
+        gu, dn = gate_up[layer].dequantize(), down[layer].dequantize()  # (E, 2I, H), (E, H, I) fp32
+        for n in (1, 3, 24):  # decode sizes in place; prefill over tiles
+            x = torch.randn(n, H, generator=g)
+            ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(n)])  # (n, 3)
+            w = torch.softmax(torch.randn(n, 3, generator=g), -1)
+            got = ex.run(layer, x.to(device), ids.to(device), w.to(device)).cpu()
+            want = moe_experts(x, ids, w, gu, dn)
+            # fp32 throughout: only the order of the sums differs
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (layer, n)
+    assert ex.tokens_routed == len(LAYER_TYPES) * 3 * (1 + 3 + 24)
+
+
+def test_biased_experts_and_float_experts_are_placed_dequantised():
+    """gpt-oss's biased experts (and a family whose experts load as tensors) go to the device as
+    tensors; plain SwiGLU experts in blocks stay blocks."""
+    gate_up, down = layers()
+    device = torch.device("cpu")
+    args = ModelArgs(arch="qwen3_moe", dim=H, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=H // 2, ffn_dim=I, vocab_size=16)
+    if dequant_gpu.interpreted():
+        assert isinstance(gpu_resident_experts(gate_up, down, args, device, torch.float32), GpuQuantResidentExperts)
+    biased = ModelArgs(arch="gpt_oss", dim=H, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=H // 2, ffn_dim=I, vocab_size=16,
+                       expert_act="clamped", expert_bias=True)
+    placed = gpu_resident_experts(gate_up, down, biased, device, torch.bfloat16)
+    assert type(placed) is ResidentExperts and placed.gate_up[0].dtype == torch.bfloat16
+    assert torch.equal(placed.gate_up[1], gate_up[1].dequantize().to(torch.bfloat16))
+    floats = [g.dequantize() for g in gate_up], [d.dequantize() for d in down]
+    assert type(gpu_resident_experts(*floats, args, device, torch.float32)) is ResidentExperts
+
+
+def test_larger_decode_batches_are_not_captured_and_forms_are_refused():
+    if not dequant_gpu.interpreted():
+        pytest.skip("CPU tensors need Triton's interpreter")
+    ex = GpuQuantResidentExperts(*layers(), torch.device("cpu"), torch.float32)
+    assert "host sync" in ex.capture_problem(torch.device("cpu"), 16)
+    with pytest.raises(ValueError, match="dequantised"):
+        ex.set_form(0, object())
