@@ -6,9 +6,10 @@ to the expert executor the caller makes (`make_experts(gate_up, down)`, lists ov
 in order — `args.moe_layer_ids()`; a model with dense layers between them passes fewer entries
 than it has layers, and `MoEFeedForward.expert_layer` indexes these lists). Tensors already on the
 target device in the target dtype (synthetic models generate them there) are taken as they are.
-Quantised blocks (engine/quant: `QuantTensor`, `QuantStack`) stay blocks on the CPU, their layers
-becoming `QuantLinear`/`QuantEmbedding`; on an accelerator they are dequantised at placement, but for
-routed experts handed to make_experts unplaced (the GPU executors over blocks).
+Quantised blocks (engine/quant: `QuantTensor`, `QuantStack`) stay blocks, their layers becoming
+`QuantLinear`/`QuantEmbedding`: on the CPU in place, on a GPU copied there (its Triton kernels read
+them); stacked routed experts go to make_experts unplaced (the GPU executors over blocks), or are
+dequantised when placed here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import ModelFileError
+from engine.kernels import quant_linear_gpu
 from engine.models.common import Decoder, FeedForward, ModelArgs, MoEFeedForward
 from engine.quant import modules as quant_modules
 from engine.quant.blocks import QuantStack, QuantTensor
@@ -26,7 +28,9 @@ def place_tensor(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> t
     if isinstance(t, (QuantTensor, QuantStack)):
         if device.type == "cpu":
             return t  # computed over in blocks (engine/quant)
-        t = t.dequantize(dtype)  # dense layers have no GPU kernels over blocks: dequantised here
+        if isinstance(t, QuantTensor) and device.type == "cuda" and quant_linear_gpu.available(device):
+            return t.to(device)  # the GPU's kernels read the blocks (engine/kernels/quant_linear_gpu.py)
+        t = t.dequantize(dtype)  # stacked experts placed here: dequantised
     same_device = t.device.type == device.type and device.index in (None, t.device.index)
     if same_device and t.dtype == dtype:
         return t  # already placed (generated in place)
@@ -72,7 +76,14 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
     if unexpected:
         raise ModelFileError(f"{source}: unexpected tensors {unexpected[:4]}{' …' if len(unexpected) > 4 else ''}",
                              "the file does not match its declared architecture")
-    placed = {name: place_tensor(tensors[name], device, dtype) for name in expected}
+    moved: dict[int, torch.Tensor] = {}  # one placed copy per tensor object: a tied head shares the embedding's
+
+    def place(t):
+        if id(t) not in moved:
+            moved[id(t)] = place_tensor(t, device, dtype)
+        return moved[id(t)]
+
+    placed = {name: place(tensors[name]) for name in expected}
     blocks = {name: t for name, t in placed.items() if isinstance(t, QuantTensor)}
     model.load_state_dict({n: t for n, t in placed.items() if n not in blocks}, assign=True, strict=not blocks)
     quant_modules.install(model, blocks, dtype)  # a tied head shares the embedding's blocks

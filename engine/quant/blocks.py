@@ -123,6 +123,10 @@ class QuantTensor:
         blocks = torch.cat([p.blocks for p in parts])
         return QuantTensor(blocks, first.qtype.code, (blocks.shape[0], first.shape[1]), name)
 
+    def to(self, device: torch.device) -> QuantTensor:
+        """The same blocks on `device` (a copy unless they are there already)."""
+        return QuantTensor(self.blocks.to(device), self.qtype.code, self.shape, self.name)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The (rows, cols) matrix in `dtype`."""
         from engine.quant.matmul import dequantize_rows

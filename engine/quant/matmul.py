@@ -100,6 +100,10 @@ def quant_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = No
     """x (…, K) float on the CPU, W (N, K) blocks → (…, N) in x's dtype (+ bias). tiles: the dtype
     of the dequantised tiles (and of x in their GEMM) above NATIVE_MAX_TOKENS tokens, fp32 or bf16."""
     n_rows, cols = w.shape
+    if w.blocks.device.type != "cpu":  # blocks placed on a GPU: its kernels
+        from engine.kernels import quant_linear_gpu
+
+        return quant_linear_gpu.linear(x, w, bias)
     if x.device.type != "cpu" or not x.is_floating_point() or x.shape[-1] != cols:
         raise KernelInputError(f"quant_linear takes a CPU float x (…, {cols}), got {x.dtype} "
                                f"{tuple(x.shape)} on {x.device}")
@@ -125,6 +129,13 @@ def quant_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = No
 
 def embedding(ids: torch.Tensor, w: QuantTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `ids` (any shape, int) of W → (*ids.shape, K) in dtype: only those rows are dequantised."""
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0]):
+    on_gpu = w.blocks.device.type != "cpu"
+    # (a graph being captured on the GPU cannot read the ids back; its ids come from the sampler)
+    checked = not (on_gpu and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    if checked and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0]):
         raise KernelInputError(f"token id out of range for an embedding of {w.shape[0]} rows")
+    if on_gpu:
+        from engine.kernels import quant_linear_gpu
+
+        return quant_linear_gpu.embedding(ids, w, dtype)
     return dequantize_rows(w, rows=ids.reshape(-1)).to(dtype).reshape(*ids.shape, w.shape[1])

@@ -12,7 +12,7 @@ import torch
 from engine.errors import ConfigError, OutOfMemoryError, UnsupportedModelError
 from engine.experts.executor import ExpertExecutor, ResidentExperts
 from engine.experts.gpu_quant_resident import GpuQuantResidentExperts
-from engine.kernels import native
+from engine.kernels import native, quant_linear_gpu
 from engine.kv.backend import KVBackend
 from engine.models import builtin, families, synthetic
 from engine.models.assemble import assemble, place_tensor
@@ -98,9 +98,12 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
         path = config.model
     else:
         path = os.path.expanduser(config.model)
-    # a GGUF's routed experts resident on a GPU stay in blocks where its kernels take them (make_experts)
-    gpu_blocks = config.dtype == "auto" and device.type == "cuda" and not offload and \
+    # a user's GGUF on a GPU keeps its blocks there (its kernels read them; the built-in model keeps
+    # its float path, the reference it is held to): the dense layers', and the routed experts' where
+    # they are resident (make_experts)
+    file_on_gpu = config.dtype == "auto" and device.type == "cuda" and quant_linear_gpu.available(device) and \
         not config.model.startswith(("synthetic:", "builtin:"))
+    gpu_blocks = file_on_gpu and not offload
     if config.model.startswith("synthetic:"):  # random weights generated where they will stay
         if config.dtype == "auto":
             dtype = torch.bfloat16  # the published models' dtype, on any device
@@ -112,13 +115,12 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
                                    "choose fewer layers (-L<n>) or a device with more memory") from e
     else:
         # dtype auto: GGUF's matrices of engine/quant's types stay blocks where kernels take them: all
-        # of them on a CPU-only engine; on a GPU the routed experts (the offloaded experts' host store
-        # and cache slots, or the resident experts' device pool keep the blocks), the dense weights
-        # going to the GPU dequantised (no GPU kernels over their blocks yet). Explicit dtypes
-        # dequantise everything.
+        # of them on a CPU-only engine and on a GPU (the dense layers' blocks copied to the device, the
+        # routed experts in the offloaded experts' host store and cache slots, or the resident experts'
+        # device pool); the simulated GPU's dense weights dequantise. Explicit dtypes dequantise everything.
         auto = config.dtype == "auto"
-        ckpt = load_checkpoint(path, dtype, quantised=auto and device.type == "cpu" and not offload,
-                               expert_blocks=auto and (offload or gpu_blocks))
+        dense_blocks = (auto and device.type == "cpu" and not offload) or file_on_gpu
+        ckpt = load_checkpoint(path, dtype, quantised=dense_blocks, expert_blocks=auto and (offload or gpu_blocks))
     family = families.get(ckpt.family)
     args = family.args_from_config(ckpt.config)
     tensors = ckpt.tensors

@@ -112,13 +112,19 @@ def placement_plan(config, profile=None) -> Plan:
     gguf_auto = config.dtype == "auto" and config.model.lower().endswith(".gguf")
     if not gpu and gguf_auto:
         parts = _in_blocks(parts, config.model, args, cpu_bytes)  # what the CPU load holds (runtime/loading.py)
+    elif gguf_auto and not simulated:
+        # on a GPU the dense layers keep their blocks (runtime/loading.py), offloaded experts theirs in
+        # the host store and the cache slots, resident ones in the device's pool, but for biased experts,
+        # which dequantise there
+        held = _in_blocks(parts, config.model, args, dev_bytes)
+        biased = args.expert_act != "silu" or args.expert_bias
+        if parts.n_experts and keeps_expert_blocks(args.arch, True) and biased:
+            held = replace(held, expert_bytes=parts.expert_bytes, store_expert_bytes=held.expert_bytes)
+        parts = held
     elif gguf_auto and parts.n_experts and keeps_expert_blocks(args.arch, True):
-        # offloaded experts keep their blocks in the host store and the cache slots, resident ones in
-        # the device's pool (runtime/loading.py gpu_resident_experts), but for biased experts, which
-        # dequantise there as the dense weights do
-        held = _in_blocks(parts, config.model, args, cpu_bytes).expert_bytes
-        in_blocks = args.expert_act == "silu" and not args.expert_bias
-        parts = replace(parts, expert_bytes=held) if in_blocks else replace(parts, store_expert_bytes=held)
+        # the simulated GPU: its dense weights dequantise, the experts keep their blocks in the store and
+        # slots (and resident on the CPU)
+        parts = replace(parts, expert_bytes=_in_blocks(parts, config.model, args, cpu_bytes).expert_bytes)
     cpu_parts = parts
     if cpu_bytes != dev_bytes:  # a GPU machine's CPU placement loads as a CPU-only engine would
         cpu_parts = replace(model_parts(args, cpu_bytes, config.model), **can)

@@ -193,10 +193,12 @@ def test_backend_auto_runs_a_moe_gguf_on_tandem_and_a_dense_one_on_llamacpp(file
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_resident_experts_on_the_gpu_stay_in_blocks(files):
-    """dtype auto on a GPU: the routed experts go to the device as the file's blocks (decode over them in
-    place, the 19-token prefill over dequantised tiles) and follow the file dequantised on the CPU."""
+    """dtype auto on a GPU: the routed experts and the dense layers go to the device as the file's blocks
+    (decode over them in place, the 19-token prefill over dequantised tiles) and follow the file
+    dequantised on the CPU."""
     from engine.api import Engine, EngineConfig
     from engine.experts.gpu_quant_resident import GpuQuantResidentExperts
+    from engine.quant.modules import QuantEmbedding, QuantLinear
 
     path = files["Q4_K_M"]
     gpu = Engine(EngineConfig(model=str(path), backend="tandem", device="cuda", max_batch=1, expert_policy="resident"))
@@ -205,6 +207,10 @@ def test_resident_experts_on_the_gpu_stay_in_blocks(files):
         experts = gpu.backend.parts.experts
         assert isinstance(experts, GpuQuantResidentExperts)
         assert file_expert_bytes(path) <= experts.nbytes() <= 1.15 * file_expert_bytes(path)
+        model = gpu.backend.parts.model
+        q_proj = model.model.layers[0].self_attn.q_proj
+        assert isinstance(q_proj, QuantLinear) and q_proj.qweight.blocks.is_cuda
+        assert isinstance(model.model.embed_tokens, QuantEmbedding)
         got, want = logits(gpu, PROMPT, len(PROMPT)), logits(ref, PROMPT, len(PROMPT))
         scale = float(want.abs().max())
         # bf16 weights of the dense layers and bf16 activations through two layers: 3% of the scale

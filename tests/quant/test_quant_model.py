@@ -108,7 +108,8 @@ def test_other_types_load_dequantised_with_a_message(tmp_path, caplog):
     assert len(engine_for(path).generate_ids([1, 2, 3], 4)) == 4
 
 
-def test_blocks_are_dequantised_when_placed_off_the_cpu():
+def test_blocks_are_dequantised_where_no_kernel_takes_them():
+    """Off the CPU and not on CUDA (where engine/kernels/quant_linear_gpu.py reads them) blocks dequantise."""
     from gguf.quants import quantize
 
     data = quantize(np.ones((4, 32), np.float32), T.Q8_0)

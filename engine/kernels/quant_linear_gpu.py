@@ -1,0 +1,93 @@
+"""Dense layers over GGUF blocks on the GPU: y = x · Wᵀ (+ b) and embedding rows, W a `QuantTensor`
+whose blocks are on the device (engine/quant/matmul.py sends them here).
+
+A few tokens (decode) are a matrix-vector product per token, bound by the weight bytes it reads: one
+Triton kernel reads each row's blocks once and decodes them in registers (quant_moe_gpu's `_gemv`,
+dequant_gpu's decoding), no dequantised copy, no host sync (a decode graph captures it). More tokens
+(prefill) dequantise W a chunk of rows at a time into a tile of x's dtype (dequant_gpu) for the GEMM,
+which then runs at tensor-core speed; a chunk is at most CHUNK_BYTES, so the 151936-row output head of
+Qwen3 never costs its 622 MB in BF16 at once. An embedding lookup dequantises only the rows it reads.
+
+    linear(x, w, bias) -> y        x (…, K) bf16/fp16/fp32 on w's device; w (N, K); y (…, N) in x's dtype
+    embedding(ids, w, dtype) -> e  ids (…) int on w's device → (…, K) in dtype
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import dequant_gpu
+
+try:
+    import triton
+    import triton.language as tl
+
+    from engine.kernels.quant_moe_gpu import _gemv
+except ImportError:
+    triton = None
+
+MAX_TOKENS = 8  # above this the tokens share each dequantised tile: the GEMM reads it once for all of them
+ROWS, CHUNK = 8, 8  # rows a program, sub-blocks a row a step (a K-quant super-block): 64 sub-blocks a step
+ROWS_INTERPRETED = 64  # Triton's interpreter pays per operation, not per element: taller tiles, same code
+CHUNK_BYTES = 64 << 20  # a prefill's dequantised tile of W: 16K rows of 2048 in bf16
+
+
+def available(device: torch.device) -> bool:
+    """Triton importable and a CUDA device, or the interpreter (CPU tensors: the tests)."""
+    return triton is not None and (torch.device(device).type == "cuda" or dequant_gpu.interpreted())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr, BB: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr):
+        """Program (token m, row tile): out[m, rows] = W[rows] · x[m] (+ bias), fp32 sums rounded once."""
+        m = tl.program_id(0)
+        r = tl.program_id(1) * ROWS + tl.arange(0, ROWS * C) // C  # (ROWS·C,) row of each sub-block slot
+        acc = _gemv(x_ptr + m * K, w_ptr + r.to(tl.int64) * row_bytes, r < N, K // 32, QT, BB, ROWS, C)  # (ROWS,)
+        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * N + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (…, K) float on w's device, w a QuantTensor (N, K) with device blocks → (…, N) in x's dtype."""
+    N, K = w.shape
+    if x.device != w.blocks.device or not x.is_floating_point() or x.shape[-1] != K:
+        raise ValueError(f"x must be a float (…, {K}) on {w.blocks.device}; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if K % 32:
+        raise ValueError(f"rows of {K} weights are not whole 32-weight blocks")
+    n = x.numel() // K
+    x2 = x.reshape(n, K).contiguous()
+    if n <= MAX_TOKENS:
+        y = torch.empty(n, N, dtype=x.dtype, device=x.device)
+        if n:
+            rows = ROWS_INTERPRETED if dequant_gpu.interpreted() else ROWS
+            _linear_kernel[(n, triton.cdiv(N, rows))](x2, w.blocks, bias if bias is not None else x2, y, N, K,
+                                                      w.row_bytes, QT=w.qtype.code, BB=w.qtype.block_bytes,
+                                                      HAS_BIAS=bias is not None, ROWS=rows, C=CHUNK)
+        return y.view(*x.shape[:-1], N)
+    per_chunk = max(1, min(N, CHUNK_BYTES // (K * x.element_size())))
+    tile = torch.empty(per_chunk, K, dtype=x.dtype, device=x.device)  # (R, K) dequantised rows of W
+    first = torch.zeros(1, dtype=torch.int64, device=x.device)  # the tile is one "slot" of the dequantiser
+    y = torch.empty(n, N, dtype=x.dtype, device=x.device)
+    for a in range(0, N, per_chunk):
+        b = min(N, a + per_chunk)
+        rows = tile[:b - a]
+        dequant_gpu.dequantize_into(rows.view(1, -1), first, w.blocks[a:b].reshape(1, -1), w.qtype.code, 0)
+        y[:, a:b] = F.linear(x2, rows, None if bias is None else bias[a:b])  # (n, b − a)
+    return y.view(*x.shape[:-1], N)
+
+
+def embedding(ids: torch.Tensor, w, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (any shape, int, on w's device) of W → (*ids.shape, K) in dtype: only they dequantise."""
+    flat = ids.reshape(-1).long()
+    n, K = flat.numel(), w.shape[1]
+    out = torch.empty(n, K, dtype=dtype, device=w.blocks.device)
+    if n:
+        dequant_gpu.dequantize_into(out, torch.arange(n, device=out.device), w.blocks.index_select(0, flat),
+                                    w.qtype.code, 0)
+    return out.view(*ids.shape, K)
