@@ -17,7 +17,7 @@ source benchmarks/h200/lease_start.sh  # folders, log, wheels, native build, mac
 
 step llama.cpp build starts in the background
 python3 -m engine.bench.llamacpp_build --source .llamacpp/llamacpp-src.tar.xz --build-dir "$work/llamacpp" \
-  --targets llama-bench,llama-batched-bench >"$res/llamacpp-build.log" 2>&1 &
+  --targets llama-bench,llama-batched-bench,llama-quantize >"$res/llamacpp-build.log" 2>&1 &
 build=$!
 
 step CUDA tests
@@ -39,6 +39,7 @@ suite() {  # suite NAME CELLS
   echo "suite $1 rc $?" >>"$log"
 }
 suite gpt-oss gpu-gpt-oss-20b-24gb,gpu-gpt-oss-20b-8gb
-rm -f "$work/gpt-oss-20b-random.gguf"
+suite gpt-oss-mxfp4 gpu-gpt-oss-20b-mxfp4-24gb,gpu-gpt-oss-20b-mxfp4-8gb  # quantised from that export
+rm -f "$work"/gpt-oss-20b-random*.gguf
 suite qwen3.5 gpu-qwen3.5-L16-24gb,gpu-qwen3.5-L16-8gb
 step ALL DONE

@@ -68,6 +68,13 @@ def cells(Cell) -> list:
         Cell("gpu-gpt-oss-20b-8gb", "gpt-oss-20b (BF16 experts) under an 8 GB VRAM budget, default plan vs best "
              "fitting -ncmoe", "cuda", "decode ≥ llama.cpp",
              lambda ctx: one_load_decode_cell(ctx, GPT_OSS, 8.0, (2048, 32768)), routed=True),
+        # the MXFP4_MOE file a gpt-oss user downloads: experts in blocks on both sides of the PCIe link
+        Cell("gpu-gpt-oss-20b-mxfp4-24gb", "gpt-oss-20b (MXFP4 experts, the same file for both) under a 24 GB "
+             "VRAM budget, default plan vs best fitting -ncmoe", "cuda", "decode ≥ llama.cpp",
+             lambda ctx: one_load_decode_cell(ctx, GPT_OSS, 24.0, (2048, 32768), file_for=mxfp4_for), routed=True),
+        Cell("gpu-gpt-oss-20b-mxfp4-8gb", "gpt-oss-20b (MXFP4 experts, the same file for both) under an 8 GB "
+             "VRAM budget, default plan vs best fitting -ncmoe", "cuda", "decode ≥ llama.cpp",
+             lambda ctx: one_load_decode_cell(ctx, GPT_OSS, 8.0, (2048, 32768), file_for=mxfp4_for), routed=True),
         Cell("gpu-qwen3.5-L16-24gb", "Qwen3.5-35B-A3B (16 layers, BF16) under a 24 GB VRAM budget, default plan vs "
              "best fitting -ncmoe", "cuda", "decode ≥ llama.cpp",
              lambda ctx: one_load_decode_cell(ctx, QWEN3_5, 24.0, (2048, 32768)), routed=True),
@@ -157,6 +164,11 @@ def quantised_for(ctx: Ctx, model: str, routing: str | None, qtype: str = QUANT)
     if shutil.disk_usage(ctx.work).free < bf16:
         src.unlink()
     return out
+
+
+def mxfp4_for(ctx: Ctx, model: str, routing: str | None) -> Path:
+    """`quantised_for` with llama.cpp's MXFP4_MOE: the experts in MXFP4, the rest as that type puts them."""
+    return quantised_for(ctx, model, routing, "MXFP4_MOE")
 
 
 def export_bytes(model: str) -> int:

@@ -9,8 +9,8 @@ cost the file's bytes in VRAM, not 3.5× them in BF16, and a decode step reads t
     more tokens     the experts the batch routes to dequantised into tiles, a window at a time, then
                     the grouped GEMM (engine/experts/grouped_pairs.py); one host sync for the groups
 
-Experts with biases and a clamped SwiGLU (gpt-oss) are not taken: their decode needs the grouped
-path, which reads the groups on the host, so such a model's resident experts load dequantised.
+gpt-oss's experts (`set_form`: biases and the clamped SwiGLU) run both ways with the form's biases on
+the device, looked up by expert id.
 """
 
 from __future__ import annotations
@@ -53,18 +53,27 @@ class GpuQuantResidentExperts(ResidentExperts):
         self.tiles = QuantTiles(H, self.expert_ffn, E, dtype, device, uses_grouped_mm(device, dtype))
 
     def set_form(self, layer: int, form) -> None:
-        raise ValueError("experts with biases and a clamped SwiGLU run dequantised on the GPU")
+        """The layer's experts add biases and take the clamped SwiGLU (gpt-oss): the form's biases (E, 2I)
+        and (E, H) on the device, by expert id."""
+        if form.gate_up_bias.shape != (self.n_experts, 2 * self.expert_ffn) or \
+                form.down_bias.shape != (self.n_experts, self.hidden):
+            raise ValueError(f"layer {layer}: expert biases {tuple(form.gate_up_bias.shape)}, "
+                             f"{tuple(form.down_bias.shape)} do not fit {self.n_experts} experts of "
+                             f"({2 * self.expert_ffn}, {self.hidden})")
+        self.forms[layer] = form
 
     def run(self, layer, x, ids, weights):
         """x (N, H), ids (N, k), weights (N, k) → (N, H) in x's dtype."""
         self.tokens_routed += ids.numel()
+        form = self.forms.get(layer)
         if x.shape[0] <= moe_decode_gpu.MAX_TOKENS:  # a few tokens: the rows read in place, no host sync
             return quant_moe_gpu.moe_decode_quant(x, self.rows[layer][ids], weights, self.pool,
-                                                  self.layouts[layer].kernel_parts, self.expert_ffn)
+                                                  self.layouts[layer].kernel_parts, self.expert_ffn, form=form,
+                                                  experts=ids)
         counts = torch.bincount(ids.reshape(-1), minlength=self.n_experts).cpu().numpy()  # the groups, on the host
         experts = np.flatnonzero(counts)
         y = self.tiles.ffn(x, ids, weights, self.pool, self.layouts[layer], experts.tolist(),
-                           self.rows_np[layer][experts].tolist(), counts[experts], self.n_experts)
+                           self.rows_np[layer][experts].tolist(), counts[experts], self.n_experts, form)
         return y.to(x.dtype)
 
     def capture_problem(self, device: torch.device, max_batch: int) -> str | None:

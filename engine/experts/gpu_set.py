@@ -60,15 +60,17 @@ class GpuSet:
         return moe_decode_gpu.available(x)
 
     def side(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-             out: torch.Tensor | None = None) -> torch.Tensor | None:
+             out: torch.Tensor | None = None, form: ClampedSwiGLU | None = None) -> torch.Tensor | None:
         """The experts the published map puts in slots → (N, H) in x's dtype, by the matrix-vector
-        kernels over the slots in place; None without cache slots. Device work only (captured)."""
+        kernels over the slots in place; None without cache slots. Device work only (captured). form:
+        gpt-oss's biased experts (quantised slots only)."""
         if self.cache is None:
             return None
         slot_ids = self.map_dev[ids]  # (N, k) slot, or the sentinel (past the pool: skipped) for CPU pairs
         if self.tiles is not None:
             return quant_moe_gpu.moe_decode_quant(x, slot_ids, weights, self.cache.pool,
-                                                  self.layouts[layer].kernel_parts, self.cache.expert_ffn, out=out)
+                                                  self.layouts[layer].kernel_parts, self.cache.expert_ffn, out=out,
+                                                  form=form, experts=ids)
         return moe_decode_gpu.moe_decode(x, slot_ids, weights, self.cache.gate_up, self.cache.down, out=out)
 
     def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[int],
@@ -77,8 +79,8 @@ class GpuSet:
         """Σ over the experts in `slots` (pairs_per_expert: (token, choice) pairs of each) → (N, H) in
         x's dtype. form: the layer's experts' biases and clamped SwiGLU (gpt-oss), or None for plain SwiGLU."""
         self.publish(experts, slots, stream)
-        if form is None and self.in_place_ok(x):
-            return self.side(layer, x, ids, weights, out=out)
+        if self.in_place_ok(x) and (form is None or self.tiles is not None):  # (the BF16 kernels know no form)
+            return self.side(layer, x, ids, weights, out=out, form=form)
         if self.tiles is not None:
             y = self.tiles.ffn(x, ids, weights, self.cache.pool, self.layouts[layer], experts, slots,
                                pairs_per_expert, len(self.map_np), form)

@@ -132,9 +132,9 @@ class OffloadedExperts(ExpertExecutor):
     def set_form(self, layer: int, form: ClampedSwiGLU) -> None:
         """The layer's experts compute `form` (gpt-oss: biases, clamped SwiGLU). The slots run it in
         the grouped GEMM with the biases on the device, the CPU set in the native expert kernel (its
-        ExpertForm) with host copies of them. The GPU's matrix-vector decode kernels (graph pieces, the
-        whole-step graph) know only plain SwiGLU, so such a model's MoE layers run eagerly between
-        graph pieces."""
+        ExpertForm) with host copies of them. Over quantised slots the matrix-vector decode kernels take
+        the form too (graph pieces); over BF16 slots they know only plain SwiGLU, so such a model's MoE
+        layers run eagerly between graph pieces. The whole-step graph takes neither."""
         self.forms[layer] = form
         bias_dtype = torch.float32 if self.store.quantised else self.store.dtype  # what the CPU products run in
         host = lambda b: b.detach().to("cpu", bias_dtype)  # noqa: E731  (E, 2I), (E, H): small
@@ -307,14 +307,14 @@ class OffloadedExperts(ExpertExecutor):
 
     def device_side_ok(self, x: torch.Tensor) -> bool:
         """Whether a graph piece can hold this layer's GPU side (`gpu_side`): a few tokens on CUDA."""
-        return self.device.type == "cuda" and self.gpu_set.in_place_ok(x) and not self.forms
+        return self.device.type == "cuda" and self.gpu_set.in_place_ok(x) and (not self.forms or self.store.quantised)
 
     def gpu_side(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
         """The device half of a decode layer whose host half runs as `run(..., cpu_buf=)`: the experts
         the published map puts in slots → (N, H) in x's dtype, to which the caller adds the CPU set's
         sum; None without cache slots (cpu-only: the CPU computes everything). Device work only
         (captured)."""
-        return self.gpu_set.side(layer, x, ids, weights)
+        return self.gpu_set.side(layer, x, ids, weights, form=self.forms.get(layer))
 
     def _result_buffer(self, shape) -> torch.Tensor | None:
         """A pinned (N, H) fp32 buffer per decode size for the CPU set's result, so it returns to the

@@ -114,10 +114,10 @@ if triton is not None:
         return start, r < n_rows
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, act_ptr, H, I, E, top_k, stride_slot,
-                        off_g, row_g, off_u, row_u, QG: tl.constexpr, BG: tl.constexpr, QU: tl.constexpr,
-                        BU: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr, ROWS: tl.constexpr,
-                        C: tl.constexpr, COPY: tl.constexpr):
+    def _gate_up_kernel(x_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, act_ptr, experts_ptr, bias_ptr, alpha, limit,
+                        H, I, E, top_k, stride_slot, off_g, row_g, off_u, row_u, QG: tl.constexpr, BG: tl.constexpr,
+                        QU: tl.constexpr, BU: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr,
+                        CLAMPED: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr, COPY: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         x_row = x_ptr + (p // top_k) * H
         gate_rows, ok = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, I, off_g, row_g,
@@ -125,24 +125,45 @@ if triton is not None:
         up_rows, _ = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, I, off_u, row_u,
                                 HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         dtype = act_ptr.dtype.element_ty
-        gate = _gemv(x_row, gate_rows, ok, H // 32, QG, BG, ROWS, C).to(dtype).to(tl.float32)  # F.linear's rounding
-        up = _gemv(x_row, up_rows, ok, H // 32, QU, BU, ROWS, C).to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        gate = _gemv(x_row, gate_rows, ok, H // 32, QG, BG, ROWS, C)  # (ROWS,) fp32
+        up = _gemv(x_row, up_rows, ok, H // 32, QU, BU, ROWS, C)
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
-        tl.store(act_ptr + p * I + rows, (silu * up).to(dtype), mask=rows < I)
+        if CLAMPED:  # gpt-oss: the expert's biases, then (clamp(u, ±limit) + 1) · g'·σ(alpha·g'), g' = min(g, limit)
+            e = tl.load(ids_ptr + p)
+            valid = (e >= 0) & (e < E)  # a skipped pair's expert id may be anything: no bias is read for it
+            bias = bias_ptr + tl.where(valid, tl.load(experts_ptr + p), 0) * 2 * I  # its expert's (2I,) gate_up bias
+            b_ok = rows < tl.where(valid, I, 0)
+            gate = (gate + tl.load(bias + rows, mask=b_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            up = (up + tl.load(bias + I + rows, mask=b_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            g = tl.minimum(gate, limit)
+            u = tl.minimum(tl.maximum(up, -limit), limit)
+            act = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+        else:
+            gate = gate.to(dtype).to(tl.float32)  # F.linear's rounding
+            up = up.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+        tl.store(act_ptr + p * I + rows, act.to(dtype), mask=rows < I)
 
     @triton.jit
-    def _down_kernel(act_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, wts_ptr, y_ptr, H, I, E, stride_slot,
-                     off_d, row_d, QD: tl.constexpr, BD: tl.constexpr, HAS_OFFS: tl.constexpr,
-                     HAS_SPARE: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr, COPY: tl.constexpr):
+    def _down_kernel(act_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, wts_ptr, y_ptr, experts_ptr, bias_ptr, H, I, E,
+                     stride_slot, off_d, row_d, QD: tl.constexpr, BD: tl.constexpr, HAS_OFFS: tl.constexpr,
+                     HAS_SPARE: tl.constexpr, CLAMPED: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
+                     COPY: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         down_rows, ok = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, H, off_d, row_d,
                                    HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         dtype = y_ptr.dtype.element_ty
-        y = _gemv(act_ptr + p * I, down_rows, ok, I // 32, QD, BD, ROWS, C).to(dtype).to(tl.float32)
-        w = tl.load(wts_ptr + p).to(tl.float32)
+        y = _gemv(act_ptr + p * I, down_rows, ok, I // 32, QD, BD, ROWS, C)  # (ROWS,) fp32
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,) output features
+        if CLAMPED:  # the pair's expert's (H,) down bias, inside F.linear's one rounding; none for a skipped pair
+            e = tl.load(ids_ptr + p)
+            valid = (e >= 0) & (e < E)
+            bias = bias_ptr + tl.where(valid, tl.load(experts_ptr + p), 0) * H
+            y += tl.load(bias + rows, mask=rows < tl.where(valid, H, 0), other=0.0).to(tl.float32)
+        y = y.to(dtype).to(tl.float32)
+        w = tl.load(wts_ptr + p).to(tl.float32)
         tl.store(y_ptr + p * H + rows, (y * w).to(dtype), mask=rows < H)  # weighted in the model dtype
+
 
 def _check(x, ids, weights, pool, parts, expert_ffn, out) -> list[tuple[int, int, int, int]]:
     """Refuses misshapen arguments → per part (type code, block bytes, byte offset, row bytes)."""
@@ -179,7 +200,8 @@ def _check(x, ids, weights, pool, parts, expert_ffn, out) -> list[tuple[int, int
 
 def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor,
                      parts, expert_ffn: int, out: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
-                     spare: torch.Tensor | None = None, admit: bool = False, cpu: tuple | None = None) -> torch.Tensor:
+                     spare: torch.Tensor | None = None, admit: bool = False, cpu: tuple | None = None,
+                     form=None, experts: torch.Tensor | None = None) -> torch.Tensor:
     """x (N, H) bf16/fp16/fp32; ids (N, k) int64: slot index of each (token, choice) pair in `pool`,
     an id outside [0, S) skips that pair (adds zero, reads nothing: the caller marks pairs the CPU
     computes so); weights (N, k) in x's dtype; pool (S, B) uint8, rows contiguous: slot s holds one
@@ -192,7 +214,11 @@ def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     are expert ids and expert e's block starts offsets[e] bytes past the pool's start (a slot, or the
     pinned host store, read in place); spare (N·k,) int64: the byte offset of a free slot pair p copies
     the blocks it reads into (-1: none), read back from there; admit: the sum then points each filled
-    expert's entry of offsets at its slot; cpu: the CPU mailbox's wait arguments (moe_decode's)."""
+    expert's entry of offsets at its slot; cpu: the CPU mailbox's wait arguments (moe_decode's).
+
+    form: gpt-oss's experts (experts_torch.ClampedSwiGLU, its biases (E, 2I) and (E, H) on the device):
+    each pair adds its expert's biases and takes the clamped activation; experts (N, k) int64 gives each
+    pair's expert id where ids are slots (None: ids are the expert ids)."""
     (qg, bg, off_g, row_g), (qu, bu, off_u, row_u), (qd, bd, off_d, row_d) = _check(
         x, ids, weights, pool, parts, expert_ffn, out)
     assert not admit or (offsets is not None and spare is not None), "admit needs offsets and spare"
@@ -209,12 +235,24 @@ def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     E = pool.shape[0] if offsets is None else offsets.shape[0]
     offs = ids if offsets is None else offsets  # any int64 tensor stands in when unused
     sp = ids if spare is None else spare
-    has = dict(HAS_OFFS=offsets is not None, HAS_SPARE=spare is not None, C=CHUNK, COPY=COPY_BYTES)
+    has = dict(HAS_OFFS=offsets is not None, HAS_SPARE=spare is not None, CLAMPED=form is not None, C=CHUNK,
+               COPY=COPY_BYTES)
+    if form is None:  # any tensors stand in for the biases and the expert ids when unused
+        bias_gu = bias_d = experts = ids
+        alpha = limit = 0.0
+    else:
+        bias_gu, bias_d = form.gate_up_bias.contiguous(), form.down_bias.contiguous()
+        if bias_gu.shape[1] != 2 * I or bias_d.shape[1] != H or bias_gu.device != x.device:
+            raise ValueError(f"expert biases {tuple(bias_gu.shape)}, {tuple(bias_d.shape)} on {bias_gu.device} "
+                             f"do not fit experts of ({2 * I}, {H}) on {x.device}")
+        experts = (ids if experts is None else experts).contiguous()
+        alpha, limit = float(form.alpha), float(form.limit)
     rows_gu, rows_d = (ROWS_INTERPRETED,) * 2 if dequant_gpu.interpreted() else (ROWS_GATE_UP, ROWS_DOWN)
-    _gate_up_kernel[(P, triton.cdiv(I, rows_gu))](x, pool, ids, offs, sp, act, H, I, E, k, pool.stride(0), off_g,
-                                                  row_g, off_u, row_u, QG=qg, BG=bg, QU=qu, BU=bu, ROWS=rows_gu, **has)
-    _down_kernel[(P, triton.cdiv(H, rows_d))](act, pool, ids, offs, sp, weights, y, H, I, E, pool.stride(0), off_d,
-                                              row_d, QD=qd, BD=bd, ROWS=rows_d, **has)
+    _gate_up_kernel[(P, triton.cdiv(I, rows_gu))](x, pool, ids, offs, sp, act, experts, bias_gu, alpha, limit, H, I,
+                                                  E, k, pool.stride(0), off_g, row_g, off_u, row_u, QG=qg, BG=bg,
+                                                  QU=qu, BU=bu, ROWS=rows_gu, **has)
+    _down_kernel[(P, triton.cdiv(H, rows_d))](act, pool, ids, offs, sp, weights, y, experts, bias_d, H, I, E,
+                                              pool.stride(0), off_d, row_d, QD=qd, BD=bd, ROWS=rows_d, **has)
     if cpu is None:  # any tensors stand in for the mailbox's when unused
         expect = done = error = ids
         cpu_out, max_polls = y, 0

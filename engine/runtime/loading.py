@@ -173,10 +173,9 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
 
 def gpu_resident_experts(gate_up: list, down: list, args: ModelArgs, device: torch.device,
                          dtype: torch.dtype) -> ResidentExperts:
-    """Routed experts as read (host, unplaced) → resident on the GPU: in their blocks where the GPU
-    kernels take them (plain SwiGLU), else dequantised onto the device (gpt-oss's biased experts, a
-    family whose experts load as tensors)."""
-    if gate_up and isinstance(gate_up[0], QuantStack) and args.expert_act == "silu" and not args.expert_bias:
+    """Routed experts as read (host, unplaced) → resident on the GPU: in their blocks (a GGUF's, where
+    its family keeps them: models/loader.EXPERT_BLOCK_FAMILIES), else as tensors placed on the device."""
+    if gate_up and isinstance(gate_up[0], QuantStack):
         return GpuQuantResidentExperts(gate_up, down, device, dtype)
     def place(t):
         return place_tensor(t.dequantize(dtype) if isinstance(t, QuantStack) else t, device, dtype)

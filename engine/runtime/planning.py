@@ -114,13 +114,8 @@ def placement_plan(config, profile=None) -> Plan:
         parts = _in_blocks(parts, config.model, args, cpu_bytes)  # what the CPU load holds (runtime/loading.py)
     elif gguf_auto and not simulated:
         # on a GPU the dense layers keep their blocks (runtime/loading.py), offloaded experts theirs in
-        # the host store and the cache slots, resident ones in the device's pool, but for biased experts,
-        # which dequantise there
-        held = _in_blocks(parts, config.model, args, dev_bytes)
-        biased = args.expert_act != "silu" or args.expert_bias
-        if parts.n_experts and keeps_expert_blocks(args.arch, True) and biased:
-            held = replace(held, expert_bytes=parts.expert_bytes, store_expert_bytes=held.expert_bytes)
-        parts = held
+        # the host store and the cache slots, resident ones in the device's pool
+        parts = _in_blocks(parts, config.model, args, dev_bytes)
     elif gguf_auto and parts.n_experts and keeps_expert_blocks(args.arch, True):
         # the simulated GPU: its dense weights dequantise, the experts keep their blocks in the store and
         # slots (and resident on the CPU)

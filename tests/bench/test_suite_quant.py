@@ -189,3 +189,13 @@ def test_llama_cpps_quantiser_takes_the_suites_bf16_export(tmp_path):
     before, after = suite_gpu.gguf_sizes(bf16), suite_gpu.gguf_sizes(out)
     assert len(after["expert_bytes"]) == 2 and after["kv_bytes_per_token"] == before["kv_bytes_per_token"]
     assert sum(after["expert_bytes"]) <= suite_gpu.QUANT_OF_BF16 * sum(before["expert_bytes"])
+
+
+def test_the_mxfp4_cells_run_gpt_oss_quantised_to_mxfp4_moe(stub_engines, monkeypatch):
+    """The gpt-oss file its users download: both systems on the BF16 export quantised to MXFP4_MOE."""
+    monkeypatch.setattr(suite_gpu, "quantised_for", lambda ctx, model, routing, qtype=suite_gpu.QUANT: stub_engines[
+        "files"].append((model, routing, qtype)) or Path("mxfp4.gguf"))
+    _cell("gpu-gpt-oss-20b-mxfp4-8gb").run(_ctx())
+    assert stub_engines["files"] == [(suite_gpu.GPT_OSS, "random", "MXFP4_MOE")]
+    spec = stub_engines["specs"][0]["config"]
+    assert spec["model"] == "mxfp4.gguf" and spec["vram_budget_gb"] == 8.0

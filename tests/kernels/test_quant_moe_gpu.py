@@ -160,6 +160,39 @@ def test_skipped_pairs_read_nothing(device):
                        torch.zeros(2, 256, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("types", [(T.MXFP4,) * 3, (T.Q8_0, T.Q4_1, T.Q6_K)], ids=["MXFP4", "Q8_0-Q4_1-Q6_K"])
+def test_gpt_oss_form_adds_each_experts_biases_and_clamps(types, device):
+    """ClampedSwiGLU over slots: each pair's biases come from its expert id (`experts`), not its slot;
+    the clamped activation; skipped pairs (slot 6 = S, −1) add nothing, their expert ids junk. fp32:
+    only the order of the sums differs from the reference."""
+    from engine.kernels.experts_torch import ClampedSwiGLU
+
+    device = on(device)
+    H, I = 256, 256
+    pool, parts, dense = slots(types, H, I, 6, [1, 2, 3, 4], seed=9)
+    g = torch.Generator().manual_seed(9)
+    n_experts = 10
+    form = ClampedSwiGLU(torch.randn(n_experts, 2 * I, generator=g), torch.randn(n_experts, H, generator=g),
+                         alpha=1.702, limit=0.5)  # a limit the gate and up values cross
+    slot_ids = torch.tensor([[3, 1], [6, 2], [4, -1]])
+    experts = torch.tensor([[7, 0], [99, 5], [2, -4]])  # expert ids of the pairs (junk where skipped)
+    x = torch.randn(3, H, generator=g)
+    w = torch.softmax(torch.randn(3, 2, generator=g), -1)
+    on_device = ClampedSwiGLU(form.gate_up_bias.to(device), form.down_bias.to(device), form.alpha, form.limit)
+    got = quant_moe_gpu.moe_decode_quant(x.to(device), slot_ids.to(device), w.to(device), pool.to(device), parts, I,
+                                         form=on_device, experts=experts.to(device)).cpu()
+    want = torch.zeros(3, H)
+    for t in range(3):
+        for j in range(2):
+            s, e = int(slot_ids[t, j]), int(experts[t, j])
+            if not 0 <= s < 6:
+                continue
+            gate_up, down = dense[s, :2 * I * H].view(2 * I, H), dense[s, 2 * I * H:].view(H, I)
+            want[t] += w[t, j] * form.ffn(x[t:t + 1], e, gate_up, down)[0]
+    close_fp32(got, want)
+
+
 def test_misshapen_arguments_are_refused():
     pool, parts, _ = slots((T.Q4_0, T.Q4_0, T.Q4_0), 64, 32, 2, [1], seed=8)  # B = 3·1,152 + junk bytes
     x, ids, w = torch.zeros(1, 64), torch.tensor([[1, 0]]), torch.ones(1, 2)

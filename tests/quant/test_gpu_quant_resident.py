@@ -80,27 +80,51 @@ def test_decode_and_prefill_follow_the_dequantised_experts(device, shared_last, 
     assert ex.tokens_routed == len(LAYER_TYPES) * 3 * (1 + 3 + 24)
 
 
-def test_biased_experts_and_float_experts_are_placed_dequantised():
-    """gpt-oss's biased experts (and a family whose experts load as tensors) go to the device as
-    tensors; plain SwiGLU experts in blocks stay blocks."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_gpt_oss_form_runs_over_the_blocks(device, monkeypatch):
+    """Biases by expert id and the clamped SwiGLU, at decode sizes in place and prefill sizes over tiles."""
+    from engine.kernels.experts_torch import ClampedSwiGLU
+
+    device = on(device)
+    monkeypatch.setattr(grouped_pairs, "TILE_BYTES", 4 * 3 * H * I * 4)
+    gate_up, down = layers()
+    ex = GpuQuantResidentExperts(gate_up, down, device, torch.float32)
+    g = torch.Generator().manual_seed(4)
+    form = ClampedSwiGLU(torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g), alpha=1.702, limit=0.5)
+    ex.set_form(1, ClampedSwiGLU(form.gate_up_bias.to(device), form.down_bias.to(device), form.alpha, form.limit))
+    gu, dn = gate_up[1].dequantize(), down[1].dequantize()
+    for n in (2, 20):
+        x = torch.randn(n, H, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(n)])
+        w = torch.softmax(torch.randn(n, 3, generator=g), -1)
+        got = ex.run(1, x.to(device), ids.to(device), w.to(device)).cpu()
+        want = moe_experts(x, ids, w, gu, dn, form)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), n
+
+
+def test_experts_in_blocks_stay_blocks_and_tensors_are_placed():
+    """A GGUF's experts (plain or gpt-oss's biased form) stay blocks on the GPU; a family whose experts
+    load as tensors goes to the device as tensors."""
     gate_up, down = layers()
     device = torch.device("cpu")
-    args = ModelArgs(arch="qwen3_moe", dim=H, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=H // 2, ffn_dim=I, vocab_size=16)
+    args = ModelArgs(arch="qwen3_moe", dim=H, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=H // 2, ffn_dim=I,
+                     vocab_size=16)
+    biased = ModelArgs(arch="gpt_oss", dim=H, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=H // 2, ffn_dim=I,
+                       vocab_size=16, expert_act="clamped", expert_bias=True)
     if dequant_gpu.interpreted():
-        assert isinstance(gpu_resident_experts(gate_up, down, args, device, torch.float32), GpuQuantResidentExperts)
-    biased = ModelArgs(arch="gpt_oss", dim=H, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=H // 2, ffn_dim=I, vocab_size=16,
-                       expert_act="clamped", expert_bias=True)
-    placed = gpu_resident_experts(gate_up, down, biased, device, torch.bfloat16)
-    assert type(placed) is ResidentExperts and placed.gate_up[0].dtype == torch.bfloat16
-    assert torch.equal(placed.gate_up[1], gate_up[1].dequantize().to(torch.bfloat16))
+        for a in (args, biased):
+            assert isinstance(gpu_resident_experts(gate_up, down, a, device, torch.float32), GpuQuantResidentExperts)
     floats = [g.dequantize() for g in gate_up], [d.dequantize() for d in down]
-    assert type(gpu_resident_experts(*floats, args, device, torch.float32)) is ResidentExperts
+    placed = gpu_resident_experts(*floats, args, device, torch.bfloat16)
+    assert type(placed) is ResidentExperts and placed.gate_up[0].dtype == torch.bfloat16
 
 
-def test_larger_decode_batches_are_not_captured_and_forms_are_refused():
+def test_larger_decode_batches_are_not_captured_and_misshapen_forms_are_refused():
+    from engine.kernels.experts_torch import ClampedSwiGLU
+
     if not dequant_gpu.interpreted():
         pytest.skip("CPU tensors need Triton's interpreter")
     ex = GpuQuantResidentExperts(*layers(), torch.device("cpu"), torch.float32)
     assert "host sync" in ex.capture_problem(torch.device("cpu"), 16)
-    with pytest.raises(ValueError, match="dequantised"):
-        ex.set_form(0, object())
+    with pytest.raises(ValueError, match="do not fit"):
+        ex.set_form(0, ClampedSwiGLU(torch.zeros(E, I), torch.zeros(E, H)))
