@@ -242,13 +242,24 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
                                          down.stride(1), HAS_OFFS=offsets is not None, HAS_SPARE=spare is not None,
                                          BLOCK_R=8, BLOCK_I=min(1024, triton.next_power_of_2(I)))
     assert not admit or (offsets is not None and spare is not None), "admit needs offsets and spare"
+    return sum_choices(y, out, ids, sp, offs, admit, cpu)
+
+
+def sum_choices(y: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, spare: torch.Tensor, offsets: torch.Tensor,
+                admit: bool, cpu: tuple | None) -> torch.Tensor:
+    """The last launch of a decode step's experts: out (N, H) = Σ over each token's k pairs of y (N·k, H),
+    fp32 sums; with admit, each filled expert's entry of offsets points at its spare slot; with cpu (the
+    mailbox's wait arguments, as moe_decode's), the CPU's sum for the layer added. spare and offsets:
+    any int64 tensors where unused."""
+    N, H = out.shape
+    P = y.shape[0]
     if cpu is None:  # any tensors stand in for the mailbox's when unused
         expect = done = error = ids
         cpu_out, max_polls = y, 0
     else:
         expect, done, cpu_out, error, max_polls = cpu
-    _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, out, ids, sp, offs, expect, done, cpu_out, error, max_polls,
-                                                   H, k, P, ADMIT=admit, WAIT_CPU=cpu is not None,
-                                                   SYS_FENCE=x.is_cuda, BLOCK=1024,
+    _sum_choices_kernel[(N, triton.cdiv(H, 1024))](y, out, ids, spare, offsets, expect, done, cpu_out, error, max_polls,
+                                                   H, P // N, P, ADMIT=admit, WAIT_CPU=cpu is not None,
+                                                   SYS_FENCE=y.is_cuda, BLOCK=1024,
                                                    BLOCK_P=triton.next_power_of_2(P))
     return out

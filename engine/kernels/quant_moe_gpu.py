@@ -253,12 +253,4 @@ def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
                                                   QU=qu, BU=bu, ROWS=rows_gu, **has)
     _down_kernel[(P, triton.cdiv(H, rows_d))](act, pool, ids, offs, sp, weights, y, experts, bias_d, H, I, E,
                                               pool.stride(0), off_d, row_d, QD=qd, BD=bd, ROWS=rows_d, **has)
-    if cpu is None:  # any tensors stand in for the mailbox's when unused
-        expect = done = error = ids
-        cpu_out, max_polls = y, 0
-    else:
-        expect, done, cpu_out, error, max_polls = cpu
-    moe_decode_gpu._sum_choices_kernel[(N, triton.cdiv(H, 1024))](
-        y, out, ids, sp, offs, expect, done, cpu_out, error, max_polls, H, k, P, ADMIT=admit,
-        WAIT_CPU=cpu is not None, SYS_FENCE=x.is_cuda, BLOCK=1024, BLOCK_P=triton.next_power_of_2(P))
-    return out
+    return moe_decode_gpu.sum_choices(y, out, ids, sp, offs, admit, cpu)

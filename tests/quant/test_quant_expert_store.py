@@ -190,34 +190,43 @@ def test_backend_auto_runs_a_moe_gguf_on_tandem_and_a_dense_one_on_llamacpp(file
     assert choose_backend(EngineConfig(model=str(tmp_path / "missing.gguf"), device="cpu")) == "llamacpp"
 
 
+def on_the_gpu(path, check, **config):
+    """The GGUF at `path` loaded on CUDA with dtype auto and `config`; check(parts) asserts how it was
+    placed; then its logits against the same file dequantised to float32 on the CPU: bf16 activations
+    and dense weights through the layers, held to 3% of the logits' scale."""
+    from engine.api import Engine, EngineConfig
+
+    gpu = Engine(EngineConfig(model=str(path), backend="tandem", device="cuda", max_batch=1, **config))
+    ref = engine_for(path, dtype="float32")
+    try:
+        check(gpu.backend.parts)
+        got, want = logits(gpu, PROMPT, len(PROMPT)), logits(ref, PROMPT, len(PROMPT))
+        scale = float(want.abs().max())
+        assert scale > 0.1 and float((got.float() - want).abs().max()) <= 3e-2 * scale
+    finally:
+        gpu.close()
+        ref.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_resident_experts_on_the_gpu_stay_in_blocks(files):
     """dtype auto on a GPU: the routed experts and the dense layers go to the device as the file's blocks
     (decode over them in place, the 19-token prefill over dequantised tiles) and follow the file
     dequantised on the CPU."""
-    from engine.api import Engine, EngineConfig
     from engine.experts.gpu_quant_resident import GpuQuantResidentExperts
     from engine.quant.modules import QuantEmbedding, QuantLinear
 
     path = files["Q4_K_M"]
-    gpu = Engine(EngineConfig(model=str(path), backend="tandem", device="cuda", max_batch=1, expert_policy="resident"))
-    ref = engine_for(path, dtype="float32")
-    try:
-        experts = gpu.backend.parts.experts
-        assert isinstance(experts, GpuQuantResidentExperts)
-        assert file_expert_bytes(path) <= experts.nbytes() <= 1.15 * file_expert_bytes(path)
-        model = gpu.backend.parts.model
-        q_proj = model.model.layers[0].self_attn.q_proj
+
+    def check(parts):
+        assert isinstance(parts.experts, GpuQuantResidentExperts)
+        assert file_expert_bytes(path) <= parts.experts.nbytes() <= 1.15 * file_expert_bytes(path)
+        q_proj = parts.model.model.layers[0].self_attn.q_proj
         assert isinstance(q_proj, QuantLinear) and q_proj.qweight.blocks.is_cuda
-        assert isinstance(model.model.embed_tokens, QuantEmbedding)
-        got, want = logits(gpu, PROMPT, len(PROMPT)), logits(ref, PROMPT, len(PROMPT))
-        scale = float(want.abs().max())
-        # bf16 weights of the dense layers and bf16 activations through two layers: 3% of the scale
-        assert scale > 0.1 and float((got.float() - want).abs().max()) <= 3e-2 * scale
-    finally:
-        gpu.close()
-        ref.close()
+        assert isinstance(parts.model.model.embed_tokens, QuantEmbedding)
+
+    on_the_gpu(path, check, expert_policy="resident")
 
 
 @pytest.mark.cuda
@@ -228,20 +237,8 @@ def test_mxfp4_experts_with_their_form_stay_blocks_on_the_gpu(tmp_path, policy):
     SwiGLU in the kernels, against the file dequantised on the CPU."""
     from test_mxfp4_experts_gguf import write_mxfp4_gpt_oss
 
-    from engine.api import Engine, EngineConfig
+    def check(parts):
+        assert parts.experts.forms and (policy == "resident" or parts.experts.store.quantised)
 
-    path = write_mxfp4_gpt_oss(tmp_path)
     slots = {} if policy == "resident" else {"expert_cache_slots": 4}
-    gpu = Engine(EngineConfig(model=str(path), backend="tandem", device="cuda", max_batch=1, expert_policy=policy,
-                              **slots))
-    ref = engine_for(path, dtype="float32")
-    try:
-        experts = gpu.backend.parts.experts
-        assert experts.forms and (policy == "resident" or experts.store.quantised)
-        got, want = logits(gpu, PROMPT, len(PROMPT)), logits(ref, PROMPT, len(PROMPT))
-        scale = float(want.abs().max())
-        # bf16 activations and dense weights through the layers: 3% of the scale
-        assert scale > 0.1 and float((got.float() - want).abs().max()) <= 3e-2 * scale
-    finally:
-        gpu.close()
-        ref.close()
+    on_the_gpu(write_mxfp4_gpt_oss(tmp_path), check, expert_policy=policy, **slots)
