@@ -62,11 +62,12 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 # gguf_names.sanitize_moe_gguf, which joins gate and up stacks without a copy, and their experts are
 # what engine/quant/experts.py computes: plain SwiGLU (gate, up, down), or gpt-oss's biased, clamped
 # form (its biases are float tensors beside the blocks; the executor takes them through `set_form`).
-# Not here, so dequantised as before: qwen3_5_moe (its own GGUF mapping selects rows of a fused gate_up
-# tensor), deepseek_v2 and glm4_moe (their GGUF mappings also split and rename shared and MLA tensors;
-# they are not covered by the tests of expert blocks). Mixtral's early per-expert tensors
-# (`ffn_gate.{e}`) are stacked by torch and so dequantised even here; its stacked `*_exps` stay blocks.
-EXPERT_BLOCK_FAMILIES = frozenset({"qwen3_moe", "olmoe", "mixtral", "gpt_oss"})
+# qwen3_5_moe's own mapping takes its experts as they come too (split stacks through sanitize_moe_gguf,
+# or the converter's fused `ffn_gate_up_exps`, gate rows first: the engine's gate_up as it is).
+# Not here, so dequantised as before: deepseek_v2 and glm4_moe (their GGUF mappings also split and rename
+# shared and MLA tensors; they are not covered by the tests of expert blocks). Mixtral's early per-expert
+# tensors (`ffn_gate.{e}`) are stacked by torch and so dequantised even here; its stacked `*_exps` stay blocks.
+EXPERT_BLOCK_FAMILIES = frozenset({"qwen3_moe", "olmoe", "mixtral", "gpt_oss", "qwen3_5_moe"})
 
 
 def keeps_expert_blocks(family: str, quantised: bool) -> bool:
@@ -85,10 +86,11 @@ def _keeps_blocks(name: str, shape) -> bool:
 
 
 def _keeps_stacked_experts(name: str, shape) -> bool:
-    """A layer's stacked routed expert weight, `blk.N.ffn_{gate,up,down}_exps.weight` (E, N, K) (not its biases)."""
+    """A layer's stacked routed expert weight, `blk.N.ffn_{gate,up,down,gate_up}_exps.weight` (E, N, K) (not
+    its biases)."""
     parts = name.split(".")
     return (len(shape) == 3 and len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight"
-            and parts[2] in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+            and parts[2] in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"))
 
 
 # Metadata arrays under this prefix (the vocabulary: tokens, scores, token types, merges) are stepped

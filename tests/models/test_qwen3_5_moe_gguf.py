@@ -40,8 +40,11 @@ def _tiled(t: np.ndarray, axis: int, n_k: int, n_v: int, head: int) -> np.ndarra
     return np.ascontiguousarray(np.swapaxes(t, axis, axis + 1).reshape(shape))
 
 
-def write_qwen35_gguf(model, path, nextn: bool = True, fused_experts: bool = False, recurrent_key: bool = False):
+def write_qwen35_gguf(model, path, nextn: bool = True, fused_experts: bool = False, recurrent_key: bool = False,
+                      q8_experts: bool = False):
+    """q8_experts: the routed experts in Q8_0 blocks (gguf's quantiser), the rest F32."""
     import gguf
+    from gguf.quants import quantize
 
     c = model.config
     L, arch = c.num_hidden_layers, "qwen35moe"
@@ -89,7 +92,11 @@ def write_qwen35_gguf(model, path, nextn: bool = True, fused_experts: bool = Fal
             parts = [("ffn_gate_up_exps", t)] if fused_experts else [("ffn_gate_exps", t[:, :inter]),
                                                                     ("ffn_up_exps", t[:, inter:])]
             for kind, part in parts + [("ffn_down_exps", down)]:
-                w.add_tensor(f"{blk}{kind}.weight", np.ascontiguousarray(part))
+                if q8_experts:
+                    q8 = gguf.GGMLQuantizationType.Q8_0
+                    w.add_tensor(f"{blk}{kind}.weight", quantize(np.ascontiguousarray(part), q8), raw_dtype=q8)
+                else:
+                    w.add_tensor(f"{blk}{kind}.weight", np.ascontiguousarray(part))
             continue
         if rest == "mlp.experts.down_proj":
             continue
@@ -142,3 +149,26 @@ def test_gguf_fused_experts_and_recurrent_layer_list(tmp_path):
                                            recurrent_key=True))
     assert engine.parts.args.kv_layer_ids() == [0, 3]
     assert_parity(engine, ref)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_q8_0_experts_stay_blocks_and_follow_the_file_dequantised(tmp_path, fused):
+    """dtype auto keeps the routed experts in their Q8_0 blocks (split stacks, or the fused gate_up),
+    resident on the CPU and in a simulated offload's store, and computes what the file dequantised to
+    float32 does: int16-rounded activations through four layers, 1e-3 of the logits' scale."""
+    from moe_helpers import engine_logits
+
+    from engine.quant.blocks import QuantStack
+
+    ref = tiny(seed=10, moe_intermediate_size=32)  # Q8_0 rows: whole 32-weight blocks
+    path = write_qwen35_gguf(ref, tmp_path / "q8.gguf", nextn=False, fused_experts=fused, q8_experts=True)
+    dense = tiny_engine(path)
+    want = engine_logits(dense, [3, 17, 5, 42, 8, 9, 33, 60, 2, 71], prefill=6)
+    scale = float(want.abs().max())
+    for kw in ({}, {"expert_policy": "cpu-only", "simulate_hybrid": True, "kv_policy": "resident"}):
+        engine = tiny_engine(path, dtype="auto", **kw)
+        experts = engine.parts.experts
+        held = experts.store.quantised if kw else isinstance(experts.gate_up[0], QuantStack)
+        assert held, kw
+        got = engine_logits(engine, [3, 17, 5, 42, 8, 9, 33, 60, 2, 71], prefill=6)
+        assert scale > 0.1 and float((got - want).abs().max()) <= 1e-3 * scale, kw

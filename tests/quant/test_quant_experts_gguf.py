@@ -156,10 +156,11 @@ def test_offloading_with_an_explicit_dtype_dequantises(files):
 
 
 def test_decision_by_family_and_plan():
-    assert all(keeps_expert_blocks(family, True) for family in ("qwen3_moe", "olmoe", "mixtral", "gpt_oss"))
-    for family in ("qwen3_5_moe", "deepseek_v2", "glm4_moe"):  # experts that need more, or own mappings
+    assert all(keeps_expert_blocks(family, True) for family in ("qwen3_moe", "olmoe", "mixtral", "gpt_oss",
+                                                                "qwen3_5_moe"))
+    for family in ("deepseek_v2", "glm4_moe"):  # mappings that split and rename shared and MLA tensors
         assert family not in EXPERT_BLOCK_FAMILIES and not keeps_expert_blocks(family, True)
-    assert not keeps_expert_blocks("qwen3_moe", False)  # experts resident on a GPU, or an explicit dtype
+    assert not keeps_expert_blocks("qwen3_moe", False)  # an explicit dtype
 
 
 def test_experts_of_mixed_kinds_are_all_dequantised(caplog):
