@@ -108,10 +108,11 @@ _NAMES = {
 }
 
 
-def write_glm_gguf(model, path, nextn: bool = True):
+def write_glm_gguf(model, path, nextn: bool = True, q8_experts: bool = False):
     """Names and metadata of llama.cpp's glm4moe; `nextn` appends a prediction block (blk.L) as the
-    converter does, counted in block_count."""
+    converter does, counted in block_count; q8_experts: the routed experts in Q8_0 blocks."""
     import gguf
+    from gguf.quants import quantize
 
     c = model.config
     L = c.num_hidden_layers
@@ -147,7 +148,10 @@ def write_glm_gguf(model, path, nextn: bool = True):
             inter = t.shape[1] // 2
             for kind, part in (("ffn_gate_exps", t[:, :inter]), ("ffn_up_exps", t[:, inter:]),
                                ("ffn_down_exps", sd[name.replace("gate_up_proj", "down_proj")])):
-                w.add_tensor(f"blk.{layer}.{kind}.weight", np.ascontiguousarray(part))
+                q8 = gguf.GGMLQuantizationType.Q8_0
+                part = np.ascontiguousarray(part)
+                w.add_tensor(f"blk.{layer}.{kind}.weight", *((quantize(part, q8),) if q8_experts else (part,)),
+                             **({"raw_dtype": q8} if q8_experts else {}))
             continue
         if rest == "mlp.experts.down_proj":
             continue
@@ -168,6 +172,22 @@ def test_gguf_round_trip(tmp_path):
     assert engine.info()["family"] == "glm4_moe" and engine.parts.args.n_layers == 3
     assert engine.parts.args.qkv_bias and not engine.parts.args.qk_norm
     assert_parity(engine, ref)
+
+
+def test_q8_0_experts_stay_blocks_and_follow_the_file_dequantised(tmp_path):
+    """dtype auto keeps the routed experts in their Q8_0 blocks beside the dense first layer and the
+    shared expert, and computes what the file dequantised to float32 does: int16-rounded activations,
+    1e-3 of the logits' scale."""
+    from engine.quant.blocks import QuantStack
+
+    ref = tiny(seed=6, moe_intermediate_size=32)  # Q8_0 rows: whole 32-weight blocks
+    path = write_glm_gguf(ref, tmp_path / "q8.gguf", nextn=False, q8_experts=True)
+    want = engine_logits(tiny_engine(path), PROMPT, prefill=6)
+    engine = tiny_engine(path, dtype="auto")
+    assert isinstance(engine.parts.experts.gate_up[0], QuantStack)
+    got = engine_logits(engine, PROMPT, prefill=6)
+    scale = float(want.abs().max())
+    assert scale > 0.1 and float((got - want).abs().max()) <= 1e-3 * scale
 
 
 def test_gguf_groups_and_qk_norm(tmp_path):
