@@ -62,12 +62,12 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 # gguf_names.sanitize_moe_gguf, which joins gate and up stacks without a copy, and their experts are
 # what engine/quant/experts.py computes: plain SwiGLU (gate, up, down), or gpt-oss's biased, clamped
 # form (its biases are float tensors beside the blocks; the executor takes them through `set_form`).
-# qwen3_5_moe's and glm4_moe's own mappings take their experts as they come too (split stacks through
-# sanitize_moe_gguf, or Qwen3.5's fused `ffn_gate_up_exps`, gate rows first: the engine's gate_up as it is).
-# Not here, so dequantised as before: deepseek_v2 (its mapping splits and renames the MLA tensors; not
-# covered by the tests of expert blocks). Mixtral's early per-expert tensors (`ffn_gate.{e}`) are stacked
-# by torch and so dequantised even here; its stacked `*_exps` stay blocks.
-EXPERT_BLOCK_FAMILIES = frozenset({"qwen3_moe", "olmoe", "mixtral", "gpt_oss", "qwen3_5_moe", "glm4_moe"})
+# qwen3_5_moe's, glm4_moe's and deepseek_v2's own mappings take their experts as they come too (split
+# stacks through sanitize_moe_gguf, or Qwen3.5's fused `ffn_gate_up_exps`, gate rows first: the engine's
+# gate_up as it is). Mixtral's early per-expert tensors (`ffn_gate.{e}`) are stacked by torch and so
+# dequantised even here; its stacked `*_exps` stay blocks.
+EXPERT_BLOCK_FAMILIES = frozenset({"qwen3_moe", "olmoe", "mixtral", "gpt_oss", "qwen3_5_moe", "glm4_moe",
+                                   "deepseek_v2"})
 
 
 def keeps_expert_blocks(family: str, quantised: bool) -> bool:

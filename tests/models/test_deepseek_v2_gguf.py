@@ -85,7 +85,12 @@ def write_deepseek2_gguf(model, path, split_kv_b: bool = True, q8: bool = False)
             inter = t.shape[1] // 2
             for kind, part in (("ffn_gate_exps", t[:, :inter]), ("ffn_up_exps", t[:, inter:]),
                                ("ffn_down_exps", sd[name.replace("gate_up_proj", "down_proj")])):
-                w.add_tensor(f"blk.{layer}.{kind}.weight", np.ascontiguousarray(part))
+                part = np.ascontiguousarray(part)
+                if q8 and part.shape[-1] % 32 == 0:  # the routed experts in blocks too
+                    q8_0 = gguf.GGMLQuantizationType.Q8_0
+                    w.add_tensor(f"blk.{layer}.{kind}.weight", quantize(part, q8_0), raw_dtype=q8_0)
+                else:
+                    w.add_tensor(f"blk.{layer}.{kind}.weight", part)
         elif rest == "mlp.experts.down_proj":
             continue
         elif rest == "self_attn.kv_b_proj.weight" and split_kv_b:
@@ -118,16 +123,19 @@ def test_gguf_whole_kv_b_and_q_lora(tmp_path):
 
 
 def test_q8_0_gguf_kept_in_blocks_follows_the_dequantised_one(tmp_path):
-    """dtype auto on the CPU keeps a GGUF's Q8_0 matrices in blocks (engine/quant); the projections
+    """dtype auto on the CPU keeps a GGUF's Q8_0 matrices and routed experts in blocks (engine/quant); the projections
     whose RoPE rows are re-laid (q, kv_a) and kv_b, which MLA absorbs, are dequantised at load. The
     same tokens as the file dequantised whole."""
     from engine.api import Engine, EngineConfig
     from engine.quant.modules import QuantLinear
 
-    ref = tiny(seed=9, q_lora_rank=32, hidden_size=64, n_routed_experts=8)
+    from engine.quant.blocks import QuantStack
+
+    ref = tiny(seed=9, q_lora_rank=32, hidden_size=64, n_routed_experts=8, moe_intermediate_size=32)
     path = write_deepseek2_gguf(ref, tmp_path / "q.gguf", split_kv_b=False, q8=True)
     quant = Engine(EngineConfig(model=str(path), backend="tandem", device="cpu", max_batch=1))
     plain = tiny_engine(path)
+    assert isinstance(quant.parts.experts.gate_up[0], QuantStack)  # the routed experts in their blocks
     attn = quant.parts.model.model.layers[1].self_attn
     assert isinstance(attn.q_a_proj, QuantLinear) and not isinstance(attn.q_b_proj, QuantLinear)
     assert not isinstance(attn.kv_a_proj_with_mqa, QuantLinear) and not isinstance(attn.kv_b_proj, QuantLinear)

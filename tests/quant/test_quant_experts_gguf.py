@@ -157,8 +157,8 @@ def test_offloading_with_an_explicit_dtype_dequantises(files):
 
 def test_decision_by_family_and_plan():
     assert all(keeps_expert_blocks(family, True) for family in ("qwen3_moe", "olmoe", "mixtral", "gpt_oss",
-                                                                "qwen3_5_moe", "glm4_moe"))
-    assert "deepseek_v2" not in EXPERT_BLOCK_FAMILIES and not keeps_expert_blocks("deepseek_v2", True)  # MLA mapping
+                                                                "qwen3_5_moe", "glm4_moe", "deepseek_v2"))
+    assert "llama" not in EXPERT_BLOCK_FAMILIES and not keeps_expert_blocks("llama", True)  # no routed experts
     assert not keeps_expert_blocks("qwen3_moe", False)  # an explicit dtype
 
 
