@@ -73,14 +73,16 @@ class QuantTiles:
         """The pairs of `experts` (pool_rows: where each one's blocks sit in pool (S, B) uint8, laid out
         by `layout`, a QuantLayout) → (N, H) fp32; the other pairs add nothing."""
         total = None
+        # the experts and their pool rows reach the device in one copy: no host wait between the windows
+        index = torch.from_numpy(np.array([experts, pool_rows], dtype=np.int64).reshape(2, -1)).to(x.device)
+        order = torch.arange(self.window, device=x.device)  # (W,) tile rows
         for a in range(0, len(experts), self.window):
-            chunk = experts[a:a + self.window]
-            n = len(chunk)
-            blocks = pool[torch.tensor(pool_rows[a:a + n], device=pool.device)]  # (n, B): a gather on the device
-            layout.dequantize_into(self.tiles, torch.arange(n, device=self.tiles.device), blocks)
-            tile_of = np.full(n_experts, self.window, dtype=np.int64)  # expert → its tile, else past them
-            tile_of[chunk] = np.arange(n)
-            part = grouped_pairs(x, ids, weights, torch.from_numpy(tile_of).to(x.device), self.gate_up, self.down,
-                                 list(range(n)), pairs_per_expert[a:a + n], form, self.group_ends)
+            n = len(experts[a:a + self.window])
+            blocks = pool[index[1, a:a + n]]  # (n, B): a gather on the device
+            layout.dequantize_into(self.tiles, order[:n], blocks)
+            tile_of = torch.full((n_experts,), self.window, dtype=torch.int64, device=x.device)  # else past the tiles
+            tile_of[index[0, a:a + n]] = order[:n]  # expert → its tile
+            part = grouped_pairs(x, ids, weights, tile_of, self.gate_up, self.down, list(range(n)),
+                                 pairs_per_expert[a:a + n], form, self.group_ends)
             total = part if total is None else total + part
         return total if total is not None else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
