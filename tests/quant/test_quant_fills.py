@@ -125,3 +125,56 @@ def test_an_offloaded_layer_over_quantised_blocks(policy, tile_experts, device, 
             assert stats["cache_bytes"] == 6 * store.block_bytes  # the slots hold blocks
     finally:
         experts.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("biased", [False, True], ids=["swiglu", "gpt-oss form"])
+def test_graph_pieces_split_a_layer_over_quantised_slots(device, biased):
+    """What a decode graph piece runs (`run(..., cpu_buf=)`, the captured `gpu_side` in `between`): the
+    slots' part by the quantised decode kernels (interpreted here without CUDA) plus the CPU set's sum
+    equals the experts dequantised; with gpt-oss's form, each pair's biases come from its expert."""
+    pytest.importorskip("triton")
+    from engine.kernels import dequant_gpu
+    from engine.kernels.experts_torch import ClampedSwiGLU
+
+    if device == "cpu" and not dequant_gpu.interpreted():
+        pytest.skip("CPU tensors need Triton's interpreter")
+    gate_up, down = layers()
+    floats = [(g.dequantize(), d.dequantize()) for g, d in zip(gate_up, down)]  # (E, 2I, H), (E, H, I) fp32
+    store = ExpertStore.from_quant_layers(gate_up, down, dtype=torch.float32, pin=device == "cuda")
+    experts = OffloadedExperts("on-demand", store, device=torch.device(device), n_slots=6, max_decode_tokens=4)
+    gen = torch.Generator().manual_seed(1)
+    form = ClampedSwiGLU(torch.randn(E, 2 * I, generator=gen) * 0.1, torch.randn(E, H, generator=gen) * 0.1,
+                         alpha=1.702, limit=0.5) if biased else None
+    try:
+        if form is not None:
+            for layer in (0, 1):
+                experts.set_form(layer, ClampedSwiGLU(form.gate_up_bias.to(device), form.down_bias.to(device),
+                                                      form.alpha, form.limit))
+        for step in range(3):
+            for layer in (0, 1):
+                x = torch.randn(3, H, generator=gen) * 0.5
+                ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(3)])  # (3, 2)
+                w = torch.softmax(torch.randn(3, 2, generator=gen), -1)
+                xd, idsd, wd = x.to(device), ids.to(device), w.to(device)
+                cpu_buf = torch.full((3, H), float("nan"), device=device)
+                on_slots = []
+                assert experts.run(layer, xd, idsd, wd, cpu_buf=cpu_buf,
+                                   between=lambda: on_slots.append(experts.gpu_side(layer, xd, idsd, wd))) is None
+                got = (on_slots[0] + cpu_buf).cpu()
+                gu, dn = floats[layer]
+                want = torch.zeros(3, H)
+                for t in range(3):
+                    for j in range(2):
+                        e = int(ids[t, j])
+                        if form is None:
+                            h = gu[e] @ x[t]
+                            want[t] += w[t, j] * (dn[e] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
+                        else:
+                            want[t] += w[t, j] * form.ffn(x[t:t + 1], e, gu[e], dn[e])[0]
+                # int16-rounded activations in the CPU set's products: 2% of the scale
+                assert (got - want).abs().max() <= 0.02 * want.abs().max() + 1e-3, (step, layer)
+        stats = experts.telemetry()
+        assert stats["fills"] > 0  # the slots computed their pairs (filled this layer or hit)
+    finally:
+        experts.close()
