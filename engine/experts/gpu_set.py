@@ -20,7 +20,7 @@ import torch
 
 from engine.experts.cache import ExpertCache
 from engine.experts.grouped_pairs import QuantTiles, grouped_pairs
-from engine.kernels import moe_decode_gpu, quant_moe_gpu
+from engine.kernels import moe_decode_gpu, quant_linear_gpu, quant_moe_gpu
 from engine.kernels.experts_gpu import uses_grouped_mm
 from engine.kernels.experts_torch import ClampedSwiGLU
 
@@ -56,7 +56,7 @@ class GpuSet:
     def in_place_ok(self, x: torch.Tensor) -> bool:
         """Whether the matrix-vector kernels take these tokens over the slots in place (a few, on CUDA)."""
         if self.tiles is not None:
-            return quant_moe_gpu.available(x) and x.is_cuda and x.shape[0] <= moe_decode_gpu.MAX_TOKENS
+            return x.is_cuda and x.shape[0] <= moe_decode_gpu.MAX_TOKENS and quant_linear_gpu.works(x.device)
         return moe_decode_gpu.available(x)
 
     def side(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -35,7 +35,7 @@ from engine.experts.planner import PLANNED_POLICIES, MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
 from engine.experts.zero_copy import ZeroCopyDecode
-from engine.kernels import moe_decode_gpu
+from engine.kernels import moe_decode_gpu, quant_linear_gpu
 from engine.kernels.cuda_streams import indexed
 from engine.kernels.experts_gpu import grouped_impl
 from engine.kernels.experts_torch import ClampedSwiGLU
@@ -120,6 +120,8 @@ class OffloadedExperts(ExpertExecutor):
             self.zero_copy_off = "needs CUDA and Triton"
         elif not self.store.pinned:
             self.zero_copy_off = "the host store is not pinned"
+        elif self.store.quantised and not quant_linear_gpu.works(self.device):
+            self.zero_copy_off = "the GPU kernels over quantised blocks do not run here"
         else:
             try:
                 self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device,

@@ -14,10 +14,12 @@ Qwen3 never costs its 622 MB in BF16 at once. An embedding lookup dequantises on
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import dequant_gpu
+from engine.kernels import dequant_gpu, quant_moe_gpu
 
 try:
     import triton
@@ -33,9 +35,52 @@ ROWS_INTERPRETED = 64  # Triton's interpreter pays per operation, not per elemen
 CHUNK_BYTES = 64 << 20  # a prefill's dequantised tile of W: 16K rows of 2048 in bf16
 
 
+log = logging.getLogger("tandem")
+_WORKS: dict[str, bool] = {}  # device → whether the kernels over blocks ran right there (once a process)
+
+
 def available(device: torch.device) -> bool:
     """Triton importable and a CUDA device, or the interpreter (CPU tensors: the tests)."""
     return triton is not None and (torch.device(device).type == "cuda" or dequant_gpu.interpreted())
+
+
+def works(device: torch.device) -> bool:
+    """Whether the GPU kernels over blocks (these and quant_moe_gpu's) compile and compute right on this
+    device: a tiny Q8_0 product of each, once a process. Where they do not (a Triton, driver or GPU this
+    code has not met), the engine keeps its dequantised paths for the run, with one warning, rather
+    than fail the load or a reply."""
+    device = torch.device(device)
+    key = str(device)
+    if key not in _WORKS:
+        try:
+            _WORKS[key] = available(device) and _self_test(device)
+        except Exception as e:  # a kernel that does not compile or launch here
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            log.warning("the GPU kernels over quantised blocks failed on %s (%s: %s): weights and experts "
+                        "are dequantised there instead", device, type(e).__name__, first)
+            _WORKS[key] = False
+    return _WORKS[key]
+
+
+def _self_test(device: torch.device) -> bool:
+    """Q8_0 blocks of weights 1 (d = 1, q = 1): a (4, 32) product of ones gives 32 in every row; an expert
+    of three (32, 32) parts of them gives 32 · SiLU(32) · 32 = 32768 (exact in bf16)."""
+    from engine.quant.blocks import QuantTensor
+
+    block = torch.tensor([0x00, 0x3C] + [1] * 32, dtype=torch.uint8)  # fp16 1.0, then 32 int8 ones
+    w = QuantTensor(block.repeat(4, 1).to(device), 8, (4, 32), "self-test")
+    y = linear(torch.ones(1, 32, device=device, dtype=torch.bfloat16), w)
+    pool = block.repeat(1, 3 * 32).to(device)  # (1, 3 · 32 rows · 34 bytes): gate, up, down
+    row = 32 * 34
+    out = quant_moe_gpu.moe_decode_quant(torch.ones(1, 32, device=device, dtype=torch.bfloat16),
+                                         torch.zeros(1, 1, dtype=torch.int64, device=device),
+                                         torch.ones(1, 1, device=device, dtype=torch.bfloat16), pool,
+                                         ((8, 0), (8, row), (8, 2 * row)), 32)
+    good = bool((y.float() == 32).all()) and bool((out.float() == 32768).all())
+    if not good:
+        log.warning("the GPU kernels over quantised blocks computed wrong values on %s: weights and experts "
+                    "are dequantised there instead", device)
+    return good
 
 
 if triton is not None:

@@ -28,7 +28,7 @@ def place_tensor(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> t
     if isinstance(t, (QuantTensor, QuantStack)):
         if device.type == "cpu":
             return t  # computed over in blocks (engine/quant)
-        if isinstance(t, QuantTensor) and device.type == "cuda" and quant_linear_gpu.available(device):
+        if isinstance(t, QuantTensor) and device.type == "cuda" and quant_linear_gpu.works(device):
             return t.to(device)  # the GPU's kernels read the blocks (engine/kernels/quant_linear_gpu.py)
         t = t.dequantize(dtype)  # stacked experts placed here: dequantised
     same_device = t.device.type == device.type and device.index in (None, t.device.index)

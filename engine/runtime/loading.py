@@ -101,8 +101,8 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
     # a user's GGUF on a GPU keeps its blocks there (its kernels read them; the built-in model keeps
     # its float path, the reference it is held to): the dense layers', and the routed experts' where
     # they are resident (make_experts)
-    file_on_gpu = config.dtype == "auto" and device.type == "cuda" and quant_linear_gpu.available(device) and \
-        not config.model.startswith(("synthetic:", "builtin:"))
+    file_on_gpu = config.dtype == "auto" and device.type == "cuda" and \
+        not config.model.startswith(("synthetic:", "builtin:")) and quant_linear_gpu.works(device)
     gpu_blocks = file_on_gpu and not offload
     if config.model.startswith("synthetic:"):  # random weights generated where they will stay
         if config.dtype == "auto":

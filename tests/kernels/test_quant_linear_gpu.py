@@ -76,3 +76,26 @@ def test_misshapen_inputs_are_refused():
     w = weight(T.Q8_0, 8, 64, "cpu")
     with pytest.raises(ValueError, match="float"):
         quant_linear_gpu.linear(torch.zeros(2, 32), w)
+
+
+def test_the_self_test_passes_where_the_kernels_run(monkeypatch):
+    monkeypatch.setattr(quant_linear_gpu, "_WORKS", {})
+    device = on("cpu")
+    assert quant_linear_gpu.works(device) and quant_linear_gpu._WORKS == {"cpu": True}
+
+
+def test_kernels_that_fail_here_leave_the_dequantised_paths_with_one_warning(monkeypatch, caplog):
+    """A kernel that does not compile on the user's GPU must not fail the load: works() says no (once,
+    with a warning), and the loader and the cache keep their dequantised paths."""
+    import logging
+
+    def broken(device):
+        raise RuntimeError("PTX JIT compilation failed\\nmore")
+
+    monkeypatch.setattr(quant_linear_gpu, "_WORKS", {})
+    monkeypatch.setattr(quant_linear_gpu, "_self_test", broken)
+    monkeypatch.setattr(quant_linear_gpu, "available", lambda device: True)
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        assert not quant_linear_gpu.works(torch.device("cpu")) and not quant_linear_gpu.works(torch.device("cpu"))
+    warned = [r.getMessage() for r in caplog.records if "failed on cpu" in r.getMessage()]
+    assert len(warned) == 1 and "RuntimeError: PTX JIT compilation failed" in warned[0]
