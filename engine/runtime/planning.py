@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from engine.errors import ConfigError, OutOfMemoryError
+from engine.kernels import quant_linear_gpu
 from engine.kv.latent import format_shape
 from engine.kv.layer_split import split_windows
 from engine.kv.partition import PartitionSpec
@@ -112,14 +113,16 @@ def placement_plan(config, profile=None) -> Plan:
     gguf_auto = config.dtype == "auto" and config.model.lower().endswith(".gguf")
     if not gpu and gguf_auto:
         parts = _in_blocks(parts, config.model, args, cpu_bytes)  # what the CPU load holds (runtime/loading.py)
-    elif gguf_auto and not simulated:
+    elif gguf_auto and not simulated and quant_linear_gpu.works(_cuda(config)):
         # on a GPU the dense layers keep their blocks (runtime/loading.py), offloaded experts theirs in
         # the host store and the cache slots, resident ones in the device's pool
         parts = _in_blocks(parts, config.model, args, dev_bytes)
     elif gguf_auto and parts.n_experts and keeps_expert_blocks(args.arch, True):
-        # the simulated GPU: its dense weights dequantise, the experts keep their blocks in the store and
-        # slots (and resident on the CPU)
-        parts = replace(parts, expert_bytes=_in_blocks(parts, config.model, args, cpu_bytes).expert_bytes)
+        # the experts keep their blocks in the store and the slots; the dense weights dequantise (the
+        # simulated GPU, or a GPU whose kernels over blocks failed), and so do resident experts on such
+        # a GPU (the simulated one keeps them in blocks on the CPU)
+        held = _in_blocks(parts, config.model, args, cpu_bytes).expert_bytes
+        parts = replace(parts, expert_bytes=held) if simulated else replace(parts, store_expert_bytes=held)
     cpu_parts = parts
     if cpu_bytes != dev_bytes:  # a GPU machine's CPU placement loads as a CPU-only engine would
         cpu_parts = replace(model_parts(args, cpu_bytes, config.model), **can)
@@ -131,6 +134,10 @@ def placement_plan(config, profile=None) -> Plan:
                 spill_device_bytes=spill_device_bytes(config, args, dev_bytes, max_context, gpu and not simulated),
                 prefill_chunk=PREFILL_CHUNK,
                 d_window=config.d_window, block_size=config.block_size, cpu_parts=cpu_parts)
+
+
+def _cuda(config) -> torch.device:
+    return torch.device(config.device if config.device.startswith("cuda") else "cuda")
 
 
 def _in_blocks(parts, path: str, args: ModelArgs, dtype_bytes: int):
