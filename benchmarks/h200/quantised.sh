@@ -13,9 +13,13 @@ build=$!
 
 step CUDA tests
 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/quant tests/experts \
-  tests/kernels/test_quant_moe_gpu.py tests/kernels/test_dequant_gpu.py tests/kernels/test_moe_decode_gpu.py 2>&1 \
+  tests/kernels/test_quant_moe_gpu.py tests/kernels/test_quant_linear_gpu.py tests/kernels/test_dequant_gpu.py \
+  tests/kernels/test_moe_decode_gpu.py 2>&1 \
   | tail -30 >"$res/pytest-cuda.log"
 tail -1 "$res/pytest-cuda.log" >>"$log"
+
+step GPU kernels over blocks  # the quantised decode GEMVs against BF16 and the copy bound, tile sweep
+python3 -m engine.bench.quant_gpu --json "$res/quant-gpu.json" >>"$log" 2>&1
 
 step CPU kernels  # the K-quant products and a MoE layer's CPU set at 1–16 threads (the 16-thread figure)
 python3 -m engine.bench.quant_kernels --moe-threads 1,4,8,16 --json "$res/quant-kernels.json" >>"$log" 2>&1

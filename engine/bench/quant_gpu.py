@@ -1,0 +1,138 @@
+"""The GPU kernels over GGUF blocks at Qwen3-30B-A3B's shapes, against the bytes they must read.
+
+    python3 -m engine.bench.quant_gpu                  # the table (needs CUDA)
+    python3 -m engine.bench.quant_gpu --json out.json  # the record, with the machine's header
+
+Rows, each the median of `--reps` CUDA-graph replays (no launch cost in the figure):
+  - a MoE layer's 8 routed experts of one token (Q4_K gate/up, Q6_K down, as Q4_K_M lays them out)
+    by `quant_moe_gpu.moe_decode_quant` over a pool of 256 slots, at each tile setting of the sweep;
+    beside it `moe_decode_gpu.moe_decode` over the same experts in BF16;
+  - dense products at one token by `quant_linear_gpu.linear`: q_proj 4096×2048 Q4_K and the output
+    head 151936×2048 Q6_K, beside `F.linear` over the same weights in BF16;
+  - the device's copy bandwidth (a 1 GiB tensor copied: read + write), the bound a GEMV can reach.
+GB/s counts the bytes the kernel must read (quantised blocks, or BF16 weights). The blocks are random
+bytes with small fp16 factors: the kernels' work does not depend on the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+H, I, TOP_K, SLOTS = 2048, 768, 8, 256  # Qwen3-30B-A3B's expert shapes, a decode step's routing
+SWEEP = {"ROWS_GATE_UP": (2, 4, 8), "ROWS_DOWN": (4, 8, 16), "CHUNK": (4, 8, 16)}
+
+
+def random_blocks(n_rows: int, cols: int, code: int, gen: torch.Generator, device) -> torch.Tensor:
+    """(n_rows, row bytes) uint8 of ggml type `code`: random bytes, every fp16 factor 2^-10."""
+    from engine.quant.blocks import qtype
+
+    qt = qtype(code)
+    w = torch.randint(0, 256, (n_rows, cols // qt.block_weights, qt.block_bytes), dtype=torch.uint8, generator=gen)
+    half = torch.tensor([2.0 ** -10], dtype=torch.float16).view(torch.uint8)
+    for at in {12: (0, 2), 13: (0, 2), 14: (208,), 8: (0,)}.get(code, ()):
+        w[..., at:at + 2] = half
+    return w.reshape(n_rows, -1).to(device)
+
+
+def graph_us(fn, reps: int) -> float:
+    """Median µs of one call of fn, captured once as a CUDA graph and replayed `reps` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def copy_gbps(reps: int) -> float:
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = graph_us(lambda: b.copy_(a), max(5, reps // 20))
+    return 2 * a.numel() / us / 1e3  # read + write
+
+
+def run(reps: int = 200, sweep: bool = True) -> dict:
+    from engine.experts.store import QuantLayout
+    from engine.kernels import moe_decode_gpu, quant_linear_gpu, quant_moe_gpu
+    from engine.quant.blocks import QuantTensor
+
+    if not torch.cuda.is_available():
+        raise SystemExit("engine.bench.quant_gpu times CUDA kernels: no CUDA device here")
+    gen = torch.Generator().manual_seed(0)
+    dev = torch.device("cuda")
+    layout = QuantLayout((12, 12, 14), H, I)  # Q4_K, Q4_K, Q6_K
+    pool = torch.cat([random_blocks(SLOTS * rows, cols, code, gen, dev).view(SLOTS, -1)
+                      for code, rows, cols, _, _ in layout.parts], dim=1)  # (S, B): gate | up | down
+    x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
+    ids = torch.randperm(SLOTS, generator=gen)[:TOP_K].view(1, TOP_K).to(dev)
+    w = torch.softmax(torch.randn(1, TOP_K, generator=gen), -1).to(dev, torch.bfloat16)
+    expert_bytes = TOP_K * layout.nbytes
+    rows = []
+    settings = list(itertools.product(*SWEEP.values())) if sweep else [
+        (quant_moe_gpu.ROWS_GATE_UP, quant_moe_gpu.ROWS_DOWN, quant_moe_gpu.CHUNK)]
+    default = {k: getattr(quant_moe_gpu, k) for k in SWEEP}
+    try:
+        for values in settings:
+            for k, v in zip(SWEEP, values):
+                setattr(quant_moe_gpu, k, v)
+            us = graph_us(lambda: quant_moe_gpu.moe_decode_quant(x, ids, w, pool, layout.kernel_parts, I), reps)
+            rows.append({"what": "8 experts, 1 token, Q4_K/Q4_K/Q6_K blocks", **dict(zip(SWEEP, values)),
+                         "us": round(us, 2), "GBps": round(expert_bytes / us / 1e3, 1)})
+    finally:
+        for k, v in default.items():
+            setattr(quant_moe_gpu, k, v)
+    bf16 = torch.randn(SLOTS, 3 * H * I, device=dev, dtype=torch.bfloat16) * 0.02
+    gate_up, down = bf16[:, :2 * I * H].unflatten(1, (2 * I, H)), bf16[:, 2 * I * H:].unflatten(1, (H, I))
+    us = graph_us(lambda: moe_decode_gpu.moe_decode(x, ids, w, gate_up, down), reps)
+    rows.append({"what": "8 experts, 1 token, BF16 (moe_decode)", "us": round(us, 2),
+                 "GBps": round(TOP_K * 3 * H * I * 2 / us / 1e3, 1)})
+    for name, code, n_out in (("q_proj 4096×2048 Q4_K", 12, 4096), ("output head 151936×2048 Q6_K", 14, 151936)):
+        blocks = random_blocks(n_out, H, code, gen, dev)
+        qw = QuantTensor(blocks, code, (n_out, H), name)
+        us = graph_us(lambda: quant_linear_gpu.linear(x, qw), reps)
+        rows.append({"what": f"{name}, 1 token", "us": round(us, 2), "GBps": round(blocks.numel() / us / 1e3, 1)})
+        dense = torch.randn(n_out, H, device=dev, dtype=torch.bfloat16)
+        us = graph_us(lambda: F.linear(x, dense), reps)
+        rows.append({"what": f"{name.rsplit(' ', 1)[0]} BF16 (F.linear), 1 token", "us": round(us, 2),
+                     "GBps": round(dense.numel() * 2 / us / 1e3, 1)})
+    return {"rows": rows, "device_copy_GBps": round(copy_gbps(reps), 1),
+            "defaults": {k: getattr(quant_moe_gpu, k) for k in SWEEP}}
+
+
+def main(argv=None) -> None:
+    from engine.bench.common import header
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--no-sweep", action="store_true", help="the kernels' own tile sizes only")
+    ap.add_argument("--json", help="write the record here")
+    args = ap.parse_args(argv)
+    result = run(args.reps, sweep=not args.no_sweep)
+    print(f"device copy {result['device_copy_GBps']} GB/s (read + write)")
+    for row in result["rows"]:
+        print("  ".join(f"{k}={v}" for k, v in row.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**header(), **result}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
