@@ -42,4 +42,5 @@ suite gpt-oss gpu-gpt-oss-20b-24gb,gpu-gpt-oss-20b-8gb
 suite gpt-oss-mxfp4 gpu-gpt-oss-20b-mxfp4-24gb,gpu-gpt-oss-20b-mxfp4-8gb  # quantised from that export
 rm -f "$work"/gpt-oss-20b-random*.gguf
 suite qwen3.5 gpu-qwen3.5-L16-24gb,gpu-qwen3.5-L16-8gb
+suite qwen3.5-q4km gpu-qwen3.5-L16-q4km-8gb  # quantised from that export
 step ALL DONE
