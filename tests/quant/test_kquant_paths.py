@@ -7,7 +7,6 @@ Tolerance as in test_block_types.py: the int16 rounding of the activations moves
 min applied to the wrong sub-block, or a row or super-block misread, is off by O(|w||x|).
 """
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
