@@ -211,6 +211,9 @@ class LivePanels(QWidget):
             self.vram_text.setText(why)
         else:
             parts = [f"<span style='color:{c}'>■</span> {label} {fmt_bytes(v.get(k))}" for k, label, c in VRAM_REGIONS]
+            types = (s.get("model") or {}).get("weight_types")
+            if types:  # a GGUF's weights kept as the file has them
+                parts[0] += f" ({'/'.join(types)} blocks)"
             parts.append(f"budget {fmt_bytes(v.get('budget'))} · used {fmt_bytes(v.get('device_used'))} of "
                          f"{fmt_bytes(v.get('device_total'))}")
             self.vram_text.setText("<br>".join(parts))
@@ -223,6 +226,9 @@ class LivePanels(QWidget):
                   if h.get(key) is not None]  # a region this engine does not keep is left out, not shown as n/a
         if h.get("expert_store") is not None and h.get("expert_store_types"):  # quantised as the file has them
             parts[-1] += f" ({'/'.join(h['expert_store_types'])} blocks)"
+        model = s.get("model") or {}
+        if model.get("device") == "cpu" and model.get("weight_types"):  # the weights in RAM as the file has them
+            parts.append(f"weights in {'/'.join(model['weight_types'])} blocks")
         plan = (s.get("model") or {}).get("plan")
         line = plan_line(plan) if plan else ""
         self.host_text.setText("Host: " + " · ".join(parts) + (f"<br>Plan: {line}" if line else ""))

@@ -28,6 +28,10 @@ class ExpertExecutor(ABC):
     def telemetry(self) -> dict:
         """Counters for StatsSnapshot's `experts` section (None where they do not apply)."""
 
+    def block_types(self) -> list[str]:
+        """The GGUF block types the experts are held in (none: tensors)."""
+        return []
+
 
 # Tokens per layer call up to which the grouped GEMM path runs: every decode batch (one token per
 # chat), while prefill chunks, where the per-expert loop is twice as fast, stay above it.

@@ -81,12 +81,14 @@ class GpuQuantResidentExperts(ResidentExperts):
             return f"max_batch above {moe_decode_gpu.MAX_TOKENS} dequantises resident expert blocks with a host sync"
         return None
 
+    def block_types(self) -> list[str]:
+        return sorted({t for layout in self.layouts for t in layout.types})
+
     def nbytes(self) -> int:
         return self.pool.numel()
 
     def telemetry(self) -> dict:
-        types = sorted({t for layout in self.layouts for t in layout.types})
         return {"policy": self.policy, "bytes": self.nbytes(),
-                "kernel": f"{'/'.join(types)} blocks on the GPU: decode in place (quant_moe_gpu), "
+                "kernel": f"{'/'.join(self.block_types())} blocks on the GPU: decode in place (quant_moe_gpu), "
                           "prefill over dequantised tiles"}
 

@@ -375,7 +375,7 @@ class OffloadedExperts(ExpertExecutor):
             "slots": self.cache.n_slots if self.cache is not None else 0,
             "cache_bytes": self.cache.nbytes if self.cache is not None else 0,
             "store_bytes": self.store.nbytes, "store_pinned": self.store.pinned,
-            "store_types": sorted({t for layout in self.store.layouts.values() for t in layout.types}) or None,
+            "store_types": self.block_types() or None,
             "store_huge_pages": self.store.huge_pages, "bytes": 0,
             "cpu_kernel": self.cpu_kernel, "gpu_kernel": self._gpu_kernel(),
             "h2d_bytes": h2d, "h2d_gbps": (h2d - b0) / (now - t0) / 1e9 if now > t0 else None,
@@ -387,6 +387,9 @@ class OffloadedExperts(ExpertExecutor):
             "predictor": self.predictor.accuracy() if self.predictor is not None else None,
             "zero_copy": self.zero_copy.telemetry() if self.zero_copy is not None else {"off": self.zero_copy_off},
         }
+
+    def block_types(self) -> list[str]:
+        return sorted({t for layout in self.store.layouts.values() for t in layout.types})
 
     def _gpu_kernel(self) -> str:
         grouped = grouped_impl(self.device, self.store.dtype)

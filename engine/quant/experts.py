@@ -95,6 +95,12 @@ class QuantResidentExperts(ResidentExperts):
             out.index_add_(0, rows, y.float() * w[rows, None])
         return out.to(x.dtype)
 
+    def block_types(self) -> list[str]:
+        types: dict[str, None] = {}
+        for stack in (*self.gate_up, *self.down):
+            types.update(dict.fromkeys(stack.types()))
+        return list(types)
+
     def nbytes(self) -> int:
         seen = {}
         for stack in (*self.gate_up, *self.down):
@@ -103,9 +109,7 @@ class QuantResidentExperts(ResidentExperts):
         return sum(seen.values())
 
     def telemetry(self) -> dict:
-        types: dict[str, None] = {}
-        for stack in (*self.gate_up, *self.down):
-            types.update(dict.fromkeys(stack.types()))
+        types = self.block_types()
         kernel = f"{implementation(1)} over {'/'.join(types)} blocks" if types else None
         if kernel and self.forms:
             kernel += " (expert biases, clamped SwiGLU)"

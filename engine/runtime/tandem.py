@@ -97,12 +97,20 @@ class TandemBackend:
         return {"backend": self.name, "model": self.config.model, "family": p.family, "layers": p.args.n_layers,
                 "experts": p.args.n_experts or None, "top_k": p.args.top_k or None,
                 "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
+                "weight_types": self.weight_types(),
                 "max_context": p.max_context, "kv_policy": p.kv.policy,
                 "expert_policy": p.experts.policy if p.experts else None,
                 "load_s": p.load_s, "vocab_size": p.args.vocab_size,
                 "plan": self.plan.to_dict() | {"summary": self.plan.summary()} if self.plan else None,
                 "cuda_graphs": self.generator.graphs.telemetry() if self.generator.graphs else {"off": self.graphs_off},
                 **(self.generator.threads.telemetry() if self.generator.threads else {})}
+
+    def weight_types(self) -> list[str] | None:
+        """The GGUF block types the weights are held in, dense layers and experts (None: all tensors)."""
+        types = {m.qweight.qtype.name for m in self.parts.model.modules() if hasattr(m, "qweight")}
+        if self.parts.experts is not None:
+            types.update(self.parts.experts.block_types())
+        return sorted(types) or None
 
     def _need_tokenizer(self):
         if self.parts.tokenizer is None:

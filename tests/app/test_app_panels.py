@@ -57,6 +57,7 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
                            zero_copy={"graph_steps": 40, "zero_copy_experts": 1200, "graph_fills": 1100})
     base["pcie"].update(h2d_bytes=3 * gib, d2h_bytes=gib // 10, h2d_gbps=24.5, d2h_gbps=1.5)
     base["host"].update(expert_store=17 * gib, expert_store_types=["Q4_K", "Q6_K"])  # a Q4_K_M file's experts
+    base["model"].update(device="cuda:0", weight_types=["Q4_K", "Q6_K", "Q8_0"])  # its dense layers' blocks too
     snap = StatsSnapshot(**base).to_dict()  # the engine's own record type: the fields must exist
     snap["t"] = 1.0
     panels = LivePanels()
@@ -64,7 +65,8 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
     panels.update_snapshot(snap)
     later = {**snap, "t": 2.0, "experts": {**snap["experts"], "fills": 16, "cpu_executed": 6}}
     panels.update_snapshot(later)
-    assert "weights 2.00 GiB" in panels.vram_text.text() and "expert cache 3.00 GiB" in panels.vram_text.text()
+    assert "weights 2.00 GiB (Q4_K/Q6_K/Q8_0 blocks)" in panels.vram_text.text()
+    assert "expert cache 3.00 GiB" in panels.vram_text.text() and "weights in" not in panels.host_text.text()
     assert "budget 8.00 GiB" in panels.vram_text.text() and "of 16.00 GiB" in panels.vram_text.text()
     assert [s.value for s in panels.vram_bar.segments][:2] == [2 * gib, 3 * gib]
     assert panels.vram_bar.scale() == 16 * gib and panels.vram_bar.budget == 8 * gib
@@ -76,6 +78,8 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
     assert "one-graph steps 40 · read in place 1,200" in panels.counts_text.text()
     assert "expert store 17.00 GiB (Q4_K/Q6_K blocks)" in panels.host_text.text()
     assert "H2D 24.50 GB/s" in panels.pcie_text.text() and "D2H 1.50 GB/s" in panels.pcie_text.text()
+    panels.update_snapshot({**later, "t": 3.0, "model": {**later["model"], "device": "cpu"}})  # the CPU holds them
+    assert "weights in Q4_K/Q6_K/Q8_0 blocks" in panels.host_text.text()
     img = panels.grab()
     assert not img.isNull() and img.width() > 100
 
@@ -93,6 +97,7 @@ def test_panels_that_do_not_apply_fold_into_one_line(qtbot, open_window):
     assert p.not_here.isVisibleTo(p)
     assert not p.speed.folded and p.speed_plot.isVisibleTo(p) and not p.memory.folded
     assert "n/a" not in p.host_text.text()  # what this engine does not keep is left out, not listed as n/a
+    assert "weights in" not in p.host_text.text()  # a float32 engine holds no blocks
     assert p.not_here.sizeHint().height() < 0.25 * 720  # no longer a quarter of the window
 
 

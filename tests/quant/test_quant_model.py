@@ -122,6 +122,7 @@ def test_builtin_models_answer_from_blocks(model):
     engine = Engine(EngineConfig(model=model, backend="tandem", device="cpu"))
     parts = engine.backend.parts
     assert isinstance(parts.model.model.layers[0].self_attn.q_proj, QuantLinear)
+    assert "Q4_1" in engine.info()["weight_types"]  # what the app and the stats say the weights are held in
     if parts.experts is not None:
         assert isinstance(parts.experts, QuantResidentExperts)
         assert parts.experts.telemetry()["bytes"] < 3 * 30 * 553_000  # one copy of gate_up, down per layer
