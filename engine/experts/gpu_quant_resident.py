@@ -33,23 +33,22 @@ class GpuQuantResidentExperts(ResidentExperts):
         super().__init__([], [])  # the blocks are copied to the device: nothing keeps the file's views
         E, two_i, H = gate_up[0].shape
         self.n_experts, self.hidden, self.expert_ffn = E, H, two_i // 2
-        self.layouts, self.pool, self.rows = [], None, []  # rows[l]: (E,) int64 pool row of each expert, on the device
+        # every layer's blocks as long as the longest layer's; experts listed twice (shared) take one row
+        longest = max(QuantLayout.of_expert(gu.experts[0], dn.experts[0], H, two_i // 2).nbytes
+                      for gu, dn in zip(gate_up, down))
+        n_rows = sum(len({(id(g), id(d)) for g, d in zip(gu.experts, dn.experts)}) for gu, dn in zip(gate_up, down))
+        self.pool = torch.zeros((n_rows, longest), dtype=torch.uint8, device=device)  # (L·E, B)
+        self.layouts, self.rows_np = [], []  # per layer: its QuantLayout, (E,) int64 pool row of each expert
         at = 0
-        for l in range(len(gate_up)):  # a layer at a time through a host store of its blocks
-            store = ExpertStore.from_quant_layers([gate_up[l]], [down[l]], dtype=dtype)
-            if self.pool is None:  # every layer's blocks as long as the longest layer's
-                longest = max(QuantLayout.of_expert(gu.experts[0], dn.experts[0], H, two_i // 2).nbytes
-                              for gu, dn in zip(gate_up, down))
-                n_rows = sum(len({(id(g), id(d)) for g, d in zip(gu.experts, dn.experts)})  # shared experts once
-                             for gu, dn in zip(gate_up, down))
-                self.pool = torch.zeros((n_rows, longest), dtype=torch.uint8, device=device)  # (L·E, B)
+        for gu, dn in zip(gate_up, down):  # a layer at a time through a host store of its blocks
+            store = ExpertStore.from_quant_layers([gu], [dn], dtype=dtype)
             n = store.blocks.shape[0]
             self.pool[at:at + n, :store.block_bytes].copy_(store.blocks)
-            self.rows.append(torch.from_numpy(store.block_of[0] + at).to(device))
+            self.rows_np.append(store.block_of[0] + at)
             self.layouts.append(store.layouts[0])
             at += n
             store.close()
-        self.rows_np = [r.cpu().numpy() for r in self.rows]
+        self.rows = [torch.from_numpy(r).to(device) for r in self.rows_np]  # the same on the device
         self.tiles = QuantTiles(H, self.expert_ffn, E, dtype, device, uses_grouped_mm(device, dtype))
 
     def set_form(self, layer: int, form) -> None:

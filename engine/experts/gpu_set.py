@@ -40,8 +40,10 @@ class GpuSet:
         grouped_mm = uses_grouped_mm(device, dtype)  # else: a loop over the host-known groups
         self._group_ends = torch.arange(1, n_slots + 1, device=device) if grouped_mm else None  # (S,)
         self.tiles = None  # a quantised pool's experts dequantised for a batch of many tokens
+        self._blocks_in_place = False  # the matrix-vector kernels over a quantised pool run on this device
         if cache is not None and cache.quantised:
             self.tiles = QuantTiles(cache.hidden, cache.expert_ffn, n_experts, dtype, device, grouped_mm)
+            self._blocks_in_place = on_gpu and quant_linear_gpu.works(device)
 
     def publish(self, experts: list[int], slots: list[int], stream=None) -> None:
         """This layer's expert → slot map on the device (the sentinel for the rest), and the compute
@@ -56,7 +58,7 @@ class GpuSet:
     def in_place_ok(self, x: torch.Tensor) -> bool:
         """Whether the matrix-vector kernels take these tokens over the slots in place (a few, on CUDA)."""
         if self.tiles is not None:
-            return x.is_cuda and x.shape[0] <= moe_decode_gpu.MAX_TOKENS and quant_linear_gpu.works(x.device)
+            return self._blocks_in_place and x.shape[0] <= moe_decode_gpu.MAX_TOKENS
         return moe_decode_gpu.available(x)
 
     def side(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

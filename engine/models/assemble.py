@@ -8,8 +8,8 @@ than it has layers, and `MoEFeedForward.expert_layer` indexes these lists). Tens
 target device in the target dtype (synthetic models generate them there) are taken as they are.
 Quantised blocks (engine/quant: `QuantTensor`, `QuantStack`) stay blocks, their layers becoming
 `QuantLinear`/`QuantEmbedding`: on the CPU in place, on a GPU copied there (its Triton kernels read
-them); stacked routed experts go to make_experts unplaced (the GPU executors over blocks), or are
-dequantised when placed here.
+them; stacked routed experts reach make_experts as read, for the executor over blocks), dequantised
+where no GPU kernel takes them.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ def place_tensor(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> t
     if isinstance(t, (QuantTensor, QuantStack)):
         if device.type == "cpu":
             return t  # computed over in blocks (engine/quant)
-        if isinstance(t, QuantTensor) and device.type == "cuda" and quant_linear_gpu.works(device):
-            return t.to(device)  # the GPU's kernels read the blocks (engine/kernels/quant_linear_gpu.py)
-        t = t.dequantize(dtype)  # stacked experts placed here: dequantised
+        if device.type == "cuda" and quant_linear_gpu.works(device):  # the GPU's kernels read the blocks
+            # a matrix goes to the device as it is (engine/kernels/quant_linear_gpu.py); stacked experts stay
+            # as read for the resident executor, which lays them out in one device pool (resident_experts)
+            return t.to(device) if isinstance(t, QuantTensor) else t
+        t = t.dequantize(dtype)
     same_device = t.device.type == device.type and device.index in (None, t.device.index)
     if same_device and t.dtype == dtype:
         return t  # already placed (generated in place)

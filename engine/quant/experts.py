@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.experts.executor import ResidentExperts
+from engine.experts.gpu_quant_resident import GpuQuantResidentExperts
 from engine.kernels.experts_torch import ClampedSwiGLU
 from engine.quant.blocks import QuantRows, QuantStack
 from engine.quant import moe as quant_moe
@@ -146,8 +147,13 @@ def clamped_swiglu_blocks(x: torch.Tensor, gate_up, down, form: ClampedSwiGLU, e
     return quant_linear(form.activation(gate, up), down, form.down_bias[e], tiles)
 
 
-def resident_experts(gate_up: list, down: list) -> ResidentExperts:
-    """The resident executor for these expert tensors: over blocks when they are quantised."""
+def resident_experts(gate_up: list, down: list, device: torch.device = torch.device("cpu"),
+                     dtype: torch.dtype = torch.float32) -> ResidentExperts:
+    """The resident executor for these placed experts: over blocks when they are quantised (on the CPU in
+    place, on a GPU in one device pool: engine/experts/gpu_quant_resident.py), else over the tensors.
+    dtype: the GPU's compute dtype."""
     if gate_up and isinstance(gate_up[0], QuantStack):
-        return QuantResidentExperts(gate_up, down)
+        if torch.device(device).type == "cpu":
+            return QuantResidentExperts(gate_up, down)
+        return GpuQuantResidentExperts(gate_up, down, device, dtype)
     return ResidentExperts(gate_up, down)

@@ -132,8 +132,10 @@ def embedding(ids: torch.Tensor, w: QuantTensor, dtype: torch.dtype = torch.floa
     on_gpu = w.blocks.device.type != "cpu"
     # (a graph being captured on the GPU cannot read the ids back; its ids come from the sampler)
     checked = not (on_gpu and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-    if checked and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0]):
-        raise KernelInputError(f"token id out of range for an embedding of {w.shape[0]} rows")
+    if checked and ids.numel():
+        low, high = torch.stack(torch.aminmax(ids)).tolist()  # one read back to the host, not two
+        if low < 0 or high >= w.shape[0]:
+            raise KernelInputError(f"token id out of range for an embedding of {w.shape[0]} rows")
     if on_gpu:
         from engine.kernels import quant_linear_gpu
 

@@ -10,15 +10,13 @@ from typing import Callable
 import torch
 
 from engine.errors import ConfigError, OutOfMemoryError, UnsupportedModelError
-from engine.experts.executor import ExpertExecutor, ResidentExperts
-from engine.experts.gpu_quant_resident import GpuQuantResidentExperts
+from engine.experts.executor import ExpertExecutor
 from engine.kernels import native, quant_linear_gpu
 from engine.kv.backend import KVBackend
 from engine.models import builtin, families, synthetic
-from engine.models.assemble import assemble, place_tensor
+from engine.models.assemble import assemble
 from engine.models.common import Decoder, ModelArgs
 from engine.models.loader import load_checkpoint
-from engine.quant.blocks import QuantStack
 from engine.quant.experts import resident_experts
 from engine.runtime.chat import load_tokenizer
 from engine.runtime.expert_placement import build_offloaded, check_offload, open_offloaded
@@ -99,11 +97,9 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
     else:
         path = os.path.expanduser(config.model)
     # a user's GGUF on a GPU keeps its blocks there (its kernels read them; the built-in model keeps
-    # its float path, the reference it is held to): the dense layers', and the routed experts' where
-    # they are resident (make_experts)
+    # its float path, the reference it is held to): the dense layers' and the routed experts'
     file_on_gpu = config.dtype == "auto" and device.type == "cuda" and \
         not config.model.startswith(("synthetic:", "builtin:")) and quant_linear_gpu.works(device)
-    gpu_blocks = file_on_gpu and not offload
     if config.model.startswith("synthetic:"):  # random weights generated where they will stay
         if config.dtype == "auto":
             dtype = torch.bfloat16  # the published models' dtype, on any device
@@ -120,7 +116,7 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
         # device pool); the simulated GPU's dense weights dequantise. Explicit dtypes dequantise everything.
         auto = config.dtype == "auto"
         dense_blocks = (auto and device.type == "cpu" and not offload) or file_on_gpu
-        ckpt = load_checkpoint(path, dtype, quantised=dense_blocks, expert_blocks=auto and (offload or gpu_blocks))
+        ckpt = load_checkpoint(path, dtype, quantised=dense_blocks, expert_blocks=auto and (offload or file_on_gpu))
     family = families.get(ckpt.family)
     args = family.args_from_config(ckpt.config)
     tensors = ckpt.tensors
@@ -136,15 +132,13 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
         if offload:
             holder["experts"] = build_offloaded(config.expert_policy, gate_up, down, device=device, dtype=dtype,
                                                 max_decode_tokens=config.max_batch, profile=profile)
-        elif gpu_blocks:
-            holder["experts"] = gpu_resident_experts(gate_up, down, args, device, dtype)
-        else:
-            holder["experts"] = resident_experts(gate_up, down)  # over blocks when they are quantised
+        else:  # over blocks where they came placed as blocks (engine/models/assemble.py place_tensor)
+            holder["experts"] = resident_experts(gate_up, down, device, dtype)
         return holder["experts"]
 
     try:
         model = assemble(args, tensors, family.route, source=str(path), device=device, dtype=dtype,
-                         make_experts=make_experts, place_experts=not (offload or gpu_blocks))
+                         make_experts=make_experts, place_experts=not offload)
         del tensors, ckpt  # the model holds what it uses
         report("allocating KV cache", 0.8)
         window = args.sliding_window if args.sliding_window and args.sliding_window < max_context else None
@@ -170,14 +164,3 @@ def load_parts(config, progress: Callable[[str, float], None] | None = None, pro
     return Parts(args, family_name, model, kv, holder.get("experts"), tokenizer, device, dtype,
                  max_context, weights_bytes, load_s=time.perf_counter() - t_start)
 
-
-def gpu_resident_experts(gate_up: list, down: list, args: ModelArgs, device: torch.device,
-                         dtype: torch.dtype) -> ResidentExperts:
-    """Routed experts as read (host, unplaced) → resident on the GPU: in their blocks (a GGUF's, where
-    its family keeps them: models/loader.EXPERT_BLOCK_FAMILIES), else as tensors placed on the device."""
-    if gate_up and isinstance(gate_up[0], QuantStack):
-        return GpuQuantResidentExperts(gate_up, down, device, dtype)
-    def place(t):
-        return place_tensor(t.dequantize(dtype) if isinstance(t, QuantStack) else t, device, dtype)
-
-    return ResidentExperts([place(t) for t in gate_up], [place(t) for t in down])

@@ -19,9 +19,7 @@ from engine.experts.executor import ResidentExperts  # noqa: E402
 from engine.experts.gpu_quant_resident import GpuQuantResidentExperts  # noqa: E402
 from engine.kernels import dequant_gpu  # noqa: E402
 from engine.kernels.experts_torch import moe_experts  # noqa: E402
-from engine.models.common import ModelArgs  # noqa: E402
 from engine.quant.blocks import QuantRows, QuantStack, QuantTensor  # noqa: E402
-from engine.runtime.loading import gpu_resident_experts  # noqa: E402
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=CUDA)]
@@ -103,19 +101,23 @@ def test_gpt_oss_form_runs_over_the_blocks(device, monkeypatch):
 
 
 def test_experts_in_blocks_stay_blocks_and_tensors_are_placed():
-    """A GGUF's experts (plain or gpt-oss's biased form) stay blocks on the GPU; a family whose experts
-    load as tensors goes to the device as tensors."""
+    """Placement decides (models/assemble.place_tensor) and resident_experts follows what it is given: a
+    GGUF's stacks stay blocks on the GPU (the GPU executor, plain or gpt-oss's form, set later) and on the
+    CPU (the CPU executor); a family whose experts load as tensors goes to the device as tensors."""
+    from engine.models.assemble import place_tensor
+    from engine.quant.experts import QuantResidentExperts, resident_experts
+
     gate_up, down = layers()
-    device = torch.device("cpu")
-    args = ModelArgs(arch="qwen3_moe", dim=H, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=H // 2, ffn_dim=I,
-                     vocab_size=16)
-    biased = ModelArgs(arch="gpt_oss", dim=H, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=H // 2, ffn_dim=I,
-                       vocab_size=16, expert_act="clamped", expert_bias=True)
-    if dequant_gpu.interpreted():
-        for a in (args, biased):
-            assert isinstance(gpu_resident_experts(gate_up, down, a, device, torch.float32), GpuQuantResidentExperts)
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        kept = [place_tensor(t, cuda, torch.bfloat16) for t in gate_up], [place_tensor(t, cuda, torch.bfloat16)
+                                                                          for t in down]
+        assert kept[0][0] is gate_up[0]  # as read: the executor lays the blocks out on the device itself
+        assert isinstance(resident_experts(*kept, cuda, torch.bfloat16), GpuQuantResidentExperts)
+    assert isinstance(resident_experts(gate_up, down), QuantResidentExperts)
+    cpu = torch.device("cpu")
     floats = [g.dequantize() for g in gate_up], [d.dequantize() for d in down]
-    placed = gpu_resident_experts(*floats, args, device, torch.bfloat16)
+    placed = resident_experts(*([place_tensor(t, cpu, torch.bfloat16) for t in ts] for ts in floats))
     assert type(placed) is ResidentExperts and placed.gate_up[0].dtype == torch.bfloat16
 
 
