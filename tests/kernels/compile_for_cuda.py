@@ -1,0 +1,69 @@
+"""Compiles the Triton kernels over GGUF blocks for a CUDA target (sm_90) without a GPU, every block type
+and every constexpr form the engine launches: a kernel that Triton's interpreter runs (the CPU tests)
+can still fail to compile for a device. Run as a script, outside the interpreter (the jit functions
+must be compiled, not interpreted); prints one line per failure and exits 1 if any."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "compile with the interpreter off"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from engine.kernels import dequant_gpu, quant_linear_gpu, quant_moe_gpu  # noqa: E402
+from engine.quant.blocks import QTYPES, qtype  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # H100/H200: the GPU machine's
+POINTERS = {"slots_ptr": "*i64", "ids_ptr": "*i64", "offs_ptr": "*i64", "spare_ptr": "*i64", "experts_ptr": "*i64",
+            "blocks_ptr": "*u8", "pool_ptr": "*u8", "w_ptr": "*u8"}  # the rest: the activations' bf16
+FLOATS = ("alpha", "limit")
+
+
+def compile_kernel(fn, **constexprs) -> str | None:
+    """fn compiled for TARGET with these constexprs (other arguments: pointers per POINTERS, fp32 or
+    i32 scalars) → None, or the error's first lines."""
+    names = [p.name for p in fn.params]
+    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "*bf16") if n.endswith("_ptr")
+                 else "fp32" if n in FLOATS else "i32" for n in names}
+    try:
+        triton.compile(ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}),
+                       target=TARGET)
+    except Exception as e:
+        return f"{type(e).__name__}: {' | '.join(str(e).strip().splitlines()[:6])}"
+    return None
+
+
+def failures():
+    for code in sorted(QTYPES):
+        qt = qtype(code)
+        k = qt.name in dequant_gpu.KQUANTS
+        for bf16 in (True, False):
+            yield f"dequantise {qt.name} bf16={bf16}", compile_kernel(
+                dequant_gpu._dequant_k_kernel if k else dequant_gpu._dequant32_kernel, QT=code, BB=qt.block_bytes,
+                BF16_BITS=bf16, ROWS=dequant_gpu.ROWS)
+        for bias in (True, False):
+            yield f"linear {qt.name} bias={bias}", compile_kernel(
+                quant_linear_gpu._linear_kernel, QT=code, BB=qt.block_bytes, HAS_BIAS=bias,
+                ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK)
+        # the slots' form, the one graph's (offsets and spare slots), gpt-oss's clamped form in both
+        for offs, spare, clamped in ((False, False, False), (True, True, False), (False, False, True), (True, True, True)):
+            flags = dict(HAS_OFFS=offs, HAS_SPARE=spare, CLAMPED=clamped, C=quant_moe_gpu.CHUNK,
+                         COPY=quant_moe_gpu.COPY_BYTES)
+            form = f"{qt.name} offsets={offs} spare={spare} clamped={clamped}"
+            yield f"gate_up {form}", compile_kernel(quant_moe_gpu._gate_up_kernel, QG=code, BG=qt.block_bytes,
+                                                    QU=code, BU=qt.block_bytes, ROWS=quant_moe_gpu.ROWS_GATE_UP,
+                                                    **flags)
+            yield f"down {form}", compile_kernel(quant_moe_gpu._down_kernel, QD=code, BD=qt.block_bytes,
+                                                 ROWS=quant_moe_gpu.ROWS_DOWN, **flags)
+
+
+if __name__ == "__main__":
+    bad = [(what, error) for what, error in failures() if error is not None]
+    for what, error in bad:
+        print(f"{what}: {error}")
+    print(f"{len(bad)} failed")
+    sys.exit(1 if bad else 0)
