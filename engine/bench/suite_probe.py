@@ -12,7 +12,8 @@ tokens of the timed prefill; 0: none), decode_prompt (prompt tokens before the t
 decode_prompts (several such lengths, decoded in turn by the one loaded engine: `decode_tok_s_by_prompt`,
 and `prefill_tok_s_by_prompt` of the prompts before them),
 new_tokens, batch (chats decoded together), seed, warmup and warmup_tokens (an untimed short
-generation first: kernel compiles, allocator growth, graph capture). The result carries the engine's
+generation first: kernel compiles, allocator growth, graph capture; its prompt as long as a timed
+prefill's, up to 512 tokens: `warmup_prompt`). The result carries the engine's
 expert, PCIe and kernel counters after the last generation (`stats`).
 Prompts are fixed pseudo-random token ids (seeded; the same for every engine and round), as
 `tandem generate --random-prompt` makes them. Prints one JSON object on its last line of stdout.
@@ -27,6 +28,7 @@ import sys
 import time
 
 VOCAB_FLOOR = 32_000  # ids drawn below this by default: the suite's models all have larger vocabularies
+PREFILL_WARMUP = 512  # warm-up prompt tokens before a timed prefill: past every decode-sized path (≤ 64 tokens)
 
 
 def prompt(n: int, seed: int, vocab: int = VOCAB_FLOOR) -> list[int]:
@@ -52,7 +54,7 @@ def measure(spec: dict) -> dict:
 
         if spec.get("warmup", True):
             n = int(spec.get("warmup_tokens", 8))
-            engine.generate_batch([req(prompt(16, seed + 99 + b, vocab), n) for b in range(batch)])
+            engine.generate_batch([req(prompt(warmup_prompt(spec), seed + 99 + b, vocab), n) for b in range(batch)])
         if spec.get("prefill"):
             res = engine.generate_batch([req(prompt(int(spec["prefill"]), seed + b, vocab), 1) for b in range(batch)])
             # the engine's own prefill timer; a batch's rate counts every sequence's tokens
@@ -83,6 +85,14 @@ def measure(spec: dict) -> dict:
     finally:
         engine.close()
     return out
+
+
+def warmup_prompt(spec: dict) -> int:
+    """Prompt tokens of the untimed warm-up: 16, or where a longer prompt is timed, up to PREFILL_WARMUP of
+    it, so that the prefill paths (larger GEMM shapes, the per-expert loop, their kernels' compiles) are
+    warm before the timed prefill as llama-bench's own warm-up run makes llama.cpp's."""
+    timed = max([int(spec.get("prefill") or 0), *map(int, spec.get("decode_prompts") or [0])])
+    return max(16, min(timed, PREFILL_WARMUP))
 
 
 def _stats(engine) -> dict:

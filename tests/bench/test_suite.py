@@ -304,3 +304,12 @@ def test_the_cpu_moe_cell_makes_its_file_once_and_stays_out_of_quick(tmp_path, m
     pytest.importorskip("llama_cpp")
     with pytest.raises(suite.Skip, match="GB of disk"):
         suite_cpu_moe.moe_file(ctx)
+
+
+def test_warm_up_prompt_reaches_the_timed_prefills_paths():
+    from engine.bench.suite_probe import PREFILL_WARMUP, warmup_prompt
+
+    assert warmup_prompt({"decode_prompt": 32, "new_tokens": 24}) == 16  # decode only: a short warm-up
+    assert warmup_prompt({"prefill": 64}) == 64  # never longer than the prompt the cell times
+    assert warmup_prompt({"decode_prompts": [2048, 32768]}) == PREFILL_WARMUP
+    assert PREFILL_WARMUP > 64  # past the decode-sized (grouped) expert path, into the prefill one
