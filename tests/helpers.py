@@ -97,7 +97,8 @@ def stepped_logits(engine, ids: list[int], prefill: int):
         with torch.inference_mode():
             for chunk in [ids[:prefill]] + [[t] for t in ids[prefill:]]:
                 positions = kv.begin_step([sid], len(chunk))
-                rows.append(parts.model(torch.tensor([chunk]), positions, kv, last_only=False)[0])
+                tokens = torch.tensor([chunk], device=positions.device)  # (1, T) where the model runs
+                rows.append(parts.model(tokens, positions, kv, last_only=False)[0])
                 kv.end_step()
     finally:
         kv.free(sid)
