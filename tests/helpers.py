@@ -102,4 +102,4 @@ def stepped_logits(engine, ids: list[int], prefill: int):
                 kv.end_step()
     finally:
         kv.free(sid)
-    return torch.cat(rows).float()
+    return torch.cat(rows).float().cpu()
