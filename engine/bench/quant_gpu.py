@@ -7,8 +7,9 @@ Rows, each the median of `--reps` CUDA-graph replays (no launch cost in the figu
   - a MoE layer's 8 routed experts of one token (Q4_K gate/up, Q6_K down, as Q4_K_M lays them out)
     by `quant_moe_gpu.moe_decode_quant` over a pool of 256 slots, at each tile setting of the sweep;
     beside it `moe_decode_gpu.moe_decode` over the same experts in BF16;
-  - dense products at one token by `quant_linear_gpu.linear`: q_proj 4096×2048 Q4_K and the output
-    head 151936×2048 Q6_K, beside `F.linear` over the same weights in BF16;
+  - dense products at one token by `quant_linear_gpu.linear`: q_proj 4096×2048 Q4_K, o_proj 2048×4096
+    Q4_K and the output head 151936×2048 Q6_K at each tile setting of its sweep, beside `F.linear` over
+    the same weights in BF16;
   - the device's copy bandwidth (a 1 GiB tensor copied: read + write), the bound a GEMV can reach.
 GB/s counts the bytes the kernel must read (quantised blocks, or BF16 weights). The blocks are random
 bytes with small fp16 factors: the kernels' work does not depend on the values.
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 H, I, TOP_K, SLOTS = 2048, 768, 8, 256  # Qwen3-30B-A3B's expert shapes, a decode step's routing
 SWEEP = {"ROWS_GATE_UP": (2, 4, 8), "ROWS_DOWN": (4, 8, 16), "CHUNK": (4, 8, 16)}
+LINEAR_SWEEP = {"ROWS": (2, 4, 8, 16), "CHUNK": (4, 8, 16)}  # quant_linear_gpu's tile at one token
 
 
 def random_blocks(n_rows: int, cols: int, code: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -104,17 +106,31 @@ def run(reps: int = 200, sweep: bool = True) -> dict:
     us = graph_us(lambda: moe_decode_gpu.moe_decode(x, ids, w, gate_up, down), reps)
     rows.append({"what": "8 experts, 1 token, BF16 (moe_decode)", "us": round(us, 2),
                  "GBps": round(TOP_K * 3 * H * I * 2 / us / 1e3, 1)})
-    for name, code, n_out in (("q_proj 4096×2048 Q4_K", 12, 4096), ("output head 151936×2048 Q6_K", 14, 151936)):
-        blocks = random_blocks(n_out, H, code, gen, dev)
-        qw = QuantTensor(blocks, code, (n_out, H), name)
-        us = graph_us(lambda: quant_linear_gpu.linear(x, qw), reps)
-        rows.append({"what": f"{name}, 1 token", "us": round(us, 2), "GBps": round(blocks.numel() / us / 1e3, 1)})
-        dense = torch.randn(n_out, H, device=dev, dtype=torch.bfloat16)
-        us = graph_us(lambda: F.linear(x, dense), reps)
+    linear_settings = list(itertools.product(*LINEAR_SWEEP.values())) if sweep else [
+        tuple(getattr(quant_linear_gpu, k) for k in LINEAR_SWEEP)]
+    linear_default = {k: getattr(quant_linear_gpu, k) for k in LINEAR_SWEEP}
+    for name, code, n_out, n_in in (("q_proj 4096×2048 Q4_K", 12, 4096, H), ("o_proj 2048×4096 Q4_K", 12, H, 4096),
+                                    ("output head 151936×2048 Q6_K", 14, 151936, H)):
+        blocks = random_blocks(n_out, n_in, code, gen, dev)
+        qw = QuantTensor(blocks, code, (n_out, n_in), name)
+        xin = torch.randn(1, n_in, device=dev, dtype=torch.bfloat16)
+        try:
+            for values in linear_settings:
+                for k, v in zip(LINEAR_SWEEP, values):
+                    setattr(quant_linear_gpu, k, v)
+                us = graph_us(lambda: quant_linear_gpu.linear(xin, qw), reps)
+                rows.append({"what": f"{name}, 1 token", **dict(zip(LINEAR_SWEEP, values)), "us": round(us, 2),
+                             "GBps": round(blocks.numel() / us / 1e3, 1)})
+        finally:
+            for k, v in linear_default.items():
+                setattr(quant_linear_gpu, k, v)
+        dense = torch.randn(n_out, n_in, device=dev, dtype=torch.bfloat16)
+        us = graph_us(lambda: F.linear(xin, dense), reps)
         rows.append({"what": f"{name.rsplit(' ', 1)[0]} BF16 (F.linear), 1 token", "us": round(us, 2),
                      "GBps": round(dense.numel() * 2 / us / 1e3, 1)})
     return {"rows": rows, "device_copy_GBps": round(copy_gbps(reps), 1),
-            "defaults": {k: getattr(quant_moe_gpu, k) for k in SWEEP}}
+            "defaults": {**{k: getattr(quant_moe_gpu, k) for k in SWEEP},
+                         **{f"linear {k}": getattr(quant_linear_gpu, k) for k in LINEAR_SWEEP}}}
 
 
 def main(argv=None) -> None:

@@ -44,10 +44,11 @@ try:
 except ImportError:
     triton = None
 
-# Rows a program as moe_decode_gpu's bf16 kernels (gate_up reads two matrices, so half down's rows):
-# I/4 and H/8 programs a pair, many for one token, so that every multiprocessor has loads in flight;
-# and 8 sub-blocks (a K-quant super-block) a row per step: 32 (gate_up: 2 × 32) or 64 sub-blocks a step.
-ROWS_GATE_UP, ROWS_DOWN, CHUNK = 4, 8, 8
+# Rows a program: I/8 and H/8 programs a pair, many for one token, so that every multiprocessor has
+# loads in flight; and 8 sub-blocks (a K-quant super-block) a row per step: 64 sub-blocks a step (gate_up:
+# 2 × 64). The fastest of `python3 -m engine.bench.quant_gpu`'s sweep on an H100 (Q4_K/Q4_K/Q6_K, one
+# token: 45.7 µs against 48.9 for gate_up rows of 4; benchmarks/h200/2026-12-05-q4km-blocks-h100).
+ROWS_GATE_UP, ROWS_DOWN, CHUNK = 8, 8, 8
 COPY_BYTES = 256  # a pair that fills a slot copies its rows this many bytes a step (a row: 0.4–2.3 KB)
 # Triton's interpreter runs programs one after another and pays per operation, not per element: few
 # programs of many rows keep the tests fast. The code is the same; only the tile is taller.

@@ -4,7 +4,11 @@ matrices, and a gpt-oss with MXFP4 experts, each loaded on CUDA (dtype auto: den
 in blocks there; resident, in cache slots, and adaptive's one-graph decode) against the same file
 dequantised to float32 on the CPU. Here (no GPU) the files themselves are checked on the CPU engine.
 
-Tolerance on the GPU: bf16 activations and dense tiles through the layers, 3% of the logits' scale.
+Tolerance on the GPU: bf16 activations and dense tiles through the layers, 3% of the logits' scale, in
+every position but one. bf16 rounding can flip a near-tie of the router (random weights, top-2 of 8),
+and a position routed to another expert is off by far more: on an H100 the Qwen file's 19 positions
+were within 2.7% in bf16 through its blocks, but one at 12%; the same model's float32 file run in bf16
+with no blocks at all had one at 21%.
 """
 
 from __future__ import annotations
@@ -75,9 +79,10 @@ def against_the_dequantised_file(path, tolerance: float, check=lambda parts: Non
     got_engine = engine(path, "cuda" if torch.cuda.is_available() else "cpu", **kw)
     try:
         check(got_engine.backend.parts)
-        got, want = logits(got_engine, PROMPT, len(PROMPT)), logits(ref, PROMPT, len(PROMPT))
+        got, want = logits(got_engine, PROMPT, len(PROMPT)), logits(ref, PROMPT, len(PROMPT))  # (T, V)
         scale = float(want.abs().max())
-        assert scale > 0.1 and float((got.float() - want).abs().max()) <= tolerance * scale
+        worst = (got.float() - want).abs().amax(1).sort().values  # (T,) each position's largest error
+        assert scale > 0.1 and float(worst[-2]) <= tolerance * scale, worst  # one flipped route allowed
         assert len(got_engine.generate_ids(PROMPT, 6)) == 6  # decode steps after the prefill (graphs on CUDA)
     finally:
         got_engine.close()
