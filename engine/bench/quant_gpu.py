@@ -64,6 +64,17 @@ def graph_us(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def timed(fn, reps: int, nbytes: int) -> dict:
+    """{"us", "GBps"} of fn reading nbytes, or {"error"}: one setting of a sweep that does not launch
+    here is a row of the record, not the end of the run."""
+    try:
+        us = graph_us(fn, reps)
+    except Exception as e:  # a tile the device refuses (grid or register limits)
+        torch.cuda.synchronize()
+        return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+    return {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1)}
+
+
 def copy_gbps(reps: int) -> float:
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -95,9 +106,9 @@ def run(reps: int = 200, sweep: bool = True) -> dict:
         for values in settings:
             for k, v in zip(SWEEP, values):
                 setattr(quant_moe_gpu, k, v)
-            us = graph_us(lambda: quant_moe_gpu.moe_decode_quant(x, ids, w, pool, layout.kernel_parts, I), reps)
             rows.append({"what": "8 experts, 1 token, Q4_K/Q4_K/Q6_K blocks", **dict(zip(SWEEP, values)),
-                         "us": round(us, 2), "GBps": round(expert_bytes / us / 1e3, 1)})
+                         **timed(lambda: quant_moe_gpu.moe_decode_quant(x, ids, w, pool, layout.kernel_parts, I),
+                                 reps, expert_bytes)})
     finally:
         for k, v in default.items():
             setattr(quant_moe_gpu, k, v)
@@ -118,9 +129,8 @@ def run(reps: int = 200, sweep: bool = True) -> dict:
             for values in linear_settings:
                 for k, v in zip(LINEAR_SWEEP, values):
                     setattr(quant_linear_gpu, k, v)
-                us = graph_us(lambda: quant_linear_gpu.linear(xin, qw), reps)
-                rows.append({"what": f"{name}, 1 token", **dict(zip(LINEAR_SWEEP, values)), "us": round(us, 2),
-                             "GBps": round(blocks.numel() / us / 1e3, 1)})
+                rows.append({"what": f"{name}, 1 token", **dict(zip(LINEAR_SWEEP, values)),
+                             **timed(lambda: quant_linear_gpu.linear(xin, qw), reps, blocks.numel())})
         finally:
             for k, v in linear_default.items():
                 setattr(quant_linear_gpu, k, v)

@@ -5,7 +5,7 @@ Shared by the cache slots (engine/experts/gpu_set.py) and quantised experts resi
 one grouped GEMM pair runs over the pool (engine/kernels/experts_gpu.py), and the weighted rows are
 summed back per token. A quantised pool holds blocks, not tensors: `QuantTiles` dequantises the rows a
 batch uses into tiles of the engine dtype, a window of experts at a time, and runs the same
-computation over the tiles.
+computation over the tiles, each window over its own rows of the pairs sorted once.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class QuantTiles:
         split = 2 * expert_ffn * hidden
         self.gate_up = self.tiles[:, :split].unflatten(1, (2 * expert_ffn, hidden))  # (W, 2I, H)
         self.down = self.tiles[:, split:].unflatten(1, (hidden, expert_ffn))  # (W, H, I)
-        self.group_ends = torch.arange(1, window + 1, device=device) if grouped_mm else None
+        self.grouped_mm = grouped_mm  # torch's grouped GEMM runs here (else the host-known groups' loop)
 
     @property
     def window(self) -> int:
@@ -71,18 +71,40 @@ class QuantTiles:
             experts: list[int], pool_rows: list[int], pairs_per_expert: np.ndarray, n_experts: int,
             form=None) -> torch.Tensor:
         """The pairs of `experts` (pool_rows: where each one's blocks sit in pool (S, B) uint8, laid out
-        by `layout`, a QuantLayout) → (N, H) fp32; the other pairs add nothing."""
-        total = None
-        # the experts and their pool rows reach the device in one copy: no host wait between the windows
-        index = torch.from_numpy(np.array([experts, pool_rows], dtype=np.int64).reshape(2, -1)).to(x.device)
+        by `layout`, a QuantLayout) → (N, H) fp32; the other pairs add nothing.
+
+        The pairs are sorted once, by each one's expert's place in `experts` (the others last), so a
+        window's pairs are one contiguous range of rows whose bounds the host knows: each window
+        dequantises its experts into the tiles and runs the grouped GEMM over its own rows only."""
+        N, k = ids.shape
+        n = len(experts)
+        if n == 0:
+            return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        ends = np.cumsum(pairs_per_expert)  # (n,) end of each expert's rows in the sorted order
+        # the experts, their pool rows and their rows' ends reach the device in one copy
+        index = torch.from_numpy(np.array([experts, pool_rows, ends], dtype=np.int64).reshape(3, -1)).to(x.device)
+        rank = torch.full((n_experts,), n, dtype=torch.int64, device=x.device)  # (E,) place in `experts`, else n
+        rank[index[0]] = torch.arange(n, device=x.device)
+        flat = ids.reshape(-1)
+        _, perm = torch.sort(rank[flat], stable=True)  # (N·k,) pairs by place, tokens in order within one
+        M = int(ends[-1])  # the pairs of `experts`: rows 0 … M − 1 of the sorted order
+        perm = perm[:M]
+        xs = x[perm // k]  # (M, H) grouped by expert
+        rows = flat[perm] if form is not None else None  # (M,) each row's expert id: its biases
+        ends_dev = index[2].to(torch.int32)  # (n,)
         order = torch.arange(self.window, device=x.device)  # (W,) tile rows
-        for a in range(0, len(experts), self.window):
-            n = len(experts[a:a + self.window])
-            blocks = pool[index[1, a:a + n]]  # (n, B): a gather on the device
-            layout.dequantize_into(self.tiles, order[:n], blocks)
-            tile_of = torch.full((n_experts,), self.window, dtype=torch.int64, device=x.device)  # else past the tiles
-            tile_of[index[0, a:a + n]] = order[:n]  # expert → its tile
-            part = grouped_pairs(x, ids, weights, tile_of, self.gate_up, self.down, list(range(n)),
-                                 pairs_per_expert[a:a + n], form, self.group_ends)
-            total = part if total is None else total + part
-        return total if total is not None else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        y = torch.empty((M, self.hidden), dtype=x.dtype, device=x.device)
+        for a in range(0, n, self.window):
+            b = min(n, a + self.window)
+            r0, r1 = int(ends[a] - pairs_per_expert[a]), int(ends[b - 1])
+            if r1 == r0:
+                continue
+            layout.dequantize_into(self.tiles, order[:b - a], pool[index[1, a:b]])  # (b − a, B) gathered blocks
+            groups = [(g, int(ends[a + g] - pairs_per_expert[a + g]) - r0, int(ends[a + g]) - r0) for g in range(b - a)]
+            offs = ends_dev[a:b] - r0 if self.grouped_mm else None  # (b − a,) int32 group ends
+            y[r0:r1] = grouped_expert_ffn(xs[r0:r1], self.gate_up[:b - a], self.down[:b - a], offs, groups, form=form,
+                                          rows=None if rows is None else rows[r0:r1])
+        w = weights.reshape(-1)[perm].unsqueeze(1).float()  # (M, 1)
+        pairs = torch.zeros((N * k, self.hidden), dtype=torch.float32, device=x.device)
+        pairs.index_copy_(0, perm, y.float() * w)  # back to (token, choice) order; the other pairs stay 0
+        return pairs.view(N, k, -1).sum(1)  # (N, H) fp32

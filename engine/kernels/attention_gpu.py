@@ -10,15 +10,32 @@ head h // (nh / n_kv). Outputs: o (b, nh, T, hs) fp32, lse (b, nh, T) fp32.
 On CUDA in bf16/fp16, dense attention is PyTorch's flash kernel (its LSE is natural-log). The
 padded form and every other case use an fp32 matmul path; on the CPU (simulate mode) dense
 attention is the same fp32-accurate kernel the CPU side uses.
+
+    sdpa(q, k, v, mask, causal, scale)       torch's SDPA (GQA), never its cuDNN backend: the KV
+                                             caches' prefill and chunked-prefill attention
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.kernels import attention_cpu
 
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
+# SDPA's backends for prefill, cuDNN left out: it builds an execution plan for every new (queries, keys)
+# shape, and a chat's prompts and chunks are new shapes nearly every turn. On an H100 (torch 2.11) one
+# layer's prefill of a 1,500-token prompt after prompts of other lengths took 1.19 s with it and 27 ms
+# without; its warm speed was no better (benchmarks/h200/2026-12-05-q4km-blocks-h100).
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+         causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """q (B, nh, T, hs), k, v (B, n_kv, S, hs), mask (·, ·, T, S) bool (True: visible) or None → (B, nh, T, hs)."""
+    with sdpa_kernel(_SDPA_BACKENDS):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                                scale=scale, enable_gqa=True)
 
 
 def _flash_ok(q: torch.Tensor) -> bool:
@@ -113,5 +130,4 @@ def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: to
         mask = (j <= S - T + i)[None, None]  # (1, 1, T, S)
     visible = torch.ones((*mask.shape[:-1], 1), dtype=torch.bool, device=mask.device)
     mask2 = torch.cat((visible, mask), dim=-1)  # (·, 1, T, 1+S): the sink is always visible
-    return torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask2, scale=scale,
-                                                            enable_gqa=True)
+    return sdpa(q2, k2, v2, mask2, scale=scale)

@@ -88,11 +88,12 @@ if triton is not None:
     @triton.jit
     def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr, BB: tl.constexpr,
                        HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr):
-        """Program (token m, row tile): out[m, rows] = W[rows] · x[m] (+ bias), fp32 sums rounded once."""
-        m = tl.program_id(0)
-        r = tl.program_id(1) * ROWS + tl.arange(0, ROWS * C) // C  # (ROWS·C,) row of each sub-block slot
+        """Program (row tile, token m): out[m, rows] = W[rows] · x[m] (+ bias), fp32 sums rounded once. Row
+        tiles on grid axis 0 (up to 2^31 − 1; axis 1 stops at 65,535: 131K rows in tiles of 2)."""
+        m = tl.program_id(1)
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS * C) // C  # (ROWS·C,) row of each sub-block slot
         acc = _gemv(x_ptr + m * K, w_ptr + r.to(tl.int64) * row_bytes, r < N, K // 32, QT, BB, ROWS, C)  # (ROWS,)
-        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * N + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
@@ -111,7 +112,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
         y = torch.empty(n, N, dtype=x.dtype, device=x.device)
         if n:
             rows = ROWS_INTERPRETED if dequant_gpu.interpreted() else ROWS
-            _linear_kernel[(n, triton.cdiv(N, rows))](x2, w.blocks, bias if bias is not None else x2, y, N, K,
+            _linear_kernel[(triton.cdiv(N, rows), n)](x2, w.blocks, bias if bias is not None else x2, y, N, K,
                                                       w.row_bytes, QT=w.qtype.code, BB=w.qtype.block_bytes,
                                                       HAS_BIAS=bias is not None, ROWS=rows, C=CHUNK)
         return y.view(*x.shape[:-1], N)

@@ -30,10 +30,9 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
 from engine.errors import OutOfMemoryError
-from engine.kernels import attention_mla, attention_mla_native
+from engine.kernels import attention_gpu, attention_mla, attention_mla_native
 from engine.kv.regions import BlockAllocator
 from engine.kv.resident import ResidentKV, read_rows
 from engine.kv.writescope import WriteScopeKV
@@ -117,9 +116,7 @@ class LatentResidentKV(ResidentKV):
             return o.to(q.dtype)
         keys = rows.unsqueeze(1)  # (B, 1, S, r + dr): one KV head for every query head
         values = keys[..., :self.value_dim]  # (B, 1, S, r): a view, no copy
-        if mask is None:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return attention_gpu.sdpa(q, keys, values, mask, causal=mask is None, scale=scale)
 
     def telemetry(self) -> dict:
         return {

@@ -189,9 +189,7 @@ class ResidentKV(KVBackend):
             values = read_rows(self.v[layer], read).transpose(1, 2)
         if sinks is not None:
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
-        if mask is None:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=True)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return attention_gpu.sdpa(q, keys, values, mask, causal=mask is None and T > 1)
 
     def replayable_step(self) -> bool:
         """Whether the step begun is a paged decode: inputs at fixed addresses, a CUDA graph can replay it."""
