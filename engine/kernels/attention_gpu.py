@@ -33,6 +33,9 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
          causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """q (B, nh, T, hs), k, v (B, n_kv, S, hs), mask (·, ·, T, S) bool (True: visible) or None → (B, nh, T, hs)."""
+    if not q.is_cuda:  # (the CPU has no cuDNN, and a CPU decode step calls this every layer: no context)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                                scale=scale, enable_gqa=True)
     with sdpa_kernel(_SDPA_BACKENDS):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                                 scale=scale, enable_gqa=True)
