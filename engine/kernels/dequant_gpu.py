@@ -118,10 +118,12 @@ if triton is not None:
             ql = tl.load(base[:, None] + (64 * h + 32 * (p % 2))[:, None] + l[None, :], mask=ok, other=0).to(tl.int32)
             qh = tl.load(base[:, None] + 128 + (32 * h)[:, None] + l[None, :], mask=ok, other=0).to(tl.int32)
             q = ((ql >> (4 * (p // 2))[:, None]) & 0x0F) | (((qh >> (2 * p)[:, None]) & 3) << 4)
-            group = 192 + (2 * j)[:, None] + l[None, :] // 16  # 16 weights a scale
-            sc = tl.load(base[:, None] + group, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            # the sub-block's two int8 scales (16 weights each), read once a row, not once a weight
+            sc0 = tl.load(base + 192 + 2 * j, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            sc1 = tl.load(base + 193 + 2 * j, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
             d = _half_rows(base + 208, row_ok)
-            w = (d[:, None] * sc) * (q - 32).to(tl.float32)
+            scale = tl.where(l[None, :] < 16, (d * sc0)[:, None], (d * sc1)[:, None])  # (R, 32) exact products
+            w = scale * (q - 32).to(tl.float32)
         else:  # Q4_K, Q5_K: d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
             d, dmin = _half_rows(base, row_ok), _half_rows(base + 2, row_ok)
             # 6-bit scale and min of sub-block j: kquants.py's _scale_min, per row
