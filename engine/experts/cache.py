@@ -4,7 +4,9 @@
 free slot or evicts the least recently used entry, a prefetch admits only into a free slot or one
 whose entry went unused for a whole forward pass. Entries the current layer computes with are
 locked until the layer ends, so neither its own fills nor the next layer's prefetches overwrite a
-slot a kernel still reads.
+slot a kernel still reads. One set of primitives (refresh, lock, take_free, oldest, evict,
+admit_into, give_back) does all of it: the per-layer path's lookup, admit, admit_prefetch and place
+are compositions of them, and the one-graph step (engine/experts/zero_copy.py) composes its own.
 
 `ExpertCache` owns the slots: one (n_slots, P) tensor allocated once, where a slot holds one
 expert's block exactly as the host store lays it out, so a fill is one contiguous copy, issued on its
@@ -66,21 +68,7 @@ class SlotLRU:
         ent = self.entries.get(key)
         return None if ent is None else ent.slot
 
-    def lookup(self, layer: int, experts: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """Hits refresh recency and are locked for this layer → (hit experts, their slots, misses)."""
-        hits, slots, misses, keys = [], [], [], []
-        for e in experts:
-            ent = self.entries.get((layer, e))
-            if ent is None:
-                misses.append(e)
-                continue
-            hits.append(e)
-            slots.append(ent.slot)
-            keys.append((layer, e))
-        self.refresh(keys)
-        self.locked.update(keys)
-        self.misses += len(misses)
-        return hits, slots, misses
+    # -- primitives: what both offloaded decode paths use (the one-graph step calls them itself) --------
 
     def refresh(self, keys: list[Key]) -> None:
         """Hits in the order they were used: recency refreshed and counted, nothing locked. The
@@ -98,92 +86,113 @@ class SlotLRU:
         self.clock = clock
         self.hits += len(keys)
 
-    def admit(self, layer: int, expert: int) -> tuple[int, Key | None]:
-        """A fill for this layer: a free slot, else the least recently used unlocked entry's.
-        Returns (slot, evicted key or None)."""
-        key = (layer, expert)
-        if key in self.entries:
-            raise KeyError(f"expert {key} is cached already")
-        evicted = None
-        if self.free:
-            slot = self.free.pop()
-        else:
-            evicted = next((k for k in self.entries if k not in self.locked), None)
-            if evicted is None:
-                raise RuntimeError(f"all {self.n_slots} slots are in use by this layer; the planner must cap fills")
-            slot = self._evict(evicted)
-        self.entries[key] = _Entry(slot, self._tick())
-        self.locked.add(key)
-        self.fills += 1
-        return slot, evicted
+    def lock(self, keys) -> None:
+        """Entries the current layer computes with: no eviction takes them until `unlock`."""
+        self.locked.update(keys)
 
-    def admit_prefetch(self, layer: int, expert: int, stale_before: int, protect: set[Key]) -> int | None:
-        """A prefetch: a free slot, or the slot of the least recently used entry that is neither
-        locked nor protected and was last used before `stale_before`; None when there is none."""
-        key = (layer, expert)
-        if key in self.entries:
-            return None
-        if self.free:
-            slot = self.free.pop()
-        else:
-            victim = None
-            for k, ent in self.entries.items():  # oldest first: stop at the first recent one
-                if ent.tick >= stale_before:
-                    break
-                if k not in self.locked and k not in protect:
-                    victim = k
-                    break
-            if victim is None:
-                return None
-            slot = self._evict(victim)
-        self.entries[key] = _Entry(slot, self._tick(), prefetched=True)
-        self.prefetches += 1
-        return slot
-
-    def place(self, layer: int, expert: int) -> int | None:
-        """Warm-up at load (hot table, static placement): a free slot or nothing; no eviction."""
-        key = (layer, expert)
-        if key in self.entries or not self.free:
-            return None
-        slot = self.free.pop()
-        self.entries[key] = _Entry(slot, self._tick())
-        return slot
+    def unlock(self) -> None:
+        self.locked.clear()
 
     def take_free(self, n: int) -> list[int]:
         """Up to n free slots out of the LRU's hands. The caller holds them until it admits into them
         (`admit_into`) or gives them back (`give_back`)."""
         return [self.free.pop() for _ in range(min(n, len(self.free)))]
 
-    def oldest(self, n: int, exclude=()) -> list[Key]:
-        """The n least recently used unlocked entries not in `exclude`, oldest first (left cached)."""
+    def oldest(self, n: int, exclude=(), stale_before: int | None = None) -> list[Key]:
+        """The n least recently used unlocked entries not in `exclude`, oldest first (left cached); with
+        stale_before, only from those last used before that clock value (the search ends at the first
+        entry used since, locked or not)."""
+        def candidates():
+            for key, ent in self.entries.items():
+                if stale_before is not None and ent.tick >= stale_before:
+                    return
+                if key not in self.locked and key not in exclude:
+                    yield key
+
         # Only as far into the LRU order as needed: listing every unlocked entry costs ~0.4 ms a call
         # at 2,202 slots, between two one-graph steps.
-        return list(islice((k for k in self.entries if k not in self.locked and k not in exclude), max(0, n)))
+        return list(islice(candidates(), max(0, n)))
 
     def evict(self, key: Key) -> int:
-        """Drop a cached entry whose slot the caller has taken over → that slot (counted as an eviction)."""
-        return self._evict(key)
-
-    def admit_into(self, layer: int, expert: int, slot: int) -> None:
-        """A fill that landed in a slot the caller took (`take_free`, or `evict`): a new, most recent entry."""
-        key = (layer, expert)
-        if key in self.entries:
-            raise KeyError(f"expert {key} is cached already")
-        self.entries[key] = _Entry(slot, self._tick())
-        self.fills += 1
-
-    def give_back(self, slots: list[int]) -> None:
-        self.free.extend(slots)
-
-    def unlock(self) -> None:
-        self.locked.clear()
-
-    def _evict(self, key: Key) -> int:
+        """Drop a cached entry whose slot the caller takes over → that slot (counted as an eviction)."""
         ent = self.entries.pop(key)
         if ent.prefetched:
             self.prefetch_wasted += 1
         self.evictions += 1
         return ent.slot
+
+    def admit_into(self, layer: int, expert: int, slot: int, kind: str = "fill") -> None:
+        """An expert now in a slot the caller took (`take_free`, or `evict`): a new, most recent entry.
+        kind: "fill" (counted as a fill), "prefetch" (counted; marked until its first hit) or "placed"
+        (the warm-up at load: not counted)."""
+        key = (layer, expert)
+        if key in self.entries:
+            raise KeyError(f"expert {key} is cached already")
+        self.entries[key] = _Entry(slot, self._tick(), prefetched=kind == "prefetch")
+        if kind == "fill":
+            self.fills += 1
+        elif kind == "prefetch":
+            self.prefetches += 1
+
+    def give_back(self, slots: list[int]) -> None:
+        self.free.extend(slots)
+
+    # -- the per-layer path's steps, each a composition of the primitives ---------------------------
+
+    def lookup(self, layer: int, experts: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Hits refresh recency and are locked for this layer → (hit experts, their slots, misses)."""
+        hits, slots, misses, keys = [], [], [], []
+        for e in experts:
+            ent = self.entries.get((layer, e))
+            if ent is None:
+                misses.append(e)
+                continue
+            hits.append(e)
+            slots.append(ent.slot)
+            keys.append((layer, e))
+        self.refresh(keys)
+        self.lock(keys)
+        self.misses += len(misses)
+        return hits, slots, misses
+
+    def admit(self, layer: int, expert: int) -> tuple[int, Key | None]:
+        """A fill for this layer: a free slot, else the least recently used unlocked entry's; the entry
+        is locked for the layer. Returns (slot, evicted key or None)."""
+        if (layer, expert) in self.entries:
+            raise KeyError(f"expert {(layer, expert)} is cached already")
+        slots, evicted = self.take_free(1), None
+        if not slots:
+            victims = self.oldest(1)
+            if not victims:
+                raise RuntimeError(f"all {self.n_slots} slots are in use by this layer; the planner must cap fills")
+            evicted = victims[0]
+            slots = [self.evict(evicted)]
+        self.admit_into(layer, expert, slots[0])
+        self.lock([(layer, expert)])
+        return slots[0], evicted
+
+    def admit_prefetch(self, layer: int, expert: int, stale_before: int, protect: set[Key]) -> int | None:
+        """A prefetch: a free slot, or the slot of the least recently used entry that is neither
+        locked nor protected and was last used before `stale_before`; None when there is none."""
+        if (layer, expert) in self.entries:
+            return None
+        slots = self.take_free(1)
+        if not slots:
+            victims = self.oldest(1, exclude=protect, stale_before=stale_before)
+            if not victims:
+                return None
+            slots = [self.evict(victims[0])]
+        self.admit_into(layer, expert, slots[0], kind="prefetch")
+        return slots[0]
+
+    def place(self, layer: int, expert: int) -> int | None:
+        """Warm-up at load (hot table, static placement): a free slot or nothing; no eviction."""
+        if (layer, expert) in self.entries:
+            return None
+        slots = self.take_free(1)
+        if slots:
+            self.admit_into(layer, expert, slots[0], kind="placed")
+        return slots[0] if slots else None
 
 
 class ExpertCache:

@@ -99,6 +99,28 @@ def test_the_oldest_unlocked_entries_are_listed_and_evicted_when_their_slots_are
     assert lru.take_free(5) == [2, 1] and lru.free == []  # free slots leave in the order admit takes them
 
 
+def test_oldest_stops_at_the_first_entry_used_since_the_clock_given():
+    """The prefetch's rule, as a primitive: entries last used at or after stale_before end the search,
+    locked ones included; locked and excluded entries before it are passed over."""
+    lru = SlotLRU(4)
+    step(lru, 0, [0, 1, 2, 3])  # ticks 1 … 4, oldest first
+    lru.lock([(0, 0)])
+    assert lru.oldest(3, stale_before=4) == [(0, 1), (0, 2)]  # (0,0) locked, (0,3) used at 4
+    assert lru.oldest(3, exclude={(0, 1)}, stale_before=3) == []  # (0,2) was used at 3: the search ends
+    assert lru.oldest(1, stale_before=1) == []
+
+
+def test_admit_into_counts_by_kind():
+    lru = SlotLRU(3)
+    slots = lru.take_free(3)
+    for (e, kind), slot in zip([(0, "fill"), (1, "prefetch"), (2, "placed")], slots):
+        lru.admit_into(0, e, slot, kind=kind)
+    assert (lru.fills, lru.prefetches) == (1, 1)
+    assert [lru.entries[(0, e)].prefetched for e in range(3)] == [False, True, False]
+    with pytest.raises(KeyError):
+        lru.admit_into(0, 1, 0)  # cached already
+
+
 def test_warm_placement_fills_free_slots_only():
     lru = SlotLRU(2)
     assert [lru.place(0, e) for e in range(3)] == [0, 1, None]
