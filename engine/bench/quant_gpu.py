@@ -114,9 +114,8 @@ def run(reps: int = 200, sweep: bool = True) -> dict:
             setattr(quant_moe_gpu, k, v)
     bf16 = torch.randn(SLOTS, 3 * H * I, device=dev, dtype=torch.bfloat16) * 0.02
     gate_up, down = bf16[:, :2 * I * H].unflatten(1, (2 * I, H)), bf16[:, 2 * I * H:].unflatten(1, (H, I))
-    us = graph_us(lambda: moe_decode_gpu.moe_decode(x, ids, w, gate_up, down), reps)
-    rows.append({"what": "8 experts, 1 token, BF16 (moe_decode)", "us": round(us, 2),
-                 "GBps": round(TOP_K * 3 * H * I * 2 / us / 1e3, 1)})
+    rows.append({"what": "8 experts, 1 token, BF16 (moe_decode)",
+                 **timed(lambda: moe_decode_gpu.moe_decode(x, ids, w, gate_up, down), reps, TOP_K * 3 * H * I * 2)})
     linear_settings = list(itertools.product(*LINEAR_SWEEP.values())) if sweep else [
         tuple(getattr(quant_linear_gpu, k) for k in LINEAR_SWEEP)]
     linear_default = {k: getattr(quant_linear_gpu, k) for k in LINEAR_SWEEP}
@@ -135,9 +134,8 @@ def run(reps: int = 200, sweep: bool = True) -> dict:
             for k, v in linear_default.items():
                 setattr(quant_linear_gpu, k, v)
         dense = torch.randn(n_out, n_in, device=dev, dtype=torch.bfloat16)
-        us = graph_us(lambda: F.linear(xin, dense), reps)
-        rows.append({"what": f"{name.rsplit(' ', 1)[0]} BF16 (F.linear), 1 token", "us": round(us, 2),
-                     "GBps": round(dense.numel() * 2 / us / 1e3, 1)})
+        rows.append({"what": f"{name.rsplit(' ', 1)[0]} BF16 (F.linear), 1 token",
+                     **timed(lambda: F.linear(xin, dense), reps, dense.numel() * 2)})
     return {"rows": rows, "device_copy_GBps": round(copy_gbps(reps), 1),
             "defaults": {**{k: getattr(quant_moe_gpu, k) for k in SWEEP},
                          **{f"linear {k}": getattr(quant_linear_gpu, k) for k in LINEAR_SWEEP}}}

@@ -17,6 +17,8 @@ attention is the same fp32-accurate kernel the CPU side uses.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -33,10 +35,8 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
          causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """q (B, nh, T, hs), k, v (B, n_kv, S, hs), mask (·, ·, T, S) bool (True: visible) or None → (B, nh, T, hs)."""
-    if not q.is_cuda:  # (the CPU has no cuDNN, and a CPU decode step calls this every layer: no context)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                                scale=scale, enable_gqa=True)
-    with sdpa_kernel(_SDPA_BACKENDS):
+    # (the CPU has no cuDNN, and a CPU decode step calls this every layer: no backend context there)
+    with sdpa_kernel(_SDPA_BACKENDS) if q.is_cuda else nullcontext():
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                                 scale=scale, enable_gqa=True)
 
