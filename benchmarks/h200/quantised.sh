@@ -4,6 +4,8 @@
 # the records made so far). The suite quantises the BF16 export with the built `llama-quantize` once.
 # Carried in and started as families.sh's header says, with this script in its place; CONTEXTS=2048
 # keeps a short lease to 2K, ROUTING (default random: one export, one quantised file) adds zipf:1.0.
+# A carried .lease/base.tar (`git archive BASE -o .lease/base.tar`) adds the GPU kernels' bench at BASE,
+# its own tiles, beside this commit's: the A/B of a kernel change on the same machine.
 source benchmarks/h200/lease_start.sh  # folders, log, wheels, native build, machine header
 
 step llama.cpp build starts in the background
@@ -14,12 +16,19 @@ build=$!
 step CUDA tests
 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/quant tests/experts \
   tests/kernels/test_quant_moe_gpu.py tests/kernels/test_quant_linear_gpu.py tests/kernels/test_dequant_gpu.py \
+  tests/kernels/test_quant_dot_gpu.py \
   tests/kernels/test_moe_decode_gpu.py 2>&1 \
   | tail -30 >"$res/pytest-cuda.log"
 tail -1 "$res/pytest-cuda.log" >>"$log"
 
 step GPU kernels over blocks  # the quantised decode GEMVs against BF16 and the copy bound, tile sweep
 python3 -m engine.bench.quant_gpu --json "$res/quant-gpu.json" >>"$log" 2>&1
+if [ -f .lease/base.tar ]; then
+  step GPU kernels over blocks at the base commit  # its own tiles; the native build is this tree's
+  mkdir -p "$work/base" && tar -xf .lease/base.tar -C "$work/base" && cp engine/_native*.so "$work/base/engine/"
+  (cd "$work/base" && PYTHONPATH=$PWD:/tmp/site python3 -m engine.bench.quant_gpu --no-sweep \
+    --json "$res/quant-gpu-base.json" >>"$log" 2>&1)
+fi
 
 step export L16  # the name the suite looks for; the suite quantises it
 python3 -m engine.cli export-gguf --model synthetic:qwen3-30b-a3b-L16 --out "$work/qwen3-30b-a3b-L16-random.gguf" \

@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 H, I, TOP_K, SLOTS = 2048, 768, 8, 256  # Qwen3-30B-A3B's expert shapes, a decode step's routing
-SWEEP = {"ROWS_GATE_UP": (2, 4, 8), "ROWS_DOWN": (4, 8, 16), "CHUNK": (4, 8, 16)}
-LINEAR_SWEEP = {"ROWS": (2, 4, 8, 16), "CHUNK": (4, 8, 16)}  # quant_linear_gpu's tile at one token
+# The kernels' tile settings swept (a sub-block's factors are decoded by the threads that hold its
+# words, so rows, sub-blocks a step and warps together set how many weights share them)
+SWEEP = {"ROWS_GATE_UP": (4, 8, 16), "ROWS_DOWN": (4, 8, 16), "CHUNK": (8,), "WARPS": (1, 2, 4)}
+LINEAR_SWEEP = {"ROWS": (4, 8, 16), "CHUNK": (8,), "WARPS": (1, 2, 4)}  # quant_linear_gpu's tile at one token
 
 
 def random_blocks(n_rows: int, cols: int, code: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -100,7 +102,7 @@ def run(reps: int = 200, sweep: bool = True) -> dict:
     expert_bytes = TOP_K * layout.nbytes
     rows = []
     settings = list(itertools.product(*SWEEP.values())) if sweep else [
-        (quant_moe_gpu.ROWS_GATE_UP, quant_moe_gpu.ROWS_DOWN, quant_moe_gpu.CHUNK)]
+        tuple(getattr(quant_moe_gpu, k) for k in SWEEP)]
     default = {k: getattr(quant_moe_gpu, k) for k in SWEEP}
     try:
         for values in settings:

@@ -1,0 +1,215 @@
+"""Dot products of GGUF blocks with int8 activations on the GPU: the inner loop of the decode GEMVs.
+
+A decode matrix-vector product over quantised blocks should be bound by the bytes it reads. Decoding
+each weight to fp32 and multiplying in fp32 made it bound by instructions instead (14–30 PTX
+instructions a weight, tests/kernels/ptx_loop.py; one H100 read Q4_K experts at about 500 GB/s).
+Here, as in ggml's MMVQ kernels, the activations are first quantised per block of 32 to int8 with one
+fp32 scale (`quantize_rows`), and a sub-block of 32 weights is 8 four-byte integer dot products
+(`dp4a`, one instruction each) between the weights' quants, still packed as the file has them, and
+the activation's bytes. The per-sub-block factors are applied once to the integer sums:
+
+    Σ_i w_i x_i  ≈  dx · Σ_h (a_h · Σ_{i∈h} q_i xq_i  +  b_h · Σ_{i∈h} xq_i)
+
+for w = a·q + b over each half h of 16 weights (a = d·sc, b = −dmin·m for Q4_K; a = d, b = −8·d for
+Q4_0; Q6_K's halves have their own scales), x ≈ dx·xq. The error this adds is the activation's
+rounding to int8, at most dx/2 = amax/254 an element, the same as ggml's on its GPUs and CPUs.
+
+    quantize_rows(x) -> (words, scales, sums)
+        x (N, K) bf16/fp16/fp32, K a multiple of 32 → the int8 values as int32 words (N, K/4), fp32
+        scales (N, K/32), int32 sums of each half block's int8 values (N, K/16)
+
+`_gemv_q8` is the jit function the kernels of quant_moe_gpu.py and quant_linear_gpu.py call. It reads
+the blocks 16 bits at a time (every kept type but MXFP4 keeps its quants at even byte offsets, and
+MXFP4's 17-byte blocks are read a byte at a time), so part offsets and row strides must be even.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    from engine.kernels.dequant_gpu import _half_rows
+except ImportError:
+    triton = None
+
+MXFP4 = 39  # ggml's code of the one kept type whose blocks (17 bytes) are read a byte at a time
+QUANT_BLOCKS = 16  # blocks of 32 activations a program quantises: 512 values, a program a token for H = 512
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dp4a(a, b, DP4A: tl.constexpr):
+        """Σ over the four bytes of a·b, each byte a signed int8 (int32 tensors): one instruction on the
+        GPU; shifts and products in Triton's interpreter, which runs no PTX."""
+        if DP4A:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros_like(a)],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            s = tl.zeros_like(a)
+            for i in tl.static_range(4):
+                s += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+            return s
+
+    @triton.jit
+    def _word(p, ok):
+        """Byte pointers, each at an even address → the little-endian int32 at each, from two 16-bit
+        loads (blocks of 18, 22, 34 or 210 bytes leave no 4-byte alignment)."""
+        h = p.to(tl.pointer_type(tl.int16))
+        lo = tl.load(h, mask=ok, other=0).to(tl.int32) & 0xFFFF
+        return lo | (tl.load(h + 1, mask=ok, other=0).to(tl.int32) << 16)
+
+    @triton.jit
+    def _nibbles(word, shift):
+        """The nibble at `shift` (0 or 4) of each of a word's four bytes, as four bytes 0–15."""
+        return (word >> shift) & 0x0F0F0F0F
+
+    @triton.jit
+    def _fifth_bits(bits):
+        """Four bits (0–15) → bit i moved to bit 4 of byte i: the fifth bit of four 5-bit quants."""
+        return ((bits & 1) << 4) | ((bits & 2) << 11) | ((bits & 4) << 18) | ((bits & 8) << 25)
+
+    @triton.jit
+    def _quants(base, j, row_ok, ok, t, QT: tl.constexpr, BB: tl.constexpr):
+        """R sub-blocks of type QT (ggml's code): base (R,) block starts (K-quants: super-block starts,
+        j (R,) the sub-block 0–7 in each), t = arange(0, 8) → (quants (R, 8) int32: byte i of word t is
+        weight 4t + i's quant; per half of 16 weights the factors a0, b0, a1, b1 (R,) fp32 with
+        w = a·q + b)."""
+        if QT == 8:  # Q8_0: d, 32 int8 quants
+            d = _half_rows(base, row_ok)
+            q = _word(base[:, None] + 2 + 4 * t[None, :], ok)
+            a0, b0, a1, b1 = d, tl.zeros_like(d), d, tl.zeros_like(d)
+        elif QT == 39:  # MXFP4: exponent byte e, then weight l's E2M1 code in nibble l // 16 of byte 1 + l % 16
+            e = tl.load(base, mask=row_ok, other=0).to(tl.int32)
+            # 2^(e − 128) from its bits: biased exponent e − 1, or for e = 0, 1 the subnormals 2^-128, 2^-127
+            a0 = tl.where(e >= 2, (e - 1) << 23, 0x00200000 << tl.minimum(e, 1)).to(tl.float32, bitcast=True)
+            b0 = tl.zeros_like(a0)
+            a1, b1 = a0, b0
+            q = tl.zeros(ok.shape, tl.int32)
+            for i in tl.static_range(4):
+                code = (tl.load(base[:, None] + 1 + 4 * (t[None, :] % 4) + i, mask=ok, other=0).to(tl.int32)
+                        >> (4 * (t[None, :] // 4))) & 0x0F
+                c = code & 7  # doubled magnitudes 0, 1, 2, 3, 4, 6, 8 (nibble c of 0x08643210), 12
+                mag = tl.where(c == 7, 12, (0x08643210 >> (4 * c)) & 0x0F)
+                q |= (tl.where(code >= 8, -mag, mag) & 0xFF) << (8 * i)
+        elif QT == 14:  # Q6_K: ql[128], qh[64], sc[16] int8, d; half h = j // 4, its sub-block p = j % 4
+            h, p = j // 4, j % 4
+            ql = _word(base[:, None] + (64 * h + 32 * (p % 2))[:, None] + 4 * t[None, :], ok)
+            qh = _word(base[:, None] + 128 + (32 * h)[:, None] + 4 * t[None, :], ok)
+            q = _nibbles(ql, (4 * (p // 2))[:, None]) | (((qh >> (2 * p)[:, None]) & 0x03030303) << 4)
+            d = _half_rows(base + 208, row_ok)
+            a0 = d * tl.load(base + 192 + 2 * j, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            a1 = d * tl.load(base + 193 + 2 * j, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            b0, b1 = -32.0 * a0, -32.0 * a1  # quants 0–63 stand for q − 32
+        elif QT == 12 or QT == 13:  # Q4_K, Q5_K: d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
+            d, dmin = _half_rows(base, row_ok), _half_rows(base + 2, row_ok)
+            # 6-bit scale and min of sub-block j: kquants.py's _scale_min, per row
+            x = tl.load(base + 4 + j % 4, mask=row_ok, other=0).to(tl.int32)
+            y = tl.load(base + 8 + j % 4, mask=row_ok, other=0).to(tl.int32)
+            z = tl.load(base + 12 + j % 4, mask=row_ok, other=0).to(tl.int32)
+            sc = tl.where(j < 4, x & 63, (z & 0x0F) | ((x >> 6) << 4))
+            m = tl.where(j < 4, y & 63, (z >> 4) | ((y >> 6) << 4))
+            qs = 16 if QT == 12 else 48  # where qs starts: sub-blocks 2i and 2i + 1 share 32 bytes
+            q = _nibbles(_word(base[:, None] + qs + (32 * (j // 2))[:, None] + 4 * t[None, :], ok),
+                         (4 * (j % 2))[:, None])
+            if QT == 13:  # bit j of qh[l]: weight l's fifth bit
+                q |= ((_word(base[:, None] + 16 + 4 * t[None, :], ok) >> j[:, None]) & 0x01010101) << 4
+            a0 = d * sc.to(tl.float32)
+            b0 = -dmin * m.to(tl.float32)
+            a1, b1 = a0, b0
+        else:  # Q4_0, Q4_1, Q5_0, Q5_1: d [, m] [, qh], 16 bytes of nibbles last (weights l and l + 16 in byte l)
+            d = _half_rows(base, row_ok)
+            q = _nibbles(_word(base[:, None] + (BB - 16) + 4 * (t[None, :] % 4), ok), 4 * (t[None, :] // 4))
+            if QT == 6 or QT == 7:  # bit l of the little-endian u32 qh is weight l's fifth bit
+                qh = _word(base + (2 if QT == 6 else 4), row_ok)
+                q |= _fifth_bits((qh[:, None] >> (4 * t[None, :])) & 0x0F)
+            if QT == 3 or QT == 7:
+                b0 = _half_rows(base + 2, row_ok)
+            else:  # (q − 8)·d or (q − 16)·d
+                b0 = -(8.0 if QT == 2 else 16.0) * d
+            a0, a1, b1 = d, d, b0
+        return q, a0, b0, a1, b1
+
+    @triton.jit
+    def _gemv_q8(xw_ptr, xd_ptr, xs_ptr, rows, row_ok, n_sub, QT: tl.constexpr, BB: tl.constexpr,
+                 ROWS: tl.constexpr, C: tl.constexpr, DP4A: tl.constexpr):
+        """Dot products of ROWS matrix rows of type QT (ggml's code, BB bytes a block) with one quantised
+        activation vector of K = 32·n_sub (`quantize_rows`' words, scales and half sums at xw, xd, xs):
+        rows (ROWS·C,) are the start pointers of the row each of the C sub-block slots a row belongs to,
+        row_ok (ROWS·C,) masks them → (ROWS,) fp32."""
+        c = tl.arange(0, ROWS * C) % C  # (ROWS·C,) slot within its row
+        t = tl.arange(0, 8)  # (8,) word within a sub-block: weights 4t … 4t + 3
+        acc = tl.zeros((ROWS * C,), tl.float32)
+        for k0 in range(0, n_sub, C):
+            kb = k0 + c  # (ROWS·C,) sub-block along the row
+            ok_v = row_ok & (kb < n_sub)
+            ok = ok_v[:, None] & (t[None, :] < 8)  # (ROWS·C, 8)
+            if QT == 12 or QT == 13 or QT == 14:  # sub-block kb % 8 of super-block kb // 8
+                q, a0, b0, a1, b1 = _quants(rows + (kb // 8) * BB, kb % 8, ok_v, ok, t, QT, BB)
+            else:
+                q, a0, b0, a1, b1 = _quants(rows + kb * BB, kb, ok_v, ok, t, QT, BB)
+            dots = _dp4a(q, tl.load(xw_ptr + kb[:, None] * 8 + t[None, :], mask=ok, other=0), DP4A)  # (ROWS·C, 8)
+            s0 = tl.load(xs_ptr + 2 * kb, mask=ok_v, other=0).to(tl.float32)  # (ROWS·C,) Σ xq of each half
+            s1 = tl.load(xs_ptr + 2 * kb + 1, mask=ok_v, other=0).to(tl.float32)
+            i0 = tl.sum(tl.where(t[None, :] < 4, dots, 0), 1).to(tl.float32)  # (ROWS·C,) Σ q·xq of each half
+            i1 = tl.sum(tl.where(t[None, :] < 4, 0, dots), 1).to(tl.float32)
+            dx = tl.load(xd_ptr + kb, mask=ok_v, other=0.0)
+            acc += dx * (a0 * i0 + b0 * s0 + a1 * i1 + b1 * s1)
+        return tl.sum(tl.reshape(acc, (ROWS, C)), 1)  # (ROWS,): row-major, so slot v is row v // C
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, words_ptr, scales_ptr, sums_ptr, K, BLOCKS: tl.constexpr):
+        """Program (tile, row m): BLOCKS blocks of 32 of x[m] → int8 values q = round(x / dx) (stored at
+        words_ptr seen as int8), dx = max |x| / 127, and the sums of q over each half block."""
+        m = tl.program_id(1)
+        n_blocks = K // 32
+        b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)  # (BLOCKS,) block along the row
+        l = tl.arange(0, 32)
+        ok_b = b < n_blocks
+        ok = ok_b[:, None] & (l[None, :] < 32)  # (BLOCKS, 32)
+        at = m.to(tl.int64) * K + b[:, None] * 32 + l[None, :]
+        x = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)  # (BLOCKS, 32)
+        amax = tl.max(tl.abs(x), 1)  # (BLOCKS,)
+        v = x * tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)[:, None]  # in [−127, 127]; a zero block stays 0
+        q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)).to(tl.int32)  # to nearest, ties away from 0
+        tl.store(words_ptr.to(tl.pointer_type(tl.int8)) + at, q.to(tl.int8), mask=ok)
+        tl.store(scales_ptr + m * n_blocks + b, amax / 127.0, mask=ok_b)
+        sums = sums_ptr + m * 2 * n_blocks + 2 * b
+        tl.store(sums, tl.sum(tl.where(l[None, :] < 16, q, 0), 1), mask=ok_b)
+        tl.store(sums + 1, tl.sum(tl.where(l[None, :] < 16, 0, q), 1), mask=ok_b)
+
+
+def dp4a() -> bool:
+    """Whether the kernels are compiled for a GPU (the dp4a instruction) rather than run by Triton's
+    interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return not isinstance(_quantize_kernel, InterpretedFunction)
+
+
+def check_even(name: str, type_code: int, **byte_counts: int) -> None:
+    """Refuses a part whose quants `_gemv_q8` would read as 16-bit words at odd addresses (a misaligned
+    load stops the whole CUDA context): every byte count given (offsets, strides, addresses) must be
+    even, except for MXFP4, read a byte at a time."""
+    odd = [f"{what} {n}" for what, n in byte_counts.items() if n % 2]
+    if odd and type_code != MXFP4:
+        raise ValueError(f"{name}: the GPU kernels read blocks 16 bits at a time; odd {', '.join(odd)}")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (N, K) float, K a multiple of 32 → (words (N, K/4) int32: four int8 values each, little-endian;
+    scales (N, K/32) fp32; sums (N, K/16) int32 of the int8 values of each half block). One launch on the
+    current stream, nothing read back to the host."""
+    N, K = x.shape
+    if K % 32:
+        raise ValueError(f"rows of {K} activations are not whole blocks of 32")
+    x = x.contiguous()
+    words = torch.empty(N, K // 4, dtype=torch.int32, device=x.device)
+    scales = torch.empty(N, K // 32, dtype=torch.float32, device=x.device)
+    sums = torch.empty(N, K // 16, dtype=torch.int32, device=x.device)
+    if N and K:
+        _quantize_kernel[(triton.cdiv(K // 32, QUANT_BLOCKS), N)](x, words, scales, sums, K, BLOCKS=QUANT_BLOCKS)
+    return words, scales, sums

@@ -1,0 +1,58 @@
+"""The int8 form of the activations the decode GEMVs multiply (engine/kernels/quant_dot_gpu.py): the
+values, scales and half-block sums against a torch reference, a block of zeros, the packing of four
+values a word; and the blocks' alignment the 16-bit reads need. Interpreted on CPU tensors here;
+compiled on CUDA with `-m cuda` (where the quantiser's division may put a value one step the other way).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+pytest.importorskip("triton")
+
+from test_quant_moe_gpu import DEVICES, on, q8, slots  # noqa: E402
+
+from engine.kernels import quant_dot_gpu, quant_moe_gpu  # noqa: E402
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_activations_become_int8_steps_of_a_blocks_largest_over_127(dtype, device):
+    device = on(device)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 96, generator=g) * torch.tensor([1.0, 1e-3, 50.0]).repeat_interleave(32)).to(dtype)
+    x[1, 32:64] = 0  # a block of zeros: scale 0, values 0
+    words, scales, sums = quant_dot_gpu.quantize_rows(x.to(device))
+    assert words.shape == (3, 24) and scales.shape == (3, 3) and sums.shape == (3, 6)
+    values = words.cpu().view(torch.int8).view(3, 96).float()  # little-endian: value 4t + i is byte i of word t
+    blocks = x.float().unflatten(1, (3, 32))
+    want_scales = blocks.abs().amax(-1) / 127
+    assert torch.allclose(scales.cpu(), want_scales, rtol=1e-6, atol=0)
+    assert values.abs().max() <= 127 and (values.unflatten(1, (3, 32)).abs().amax(-1)[want_scales > 0] == 127).all()
+    steps = 0 if device.type == "cpu" else 1  # the GPU's 127 / amax is not correctly rounded
+    assert ((values * scales.cpu().repeat_interleave(32, 1) - q8(x)).abs()
+            <= (steps + 1e-3) * scales.cpu().repeat_interleave(32, 1)).all()
+    assert torch.equal(sums.cpu(), values.view(3, 6, 16).sum(-1).int())
+    assert (values[1, 32:64] == 0).all() and scales[1, 1] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_odd_offsets_are_refused_except_for_mxfp4(device):
+    """Q8_0's 16-bit words at an odd slot stride would be misaligned loads on a GPU; MXFP4 reads bytes."""
+    device = on(device)
+    x, ids, w = torch.randn(1, 64), torch.tensor([[1]]), torch.ones(1, 1)
+    pool, parts, _ = slots((T.Q8_0,) * 3, 64, 32, 2, [1], seed=2)
+    odd = torch.zeros(2, pool.shape[1] + 1, dtype=torch.uint8)
+    odd[:, :-1] = pool
+    with pytest.raises(ValueError, match="16 bits at a time; odd slot_stride"):
+        quant_moe_gpu.moe_decode_quant(x.to(device), ids.to(device), w.to(device), odd.to(device), parts, 32)
+    with pytest.raises(ValueError, match="odd offset"):
+        quant_moe_gpu.moe_decode_quant(x.to(device), ids.to(device), w.to(device), pool.to(device),
+                                       (parts[0], (parts[1][0], parts[1][1] + 1), parts[2]), 32)
+    pool, parts, _ = slots((T.MXFP4,) * 3, 64, 32, 2, [1], seed=2)
+    odd = torch.zeros(2, pool.shape[1] + 1, dtype=torch.uint8)
+    odd[:, :-1] = pool
+    out = quant_moe_gpu.moe_decode_quant(x.to(device), ids.to(device), w.to(device), odd.to(device), parts, 32)
+    assert torch.isfinite(out).all()
