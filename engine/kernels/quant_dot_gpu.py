@@ -1,24 +1,27 @@
-"""Dot products of GGUF blocks with int8 activations on the GPU: the inner loop of the decode GEMVs.
+"""Dot products of GGUF blocks with int16 activations on the GPU: the inner loop of the decode GEMVs.
 
 A decode matrix-vector product over quantised blocks should be bound by the bytes it reads. Decoding
 each weight to fp32 and multiplying in fp32 made it bound by instructions instead (14–30 PTX
 instructions a weight, tests/kernels/ptx_loop.py; one H100 read Q4_K experts at about 500 GB/s).
-Here, as in ggml's MMVQ kernels, the activations are first quantised per block of 32 to int8 with one
-fp32 scale (`quantize_rows`), and a sub-block of 32 weights is 8 four-byte integer dot products
-(`dp4a`, one instruction each) between the weights' quants, still packed as the file has them, and
-the activation's bytes. The per-sub-block factors are applied once to the integer sums:
+Here the activations are first quantised per block of 32 to int16 with one fp32 scale
+(`quantize_rows`), and a sub-block of 32 weights is integer dot products between the weights' quants,
+still packed four to a word as the file has them, and the activation's values (`dp2a`: two int16
+values times two bytes of a word, one instruction). The per-sub-block factors are applied once to the
+integer sums:
 
     Σ_i w_i x_i  ≈  dx · Σ_h (a_h · Σ_{i∈h} q_i xq_i  +  b_h · Σ_{i∈h} xq_i)
 
 for w = a·q + b over each half h of 16 weights (a = d·sc, b = −dmin·m for Q4_K; a = d, b = −8·d for
-Q4_0; Q6_K's halves have their own scales), x ≈ dx·xq. The error this adds is the activation's
-rounding to int8, at most dx/2 = amax/254 an element, the same as ggml's on its GPUs and CPUs.
+Q4_0; Q6_K's halves have their own scales), x ≈ dx·xq. The rounding this adds is the activation's,
+dx/2 = max|x| / 65534 of a block: the CPU kernels' (native/quant_kernels.h), which keep int16 rather
+than ggml's int8 because int8 changed the built-in model's greedy answer. int8 would halve the
+activation loads and the dot-product instructions (`dp4a`).
 
     quantize_rows(x) -> (words, scales, sums)
-        x (N, K) bf16/fp16/fp32, K a multiple of 32 → the int8 values as int32 words (N, K/4), fp32
-        scales (N, K/32), int32 sums of each half block's int8 values (N, K/16)
+        x (N, K) bf16/fp16/fp32, K a multiple of 32 → the int16 values as int32 words (N, K/2), fp32
+        scales (N, K/32), int32 sums of each half block's values (N, K/16)
 
-`_gemv_q8` is the jit function the kernels of quant_moe_gpu.py and quant_linear_gpu.py call. It reads
+`_gemv` is the jit function the kernels of quant_moe_gpu.py and quant_linear_gpu.py call. It reads
 the blocks 16 bits at a time (every kept type but MXFP4 keeps its quants at even byte offsets, and
 MXFP4's 17-byte blocks are read a byte at a time), so part offsets and row strides must be even.
 """
@@ -42,16 +45,20 @@ QUANT_BLOCKS = 16  # blocks of 32 activations a program quantises: 512 values, a
 if triton is not None:
 
     @triton.jit
-    def _dp4a(a, b, DP4A: tl.constexpr):
-        """Σ over the four bytes of a·b, each byte a signed int8 (int32 tensors): one instruction on the
+    def _dp2a(lo, hi, q, DP2A: tl.constexpr):
+        """Σ of four products: the int16 pair of `lo` with bytes 0, 1 of q and the pair of `hi` with bytes
+        2, 3 (int32 tensors; the bytes signed int8, the halves little-endian): two instructions on the
         GPU; shifts and products in Triton's interpreter, which runs no PTX."""
-        if DP4A:
-            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros_like(a)],
-                                             dtype=tl.int32, is_pure=True, pack=1)
+        if DP2A:
+            return tl.inline_asm_elementwise(
+                "{ .reg .s32 t; dp2a.lo.s32.s32 t, $1, $3, 0; dp2a.hi.s32.s32 $0, $2, $3, t; }", "=r,r,r,r",
+                [lo, hi, q], dtype=tl.int32, is_pure=True, pack=1)
         else:
-            s = tl.zeros_like(a)
+            s = tl.zeros_like(q)
             for i in tl.static_range(4):
-                s += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+                half = lo if i < 2 else hi
+                x = (half << (16 - 16 * (i % 2))) >> 16  # its int16
+                s += x * ((q << (24 - 8 * i)) >> 24)
             return s
 
     @triton.jit
@@ -134,8 +141,8 @@ if triton is not None:
         return q, a0, b0, a1, b1
 
     @triton.jit
-    def _gemv_q8(xw_ptr, xd_ptr, xs_ptr, rows, row_ok, n_sub, QT: tl.constexpr, BB: tl.constexpr,
-                 ROWS: tl.constexpr, C: tl.constexpr, DP4A: tl.constexpr):
+    def _gemv(xw_ptr, xd_ptr, xs_ptr, rows, row_ok, n_sub, QT: tl.constexpr, BB: tl.constexpr,
+              ROWS: tl.constexpr, C: tl.constexpr, DP2A: tl.constexpr):
         """Dot products of ROWS matrix rows of type QT (ggml's code, BB bytes a block) with one quantised
         activation vector of K = 32·n_sub (`quantize_rows`' words, scales and half sums at xw, xd, xs):
         rows (ROWS·C,) are the start pointers of the row each of the C sub-block slots a row belongs to,
@@ -151,7 +158,10 @@ if triton is not None:
                 q, a0, b0, a1, b1 = _quants(rows + (kb // 8) * BB, kb % 8, ok_v, ok, t, QT, BB)
             else:
                 q, a0, b0, a1, b1 = _quants(rows + kb * BB, kb, ok_v, ok, t, QT, BB)
-            dots = _dp4a(q, tl.load(xw_ptr + kb[:, None] * 8 + t[None, :], mask=ok, other=0), DP4A)  # (ROWS·C, 8)
+            # activation values 4t … 4t + 3 as one int64 a word of q: the same (ROWS·C, 8) shape and layout
+            # as q (two strided int32 loads, or one load split, would move data between threads)
+            xv = tl.load(xw_ptr.to(tl.pointer_type(tl.int64)) + kb[:, None] * 8 + t[None, :], mask=ok, other=0)
+            dots = _dp2a(xv.to(tl.int32), (xv >> 32).to(tl.int32), q, DP2A)  # (ROWS·C, 8)
             s0 = tl.load(xs_ptr + 2 * kb, mask=ok_v, other=0).to(tl.float32)  # (ROWS·C,) Σ xq of each half
             s1 = tl.load(xs_ptr + 2 * kb + 1, mask=ok_v, other=0).to(tl.float32)
             i0 = tl.sum(tl.where(t[None, :] < 4, dots, 0), 1).to(tl.float32)  # (ROWS·C,) Σ q·xq of each half
@@ -162,8 +172,8 @@ if triton is not None:
 
     @triton.jit
     def _quantize_kernel(x_ptr, words_ptr, scales_ptr, sums_ptr, K, BLOCKS: tl.constexpr):
-        """Program (tile, row m): BLOCKS blocks of 32 of x[m] → int8 values q = round(x / dx) (stored at
-        words_ptr seen as int8), dx = max |x| / 127, and the sums of q over each half block."""
+        """Program (tile, row m): BLOCKS blocks of 32 of x[m] → int16 values q = round(x / dx) (stored at
+        words_ptr seen as int16), dx = max |x| / 32767, and the sums of q over each half block."""
         m = tl.program_id(1)
         n_blocks = K // 32
         b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)  # (BLOCKS,) block along the row
@@ -173,17 +183,17 @@ if triton is not None:
         at = m.to(tl.int64) * K + b[:, None] * 32 + l[None, :]
         x = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)  # (BLOCKS, 32)
         amax = tl.max(tl.abs(x), 1)  # (BLOCKS,)
-        v = x * tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)[:, None]  # in [−127, 127]; a zero block stays 0
+        v = x * tl.where(amax > 0, 32767.0 / tl.maximum(amax, 1e-30), 0.0)[:, None]  # in [−32767, 32767]; zeros stay 0
         q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)).to(tl.int32)  # to nearest, ties away from 0
-        tl.store(words_ptr.to(tl.pointer_type(tl.int8)) + at, q.to(tl.int8), mask=ok)
-        tl.store(scales_ptr + m * n_blocks + b, amax / 127.0, mask=ok_b)
+        tl.store(words_ptr.to(tl.pointer_type(tl.int16)) + at, q.to(tl.int16), mask=ok)
+        tl.store(scales_ptr + m * n_blocks + b, amax / 32767.0, mask=ok_b)
         sums = sums_ptr + m * 2 * n_blocks + 2 * b
         tl.store(sums, tl.sum(tl.where(l[None, :] < 16, q, 0), 1), mask=ok_b)
         tl.store(sums + 1, tl.sum(tl.where(l[None, :] < 16, 0, q), 1), mask=ok_b)
 
 
-def dp4a() -> bool:
-    """Whether the kernels are compiled for a GPU (the dp4a instruction) rather than run by Triton's
+def dp2a() -> bool:
+    """Whether the kernels are compiled for a GPU (the dp2a instruction) rather than run by Triton's
     interpreter."""
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -200,14 +210,14 @@ def check_even(name: str, type_code: int, **byte_counts: int) -> None:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (N, K) float, K a multiple of 32 → (words (N, K/4) int32: four int8 values each, little-endian;
-    scales (N, K/32) fp32; sums (N, K/16) int32 of the int8 values of each half block). One launch on the
+    """x (N, K) float, K a multiple of 32 → (words (N, K/2) int32: two int16 values each, little-endian;
+    scales (N, K/32) fp32; sums (N, K/16) int32 of the int16 values of each half block). One launch on the
     current stream, nothing read back to the host."""
     N, K = x.shape
     if K % 32:
         raise ValueError(f"rows of {K} activations are not whole blocks of 32")
     x = x.contiguous()
-    words = torch.empty(N, K // 4, dtype=torch.int32, device=x.device)
+    words = torch.empty(N, K // 2, dtype=torch.int32, device=x.device)
     scales = torch.empty(N, K // 32, dtype=torch.float32, device=x.device)
     sums = torch.empty(N, K // 16, dtype=torch.int32, device=x.device)
     if N and K:

@@ -2,7 +2,7 @@
 whose blocks are on the device (engine/quant/matmul.py sends them here).
 
 A few tokens (decode) are a matrix-vector product per token, bound by the weight bytes it reads: x is
-quantised to int8 per block of 32 and one Triton kernel reads each row's blocks once as integer dot
+quantised to int16 per block of 32 and one Triton kernel reads each row's blocks once as integer dot
 products with it (quant_dot_gpu), no dequantised copy, no host sync (a decode graph captures it). More tokens
 (prefill) dequantise W a chunk of rows at a time into a tile of x's dtype (dequant_gpu) for the GEMM,
 which then runs at tensor-core speed; a chunk is at most CHUNK_BYTES, so the 151936-row output head of
@@ -25,7 +25,7 @@ try:
     import triton
     import triton.language as tl
 
-    from engine.kernels.quant_dot_gpu import _gemv_q8
+    from engine.kernels.quant_dot_gpu import _gemv
 except ImportError:
     triton = None
 
@@ -89,13 +89,13 @@ if triton is not None:
     @triton.jit
     def _linear_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr,
                        BB: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
-                       DP4A: tl.constexpr):
+                       DP2A: tl.constexpr):
         """Program (row tile, token m): out[m, rows] = W[rows] · x[m] (+ bias), fp32 sums rounded once. Row
         tiles on grid axis 0 (up to 2^31 − 1; axis 1 stops at 65,535: 131K rows in tiles of 2)."""
         m = tl.program_id(1)
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS * C) // C  # (ROWS·C,) row of each sub-block slot
-        acc = _gemv_q8(xw_ptr + m * (K // 4), xd_ptr + m * (K // 32), xs_ptr + m * (K // 16),
-                       w_ptr + r.to(tl.int64) * row_bytes, r < N, K // 32, QT, BB, ROWS, C, DP4A)  # (ROWS,)
+        acc = _gemv(xw_ptr + m * (K // 2), xd_ptr + m * (K // 32), xs_ptr + m * (K // 16),
+                       w_ptr + r.to(tl.int64) * row_bytes, r < N, K // 32, QT, BB, ROWS, C, DP2A)  # (ROWS,)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
@@ -120,7 +120,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
                                                       bias if bias is not None else x2, y, N, K, w.row_bytes,
                                                       QT=w.qtype.code, BB=w.qtype.block_bytes,
                                                       HAS_BIAS=bias is not None, ROWS=rows, C=CHUNK,
-                                                      DP4A=quant_dot_gpu.dp4a(), num_warps=WARPS)
+                                                      DP2A=quant_dot_gpu.dp2a(), num_warps=WARPS)
         return y.view(*x.shape[:-1], N)
     per_chunk = max(1, min(N, CHUNK_BYTES // (K * x.element_size())))
     tile = torch.empty(per_chunk, K, dtype=x.dtype, device=x.device)  # (R, K) dequantised rows of W

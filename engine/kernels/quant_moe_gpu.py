@@ -4,7 +4,7 @@ A cache slot that keeps an expert as the file's blocks instead of a dequantised 
 fraction of the bytes (Q4_K: 144 bytes a 256 weights against 512 in bf16). At decode (1–8 tokens)
 each (token, choice) pair is a matrix-vector product, bound by the bytes it reads, so the kernels here
 read each chosen expert's blocks once, as integer dot products with the activations quantised to
-int8 (engine/kernels/quant_dot_gpu.py), never writing a dequantised copy:
+int16 (engine/kernels/quant_dot_gpu.py), never writing a dequantised copy:
 
   1. x quantised per block of 32 (one launch);
   2. gate_up: program (pair p, ROWS rows of I) computes the gate and up rows of slot ids[p] for token
@@ -19,10 +19,10 @@ int8 (engine/kernels/quant_dot_gpu.py), never writing a dequantised copy:
         rows of GGUF blocks, part i of type parts[i][0] at byte parts[i][1] of the slot; out (N, H)
 
 A program walks along K C sub-blocks of 32 weights of each of its rows at a time (quant_dot_gpu's
-`_gemv_q8`). Gate, up and down may each be of another type (Q4_K_M files give down Q6_K): the type
+`_gemv`). Gate, up and down may each be of another type (Q4_K_M files give down Q6_K): the type
 codes are constexpr, one compiled kernel per layout.
 
-Numerics: each product is the blocks' weights (gguf's values) times the activations' int8 form, summed
+Numerics: each product is the blocks' weights (gguf's values) times the activations' int16 form, summed
 in fp32 (quant_dot_gpu says what that rounding costs); then as moe_decode_gpu's kernels over
 dequantised slots: gate and up are rounded to x's dtype, SiLU(gate) too, act is stored in it; down's
 output is rounded to the dtype, weighted in the dtype, and the k choices are summed in fp32. Nothing
@@ -40,7 +40,7 @@ try:
     import triton
     import triton.language as tl
 
-    from engine.kernels.quant_dot_gpu import _gemv_q8
+    from engine.kernels.quant_dot_gpu import _gemv
 except ImportError:
     triton = None
 
@@ -100,17 +100,17 @@ if triton is not None:
                         alpha, limit, H, I, E, top_k, stride_slot, off_g, row_g, off_u, row_u, QG: tl.constexpr,
                         BG: tl.constexpr, QU: tl.constexpr, BU: tl.constexpr, HAS_OFFS: tl.constexpr,
                         HAS_SPARE: tl.constexpr, CLAMPED: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
-                        COPY: tl.constexpr, DP4A: tl.constexpr):
+                        COPY: tl.constexpr, DP2A: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         m = p // top_k  # its token: quantize_rows' row of x
-        xw, xd, xs = xw_ptr + m * (H // 4), xd_ptr + m * (H // 32), xs_ptr + m * (H // 16)
+        xw, xd, xs = xw_ptr + m * (H // 2), xd_ptr + m * (H // 32), xs_ptr + m * (H // 16)
         gate_rows, ok = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, I, off_g, row_g,
                                    HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         up_rows, _ = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, I, off_u, row_u,
                                 HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         dtype = act_ptr.dtype.element_ty
-        gate = _gemv_q8(xw, xd, xs, gate_rows, ok, H // 32, QG, BG, ROWS, C, DP4A)  # (ROWS,) fp32
-        up = _gemv_q8(xw, xd, xs, up_rows, ok, H // 32, QU, BU, ROWS, C, DP4A)
+        gate = _gemv(xw, xd, xs, gate_rows, ok, H // 32, QG, BG, ROWS, C, DP2A)  # (ROWS,) fp32
+        up = _gemv(xw, xd, xs, up_rows, ok, H // 32, QU, BU, ROWS, C, DP2A)
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
         if CLAMPED:  # gpt-oss: the expert's biases, then (clamp(u, ±limit) + 1) · g'·σ(alpha·g'), g' = min(g, limit)
             e = tl.load(ids_ptr + p)
@@ -132,13 +132,13 @@ if triton is not None:
     def _down_kernel(aw_ptr, ad_ptr, as_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, wts_ptr, y_ptr, experts_ptr,
                      bias_ptr, H, I, E, stride_slot, off_d, row_d, QD: tl.constexpr, BD: tl.constexpr,
                      HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr, CLAMPED: tl.constexpr, ROWS: tl.constexpr,
-                     C: tl.constexpr, COPY: tl.constexpr, DP4A: tl.constexpr):
+                     C: tl.constexpr, COPY: tl.constexpr, DP2A: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         down_rows, ok = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, H, off_d, row_d,
                                    HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         dtype = y_ptr.dtype.element_ty
-        y = _gemv_q8(aw_ptr + p * (I // 4), ad_ptr + p * (I // 32), as_ptr + p * (I // 16), down_rows, ok, I // 32,
-                     QD, BD, ROWS, C, DP4A)  # (ROWS,) fp32
+        y = _gemv(aw_ptr + p * (I // 2), ad_ptr + p * (I // 32), as_ptr + p * (I // 16), down_rows, ok, I // 32,
+                     QD, BD, ROWS, C, DP2A)  # (ROWS,) fp32
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,) output features
         if CLAMPED:  # the pair's expert's (H,) down bias, inside F.linear's one rounding; none for a skipped pair
             e = tl.load(ids_ptr + p)
@@ -223,7 +223,7 @@ def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     offs = ids if offsets is None else offsets  # any int64 tensor stands in when unused
     sp = ids if spare is None else spare
     has = dict(HAS_OFFS=offsets is not None, HAS_SPARE=spare is not None, CLAMPED=form is not None, C=CHUNK,
-               COPY=COPY_BYTES, DP4A=quant_dot_gpu.dp4a())
+               COPY=COPY_BYTES, DP2A=quant_dot_gpu.dp2a())
     if form is None:  # any tensors stand in for the biases and the expert ids when unused
         bias_gu = bias_d = experts = ids
         alpha = limit = 0.0

@@ -20,7 +20,7 @@ from engine.quant.blocks import QTYPES, qtype  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)  # H100/H200: the GPU machine's
 POINTERS = {"slots_ptr": "*i64", "ids_ptr": "*i64", "offs_ptr": "*i64", "spare_ptr": "*i64", "experts_ptr": "*i64",
             "blocks_ptr": "*u8", "pool_ptr": "*u8", "w_ptr": "*u8",
-            # quantised activations (quant_dot_gpu.quantize_rows): int8 words, fp32 scales, int32 sums
+            # quantised activations (quant_dot_gpu.quantize_rows): int16 words, fp32 scales, int32 sums
             "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*i32", "aw_ptr": "*i32", "ad_ptr": "*fp32", "as_ptr": "*i32",
             "words_ptr": "*i32", "scales_ptr": "*fp32", "sums_ptr": "*i32"}  # the rest: the activations' bf16
 FLOATS = ("alpha", "limit")
@@ -61,11 +61,11 @@ def failures():
         for bias in (True, False):
             yield f"linear {qt.name} bias={bias}", compile_kernel(
                 quant_linear_gpu._linear_kernel, QT=code, BB=qt.block_bytes, HAS_BIAS=bias,
-                ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK, DP4A=True)
+                ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK, DP2A=True)
         # the slots' form, the one graph's (offsets and spare slots), gpt-oss's clamped form in both
         for offs, spare, clamped in ((False, False, False), (True, True, False), (False, False, True), (True, True, True)):
             flags = dict(HAS_OFFS=offs, HAS_SPARE=spare, CLAMPED=clamped, C=quant_moe_gpu.CHUNK,
-                         COPY=quant_moe_gpu.COPY_BYTES, DP4A=True)
+                         COPY=quant_moe_gpu.COPY_BYTES, DP2A=True)
             form = f"{qt.name} offsets={offs} spare={spare} clamped={clamped}"
             yield f"gate_up {form}", compile_kernel(quant_moe_gpu._gate_up_kernel, QG=code, BG=qt.block_bytes,
                                                     QU=code, BU=qt.block_bytes, ROWS=quant_moe_gpu.ROWS_GATE_UP,

@@ -42,11 +42,11 @@ def main(which: str, type_name: str) -> None:
     qt = QTYPES[code]
     if which == "linear":
         k = compiled(quant_linear_gpu._linear_kernel, True, QT=code, BB=qt.block_bytes, HAS_BIAS=False,
-                     ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK, DP4A=True)
+                     ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK, DP2A=True)
         rows = quant_linear_gpu.ROWS
     else:
         flags = dict(HAS_OFFS=False, HAS_SPARE=False, CLAMPED=False, C=quant_moe_gpu.CHUNK, COPY=quant_moe_gpu.COPY_BYTES,
-                     DP4A=True)
+                     DP2A=True)
         if which == "down":
             rows = quant_moe_gpu.ROWS_DOWN
             k = compiled(quant_moe_gpu._down_kernel, True, QD=code, BD=qt.block_bytes, ROWS=rows, **flags)

@@ -1,5 +1,5 @@
-"""The int8 form of the activations the decode GEMVs multiply (engine/kernels/quant_dot_gpu.py): the
-values, scales and half-block sums against a torch reference, a block of zeros, the packing of four
+"""The int16 form of the activations the decode GEMVs multiply (engine/kernels/quant_dot_gpu.py): the
+values, scales and half-block sums against a torch reference, a block of zeros, the packing of two
 values a word; and the blocks' alignment the 16-bit reads need. Interpreted on CPU tensors here;
 compiled on CUDA with `-m cuda` (where the quantiser's division may put a value one step the other way).
 """
@@ -12,27 +12,28 @@ from gguf import GGMLQuantizationType as T
 
 pytest.importorskip("triton")
 
-from test_quant_moe_gpu import DEVICES, on, q8, slots  # noqa: E402
+from test_quant_moe_gpu import DEVICES, on, q16, slots  # noqa: E402
 
 from engine.kernels import quant_dot_gpu, quant_moe_gpu  # noqa: E402
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_activations_become_int8_steps_of_a_blocks_largest_over_127(dtype, device):
+def test_activations_become_int16_steps_of_a_blocks_largest_over_32767(dtype, device):
     device = on(device)
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(3, 96, generator=g) * torch.tensor([1.0, 1e-3, 50.0]).repeat_interleave(32)).to(dtype)
     x[1, 32:64] = 0  # a block of zeros: scale 0, values 0
     words, scales, sums = quant_dot_gpu.quantize_rows(x.to(device))
-    assert words.shape == (3, 24) and scales.shape == (3, 3) and sums.shape == (3, 6)
-    values = words.cpu().view(torch.int8).view(3, 96).float()  # little-endian: value 4t + i is byte i of word t
+    assert words.shape == (3, 48) and scales.shape == (3, 3) and sums.shape == (3, 6)
+    values = words.cpu().view(torch.int16).view(3, 96).float()  # little-endian: value 2t + i is half i of word t
     blocks = x.float().unflatten(1, (3, 32))
-    want_scales = blocks.abs().amax(-1) / 127
+    want_scales = blocks.abs().amax(-1) / 32767
     assert torch.allclose(scales.cpu(), want_scales, rtol=1e-6, atol=0)
-    assert values.abs().max() <= 127 and (values.unflatten(1, (3, 32)).abs().amax(-1)[want_scales > 0] == 127).all()
-    steps = 0 if device.type == "cpu" else 1  # the GPU's 127 / amax is not correctly rounded
-    assert ((values * scales.cpu().repeat_interleave(32, 1) - q8(x)).abs()
+    assert values.abs().max() <= 32767
+    assert (values.unflatten(1, (3, 32)).abs().amax(-1)[want_scales > 0] == 32767).all()
+    steps = 0 if device.type == "cpu" else 1  # the GPU's 32767 / amax is not correctly rounded
+    assert ((values * scales.cpu().repeat_interleave(32, 1) - q16(x)).abs()
             <= (steps + 1e-3) * scales.cpu().repeat_interleave(32, 1)).all()
     assert torch.equal(sums.cpu(), values.view(3, 6, 16).sum(-1).int())
     assert (values[1, 32:64] == 0).all() and scales[1, 1] == 0
