@@ -4,14 +4,18 @@
 # the records made so far). The suite quantises the BF16 export with the built `llama-quantize` once.
 # Carried in and started as families.sh's header says, with this script in its place; CONTEXTS=2048
 # keeps a short lease to 2K, ROUTING (default random: one export, one quantised file) adds zipf:1.0.
-# A carried .lease/base.tar (`git archive BASE -o .lease/base.tar`) adds the GPU kernels' bench at BASE,
-# its own tiles, beside this commit's: the A/B of a kernel change on the same machine.
+# Each carried .lease/base*.tar (`git archive BASE -o .lease/base-BASE.tar`) adds the GPU kernels' bench
+# at BASE, its own tiles, beside this commit's: the A/B of a kernel change on the same machine.
+# CELLS (default: the four below) names the suite cells; CELLS= runs the tests and kernel benches only.
 source benchmarks/h200/lease_start.sh  # folders, log, wheels, native build, machine header
+CELLS=${CELLS-gpu-q4km-L16-resident gpu-q4km-L16-8gb gpu-q4km-prefill-32k gpu-q4km-L16-cpu-experts}
 
-step llama.cpp build starts in the background
-python3 -m engine.bench.llamacpp_build --source .llamacpp/llamacpp-src.tar.xz --build-dir "$work/llamacpp" \
-  --targets llama-bench,llama-batched-bench,llama-quantize >"$res/llamacpp-build.log" 2>&1 &
-build=$!
+if [ -n "$CELLS" ]; then
+  step llama.cpp build starts in the background
+  python3 -m engine.bench.llamacpp_build --source .llamacpp/llamacpp-src.tar.xz --build-dir "$work/llamacpp" \
+    --targets llama-bench,llama-batched-bench,llama-quantize >"$res/llamacpp-build.log" 2>&1 &
+  build=$!
+fi
 
 step CUDA tests
 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/quant tests/experts \
@@ -23,13 +27,16 @@ tail -1 "$res/pytest-cuda.log" >>"$log"
 
 step GPU kernels over blocks  # the quantised decode GEMVs against BF16 and the copy bound, tile sweep
 python3 -m engine.bench.quant_gpu --json "$res/quant-gpu.json" >>"$log" 2>&1
-if [ -f .lease/base.tar ]; then
-  step GPU kernels over blocks at the base commit  # its own tiles; the native build is this tree's
-  mkdir -p "$work/base" && tar -xf .lease/base.tar -C "$work/base" && cp engine/_native*.so "$work/base/engine/"
-  (cd "$work/base" && PYTHONPATH=$PWD:/tmp/site python3 -m engine.bench.quant_gpu --no-sweep \
-    --json "$res/quant-gpu-base.json" >>"$log" 2>&1)
-fi
+for tar in .lease/base*.tar; do  # none: the glob stays unmatched
+  [ -f "$tar" ] || continue
+  name=$(basename "$tar" .tar)
+  step "GPU kernels over blocks at $name"  # its own tiles; the native build is this tree's
+  mkdir -p "$work/$name" && tar -xf "$tar" -C "$work/$name" && cp engine/_native*.so "$work/$name/engine/"
+  (cd "$work/$name" && PYTHONPATH=$PWD:/tmp/site python3 -m engine.bench.quant_gpu --no-sweep \
+    --json "$res/quant-gpu-$name.json" >>"$log" 2>&1)
+done
 
+[ -z "$CELLS" ] && { step ALL DONE; exit 0; }
 step export L16  # the name the suite looks for; the suite quantises it
 python3 -m engine.cli export-gguf --model synthetic:qwen3-30b-a3b-L16 --out "$work/qwen3-30b-a3b-L16-random.gguf" \
   --device cuda --tokenizer-from .llamacpp/smollm2-vocab.gguf --quiet >>"$res/export.log" 2>&1
@@ -39,7 +46,7 @@ wait $build; echo "llama.cpp build rc $?" >>"$log"
 step CPU kernels  # the K-quant products and a MoE layer's CPU set at 1–16 threads (the 16-thread figure)
 python3 -m engine.bench.quant_kernels --moe-threads 1,2,4,8,16 --json "$res/quant-kernels.json" >>"$log" 2>&1
 
-for cell in gpu-q4km-L16-8gb gpu-q4km-L16-cpu-experts gpu-q4km-L16-resident gpu-q4km-prefill-32k; do
+for cell in $CELLS; do
   step "suite $cell"
   python3 -m engine.cli bench suite --work "$work" --llama-cpp-source .llamacpp/llamacpp-src.tar.xz \
     --tokenizer-from .llamacpp/smollm2-vocab.gguf --routing "${ROUTING:-random}" --rounds 1 --cells "$cell" \
