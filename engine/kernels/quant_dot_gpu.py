@@ -80,65 +80,72 @@ if triton is not None:
         return ((bits & 1) << 4) | ((bits & 2) << 11) | ((bits & 4) << 18) | ((bits & 8) << 25)
 
     @triton.jit
-    def _quants(base, j, row_ok, ok, t, QT: tl.constexpr, BB: tl.constexpr):
+    def _factors(base, j, ok, QT: tl.constexpr):
         """R sub-blocks of type QT (ggml's code): base (R,) block starts (K-quants: super-block starts,
-        j (R,) the sub-block 0–7 in each), t = arange(0, 8) → (quants (R, 8) int32: byte i of word t is
-        weight 4t + i's quant; per half of 16 weights the factors a0, b0, a1, b1 (R,) fp32 with
-        w = a·q + b)."""
+        j (R,) the sub-block 0–7 in each) → per half of 16 weights the factors a0, b0, a1, b1 (R,) fp32
+        with w = a·q + b, and Q5_0 / Q5_1's fifth bits qh (R,) int32 (0 for the other types)."""
+        qh = tl.zeros(j.shape, tl.int32)
         if QT == 8:  # Q8_0: d, 32 int8 quants
-            d = _half_rows(base, row_ok)
-            q = _word(base[:, None] + 2 + 4 * t[None, :], ok)
-            a0, b0, a1, b1 = d, tl.zeros_like(d), d, tl.zeros_like(d)
-        elif QT == 39:  # MXFP4: exponent byte e, then weight l's E2M1 code in nibble l // 16 of byte 1 + l % 16
-            e = tl.load(base, mask=row_ok, other=0).to(tl.int32)
-            # 2^(e − 128) from its bits: biased exponent e − 1, or for e = 0, 1 the subnormals 2^-128, 2^-127
+            a0 = _half_rows(base, ok)
+            b0 = tl.zeros_like(a0)
+            a1, b1 = a0, b0
+        elif QT == 39:  # MXFP4: exponent byte e: 2^(e − 128) from its bits, biased exponent e − 1, or for
+            # e = 0, 1 the subnormals 2^-128, 2^-127
+            e = tl.load(base, mask=ok, other=0).to(tl.int32)
             a0 = tl.where(e >= 2, (e - 1) << 23, 0x00200000 << tl.minimum(e, 1)).to(tl.float32, bitcast=True)
             b0 = tl.zeros_like(a0)
             a1, b1 = a0, b0
-            q = tl.zeros(ok.shape, tl.int32)
-            for i in tl.static_range(4):
-                code = (tl.load(base[:, None] + 1 + 4 * (t[None, :] % 4) + i, mask=ok, other=0).to(tl.int32)
-                        >> (4 * (t[None, :] // 4))) & 0x0F
-                c = code & 7  # doubled magnitudes 0, 1, 2, 3, 4, 6, 8 (nibble c of 0x08643210), 12
-                mag = tl.where(c == 7, 12, (0x08643210 >> (4 * c)) & 0x0F)
-                q |= (tl.where(code >= 8, -mag, mag) & 0xFF) << (8 * i)
-        elif QT == 14:  # Q6_K: ql[128], qh[64], sc[16] int8, d; half h = j // 4, its sub-block p = j % 4
-            h, p = j // 4, j % 4
-            ql = _word(base[:, None] + (64 * h + 32 * (p % 2))[:, None] + 4 * t[None, :], ok)
-            qh = _word(base[:, None] + 128 + (32 * h)[:, None] + 4 * t[None, :], ok)
-            q = _nibbles(ql, (4 * (p // 2))[:, None]) | (((qh >> (2 * p)[:, None]) & 0x03030303) << 4)
-            d = _half_rows(base + 208, row_ok)
-            a0 = d * tl.load(base + 192 + 2 * j, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            a1 = d * tl.load(base + 193 + 2 * j, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            b0, b1 = -32.0 * a0, -32.0 * a1  # quants 0–63 stand for q − 32
-        elif QT == 12 or QT == 13:  # Q4_K, Q5_K: d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
-            d, dmin = _half_rows(base, row_ok), _half_rows(base + 2, row_ok)
-            # 6-bit scale and min of sub-block j: kquants.py's _scale_min, per row
-            x = tl.load(base + 4 + j % 4, mask=row_ok, other=0).to(tl.int32)
-            y = tl.load(base + 8 + j % 4, mask=row_ok, other=0).to(tl.int32)
-            z = tl.load(base + 12 + j % 4, mask=row_ok, other=0).to(tl.int32)
-            sc = tl.where(j < 4, x & 63, (z & 0x0F) | ((x >> 6) << 4))
-            m = tl.where(j < 4, y & 63, (z >> 4) | ((y >> 6) << 4))
-            qs = 16 if QT == 12 else 48  # where qs starts: sub-blocks 2i and 2i + 1 share 32 bytes
-            q = _nibbles(_word(base[:, None] + qs + (32 * (j // 2))[:, None] + 4 * t[None, :], ok),
-                         (4 * (j % 2))[:, None])
-            if QT == 13:  # bit j of qh[l]: weight l's fifth bit
-                q |= ((_word(base[:, None] + 16 + 4 * t[None, :], ok) >> j[:, None]) & 0x01010101) << 4
-            a0 = d * sc.to(tl.float32)
-            b0 = -dmin * m.to(tl.float32)
+        elif QT == 14:  # Q6_K: sc[16] int8 at 192, d at 208; two scales a sub-block, quants 0–63 stand for q − 32
+            d = _half_rows(base + 208, ok)
+            a0 = d * tl.load(base + 192 + 2 * j, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            a1 = d * tl.load(base + 193 + 2 * j, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            b0, b1 = -32.0 * a0, -32.0 * a1
+        elif QT == 12 or QT == 13:  # Q4_K, Q5_K: d, dmin, scales[12]: sub-block j's 6-bit scale and min
+            d, dmin = _half_rows(base, ok), _half_rows(base + 2, ok)
+            x = tl.load(base + 4 + j % 4, mask=ok, other=0).to(tl.int32)  # kquants.py's _scale_min, per row
+            y = tl.load(base + 8 + j % 4, mask=ok, other=0).to(tl.int32)
+            z = tl.load(base + 12 + j % 4, mask=ok, other=0).to(tl.int32)
+            a0 = d * tl.where(j < 4, x & 63, (z & 0x0F) | ((x >> 6) << 4)).to(tl.float32)
+            b0 = -dmin * tl.where(j < 4, y & 63, (z >> 4) | ((y >> 6) << 4)).to(tl.float32)
             a1, b1 = a0, b0
-        else:  # Q4_0, Q4_1, Q5_0, Q5_1: d [, m] [, qh], 16 bytes of nibbles last (weights l and l + 16 in byte l)
-            d = _half_rows(base, row_ok)
-            q = _nibbles(_word(base[:, None] + (BB - 16) + 4 * (t[None, :] % 4), ok), 4 * (t[None, :] // 4))
+        else:  # Q4_0, Q4_1, Q5_0, Q5_1: d [, m] [, qh]
+            d = _half_rows(base, ok)
             if QT == 6 or QT == 7:  # bit l of the little-endian u32 qh is weight l's fifth bit
-                qh = _word(base + (2 if QT == 6 else 4), row_ok)
-                q |= _fifth_bits((qh[:, None] >> (4 * t[None, :])) & 0x0F)
+                qh = _word(base + (2 if QT == 6 else 4), ok)
             if QT == 3 or QT == 7:
-                b0 = _half_rows(base + 2, row_ok)
+                b0 = _half_rows(base + 2, ok)
             else:  # (q − 8)·d or (q − 16)·d
                 b0 = -(8.0 if QT == 2 else 16.0) * d
             a0, a1, b1 = d, d, b0
-        return q, a0, b0, a1, b1
+        return a0, b0, a1, b1, qh
+
+    @triton.jit
+    def _quant_word(base, j, qh, ok, T: tl.constexpr, QT: tl.constexpr, BB: tl.constexpr):
+        """Word T (0–7) of R sub-blocks (as `_factors`' arguments): byte i is weight 4T + i's quant, a
+        signed byte → (R,) int32."""
+        if QT == 8:  # Q8_0: 32 int8 after d
+            q = _word(base + 2 + 4 * T, ok)
+        elif QT == 39:  # MXFP4: weight l's E2M1 code in nibble l // 16 of byte 1 + l % 16
+            q = tl.zeros(j.shape, tl.int32)
+            for i in tl.static_range(4):
+                code = (tl.load(base + 1 + 4 * (T % 4) + i, mask=ok, other=0).to(tl.int32) >> (4 * (T // 4))) & 0x0F
+                c = code & 7  # doubled magnitudes 0, 1, 2, 3, 4, 6, 8 (nibble c of 0x08643210), 12
+                mag = tl.where(c == 7, 12, (0x08643210 >> (4 * c)) & 0x0F)
+                q |= (tl.where(code >= 8, -mag, mag) & 0xFF) << (8 * i)
+        elif QT == 14:  # Q6_K: ql[128], qh[64]; half h = j // 4, its sub-block p = j % 4
+            h, p = j // 4, j % 4
+            low = _nibbles(_word(base + 64 * h + 32 * (p % 2) + 4 * T, ok), 4 * (p // 2))
+            q = low | (((_word(base + 128 + 32 * h + 4 * T, ok) >> (2 * p)) & 0x03030303) << 4)
+        elif QT == 12 or QT == 13:  # Q4_K, Q5_K: qs[128] (at 16, or 48 after Q5_K's qh[32]); sub-blocks
+            # 2i and 2i + 1 share 32 bytes, low and high nibbles
+            q = _nibbles(_word(base + (16 if QT == 12 else 48) + 32 * (j // 2) + 4 * T, ok), 4 * (j % 2))
+            if QT == 13:  # bit j of qh[l]: weight l's fifth bit
+                q |= ((_word(base + 16 + 4 * T, ok) >> j) & 0x01010101) << 4
+        else:  # Q4_0 … Q5_1: 16 bytes of nibbles last, weights l and l + 16 in byte l
+            q = _nibbles(_word(base + (BB - 16) + 4 * (T % 4), ok), 4 * (T // 4))
+            if QT == 6 or QT == 7:
+                q |= _fifth_bits((qh >> (4 * T)) & 0x0F)
+        return q
 
     @triton.jit
     def _gemv(xw_ptr, xd_ptr, xs_ptr, rows, row_ok, n_sub, QT: tl.constexpr, BB: tl.constexpr,
@@ -146,28 +153,35 @@ if triton is not None:
         """Dot products of ROWS matrix rows of type QT (ggml's code, BB bytes a block) with one quantised
         activation vector of K = 32·n_sub (`quantize_rows`' words, scales and half sums at xw, xd, xs):
         rows (ROWS·C,) are the start pointers of the row each of the C sub-block slots a row belongs to,
-        row_ok (ROWS·C,) masks them → (ROWS,) fp32."""
+        row_ok (ROWS·C,) masks them → (ROWS,) fp32.
+
+        Every tensor is (ROWS·C,), one sub-block an element, and its 8 words are unrolled: a thread
+        decodes its sub-blocks' factors once and sums their words itself, with no data moved between
+        threads (an (R, 8) tile of words spread sub-blocks over two threads here)."""
         c = tl.arange(0, ROWS * C) % C  # (ROWS·C,) slot within its row
-        t = tl.arange(0, 8)  # (8,) word within a sub-block: weights 4t … 4t + 3
+        x64 = xw_ptr.to(tl.pointer_type(tl.int64))  # activation values 4T … 4T + 3 of a sub-block: one int64
         acc = tl.zeros((ROWS * C,), tl.float32)
         for k0 in range(0, n_sub, C):
             kb = k0 + c  # (ROWS·C,) sub-block along the row
-            ok_v = row_ok & (kb < n_sub)
-            ok = ok_v[:, None] & (t[None, :] < 8)  # (ROWS·C, 8)
+            ok = row_ok & (kb < n_sub)
             if QT == 12 or QT == 13 or QT == 14:  # sub-block kb % 8 of super-block kb // 8
-                q, a0, b0, a1, b1 = _quants(rows + (kb // 8) * BB, kb % 8, ok_v, ok, t, QT, BB)
+                base, j = rows + (kb // 8) * BB, kb % 8
             else:
-                q, a0, b0, a1, b1 = _quants(rows + kb * BB, kb, ok_v, ok, t, QT, BB)
-            # activation values 4t … 4t + 3 as one int64 a word of q: the same (ROWS·C, 8) shape and layout
-            # as q (two strided int32 loads, or one load split, would move data between threads)
-            xv = tl.load(xw_ptr.to(tl.pointer_type(tl.int64)) + kb[:, None] * 8 + t[None, :], mask=ok, other=0)
-            dots = _dp2a(xv.to(tl.int32), (xv >> 32).to(tl.int32), q, DP2A)  # (ROWS·C, 8)
-            s0 = tl.load(xs_ptr + 2 * kb, mask=ok_v, other=0).to(tl.float32)  # (ROWS·C,) Σ xq of each half
-            s1 = tl.load(xs_ptr + 2 * kb + 1, mask=ok_v, other=0).to(tl.float32)
-            i0 = tl.sum(tl.where(t[None, :] < 4, dots, 0), 1).to(tl.float32)  # (ROWS·C,) Σ q·xq of each half
-            i1 = tl.sum(tl.where(t[None, :] < 4, 0, dots), 1).to(tl.float32)
-            dx = tl.load(xd_ptr + kb, mask=ok_v, other=0.0)
-            acc += dx * (a0 * i0 + b0 * s0 + a1 * i1 + b1 * s1)
+                base, j = rows + kb * BB, kb
+            a0, b0, a1, b1, qh = _factors(base, j, ok, QT)
+            i0 = tl.zeros((ROWS * C,), tl.int32)  # Σ q·xq over each half of 16 weights
+            i1 = tl.zeros((ROWS * C,), tl.int32)
+            for T in tl.static_range(8):
+                xv = tl.load(x64 + kb * 8 + T, mask=ok, other=0)
+                dot = _dp2a(xv.to(tl.int32), (xv >> 32).to(tl.int32), _quant_word(base, j, qh, ok, T, QT, BB), DP2A)
+                if T < 4:
+                    i0 += dot
+                else:
+                    i1 += dot
+            s0 = tl.load(xs_ptr + 2 * kb, mask=ok, other=0).to(tl.float32)  # (ROWS·C,) Σ xq of each half
+            s1 = tl.load(xs_ptr + 2 * kb + 1, mask=ok, other=0).to(tl.float32)
+            dx = tl.load(xd_ptr + kb, mask=ok, other=0.0)
+            acc += dx * (a0 * i0.to(tl.float32) + b0 * s0 + a1 * i1.to(tl.float32) + b1 * s1)
         return tl.sum(tl.reshape(acc, (ROWS, C)), 1)  # (ROWS,): row-major, so slot v is row v // C
 
     @triton.jit

@@ -26,18 +26,18 @@ POINTERS = {"slots_ptr": "*i64", "ids_ptr": "*i64", "offs_ptr": "*i64", "spare_p
 FLOATS = ("alpha", "limit")
 
 
-def compiled(fn, divisible: bool = False, **constexprs):
+def compiled(fn, divisible: bool = False, num_warps: int = 4, **constexprs):
     """fn compiled for TARGET with these constexprs (other arguments: pointers per POINTERS, fp32 or
     i32 scalars) → Triton's compiled kernel (its PTX in .asm["ptx"]). divisible: every pointer and
     integer argument marked a multiple of 16, as Triton's launcher marks the ones that are (the row
-    lengths and offsets of the GGUF shapes here are)."""
+    lengths and offsets of the GGUF shapes here are); num_warps as the launch's."""
     names = [p.name for p in fn.params]
     signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "*bf16") if n.endswith("_ptr")
                  else "fp32" if n in FLOATS else "i32" for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if divisible and (signature[n] == "i32" or signature[n].startswith("*"))}
     return triton.compile(ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs),
-                          target=TARGET)
+                          target=TARGET, options={"num_warps": num_warps})
 
 
 def compile_kernel(fn, **constexprs) -> str | None:
