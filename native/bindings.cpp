@@ -192,18 +192,37 @@ void moe_submit_routed_py(MoeWorker& worker, uintptr_t x, int x_dtype, int64_t n
 // The mailbox worker (cpu_mailbox.h) over two pinned regions the caller keeps alive longer than it.
 // words: the first word of ids, CPU marks, weights and x in to_cpu, and of out in to_gpu; rows
 // (n_layers, n_experts, 5) int64: every expert's table row (copied).
+// rows: the tensors' table (n_layers, n_experts, 5); or, for a store of blocks, blocks (n_layers,
+// n_experts, 3) addresses and types (n_layers, 3) ggml codes, rows then (n_layers, n_experts, 0).
 std::unique_ptr<CpuMailbox> make_mailbox(uintptr_t to_cpu, uintptr_t to_gpu, const std::vector<int64_t>& words,
                                          int64_t max_rows, int64_t top_k, int64_t hidden, int64_t inter,
                                          int x_dtype, int w_dtype,
-                                         const py::array_t<int64_t, py::array::c_style>& rows, int threads) {
+                                         const py::array_t<int64_t, py::array::c_style>& rows, int threads,
+                                         const py::array_t<int64_t, py::array::c_style>& blocks,
+                                         const py::array_t<int32_t, py::array::c_style>& types) {
   require(words.size() == 5, "words: ids, cpu, weights, x (to_cpu) and out (to_gpu)");
-  require(rows.ndim() == 3 && rows.shape(2) == 5, "rows must be an int64 table (n_layers, n_experts, 5)");
-  const MoeExpert* first = reinterpret_cast<const MoeExpert*>(rows.data());
-  std::vector<MoeExpert> table(first, first + rows.shape(0) * rows.shape(1));
+  require(rows.ndim() == 3, "rows must be an int64 table (n_layers, n_experts, 5 or 0)");
+  const bool quant = blocks.size() > 0;
+  require(rows.shape(2) == (quant ? 0 : 5), "rows: 5 columns for tensors, none for a store of blocks");
+  std::vector<MoeExpert> table;
+  if (!quant) {
+    const MoeExpert* first = reinterpret_cast<const MoeExpert*>(rows.data());
+    table.assign(first, first + rows.shape(0) * rows.shape(1));
+  }
+  QuantTable q;
+  if (quant) {
+    require(blocks.ndim() == 3 && blocks.shape(0) == rows.shape(0) && blocks.shape(1) == rows.shape(1) &&
+                blocks.shape(2) == 3, "blocks must be (n_layers, n_experts, 3) int64 addresses");
+    require(types.ndim() == 2 && types.shape(0) == rows.shape(0) && types.shape(1) == 3, "types must be (n_layers, 3)");
+    q.blocks.assign(blocks.data(), blocks.data() + blocks.size());
+    q.types.assign(types.data(), types.data() + types.size());
+    for (int32_t t : q.types)
+      require(t == 0 || qblock_bytes(t) > 0, "a block type the quantised kernels do not know");
+  }
   MailboxShape s{reinterpret_cast<int64_t*>(to_cpu), reinterpret_cast<int64_t*>(to_gpu), words[0], words[1],
                  words[2], words[3], words[4], max_rows, top_k, hidden, inter, dtype_of(x_dtype), dtype_of(w_dtype),
                  rows.shape(0), rows.shape(1), threads};
-  return std::make_unique<CpuMailbox>(s, std::move(table));
+  return std::make_unique<CpuMailbox>(s, std::move(table), std::move(q));
 }
 
 // The file of the OpenMP runtime this module's calls bind to ("" if unknown or without OpenMP). The
@@ -397,7 +416,9 @@ PYBIND11_MODULE(_native, m) {
                          "memory (cpu_mailbox.h); no Python runs on it.")
       .def(py::init(&make_mailbox), py::arg("to_cpu"), py::arg("to_gpu"), py::arg("words"), py::arg("max_rows"),
            py::arg("top_k"), py::arg("hidden"), py::arg("inter"), py::arg("x_dtype"), py::arg("w_dtype"),
-           py::arg("rows").noconvert(), py::arg("threads"))
+           py::arg("rows").noconvert(), py::arg("threads"),
+           py::arg("blocks") = py::array_t<int64_t>(std::vector<py::ssize_t>{0, 0, 3}),
+           py::arg("types") = py::array_t<int32_t>(std::vector<py::ssize_t>{0, 3}))
       .def_property_readonly("answered", &CpuMailbox::answered, "Posts answered so far.")
       .def_property_readonly("experts", &CpuMailbox::experts, "Experts computed so far.")
       .def_property_readonly("compute_s", &CpuMailbox::compute_s, "Seconds spent answering posts.")

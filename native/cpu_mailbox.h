@@ -13,6 +13,9 @@
 //   to_gpu, written here: [0] answered sequence number, [8] status (0 ok, 1 the set failed); then the
 //     sum over the layer's CPU pairs, out (rows, hidden) fp32. The sequence number is written last.
 // The GPU posts the next layer only after it has read this answer, so one mailbox is enough.
+//
+// A store of GGUF blocks (QuantTable) is answered by quant_moe's kernels over the blocks, x first
+// converted to fp32; a store of tensors by moe_ffn's.
 #pragma once
 
 #include <algorithm>
@@ -26,6 +29,8 @@
 #include <vector>
 
 #include "common.h"
+#include "convert.h"
+#include "quant_moe.h"
 #include "routed_set.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -44,6 +49,13 @@ struct MailboxShape {
   int threads;
 };
 
+// A quantised store: every (layer, expert)'s gate, up and down block addresses, and each layer's three
+// block types (ggml codes; a layer without routed experts: zeros, never posted).
+struct QuantTable {
+  std::vector<int64_t> blocks;  // (n_layers · n_experts · 3)
+  std::vector<int32_t> types;   // (n_layers · 3)
+};
+
 class CpuMailbox {
  public:
   // The worker spins this long after a post for the next one, then polls at kIdlePoll (a post after
@@ -51,14 +63,28 @@ class CpuMailbox {
   static constexpr std::chrono::milliseconds kSpinWindow{5};
   static constexpr std::chrono::microseconds kIdlePoll{50};
 
-  // rows: (n_layers · n_experts) table rows of every expert in the store (addresses, strides), kept here.
-  CpuMailbox(const MailboxShape& s, std::vector<MoeExpert> rows) : s_(s), rows_(std::move(rows)) {
+  // rows: (n_layers · n_experts) table rows of every expert in the store (addresses, strides), kept
+  // here; or, for a store of blocks, quant (rows then empty).
+  CpuMailbox(const MailboxShape& s, std::vector<MoeExpert> rows, QuantTable quant = {})
+      : s_(s), rows_(std::move(rows)), quant_(std::move(quant)) {
     auto require = [](bool ok, const char* what) {
       if (!ok) throw std::invalid_argument(what);
     };
     require(s.to_cpu && s.to_gpu, "null mailbox");
     require(s.max_rows > 0 && s.top_k > 0 && s.n_layers > 0 && s.n_experts > 0, "empty mailbox shape");
-    require(int64_t(rows_.size()) == s.n_layers * s.n_experts, "the expert table must have a row per (layer, expert)");
+    if (quant_.blocks.empty()) {
+      require(int64_t(rows_.size()) == s.n_layers * s.n_experts, "the expert table must have a row per (layer, expert)");
+    } else {
+      require(int64_t(quant_.blocks.size()) == s.n_layers * s.n_experts * 3,
+              "the block table must have gate, up and down addresses per (layer, expert)");
+      require(int64_t(quant_.types.size()) == s.n_layers * 3, "the block types must be three per layer");
+      for (int64_t l = 0; l < s.n_layers; ++l) {
+        const int32_t* t = quant_.types.data() + l * 3;
+        if (t[0] == 0) continue;  // no routed experts in this layer
+        require(s.hidden % qblock_weights(t[0]) == 0 && s.hidden % qblock_weights(t[1]) == 0 &&
+                    s.inter % qblock_weights(t[2]) == 0, "a layer's expert rows are not whole blocks of its types");
+      }
+    }
     require(s.hidden % 16 == 0 && s.inter % 16 == 0, "hidden and inter must be multiples of 16");
     seen_ = load(s_.to_cpu);  // answer posts after this one
     thread_ = std::thread([this] { loop(); });
@@ -122,6 +148,9 @@ class CpuMailbox {
       float* out = reinterpret_cast<float*>(s_.to_gpu + s_.out_word);
       if (chosen_.empty()) {
         std::memset(out, 0, size_t(n_rows * s_.hidden) * sizeof(float));
+      } else if (!quant_.blocks.empty()) {
+        answer_blocks(layer, n_rows, ids, marks, out);
+        experts_ += int64_t(chosen_.size());
       } else {
         const MoeProblem p = build_routed_set(
             s_.to_cpu + s_.x_word, s_.x_dtype, n_rows, s_.hidden, s_.inter, s_.hidden, s_.w_dtype,
@@ -141,8 +170,36 @@ class CpuMailbox {
     store(s_.to_gpu, seq);  // last: the GPU reads out and the status once it sees this
   }
 
+  // The chosen experts over a quantised store: x to fp32, each expert's marked pairs grouped (its
+  // token rows and weights), then quant_moe's one parallel region adds the set into out.
+  void answer_blocks(int64_t layer, int64_t n_rows, const int64_t* ids, const int64_t* marks, float* out) {
+    const int64_t H = s_.hidden, n_pairs = n_rows * s_.top_k;
+    x32_.resize(size_t(n_rows * H));
+    const void* x = s_.to_cpu + s_.x_word;
+    for (int64_t i = 0; i < n_rows * H; ++i) x32_[size_t(i)] = load_as_f32(x, s_.x_dtype, i);
+    const float* w = reinterpret_cast<const float*>(s_.to_cpu + s_.weights_word);
+    set_.clear(), tokens_.clear(), weights_.clear();
+    for (int64_t e : chosen_) {
+      int64_t n = 0;
+      for (int64_t p = 0; p < n_pairs; ++p)
+        if (marks[p] && ids[p] == e) tokens_.push_back(p / s_.top_k), weights_.push_back(w[p]), ++n;
+      const int64_t* b = quant_.blocks.data() + (layer * s_.n_experts + e) * 3;
+      set_.push_back({reinterpret_cast<const uint8_t*>(b[0]), reinterpret_cast<const uint8_t*>(b[1]),
+                      reinterpret_cast<const uint8_t*>(b[2]), n});
+    }
+    const int32_t* t = quant_.types.data() + layer * 3;
+    QuantMoeProblem p{x32_.data(), n_rows, H, s_.inter, H, QType(t[0]), QType(t[1]), QType(t[2]), set_.data(),
+                      int64_t(set_.size()), tokens_.data(), weights_.data(), out, H};
+    std::memset(out, 0, size_t(n_rows * H) * sizeof(float));
+    quant_moe(p, s_.threads);
+  }
+
   MailboxShape s_;
   std::vector<MoeExpert> rows_;
+  QuantTable quant_;
+  std::vector<float> x32_, weights_;  // a quantised answer's fp32 rows and its pairs' weights
+  std::vector<int64_t> tokens_;
+  std::vector<QuantMoeExpert> set_;
   int64_t seen_ = 0;
   std::vector<int64_t> chosen_;
   RoutedSetBuffers routed_;

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 from engine.kernels import cpu_mailbox_gpu, native
@@ -131,10 +132,20 @@ class CpuMailbox:
         self.error_host = torch.zeros(1, dtype=torch.int32, pin_memory=on_gpu)
         self.share_value = float(share)
         code = native.DTYPE_CODES
+        if store.quantised:  # the worker reads the blocks: each expert's three addresses, each layer's types
+            L, E = store.n_layers, store.n_experts
+            rows = np.zeros((L, E, 0), dtype=np.int64)
+            blocks, types = np.zeros((L, E, 3), dtype=np.int64), np.zeros((L, 3), dtype=np.int32)
+            for layer in store.layers:
+                blocks[layer] = store.quant_addresses(layer)
+                types[layer] = [code for code, *_ in store.layouts[layer].parts]
+            tables = dict(blocks=blocks, types=types)
+        else:
+            rows, tables = store.all_moe_rows(), {}
         self._worker = nat.CpuMailbox(self.to_cpu.data_ptr(), self.to_gpu.data_ptr(),
                                       [ids_w, marks_w, weights_w, x_w, HEADER_WORDS], max_rows, top_k, H,
-                                      store.expert_ffn, code[store.dtype], code[store.dtype], store.all_moe_rows(),
-                                      threads or native.threads())
+                                      store.expert_ffn, code[store.dtype], code[store.dtype], rows,
+                                      threads or native.threads(), **tables)
 
     # -- inside the graph -------------------------------------------------------------------------
     def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,

@@ -82,8 +82,6 @@ class ZeroCopyDecode:
         self.mailbox: CpuMailbox | None = None
         self.cpu_in_step = False  # the step being run (or captured) posts part of its misses to the CPU
         self.mailbox_off: str | None = None if cpu_share > 0 else "cpu_share 0"  # why there is none
-        if store.quantised:  # the mailbox's native worker computes tensors, not blocks
-            self.mailbox_off, cpu_share = "the host store is quantised", 0.0
         self.cpu_gate = ChurnGate(cpu_share, cache.n_slots, cpu_gated)
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window

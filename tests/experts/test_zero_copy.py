@@ -89,11 +89,11 @@ def _check_table(zc, cache, store):
 
 
 def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, check_each_step=True, lag_list_share=1.0,
-            inflight=None, quantised=False):
+            inflight=None, quantised=False, cpu_share=0.0):
     """lag_list_share 1.0: the host always lists a step's slots before reading the step before's log
     (caches this small would read it first under the default). inflight: the steps whose logs are
     unread after each before_step, appended to. quantised: a store of blocks (`_quant_store`), slots
-    of bytes."""
+    of bytes. cpu_share: of each layer's misses, the share the CPU mailbox computes (ungated)."""
     if quantised:
         store, gate_up, down = _quant_store()
         h, i = QH, QI
@@ -105,7 +105,7 @@ def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, check_each_s
         cache = ExpertCache(n_slots, h, i, torch.float32, torch.device(DEVICE))
     window = []
     zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, window=window,
-                        lag_list_share=lag_list_share)
+                        lag_list_share=lag_list_share, cpu_share=cpu_share, cpu_gated=False)
     g = torch.Generator().manual_seed(seed)
     routing = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n_tokens)]) for _ in range(L)]
     used_per_step = []
@@ -190,6 +190,20 @@ def test_link_bytes_count_each_in_place_read_once_and_fills_nothing_more():
     zc, store, cache, _, _ = _decode(4, steps=6, n_tokens=1)
     t = zc.telemetry()
     assert t["graph_fills"] > 0 and t["link_bytes"] == zc.zero_copy_experts * store.block_bytes
+
+
+def test_a_quantised_store_sends_part_of_its_misses_to_the_cpu():
+    """The CPU mailbox's worker computes its share of the misses over the store's blocks (native
+    quant_moe), beside the GPU kernels over the rest: outputs as resident, the CPU's experts counted."""
+    from engine.kernels import native
+
+    if native.module() is None or not hasattr(native.module(), "CpuMailbox"):
+        pytest.skip("the CPU mailbox needs the native extension")
+    zc, store, cache, window, used = _decode(4, steps=6, quantised=True, cpu_share=0.5)
+    t = zc.telemetry()
+    assert t["cpu_experts"] > 0 and t["cpu_mailbox"]["experts"] == t["cpu_experts"]
+    assert t["cpu_experts"] + t["zero_copy_experts"] == cache.lru.misses
+    zc.close()
 
 
 @pytest.mark.parametrize("quantised", [False, True])
