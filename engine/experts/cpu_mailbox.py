@@ -5,7 +5,9 @@ with one chat) that binds the step to the link while the CPU idles. Seed 004 sen
 misses to the CPU instead, sized so that both sides finish together. Between layers of a
 graph there is no host call to split them, so the device splits them (`post`, in
 engine/kernels/cpu_mailbox_gpu.py), hands the CPU's share over through pinned host memory, and the
-native worker (native/cpu_mailbox.h) answers there; the layer's sum kernel waits for the answer.
+native worker (native/cpu_mailbox.h) answers there; the layer's sum kernel waits for the answer. Over
+a store of GGUF blocks the worker runs the quantised CPU set (native/quant_moe.h) on the blocks
+where they lie in the store.
 
 The mailbox's kernels are only in the graph of steps run while the gate (ChurnGate) is open:
 engine/runtime/decode_graph.py captures the one graph twice, with them ("graph+cpu") and without
