@@ -62,9 +62,12 @@ if triton is not None:
             return s
 
     @triton.jit
-    def _word(p, ok):
-        """Byte pointers, each at an even address → the little-endian int32 at each, from two 16-bit
-        loads (blocks of 18, 22, 34 or 210 bytes leave no 4-byte alignment)."""
+    def _word(p, ok, W32: tl.constexpr = False):
+        """Byte pointers, each at an even address (W32: a multiple of 4) → the little-endian int32 at
+        each: one 32-bit load, or two 16-bit ones (blocks of 18, 22, 34 or 210 bytes leave no 4-byte
+        alignment)."""
+        if W32:
+            return tl.load(p.to(tl.pointer_type(tl.int32)), mask=ok, other=0)
         h = p.to(tl.pointer_type(tl.int16))
         lo = tl.load(h, mask=ok, other=0).to(tl.int32) & 0xFFFF
         return lo | (tl.load(h + 1, mask=ok, other=0).to(tl.int32) << 16)
@@ -120,9 +123,9 @@ if triton is not None:
         return a0, b0, a1, b1, qh
 
     @triton.jit
-    def _quant_word(base, j, qh, ok, T: tl.constexpr, QT: tl.constexpr, BB: tl.constexpr):
+    def _quant_word(base, j, qh, ok, T: tl.constexpr, QT: tl.constexpr, BB: tl.constexpr, W32: tl.constexpr):
         """Word T (0–7) of R sub-blocks (as `_factors`' arguments): byte i is weight 4T + i's quant, a
-        signed byte → (R,) int32."""
+        signed byte → (R,) int32. W32: the blocks' quants lie at multiples of 4 (`aligned`)."""
         if QT == 8:  # Q8_0: 32 int8 after d
             q = _word(base + 2 + 4 * T, ok)
         elif QT == 39:  # MXFP4: weight l's E2M1 code in nibble l // 16 of byte 1 + l % 16
@@ -138,22 +141,23 @@ if triton is not None:
             q = low | (((_word(base + 128 + 32 * h + 4 * T, ok) >> (2 * p)) & 0x03030303) << 4)
         elif QT == 12 or QT == 13:  # Q4_K, Q5_K: qs[128] (at 16, or 48 after Q5_K's qh[32]); sub-blocks
             # 2i and 2i + 1 share 32 bytes, low and high nibbles
-            q = _nibbles(_word(base + (16 if QT == 12 else 48) + 32 * (j // 2) + 4 * T, ok), 4 * (j % 2))
+            q = _nibbles(_word(base + (16 if QT == 12 else 48) + 32 * (j // 2) + 4 * T, ok, W32), 4 * (j % 2))
             if QT == 13:  # bit j of qh[l]: weight l's fifth bit
-                q |= ((_word(base + 16 + 4 * T, ok) >> j) & 0x01010101) << 4
+                q |= ((_word(base + 16 + 4 * T, ok, W32) >> j) & 0x01010101) << 4
         else:  # Q4_0 … Q5_1: 16 bytes of nibbles last, weights l and l + 16 in byte l
-            q = _nibbles(_word(base + (BB - 16) + 4 * (T % 4), ok), 4 * (T // 4))
+            q = _nibbles(_word(base + (BB - 16) + 4 * (T % 4), ok, W32), 4 * (T // 4))
             if QT == 6 or QT == 7:
                 q |= _fifth_bits((qh >> (4 * T)) & 0x0F)
         return q
 
     @triton.jit
     def _gemv(xw_ptr, xd_ptr, xs_ptr, rows, row_ok, n_sub, QT: tl.constexpr, BB: tl.constexpr,
-              ROWS: tl.constexpr, C: tl.constexpr, DP2A: tl.constexpr):
+              ROWS: tl.constexpr, C: tl.constexpr, DP2A: tl.constexpr, W32: tl.constexpr):
         """Dot products of ROWS matrix rows of type QT (ggml's code, BB bytes a block) with one quantised
         activation vector of K = 32·n_sub (`quantize_rows`' words, scales and half sums at xw, xd, xs):
         rows (ROWS·C,) are the start pointers of the row each of the C sub-block slots a row belongs to,
-        row_ok (ROWS·C,) masks them → (ROWS,) fp32.
+        row_ok (ROWS·C,) masks them → (ROWS,) fp32. W32: the rows' quants may be read 32 bits at a time
+        (`aligned`).
 
         Every tensor is (ROWS·C,), one sub-block an element, and its 8 words are unrolled: a thread
         decodes its sub-blocks' factors once and sums their words itself, with no data moved between
@@ -173,7 +177,7 @@ if triton is not None:
             i1 = tl.zeros((ROWS * C,), tl.int32)
             for T in tl.static_range(8):
                 xv = tl.load(x64 + kb * 8 + T, mask=ok, other=0)
-                dot = _dp2a(xv.to(tl.int32), (xv >> 32).to(tl.int32), _quant_word(base, j, qh, ok, T, QT, BB), DP2A)
+                dot = _dp2a(xv.to(tl.int32), (xv >> 32).to(tl.int32), _quant_word(base, j, qh, ok, T, QT, BB, W32), DP2A)
                 if T < 4:
                     i0 += dot
                 else:
@@ -212,6 +216,15 @@ def dp2a() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return not isinstance(_quantize_kernel, InterpretedFunction)
+
+
+ALIGNED_TYPES = (3, 7, 12, 13)  # Q4_1, Q5_1, Q4_K, Q5_K: blocks of 20, 24, 144, 176 bytes, quants at 4k
+
+
+def aligned(type_code: int, *byte_counts: int) -> bool:
+    """Whether a part of this type whose rows start at these byte counts (offsets, strides, addresses)
+    has every quant word at a multiple of 4: then one 32-bit load reads it, not two 16-bit ones."""
+    return type_code in ALIGNED_TYPES and all(n % 4 == 0 for n in byte_counts)
 
 
 def check_even(name: str, type_code: int, **byte_counts: int) -> None:

@@ -89,13 +89,13 @@ if triton is not None:
     @triton.jit
     def _linear_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr,
                        BB: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
-                       DP2A: tl.constexpr):
+                       DP2A: tl.constexpr, W32: tl.constexpr):
         """Program (row tile, token m): out[m, rows] = W[rows] · x[m] (+ bias), fp32 sums rounded once. Row
         tiles on grid axis 0 (up to 2^31 − 1; axis 1 stops at 65,535: 131K rows in tiles of 2)."""
         m = tl.program_id(1)
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS * C) // C  # (ROWS·C,) row of each sub-block slot
         acc = _gemv(xw_ptr + m * (K // 2), xd_ptr + m * (K // 32), xs_ptr + m * (K // 16),
-                       w_ptr + r.to(tl.int64) * row_bytes, r < N, K // 32, QT, BB, ROWS, C, DP2A)  # (ROWS,)
+                       w_ptr + r.to(tl.int64) * row_bytes, r < N, K // 32, QT, BB, ROWS, C, DP2A, W32)  # (ROWS,)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
@@ -120,7 +120,9 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
                                                       bias if bias is not None else x2, y, N, K, w.row_bytes,
                                                       QT=w.qtype.code, BB=w.qtype.block_bytes,
                                                       HAS_BIAS=bias is not None, ROWS=rows, C=CHUNK,
-                                                      DP2A=quant_dot_gpu.dp2a(), num_warps=WARPS)
+                                                      DP2A=quant_dot_gpu.dp2a(), num_warps=WARPS,
+                                                      W32=quant_dot_gpu.aligned(w.qtype.code, w.row_bytes,
+                                                                                w.blocks.data_ptr()))
         return y.view(*x.shape[:-1], N)
     per_chunk = max(1, min(N, CHUNK_BYTES // (K * x.element_size())))
     tile = torch.empty(per_chunk, K, dtype=x.dtype, device=x.device)  # (R, K) dequantised rows of W

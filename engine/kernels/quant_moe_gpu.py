@@ -100,7 +100,7 @@ if triton is not None:
                         alpha, limit, H, I, E, top_k, stride_slot, off_g, row_g, off_u, row_u, QG: tl.constexpr,
                         BG: tl.constexpr, QU: tl.constexpr, BU: tl.constexpr, HAS_OFFS: tl.constexpr,
                         HAS_SPARE: tl.constexpr, CLAMPED: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
-                        COPY: tl.constexpr, DP2A: tl.constexpr):
+                        COPY: tl.constexpr, DP2A: tl.constexpr, W32G: tl.constexpr, W32U: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         m = p // top_k  # its token: quantize_rows' row of x
         xw, xd, xs = xw_ptr + m * (H // 2), xd_ptr + m * (H // 32), xs_ptr + m * (H // 16)
@@ -109,8 +109,8 @@ if triton is not None:
         up_rows, _ = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, I, off_u, row_u,
                                 HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         dtype = act_ptr.dtype.element_ty
-        gate = _gemv(xw, xd, xs, gate_rows, ok, H // 32, QG, BG, ROWS, C, DP2A)  # (ROWS,) fp32
-        up = _gemv(xw, xd, xs, up_rows, ok, H // 32, QU, BU, ROWS, C, DP2A)
+        gate = _gemv(xw, xd, xs, gate_rows, ok, H // 32, QG, BG, ROWS, C, DP2A, W32G)  # (ROWS,) fp32
+        up = _gemv(xw, xd, xs, up_rows, ok, H // 32, QU, BU, ROWS, C, DP2A, W32U)
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
         if CLAMPED:  # gpt-oss: the expert's biases, then (clamp(u, ±limit) + 1) · g'·σ(alpha·g'), g' = min(g, limit)
             e = tl.load(ids_ptr + p)
@@ -132,13 +132,13 @@ if triton is not None:
     def _down_kernel(aw_ptr, ad_ptr, as_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, wts_ptr, y_ptr, experts_ptr,
                      bias_ptr, H, I, E, stride_slot, off_d, row_d, QD: tl.constexpr, BD: tl.constexpr,
                      HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr, CLAMPED: tl.constexpr, ROWS: tl.constexpr,
-                     C: tl.constexpr, COPY: tl.constexpr, DP2A: tl.constexpr):
+                     C: tl.constexpr, COPY: tl.constexpr, DP2A: tl.constexpr, W32D: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         down_rows, ok = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, H, off_d, row_d,
                                    HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         dtype = y_ptr.dtype.element_ty
         y = _gemv(aw_ptr + p * (I // 2), ad_ptr + p * (I // 32), as_ptr + p * (I // 16), down_rows, ok, I // 32,
-                     QD, BD, ROWS, C, DP2A)  # (ROWS,) fp32
+                     QD, BD, ROWS, C, DP2A, W32D)  # (ROWS,) fp32
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,) output features
         if CLAMPED:  # the pair's expert's (H,) down bias, inside F.linear's one rounding; none for a skipped pair
             e = tl.load(ids_ptr + p)
@@ -188,7 +188,7 @@ def _check(x, ids, weights, pool, parts, expert_ffn, out) -> list[tuple[int, int
 def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor,
                      parts, expert_ffn: int, out: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
                      spare: torch.Tensor | None = None, admit: bool = False, cpu: tuple | None = None,
-                     form=None, experts: torch.Tensor | None = None) -> torch.Tensor:
+                     form=None, experts: torch.Tensor | None = None, offsets_aligned: bool = False) -> torch.Tensor:
     """x (N, H) bf16/fp16/fp32; ids (N, k) int64: slot index of each (token, choice) pair in `pool`,
     an id outside [0, S) skips that pair (adds zero, reads nothing: the caller marks pairs the CPU
     computes so); weights (N, k) in x's dtype; pool (S, B) uint8, rows contiguous: slot s holds one
@@ -205,7 +205,10 @@ def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
 
     form: gpt-oss's experts (experts_torch.ClampedSwiGLU, its biases (E, 2I) and (E, H) on the device):
     each pair adds its expert's biases and takes the clamped activation; experts (N, k) int64 gives each
-    pair's expert id where ids are slots (None: ids are the expert ids)."""
+    pair's expert id where ids are slots (None: ids are the expert ids).
+
+    offsets_aligned: every entry of offsets is a multiple of 4 (the caller knows; the device's table is
+    not read here), so parts whose offsets, rows and slots are too read 32-bit words."""
     (qg, bg, off_g, row_g), (qu, bu, off_u, row_u), (qd, bd, off_d, row_d) = _check(
         x, ids, weights, pool, parts, expert_ffn, out)
     assert not admit or (offsets is not None and spare is not None), "admit needs offsets and spare"
@@ -235,10 +238,14 @@ def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         experts = (ids if experts is None else experts).contiguous()
         alpha, limit = float(form.alpha), float(form.limit)
     rows_gu, rows_d = (ROWS_INTERPRETED,) * 2 if dequant_gpu.interpreted() else (ROWS_GATE_UP, ROWS_DOWN)
+    starts = (pool.stride(0), pool.data_ptr(), 0 if offsets is None or offsets_aligned else 2)
+    w32 = [quant_dot_gpu.aligned(code, offset, row, *starts) for code, offset, row in
+           ((qg, off_g, row_g), (qu, off_u, row_u), (qd, off_d, row_d))]
     _gate_up_kernel[(P, triton.cdiv(I, rows_gu))](*quant_dot_gpu.quantize_rows(x), pool, ids, offs, sp, act, experts, bias_gu, alpha, limit, H, I,
                                                   E, k, pool.stride(0), off_g, row_g, off_u, row_u, QG=qg, BG=bg,
-                                                  QU=qu, BU=bu, ROWS=rows_gu, num_warps=WARPS, **has)
+                                                  QU=qu, BU=bu, ROWS=rows_gu, num_warps=WARPS, W32G=w32[0],
+                                                  W32U=w32[1], **has)
     _down_kernel[(P, triton.cdiv(H, rows_d))](*quant_dot_gpu.quantize_rows(act), pool, ids, offs, sp, weights, y, experts, bias_d, H, I, E,
                                               pool.stride(0), off_d, row_d, QD=qd, BD=bd, ROWS=rows_d, num_warps=WARPS,
-                                              **has)
+                                              W32D=w32[2], **has)
     return moe_decode_gpu.sum_choices(y, out, ids, sp, offs, admit, cpu)

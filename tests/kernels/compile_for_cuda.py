@@ -58,20 +58,23 @@ def failures():
             yield f"dequantise {qt.name} bf16={bf16}", compile_kernel(
                 dequant_gpu._dequant_k_kernel if k else dequant_gpu._dequant32_kernel, QT=code, BB=qt.block_bytes,
                 BF16_BITS=bf16, ROWS=dequant_gpu.ROWS)
-        for bias in (True, False):
-            yield f"linear {qt.name} bias={bias}", compile_kernel(
-                quant_linear_gpu._linear_kernel, QT=code, BB=qt.block_bytes, HAS_BIAS=bias,
-                ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK, DP2A=True)
-        # the slots' form, the one graph's (offsets and spare slots), gpt-oss's clamped form in both
-        for offs, spare, clamped in ((False, False, False), (True, True, False), (False, False, True), (True, True, True)):
-            flags = dict(HAS_OFFS=offs, HAS_SPARE=spare, CLAMPED=clamped, C=quant_moe_gpu.CHUNK,
-                         COPY=quant_moe_gpu.COPY_BYTES, DP2A=True)
-            form = f"{qt.name} offsets={offs} spare={spare} clamped={clamped}"
-            yield f"gate_up {form}", compile_kernel(quant_moe_gpu._gate_up_kernel, QG=code, BG=qt.block_bytes,
-                                                    QU=code, BU=qt.block_bytes, ROWS=quant_moe_gpu.ROWS_GATE_UP,
-                                                    **flags)
-            yield f"down {form}", compile_kernel(quant_moe_gpu._down_kernel, QD=code, BD=qt.block_bytes,
-                                                 ROWS=quant_moe_gpu.ROWS_DOWN, **flags)
+        # 32-bit words where the type's blocks allow them (quant_dot_gpu.aligned), 16-bit ones always
+        for w32 in (False, True) if code in quant_dot_gpu.ALIGNED_TYPES else (False,):
+            for bias in (True, False):
+                yield f"linear {qt.name} bias={bias} w32={w32}", compile_kernel(
+                    quant_linear_gpu._linear_kernel, QT=code, BB=qt.block_bytes, HAS_BIAS=bias,
+                    ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK, DP2A=True, W32=w32)
+            # the slots' form, the one graph's (offsets and spare slots), gpt-oss's clamped form in both
+            for offs, spare, clamped in ((False, False, False), (True, True, False), (False, False, True),
+                                         (True, True, True)):
+                flags = dict(HAS_OFFS=offs, HAS_SPARE=spare, CLAMPED=clamped, C=quant_moe_gpu.CHUNK,
+                             COPY=quant_moe_gpu.COPY_BYTES, DP2A=True)
+                form = f"{qt.name} offsets={offs} spare={spare} clamped={clamped} w32={w32}"
+                yield f"gate_up {form}", compile_kernel(quant_moe_gpu._gate_up_kernel, QG=code, BG=qt.block_bytes,
+                                                        QU=code, BU=qt.block_bytes, ROWS=quant_moe_gpu.ROWS_GATE_UP,
+                                                        W32G=w32, W32U=w32, **flags)
+                yield f"down {form}", compile_kernel(quant_moe_gpu._down_kernel, QD=code, BD=qt.block_bytes,
+                                                     ROWS=quant_moe_gpu.ROWS_DOWN, W32D=w32, **flags)
 
 
 if __name__ == "__main__":

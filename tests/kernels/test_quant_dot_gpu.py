@@ -57,3 +57,23 @@ def test_odd_offsets_are_refused_except_for_mxfp4(device):
     odd[:, :-1] = pool
     out = quant_moe_gpu.moe_decode_quant(x.to(device), ids.to(device), w.to(device), odd.to(device), parts, 32)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q5_K, T.Q4_1), (T.Q5_1, T.Q4_K, T.Q6_K)], ids=lambda t: "-".join(
+    x.name for x in t))
+def test_32_bit_words_where_slots_are_aligned_give_what_16_bit_ones_give(types, device):
+    """The same slots at a row stride of 4k + 2 (16-bit words) and of 4k (the aligned types' parts read
+    32-bit words): the same outputs, bit for bit; a part of another type (Q6_K) keeps 16-bit words."""
+    device = on(device)
+    pool, parts, _ = slots(types, 256, 256, 3, [1, 2], seed=4)
+    wide = torch.full((3, pool.shape[1] + 2), 0xFF, dtype=torch.uint8)
+    wide[:, :-2] = pool
+    x, w = torch.randn(2, 256), torch.softmax(torch.randn(2, 2), -1)
+    ids = torch.tensor([[1, 2], [2, 1]])
+    assert pool.stride(0) % 4 == 2 and wide.stride(0) % 4 == 0  # slots of 4k + 2 bytes, then of 4k
+    outs = [quant_moe_gpu.moe_decode_quant(x.to(device), ids.to(device), w.to(device), p.to(device), parts, 256).cpu()
+            for p in (pool, wide)]
+    assert quant_dot_gpu.aligned(int(types[0]), 16, wide.stride(0)) and not quant_dot_gpu.aligned(int(types[0]), 18)
+    assert not quant_dot_gpu.aligned(int(T.Q6_K), 0)
+    assert torch.equal(outs[0], outs[1])
