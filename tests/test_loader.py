@@ -1,6 +1,5 @@
 """Loading real files: tiny GGUF and safetensors models, and each bad-input case's clear error."""
 
-import shutil
 
 import gguf
 import numpy as np

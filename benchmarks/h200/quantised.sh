@@ -20,7 +20,6 @@ fi
 step CUDA tests
 python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/quant tests/experts \
   tests/kernels/test_quant_moe_gpu.py tests/kernels/test_quant_linear_gpu.py tests/kernels/test_dequant_gpu.py \
-  tests/kernels/test_quant_dot_gpu.py \
   tests/kernels/test_moe_decode_gpu.py 2>&1 \
   | tail -30 >"$res/pytest-cuda.log"
 tail -1 "$res/pytest-cuda.log" >>"$log"

@@ -118,7 +118,7 @@ def attention(batches: list[int], lengths: list[int], threads: list[int], repeat
                                   min(repeats, 3)).median_ms
                     row.update(torch_sdpa_ms=round(ms, 4), torch_sdpa_GBps=_gbps(kv_bytes, ms))
                 rows.append(row)
-            del k_pool, v_pool, table, dense
+            k_pool = v_pool = table = dense = None  # the KV freed before the next size is made
     return rows
 
 

@@ -97,9 +97,6 @@ class ZeroCopyDecode:
         self.host_offsets = (store_base - cache.pool.data_ptr()) // elt + \
             np.maximum(store.block_of, 0) * store.block_numel
         self.slot_numel = cache.pool.shape[1]  # P: a slot's offset is slot · P
-        # every offset the table can hold (a slot's, an expert's in the store) a multiple of 4: the
-        # kernels over blocks may then read 32-bit words (quant_dot_gpu.aligned)
-        self.offsets_aligned = bool((self.host_offsets % 4 == 0).all()) and self.slot_numel % 4 == 0
         self.pool_numel = cache.pool.numel()
         self.mirror = self._host(torch.from_numpy(self.host_offsets.copy()))  # (L, E) the host's copy of the table
         self.table = self.mirror.to(self.device, copy=True)  # (L, E) int64, read by the graph
@@ -157,7 +154,7 @@ class ZeroCopyDecode:
         if self.store.quantised:  # offsets, spares and the pool in bytes: the blocks read in place
             return quant_moe_gpu.moe_decode_quant(x, ids, weights, self.cache.pool, self.store.layouts[layer].kernel_parts,
                                                   self.store.expert_ffn, offsets=offsets, spare=spare, admit=True,
-                                                  cpu=cpu, offsets_aligned=self.offsets_aligned)
+                                                  cpu=cpu)
         return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
                                          offsets=offsets, spare=spare, admit=True, cpu=cpu)
 

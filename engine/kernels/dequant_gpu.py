@@ -13,7 +13,8 @@ intermediates, then a cast and an `index_copy_`.
 
 Both kernels work on rows of 32 weights: a block of the 32-weight types (Q4_0 … Q8_0, MXFP4) or a
 sub-block of the K-quants' 256-weight super-blocks (Q4_K, Q5_K, Q6_K), so per-row factors are loaded
-once a row. The per-type decoding of such rows is in two helpers, `_values32` and `_values_k`. The arithmetic is the torch reference's, operand for operand (Q4_1: q·d + m; Q4_K:
+once a row. The per-type decoding of such rows is in two helpers, `_values32` and `_values_k`, which
+the quantised decode GEMVs (engine/kernels/quant_moe_gpu.py) call too. The arithmetic is the torch reference's, operand for operand (Q4_1: q·d + m; Q4_K:
 (d·sc)·q − dmin·m; Q6_K: (d·sc)·(q − 32)): every product in it is exact in fp32, so only the one
 addition rounds and a fused multiply-add rounds it the same way; the values equal gguf's bit for bit
 in fp32 and are then rounded once to the pool's dtype.

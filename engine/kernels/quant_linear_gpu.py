@@ -1,9 +1,9 @@
 """Dense layers over GGUF blocks on the GPU: y = x · Wᵀ (+ b) and embedding rows, W a `QuantTensor`
 whose blocks are on the device (engine/quant/matmul.py sends them here).
 
-A few tokens (decode) are a matrix-vector product per token, bound by the weight bytes it reads: x is
-quantised to int16 per block of 32 and one Triton kernel reads each row's blocks once as integer dot
-products with it (quant_dot_gpu), no dequantised copy, no host sync (a decode graph captures it). More tokens
+A few tokens (decode) are a matrix-vector product per token, bound by the weight bytes it reads: one
+Triton kernel reads each row's blocks once and decodes them in registers (quant_moe_gpu's `_gemv`,
+dequant_gpu's decoding), no dequantised copy, no host sync (a decode graph captures it). More tokens
 (prefill) dequantise W a chunk of rows at a time into a tile of x's dtype (dequant_gpu) for the GEMM,
 which then runs at tensor-core speed; a chunk is at most CHUNK_BYTES, so the 151936-row output head of
 Qwen3 never costs its 622 MB in BF16 at once. An embedding lookup dequantises only the rows it reads.
@@ -19,19 +19,19 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import dequant_gpu, quant_dot_gpu, quant_moe_gpu
+from engine.kernels import dequant_gpu, quant_moe_gpu
 
 try:
     import triton
     import triton.language as tl
 
-    from engine.kernels.quant_dot_gpu import _gemv
+    from engine.kernels.quant_moe_gpu import _gemv
 except ImportError:
     triton = None
 
 MAX_TOKENS = 8  # above this the tokens share each dequantised tile: the GEMM reads it once for all of them
 ROWS, CHUNK = 8, 8  # rows a program, sub-blocks a row a step (a K-quant super-block): 64 sub-blocks a step
-WARPS = 2  # a thread a whole sub-block of the 64 (quant_moe_gpu's WARPS)
+WARPS = 4  # Triton's default (quant_moe_gpu's WARPS)
 ROWS_INTERPRETED = 64  # Triton's interpreter pays per operation, not per element: taller tiles, same code
 CHUNK_BYTES = 64 << 20  # a prefill's dequantised tile of W: 16K rows of 2048 in bf16
 
@@ -87,15 +87,13 @@ def _self_test(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _linear_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr,
-                       BB: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
-                       DP2A: tl.constexpr, W32: tl.constexpr):
+    def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr, BB: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr):
         """Program (row tile, token m): out[m, rows] = W[rows] · x[m] (+ bias), fp32 sums rounded once. Row
         tiles on grid axis 0 (up to 2^31 − 1; axis 1 stops at 65,535: 131K rows in tiles of 2)."""
         m = tl.program_id(1)
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS * C) // C  # (ROWS·C,) row of each sub-block slot
-        acc = _gemv(xw_ptr + m * (K // 2), xd_ptr + m * (K // 32), xs_ptr + m * (K // 16),
-                       w_ptr + r.to(tl.int64) * row_bytes, r < N, K // 32, QT, BB, ROWS, C, DP2A, W32)  # (ROWS,)
+        acc = _gemv(x_ptr + m * K, w_ptr + r.to(tl.int64) * row_bytes, r < N, K // 32, QT, BB, ROWS, C)  # (ROWS,)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
@@ -112,17 +110,12 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     n = x.numel() // K
     x2 = x.reshape(n, K).contiguous()
     if n <= MAX_TOKENS:
-        quant_dot_gpu.check_even(w.name, w.qtype.code, row_bytes=w.row_bytes, address=w.blocks.data_ptr())
         y = torch.empty(n, N, dtype=x.dtype, device=x.device)
         if n:
             rows = ROWS_INTERPRETED if dequant_gpu.interpreted() else ROWS
-            _linear_kernel[(triton.cdiv(N, rows), n)](*quant_dot_gpu.quantize_rows(x2), w.blocks,
-                                                      bias if bias is not None else x2, y, N, K, w.row_bytes,
-                                                      QT=w.qtype.code, BB=w.qtype.block_bytes,
-                                                      HAS_BIAS=bias is not None, ROWS=rows, C=CHUNK,
-                                                      DP2A=quant_dot_gpu.dp2a(), num_warps=WARPS,
-                                                      W32=quant_dot_gpu.aligned(w.qtype.code, w.row_bytes,
-                                                                                w.blocks.data_ptr()))
+            _linear_kernel[(triton.cdiv(N, rows), n)](x2, w.blocks, bias if bias is not None else x2, y, N, K,
+                                                      w.row_bytes, QT=w.qtype.code, BB=w.qtype.block_bytes,
+                                                      HAS_BIAS=bias is not None, ROWS=rows, C=CHUNK, num_warps=WARPS)
         return y.view(*x.shape[:-1], N)
     per_chunk = max(1, min(N, CHUNK_BYTES // (K * x.element_size())))
     tile = torch.empty(per_chunk, K, dtype=x.dtype, device=x.device)  # (R, K) dequantised rows of W

@@ -1,56 +1,57 @@
-"""Routed experts for a few tokens computed straight over GGUF-quantised cache slots: five launches.
+"""Routed experts for a few tokens computed straight over GGUF-quantised cache slots: three Triton kernels.
 
 A cache slot that keeps an expert as the file's blocks instead of a dequantised copy holds it in a
 fraction of the bytes (Q4_K: 144 bytes a 256 weights against 512 in bf16). At decode (1–8 tokens)
 each (token, choice) pair is a matrix-vector product, bound by the bytes it reads, so the kernels here
-read each chosen expert's blocks once, as integer dot products with the activations quantised to
-int16 (engine/kernels/quant_dot_gpu.py), never writing a dequantised copy:
+read each chosen expert's blocks once and decode them in registers (engine/kernels/dequant_gpu.py's
+`_values32` and `_values_k`, the fill kernels' own decoding), never writing a dequantised copy:
 
-  1. x quantised per block of 32 (one launch);
-  2. gate_up: program (pair p, ROWS rows of I) computes the gate and up rows of slot ids[p] for token
+  1. gate_up: program (pair p, ROWS rows of I) computes the gate and up rows of slot ids[p] for token
      p // k and writes act[p] = SiLU(gate) · up, (P, I);
-  3. act quantised (one launch);
-  4. down: program (pair p, ROWS rows of H) writes y[p] = weights[p] · down[ids[p]] @ act[p], (P, H);
-  5. moe_decode_gpu's sum over each token's k choices in fp32 writes out (N, H).
+  2. down: program (pair p, ROWS rows of H) writes y[p] = weights[p] · down[ids[p]] @ act[p], (P, H);
+  3. moe_decode_gpu's sum over each token's k choices in fp32 writes out (N, H).
 
     moe_decode_quant(x, ids, weights, pool, parts, expert_ffn) -> out
         x (N, H) bf16/fp16/fp32; ids (N, k) int64 slot per pair (outside [0, S): skipped);
         weights (N, k) in x's dtype; pool (S, B) uint8, slot s = [gate (I, H) | up (I, H) | down (H, I)]
         rows of GGUF blocks, part i of type parts[i][0] at byte parts[i][1] of the slot; out (N, H)
 
-A program walks along K C sub-blocks of 32 weights of each of its rows at a time (quant_dot_gpu's
-`_gemv`). Gate, up and down may each be of another type (Q4_K_M files give down Q6_K): the type
-codes are constexpr, one compiled kernel per layout.
+A program walks along K C sub-blocks of 32 weights of each of its rows at a time: one flattened
+(ROWS·C,) vector of sub-blocks whose byte addresses are arithmetic (row start + the sub-block's block
+or super-block), decoded to (ROWS·C, 32) values, multiplied by the matching 32 inputs and summed per
+sub-block; the (ROWS·C,) partial sums become (ROWS, C) and a row's dot product at the end. Gate, up
+and down may each be of another type (Q4_K_M files give down Q6_K): the type codes are constexpr,
+one compiled kernel per layout.
 
-Numerics: each product is the blocks' weights (gguf's values) times the activations' int16 form, summed
-in fp32 (quant_dot_gpu says what that rounding costs); then as moe_decode_gpu's kernels over
-dequantised slots: gate and up are rounded to x's dtype, SiLU(gate) too, act is stored in it; down's
-output is rounded to the dtype, weighted in the dtype, and the k choices are summed in fp32. Nothing
-is read back to the host, so a CUDA graph can capture the launches.
+Numerics follow moe_decode_gpu's kernels over dequantised slots: the decoded weights are gguf's in
+fp32, products accumulate in fp32, gate and up are rounded to x's dtype, SiLU(gate) too, act is stored
+in it; down's output is rounded to the dtype, weighted in the dtype, and the k choices are summed in
+fp32. Nothing is read back to the host, so a CUDA graph can capture the three launches.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.kernels import dequant_gpu, moe_decode_gpu, quant_dot_gpu
+from engine.kernels import dequant_gpu, moe_decode_gpu
 from engine.quant.blocks import QTYPES, qtype
 
 try:
     import triton
     import triton.language as tl
 
-    from engine.kernels.quant_dot_gpu import _gemv
+    from engine.kernels.dequant_gpu import _values32, _values_k
 except ImportError:
     triton = None
 
 # Rows a program: I/8 and H/8 programs a pair, many for one token, so that every multiprocessor has
 # loads in flight; and 8 sub-blocks (a K-quant super-block) a row per step: 64 sub-blocks a step (gate_up:
-# 2 × 64). The fastest of `python3 -m engine.bench.quant_gpu`'s sweep on an H100 with fp32 decoding (Q4_K/
-# Q4_K/Q6_K, one token: 45.7 µs against 48.9 for gate_up rows of 4; benchmarks/h200/2026-12-05-q4km-blocks-h100).
-# WARPS: 2 warps for 64 sub-blocks give a thread a whole sub-block, so its factors are decoded once
-# for 32 weights, not once for 16 (7.6 PTX instructions a Q4_K weight against 8.9: tests/kernels/ptx_loop.py).
-ROWS_GATE_UP, ROWS_DOWN, CHUNK, WARPS = 8, 8, 8, 2
+# 2 × 64). The fastest of `python3 -m engine.bench.quant_gpu`'s sweep on an H100 (Q4_K/Q4_K/Q6_K, one
+# token: 45.7 µs against 48.9 for gate_up rows of 4; benchmarks/h200/2026-12-05-q4km-blocks-h100).
+# WARPS: Triton's default. Activations in int16 with dp2a products halved the instructions a weight
+# and left 8 experts at 42–44 µs (benchmarks/h200/2026-12-05-int16-dot-h100): a program's loop waits on
+# memory once an iteration, so the iterations a program makes are the lever the bench's sweep explores.
+ROWS_GATE_UP, ROWS_DOWN, CHUNK, WARPS = 8, 8, 8, 4
 COPY_BYTES = 256  # a pair that fills a slot copies its rows this many bytes a step (a row: 0.4–2.3 KB)
 # Triton's interpreter runs programs one after another and pays per operation, not per element: few
 # programs of many rows keep the tests fast. The code is the same; only the tile is taller.
@@ -63,6 +64,27 @@ def available(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _gemv(vec, rows, row_ok, n_sub, QT: tl.constexpr, BB: tl.constexpr, ROWS: tl.constexpr,
+              C: tl.constexpr):
+        """Dot products of ROWS matrix rows of type QT (ggml's code, BB bytes a block) with the vector at
+        `vec` (K = 32·n_sub elements): rows (ROWS·C,) are the start pointers of the row each of the C
+        sub-block slots a row belongs to, row_ok (ROWS·C,) masks them → (ROWS,) fp32."""
+        c = tl.arange(0, ROWS * C) % C  # (ROWS·C,) slot within its row
+        l = tl.arange(0, 32)  # (32,) weight within a sub-block
+        acc = tl.zeros((ROWS * C,), tl.float32)
+        for k0 in range(0, n_sub, C):
+            kb = k0 + c  # (ROWS·C,) sub-block along the row
+            ok_v = row_ok & (kb < n_sub)
+            ok = ok_v[:, None] & (l[None, :] < 32)  # (ROWS·C, 32)
+            if QT == 12 or QT == 13 or QT == 14:  # sub-block kb % 8 of super-block kb // 8
+                w = _values_k(rows + (kb // 8) * BB, kb % 8, ok_v, l, ok, QT)  # (ROWS·C, 32)
+            else:
+                w = _values32(rows + kb * BB, ok_v, l, ok, QT, BB)  # (ROWS·C, 32)
+            v = tl.load(vec + kb[:, None] * 32 + l[None, :], mask=ok, other=0.0).to(tl.float32)  # (ROWS·C, 32)
+            acc += tl.sum(w * v, 1)
+        return tl.sum(tl.reshape(acc, (ROWS, C)), 1)  # (ROWS,): row-major, so slot v is row v // C
 
     @triton.jit
     def _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, n, offset, row_bytes,
@@ -96,21 +118,19 @@ if triton is not None:
         return start, r < n_rows
 
     @triton.jit
-    def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, act_ptr, experts_ptr, bias_ptr,
-                        alpha, limit, H, I, E, top_k, stride_slot, off_g, row_g, off_u, row_u, QG: tl.constexpr,
-                        BG: tl.constexpr, QU: tl.constexpr, BU: tl.constexpr, HAS_OFFS: tl.constexpr,
-                        HAS_SPARE: tl.constexpr, CLAMPED: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
-                        COPY: tl.constexpr, DP2A: tl.constexpr, W32G: tl.constexpr, W32U: tl.constexpr):
+    def _gate_up_kernel(x_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, act_ptr, experts_ptr, bias_ptr, alpha, limit,
+                        H, I, E, top_k, stride_slot, off_g, row_g, off_u, row_u, QG: tl.constexpr, BG: tl.constexpr,
+                        QU: tl.constexpr, BU: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr,
+                        CLAMPED: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr, COPY: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
-        m = p // top_k  # its token: quantize_rows' row of x
-        xw, xd, xs = xw_ptr + m * (H // 2), xd_ptr + m * (H // 32), xs_ptr + m * (H // 16)
+        x_row = x_ptr + (p // top_k) * H
         gate_rows, ok = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, I, off_g, row_g,
                                    HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         up_rows, _ = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, I, off_u, row_u,
                                 HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         dtype = act_ptr.dtype.element_ty
-        gate = _gemv(xw, xd, xs, gate_rows, ok, H // 32, QG, BG, ROWS, C, DP2A, W32G)  # (ROWS,) fp32
-        up = _gemv(xw, xd, xs, up_rows, ok, H // 32, QU, BU, ROWS, C, DP2A, W32U)
+        gate = _gemv(x_row, gate_rows, ok, H // 32, QG, BG, ROWS, C)  # (ROWS,) fp32
+        up = _gemv(x_row, up_rows, ok, H // 32, QU, BU, ROWS, C)
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
         if CLAMPED:  # gpt-oss: the expert's biases, then (clamp(u, ±limit) + 1) · g'·σ(alpha·g'), g' = min(g, limit)
             e = tl.load(ids_ptr + p)
@@ -129,16 +149,15 @@ if triton is not None:
         tl.store(act_ptr + p * I + rows, act.to(dtype), mask=rows < I)
 
     @triton.jit
-    def _down_kernel(aw_ptr, ad_ptr, as_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, wts_ptr, y_ptr, experts_ptr,
-                     bias_ptr, H, I, E, stride_slot, off_d, row_d, QD: tl.constexpr, BD: tl.constexpr,
-                     HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr, CLAMPED: tl.constexpr, ROWS: tl.constexpr,
-                     C: tl.constexpr, COPY: tl.constexpr, DP2A: tl.constexpr, W32D: tl.constexpr):
+    def _down_kernel(act_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, wts_ptr, y_ptr, experts_ptr, bias_ptr, H, I, E,
+                     stride_slot, off_d, row_d, QD: tl.constexpr, BD: tl.constexpr, HAS_OFFS: tl.constexpr,
+                     HAS_SPARE: tl.constexpr, CLAMPED: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
+                     COPY: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         down_rows, ok = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, H, off_d, row_d,
                                    HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         dtype = y_ptr.dtype.element_ty
-        y = _gemv(aw_ptr + p * (I // 2), ad_ptr + p * (I // 32), as_ptr + p * (I // 16), down_rows, ok, I // 32,
-                     QD, BD, ROWS, C, DP2A, W32D)  # (ROWS,) fp32
+        y = _gemv(act_ptr + p * I, down_rows, ok, I // 32, QD, BD, ROWS, C)  # (ROWS,) fp32
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,) output features
         if CLAMPED:  # the pair's expert's (H,) down bias, inside F.linear's one rounding; none for a skipped pair
             e = tl.load(ids_ptr + p)
@@ -179,8 +198,6 @@ def _check(x, ids, weights, pool, parts, expert_ffn, out) -> list[tuple[int, int
         if offset < 0 or offset + rows * row_bytes > pool.shape[1]:
             raise ValueError(f"{name}: {rows} {qt.name} rows of {row_bytes} bytes at byte {offset} do not fit "
                              f"slots of {pool.shape[1]} bytes")
-        quant_dot_gpu.check_even(name, qt.code, offset=int(offset), row_bytes=row_bytes, slot_stride=pool.stride(0),
-                                 address=pool.data_ptr())
         specs.append((qt.code, qt.block_bytes, int(offset), row_bytes))
     return specs
 
@@ -188,7 +205,7 @@ def _check(x, ids, weights, pool, parts, expert_ffn, out) -> list[tuple[int, int
 def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor,
                      parts, expert_ffn: int, out: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
                      spare: torch.Tensor | None = None, admit: bool = False, cpu: tuple | None = None,
-                     form=None, experts: torch.Tensor | None = None, offsets_aligned: bool = False) -> torch.Tensor:
+                     form=None, experts: torch.Tensor | None = None) -> torch.Tensor:
     """x (N, H) bf16/fp16/fp32; ids (N, k) int64: slot index of each (token, choice) pair in `pool`,
     an id outside [0, S) skips that pair (adds zero, reads nothing: the caller marks pairs the CPU
     computes so); weights (N, k) in x's dtype; pool (S, B) uint8, rows contiguous: slot s holds one
@@ -205,10 +222,7 @@ def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
 
     form: gpt-oss's experts (experts_torch.ClampedSwiGLU, its biases (E, 2I) and (E, H) on the device):
     each pair adds its expert's biases and takes the clamped activation; experts (N, k) int64 gives each
-    pair's expert id where ids are slots (None: ids are the expert ids).
-
-    offsets_aligned: every entry of offsets is a multiple of 4 (the caller knows; the device's table is
-    not read here), so parts whose offsets, rows and slots are too read 32-bit words."""
+    pair's expert id where ids are slots (None: ids are the expert ids)."""
     (qg, bg, off_g, row_g), (qu, bu, off_u, row_u), (qd, bd, off_d, row_d) = _check(
         x, ids, weights, pool, parts, expert_ffn, out)
     assert not admit or (offsets is not None and spare is not None), "admit needs offsets and spare"
@@ -226,7 +240,7 @@ def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     offs = ids if offsets is None else offsets  # any int64 tensor stands in when unused
     sp = ids if spare is None else spare
     has = dict(HAS_OFFS=offsets is not None, HAS_SPARE=spare is not None, CLAMPED=form is not None, C=CHUNK,
-               COPY=COPY_BYTES, DP2A=quant_dot_gpu.dp2a())
+               COPY=COPY_BYTES)
     if form is None:  # any tensors stand in for the biases and the expert ids when unused
         bias_gu = bias_d = experts = ids
         alpha = limit = 0.0
@@ -238,14 +252,10 @@ def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         experts = (ids if experts is None else experts).contiguous()
         alpha, limit = float(form.alpha), float(form.limit)
     rows_gu, rows_d = (ROWS_INTERPRETED,) * 2 if dequant_gpu.interpreted() else (ROWS_GATE_UP, ROWS_DOWN)
-    starts = (pool.stride(0), pool.data_ptr(), 0 if offsets is None or offsets_aligned else 2)
-    w32 = [quant_dot_gpu.aligned(code, offset, row, *starts) for code, offset, row in
-           ((qg, off_g, row_g), (qu, off_u, row_u), (qd, off_d, row_d))]
-    _gate_up_kernel[(P, triton.cdiv(I, rows_gu))](*quant_dot_gpu.quantize_rows(x), pool, ids, offs, sp, act, experts, bias_gu, alpha, limit, H, I,
+    _gate_up_kernel[(P, triton.cdiv(I, rows_gu))](x, pool, ids, offs, sp, act, experts, bias_gu, alpha, limit, H, I,
                                                   E, k, pool.stride(0), off_g, row_g, off_u, row_u, QG=qg, BG=bg,
-                                                  QU=qu, BU=bu, ROWS=rows_gu, num_warps=WARPS, W32G=w32[0],
-                                                  W32U=w32[1], **has)
-    _down_kernel[(P, triton.cdiv(H, rows_d))](*quant_dot_gpu.quantize_rows(act), pool, ids, offs, sp, weights, y, experts, bias_d, H, I, E,
+                                                  QU=qu, BU=bu, ROWS=rows_gu, num_warps=WARPS, **has)
+    _down_kernel[(P, triton.cdiv(H, rows_d))](act, pool, ids, offs, sp, weights, y, experts, bias_d, H, I, E,
                                               pool.stride(0), off_d, row_d, QD=qd, BD=bd, ROWS=rows_d, num_warps=WARPS,
-                                              W32D=w32[2], **has)
+                                              **has)
     return moe_decode_gpu.sum_choices(y, out, ids, sp, offs, admit, cpu)

@@ -29,7 +29,7 @@ EXPERT = ExpertShape(hidden=256, ffn=128, dtype="bfloat16")
 def make_profile(A=12.5, B=3.25, c_cpu=0.02, c_gpu=0.35, created="2026-01-01T00:00:00+00:00") -> dict:
     """A profile of this machine with chosen numbers (what a calibration writes, without measuring)."""
     machine = probe()
-    kv_key, ex_key = f"{KV.key}/{EXPERT.key}", None
+    kv_key = f"{KV.key}/{EXPERT.key}"
     return {
         "schema": profile.SCHEMA, "schema_version": profile.SCHEMA_VERSION, "fingerprint": fingerprint(machine),
         "created_utc": created, "mode": "quick", "machine": machine, "calibrated_shape": kv_key,

@@ -14,30 +14,27 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from engine.kernels import dequant_gpu, quant_dot_gpu, quant_linear_gpu, quant_moe_gpu  # noqa: E402
+from engine.kernels import dequant_gpu, quant_linear_gpu, quant_moe_gpu  # noqa: E402
 from engine.quant.blocks import QTYPES, qtype  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100/H200: the GPU machine's
 POINTERS = {"slots_ptr": "*i64", "ids_ptr": "*i64", "offs_ptr": "*i64", "spare_ptr": "*i64", "experts_ptr": "*i64",
-            "blocks_ptr": "*u8", "pool_ptr": "*u8", "w_ptr": "*u8",
-            # quantised activations (quant_dot_gpu.quantize_rows): int16 words, fp32 scales, int32 sums
-            "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*i32", "aw_ptr": "*i32", "ad_ptr": "*fp32", "as_ptr": "*i32",
-            "words_ptr": "*i32", "scales_ptr": "*fp32", "sums_ptr": "*i32"}  # the rest: the activations' bf16
+            "blocks_ptr": "*u8", "pool_ptr": "*u8", "w_ptr": "*u8"}  # the rest: the activations' bf16
 FLOATS = ("alpha", "limit")
 
 
-def compiled(fn, divisible: bool = False, num_warps: int = 4, **constexprs):
+def compiled(fn, divisible: bool = False, **constexprs):
     """fn compiled for TARGET with these constexprs (other arguments: pointers per POINTERS, fp32 or
     i32 scalars) → Triton's compiled kernel (its PTX in .asm["ptx"]). divisible: every pointer and
     integer argument marked a multiple of 16, as Triton's launcher marks the ones that are (the row
-    lengths and offsets of the GGUF shapes here are); num_warps as the launch's."""
+    lengths and offsets of the GGUF shapes here are)."""
     names = [p.name for p in fn.params]
     signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "*bf16") if n.endswith("_ptr")
                  else "fp32" if n in FLOATS else "i32" for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if divisible and (signature[n] == "i32" or signature[n].startswith("*"))}
     return triton.compile(ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs),
-                          target=TARGET, options={"num_warps": num_warps})
+                          target=TARGET)
 
 
 def compile_kernel(fn, **constexprs) -> str | None:
@@ -50,7 +47,6 @@ def compile_kernel(fn, **constexprs) -> str | None:
 
 
 def failures():
-    yield "quantise activations", compile_kernel(quant_dot_gpu._quantize_kernel, BLOCKS=quant_dot_gpu.QUANT_BLOCKS)
     for code in sorted(QTYPES):
         qt = qtype(code)
         k = qt.name in dequant_gpu.KQUANTS
@@ -58,23 +54,20 @@ def failures():
             yield f"dequantise {qt.name} bf16={bf16}", compile_kernel(
                 dequant_gpu._dequant_k_kernel if k else dequant_gpu._dequant32_kernel, QT=code, BB=qt.block_bytes,
                 BF16_BITS=bf16, ROWS=dequant_gpu.ROWS)
-        # 32-bit words where the type's blocks allow them (quant_dot_gpu.aligned), 16-bit ones always
-        for w32 in (False, True) if code in quant_dot_gpu.ALIGNED_TYPES else (False,):
-            for bias in (True, False):
-                yield f"linear {qt.name} bias={bias} w32={w32}", compile_kernel(
-                    quant_linear_gpu._linear_kernel, QT=code, BB=qt.block_bytes, HAS_BIAS=bias,
-                    ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK, DP2A=True, W32=w32)
-            # the slots' form, the one graph's (offsets and spare slots), gpt-oss's clamped form in both
-            for offs, spare, clamped in ((False, False, False), (True, True, False), (False, False, True),
-                                         (True, True, True)):
-                flags = dict(HAS_OFFS=offs, HAS_SPARE=spare, CLAMPED=clamped, C=quant_moe_gpu.CHUNK,
-                             COPY=quant_moe_gpu.COPY_BYTES, DP2A=True)
-                form = f"{qt.name} offsets={offs} spare={spare} clamped={clamped} w32={w32}"
-                yield f"gate_up {form}", compile_kernel(quant_moe_gpu._gate_up_kernel, QG=code, BG=qt.block_bytes,
-                                                        QU=code, BU=qt.block_bytes, ROWS=quant_moe_gpu.ROWS_GATE_UP,
-                                                        W32G=w32, W32U=w32, **flags)
-                yield f"down {form}", compile_kernel(quant_moe_gpu._down_kernel, QD=code, BD=qt.block_bytes,
-                                                     ROWS=quant_moe_gpu.ROWS_DOWN, W32D=w32, **flags)
+        for bias in (True, False):
+            yield f"linear {qt.name} bias={bias}", compile_kernel(
+                quant_linear_gpu._linear_kernel, QT=code, BB=qt.block_bytes, HAS_BIAS=bias,
+                ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK)
+        # the slots' form, the one graph's (offsets and spare slots), gpt-oss's clamped form in both
+        for offs, spare, clamped in ((False, False, False), (True, True, False), (False, False, True), (True, True, True)):
+            flags = dict(HAS_OFFS=offs, HAS_SPARE=spare, CLAMPED=clamped, C=quant_moe_gpu.CHUNK,
+                         COPY=quant_moe_gpu.COPY_BYTES)
+            form = f"{qt.name} offsets={offs} spare={spare} clamped={clamped}"
+            yield f"gate_up {form}", compile_kernel(quant_moe_gpu._gate_up_kernel, QG=code, BG=qt.block_bytes,
+                                                    QU=code, BU=qt.block_bytes, ROWS=quant_moe_gpu.ROWS_GATE_UP,
+                                                    **flags)
+            yield f"down {form}", compile_kernel(quant_moe_gpu._down_kernel, QD=code, BD=qt.block_bytes,
+                                                 ROWS=quant_moe_gpu.ROWS_DOWN, **flags)
 
 
 if __name__ == "__main__":

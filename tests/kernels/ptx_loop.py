@@ -16,7 +16,7 @@ import sys
 
 from compile_for_cuda import compiled
 
-from engine.kernels import quant_dot_gpu, quant_linear_gpu, quant_moe_gpu
+from engine.kernels import quant_linear_gpu, quant_moe_gpu
 from engine.quant.blocks import QTYPES
 
 
@@ -31,33 +31,28 @@ def loop_counts(ptx: str) -> collections.Counter:
             loop = (labels[m.group(1)], i)
     counts = collections.Counter()
     for line in lines[loop[0]:loop[1] + 1] if loop else lines:
-        for text in line.strip().strip("{}").split(";"):  # an inline asm block holds several on one line
-            text = re.sub(r"^@!?%p\d+\s+", "", text.strip())
-            if text and not text.startswith(("//", "$", ".")):
-                counts[text.split()[0]] += 1
+        text = re.sub(r"^@!?%p\d+\s+", "", line.strip())
+        if text and not text.startswith(("//", "$", ".", "{", "}")):
+            counts[text.split()[0].rstrip(";")] += 1
     return counts
 
 
 def main(which: str, type_name: str) -> None:
     code = next(c for c, qt in QTYPES.items() if qt.name == type_name)
     qt = QTYPES[code]
-    w32 = code in quant_dot_gpu.ALIGNED_TYPES  # 32-bit words where the type allows (slots laid out aligned)
     if which == "linear":
-        k = compiled(quant_linear_gpu._linear_kernel, True, num_warps=quant_linear_gpu.WARPS, QT=code,
-                     BB=qt.block_bytes, HAS_BIAS=False, ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK,
-                     DP2A=True, W32=w32)
+        k = compiled(quant_linear_gpu._linear_kernel, True, QT=code, BB=qt.block_bytes, HAS_BIAS=False,
+                     ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK)
         rows = quant_linear_gpu.ROWS
     else:
-        flags = dict(HAS_OFFS=False, HAS_SPARE=False, CLAMPED=False, C=quant_moe_gpu.CHUNK,
-                     COPY=quant_moe_gpu.COPY_BYTES, DP2A=True)
+        flags = dict(HAS_OFFS=False, HAS_SPARE=False, CLAMPED=False, C=quant_moe_gpu.CHUNK, COPY=quant_moe_gpu.COPY_BYTES)
         if which == "down":
             rows = quant_moe_gpu.ROWS_DOWN
-            k = compiled(quant_moe_gpu._down_kernel, True, num_warps=quant_moe_gpu.WARPS, QD=code, BD=qt.block_bytes,
-                         ROWS=rows, W32D=w32, **flags)
+            k = compiled(quant_moe_gpu._down_kernel, True, QD=code, BD=qt.block_bytes, ROWS=rows, **flags)
         else:
             rows = quant_moe_gpu.ROWS_GATE_UP
-            k = compiled(quant_moe_gpu._gate_up_kernel, True, num_warps=quant_moe_gpu.WARPS, QG=code,
-                         BG=qt.block_bytes, QU=code, BU=qt.block_bytes, ROWS=rows, W32G=w32, W32U=w32, **flags)
+            k = compiled(quant_moe_gpu._gate_up_kernel, True, QG=code, BG=qt.block_bytes, QU=code, BU=qt.block_bytes,
+                         ROWS=rows, **flags)
     counts = loop_counts(k.asm["ptx"])
     per_thread = rows * quant_moe_gpu.CHUNK * 32 // (32 * k.metadata.num_warps)  # weights a thread an iteration
     print(f"{which} {type_name}: {sum(counts.values())} instructions a loop iteration, {per_thread} weights "

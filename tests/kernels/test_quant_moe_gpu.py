@@ -1,9 +1,9 @@
-"""The decode GEMVs over GGUF-quantised expert slots (engine/kernels/quant_moe_gpu.py) against their
-arithmetic in torch (`q16_reference`) over the same slots dequantised on the CPU (`QuantLayout.dequantize`:
-gguf's values in fp32), the activations put through the kernels' int16 form (`q16`) before each product:
-every kept type in all three parts, mixed layouts, fp32 and bf16 activations, slots out of order and
-repeated, skipped pairs, slot rows with the parts at gaps and padding after them. Interpreted on CPU
-tensors here (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA); compiled on CUDA with `-m cuda`.
+"""The decode GEMVs over GGUF-quantised expert slots (engine/kernels/quant_moe_gpu.py) against the bf16
+decode kernels (engine/kernels/moe_decode_gpu.py) run over the same slots dequantised on the CPU
+(`QuantLayout.dequantize`: gguf's values in fp32): every kept type in all three parts, mixed layouts,
+fp32 and bf16 activations, slots out of order and repeated, skipped pairs, slot rows with the parts at
+gaps and padding after them. Interpreted on CPU tensors here (tests/conftest.py sets
+TRITON_INTERPRET=1 without CUDA); compiled on CUDA with `-m cuda`.
 
 Bytes the kernels must not read are 0xFF (fp16 NaN factors, MXFP4 scales of 2^127): the unused slots
 (0 among them, where a skipped pair's id is clamped for its masked address) and the padding of each
@@ -33,7 +33,7 @@ SIZES = {T.Q4_0: {0: 0.01}, T.Q4_1: {0: 0.01, 2: 0.05}, T.Q5_0: {0: 6e-3}, T.Q5_
          T.Q6_K: {208: 2.5e-5}}
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=CUDA)]
-LEAD, GAP, TAIL = 16, 8, 38  # junk bytes before gate, between gate and up, after down: even, as the kernels need
+LEAD, GAP, TAIL = 16, 8, 37  # junk bytes before gate, between gate and up, after down in a slot row
 
 
 def on(device: str) -> torch.device:
@@ -74,73 +74,27 @@ def slots(types, H: int, I: int, S: int, used: list[int], seed: int):
     return pool, parts, dense
 
 
-def q16(x: torch.Tensor) -> torch.Tensor:
-    """Activations (…, K) fp32 → the values the kernels multiply: per block of 32, int16 steps of
-    max |x| / 32767 (quant_dot_gpu.quantize_rows), to nearest, ties away from zero."""
-    b = x.float().unflatten(-1, (-1, 32))
-    amax = b.abs().amax(-1, keepdim=True)
-    v = b * torch.where(amax > 0, 32767.0 / amax, 0.0)
-    q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v))
-    return (q * (amax / 32767.0)).flatten(-2)
-
-
-def q16_reference(x, ids, w, dense, I: int, form=None, experts=None) -> torch.Tensor:
-    """moe_decode_quant's arithmetic in torch on the CPU: each pair's gate and up from q16(x), rounded to
-    x's dtype as torch rounds (Triton's interpreter agrees for fp32 activations only), SiLU(gate)·up
-    (gpt-oss: its expert's biases, the clamped form) stored in the dtype, down from q16(act) rounded,
-    weighted in the dtype; the k choices summed in fp32. Slots outside dense's rows are skipped."""
-    x, ids, w = x.cpu(), ids.cpu(), w.cpu()
-    dt, (N, H), S = x.dtype, x.shape, dense.shape[0]
-    out = torch.zeros(N, H)
-    for t in range(N):
-        for j in range(ids.shape[1]):
-            s = int(ids[t, j])
-            if not 0 <= s < S:
-                continue
-            gate_up = dense[s, :2 * I * H].view(2 * I, H) @ q16(x[t].float())  # (2I,) fp32
-            if form is None:
-                g, u = gate_up[:I].to(dt).float(), gate_up[I:].to(dt).float()
-                act = (g / (1 + torch.exp(-g))).to(dt).float() * u
-            else:
-                e = int(experts[t, j])
-                gate_up = gate_up + form.gate_up_bias[e].float()
-                g = gate_up[:I].to(dt).float().clamp(max=form.limit)
-                u = gate_up[I:].to(dt).float().clamp(-form.limit, form.limit)
-                act = (u + 1) * g / (1 + torch.exp(-form.alpha * g))
-            y = dense[s, 2 * I * H:].view(H, I) @ q16(act.to(dt).float())  # (H,)
-            if form is not None:
-                y = y + form.down_bias[e].float()
-            out[t] += (y.to(dt).float() * w[t, j].float()).to(dt).float()
-    return out.to(dt)
-
-
 def run(types, H: int, I: int, ids: list[list[int]], dtype, device, seed: int):
-    """ids (N, k) over 6 slots (1 … 4 hold experts; 0, 5 are junk) → (moe_decode_quant's out, the
-    reference's: q16_reference for fp32, moe_decode over the dequantised slots for bf16), both on the
-    CPU in fp32."""
+    """ids (N, k) over 6 slots (1 … 4 hold experts; 0, 5 are junk) → (moe_decode_quant's out, moe_decode's
+    over the dequantised slots), both on the CPU in fp32."""
     S = 6
     pool, parts, dense = slots(types, H, I, S, [1, 2, 3, 4], seed)
     gen = torch.Generator().manual_seed(seed)
     N, k = len(ids), len(ids[0])
-    x = torch.randn(N, H, generator=gen).to(dtype)
-    w = torch.softmax(torch.randn(N, k, generator=gen), -1).to(dtype)
-    ids_t = torch.tensor(ids)
-    got = quant_moe_gpu.moe_decode_quant(x.to(device), ids_t.to(device), w.to(device), pool.to(device), parts, I)
-    assert got.dtype == dtype and got.shape == (N, H)
-    if dtype == torch.float32:
-        return got.cpu().float(), q16_reference(x, ids_t, w, dense, I).float()
-    # bf16: Triton's interpreter truncates fp32 → bf16 where torch rounds, so the reference is the bf16
-    # kernel over the dequantised slots (its x not quantised: 2^-16 is far below bf16's steps)
+    x = torch.randn(N, H, generator=gen).to(device, dtype)
+    w = torch.softmax(torch.randn(N, k, generator=gen), -1).to(device, dtype)
+    ids_t = torch.tensor(ids, device=device)
+    got = quant_moe_gpu.moe_decode_quant(x, ids_t, w, pool.to(device), parts, I)
     dense = dense.to(device)
-    want = moe_decode_gpu.moe_decode(x.to(device), ids_t.to(device), w.to(device),
-                                     dense[:, :2 * I * H].unflatten(1, (2 * I, H)), dense[:, 2 * I * H:].unflatten(1, (H, I)))
+    want = moe_decode_gpu.moe_decode(x, ids_t, w, dense[:, :2 * I * H].unflatten(1, (2 * I, H)),
+                                     dense[:, 2 * I * H:].unflatten(1, (H, I)))
+    assert got.dtype == dtype and got.shape == (N, H)
     return got.cpu().float(), want.cpu().float()
 
 
-# fp32: the same products of the same int16 activations and weights; the order of the fp32 sums differs
-# (sub-blocks of 32, then 8 of them, against torch's), a few 2^-24 of the Σ|w·x| behind each value. On
-# a GPU the quantiser's 32767 / amax is not correctly rounded, so an activation can land one int16 step
-# the other way: 2^-15 of one term. Both well under 1e-4 of the largest output.
+# fp32: the two compute the same fp32 products of the same weights; only the order of the fp32 sums
+# differs (sub-blocks of 32 summed, then 8 of them, against 1024-wide tl.sum's), a few 2^-24 of the
+# Σ|w·x| behind each value, well under 1e-4 of the largest output.
 def close_fp32(got, want):
     assert torch.isfinite(want).all()
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
@@ -210,7 +164,8 @@ def test_skipped_pairs_read_nothing(device):
 @pytest.mark.parametrize("types", [(T.MXFP4,) * 3, (T.Q8_0, T.Q4_1, T.Q6_K)], ids=["MXFP4", "Q8_0-Q4_1-Q6_K"])
 def test_gpt_oss_form_adds_each_experts_biases_and_clamps(types, device):
     """ClampedSwiGLU over slots: each pair's biases come from its expert id (`experts`), not its slot;
-    the clamped activation; skipped pairs (slot 6 = S, −1) add nothing, their expert ids junk."""
+    the clamped activation; skipped pairs (slot 6 = S, −1) add nothing, their expert ids junk. fp32:
+    only the order of the sums differs from the reference."""
     from engine.kernels.experts_torch import ClampedSwiGLU
 
     device = on(device)
@@ -227,7 +182,14 @@ def test_gpt_oss_form_adds_each_experts_biases_and_clamps(types, device):
     on_device = ClampedSwiGLU(form.gate_up_bias.to(device), form.down_bias.to(device), form.alpha, form.limit)
     got = quant_moe_gpu.moe_decode_quant(x.to(device), slot_ids.to(device), w.to(device), pool.to(device), parts, I,
                                          form=on_device, experts=experts.to(device)).cpu()
-    want = q16_reference(x, slot_ids, w, dense, I, form, experts)
+    want = torch.zeros(3, H)
+    for t in range(3):
+        for j in range(2):
+            s, e = int(slot_ids[t, j]), int(experts[t, j])
+            if not 0 <= s < 6:
+                continue
+            gate_up, down = dense[s, :2 * I * H].view(2 * I, H), dense[s, 2 * I * H:].view(H, I)
+            want[t] += w[t, j] * form.ffn(x[t:t + 1], e, gate_up, down)[0]
     close_fp32(got, want)
 
 

@@ -10,7 +10,6 @@ Tolerance: moe_helpers.FP32_ATOL (the same weights through another file format),
 
 import numpy as np
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5MoeForCausalLM"):

@@ -209,7 +209,7 @@ def test_a_client_that_leaves_stops_its_generation_at_once(tandem_server, stream
         with _connect(tandem_server) as s:
             payload = httpx.Request("POST", tandem_server.root + "/v1/completions", json=body,
                                     headers={"Authorization": f"Bearer {tandem_server.api_key}"})
-            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + "".join(
+            head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + "".join(
                 f"{k}: {v}\r\n" for k, v in payload.headers.items() if k.lower() != "host") + "\r\n"
             s.sendall(head.encode() + payload.read())
             _wait_for(c, lambda st: st["server"]["running"] == 1)
