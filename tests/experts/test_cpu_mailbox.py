@@ -23,6 +23,8 @@ if native.module() is None or not hasattr(native.module(), "CpuMailbox"):
 
 L, E, H, I, K = 3, 6, 32, 16, 2  # the CPU kernels take hidden and inter in multiples of 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# on a GPU machine these run on CUDA: marked so that `-m cuda` (the lease scripts) selects them
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 
 
 def _store(seed=0):

@@ -18,6 +18,8 @@ from engine.kernels.experts_torch import moe_experts  # noqa: E402
 L, E, H, I, K = 3, 6, 24, 16, 2
 # the kernels run compiled on CUDA tensors, or interpreted on CPU tensors where there is no GPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# on a GPU machine these run on CUDA: marked so that `-m cuda` (the lease scripts) selects them
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 
 
 def _model(seed=0):
