@@ -7,6 +7,7 @@
 # Each carried .lease/base*.tar (`git archive BASE -o .lease/base-BASE.tar`) adds the GPU kernels' bench
 # at BASE, its own tiles, beside this commit's: the A/B of a kernel change on the same machine.
 # CELLS (default: the four below) names the suite cells; CELLS= runs the tests and kernel benches only.
+# PREFILL_PROFILE=1 adds the profile of a resident 2,048-token prefill (2 layers, host and device time).
 source benchmarks/h200/lease_start.sh  # folders, log, wheels, native build, machine header
 CELLS=${CELLS-gpu-q4km-L16-resident gpu-q4km-L16-8gb gpu-q4km-prefill-32k gpu-q4km-L16-cpu-experts}
 
@@ -34,6 +35,12 @@ for tar in .lease/base*.tar; do  # none: the glob stays unmatched
   (cd "$work/$name" && PYTHONPATH=$PWD:/tmp/site python3 -m engine.bench.quant_gpu --no-sweep \
     --json "$res/quant-gpu-$name.json" >>"$log" 2>&1)
 done
+
+if [ -n "${PREFILL_PROFILE:-}" ]; then  # where a resident prefill over blocks spends host and device time
+  step prefill profile
+  python3 benchmarks/h200/2026-12-05-q4km-blocks-h100/prefill_profile.py "$work/prefill" 2 2048 \
+    >"$res/prefill-profile.txt" 2>&1
+fi
 
 [ -z "$CELLS" ] && { step ALL DONE; exit 0; }
 step export L16  # the name the suite looks for; the suite quantises it
