@@ -180,6 +180,7 @@ class CpuMailbox {
     const float* w = reinterpret_cast<const float*>(s_.to_cpu + s_.weights_word);
     set_.clear(), tokens_.clear(), weights_.clear();
     for (int64_t e : chosen_) {
+      if (e < 0 || e >= s_.n_experts) throw std::invalid_argument("the mailbox names an expert out of range");
       int64_t n = 0;
       for (int64_t p = 0; p < n_pairs; ++p)
         if (marks[p] && ids[p] == e) tokens_.push_back(p / s_.top_k), weights_.push_back(w[p]), ++n;
