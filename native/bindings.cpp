@@ -190,10 +190,9 @@ void moe_submit_routed_py(MoeWorker& worker, uintptr_t x, int x_dtype, int64_t n
 }
 
 // The mailbox worker (cpu_mailbox.h) over two pinned regions the caller keeps alive longer than it.
-// words: the first word of ids, CPU marks, weights and x in to_cpu, and of out in to_gpu; rows
-// (n_layers, n_experts, 5) int64: every expert's table row (copied).
-// rows: the tensors' table (n_layers, n_experts, 5); or, for a store of blocks, blocks (n_layers,
-// n_experts, 3) addresses and types (n_layers, 3) ggml codes, rows then (n_layers, n_experts, 0).
+// words: the first word of ids, CPU marks, weights and x in to_cpu, and of out in to_gpu. rows: every
+// expert's table row, (n_layers, n_experts, 5) int64 (copied); or, for a store of blocks, blocks
+// (n_layers, n_experts, 3) addresses and types (n_layers, 3) ggml codes, rows then (n_layers, n_experts, 0).
 std::unique_ptr<CpuMailbox> make_mailbox(uintptr_t to_cpu, uintptr_t to_gpu, const std::vector<int64_t>& words,
                                          int64_t max_rows, int64_t top_k, int64_t hidden, int64_t inter,
                                          int x_dtype, int w_dtype,
