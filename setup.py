@@ -39,7 +39,8 @@ class BuildNative(build_ext):
 
 native = Pybind11Extension(
     "engine._native",
-    sorted(f"native/{name}" for name in ("bindings.cpp", "dispatch.cpp", "isa_scalar.cpp", "isa_avx2.cpp",
+    sorted(f"native/{name}" for name in ("bindings.cpp", "bindings_quant.cpp", "bindings_layer_ops.cpp", "layer_ops.cpp",
+                                         "dispatch.cpp", "isa_scalar.cpp", "isa_avx2.cpp",
                                          "isa_avx512.cpp", "isa_avx512bf16.cpp", "isa_amx.cpp",
                                          "moe_dispatch.cpp", "quant_dispatch.cpp",
                                          "isa_quant_scalar.cpp", "isa_quant_avx2.cpp", "isa_quant_avx512.cpp",
@@ -51,7 +52,7 @@ native = Pybind11Extension(
                                      "amx_experts.h", "moe_worker.h", "routed_set.h", "cpu_mailbox.h", "quant_moe.h",
                                      "quant_blocks.h", "quant_kernels.h", "quant_vectors.h",
                                      "kquant_blocks.h", "kquant_kernels.h", "attention_mla.h", "attention_mla_kernel.h",
-                                     "attention_split.h", "lse_merge.h")],
+                                     "attention_split.h", "lse_merge.h", "bindings.h", "layer_ops.h")],
     cxx_std=17,
     optional=True,
 )

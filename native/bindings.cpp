@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attention_mla.h"
+#include "bindings.h"
 #include "common.h"
 #include "cpu_mailbox.h"
 #include "moe_worker.h"
@@ -26,7 +27,6 @@
 #define TANDEM_HAS_DLADDR 1
 #endif
 
-namespace py = pybind11;
 using namespace tandem;
 
 namespace {
@@ -34,10 +34,6 @@ namespace {
 DType dtype_of(int code) {
   if (code < 0 || code > 2) throw std::invalid_argument("dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
   return DType(code);
-}
-
-void require(bool ok, const char* what) {
-  if (!ok) throw std::invalid_argument(what);
 }
 
 void attention_decode_py(uintptr_t q, int q_dtype, int64_t B, int64_t T, int64_t n_heads, int64_t head_dim,
@@ -235,31 +231,6 @@ std::string openmp_runtime() {
   return "";
 }
 
-// Quantised blocks (quant_blocks.h): the wrappers in engine/quant/ check sizes against the tensors;
-// here the type and the row layout are checked once more, so no bad stride reaches the kernels.
-QType checked_qtype(int type, int64_t k, int64_t w_row_bytes) {
-  const int64_t bytes = qblock_bytes(type);
-  if (bytes == 0) throw std::invalid_argument("unknown quantised block type " + std::to_string(type) +
-                                              " (known: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, "
-                                              "39 MXFP4)");
-  const int64_t weights = qblock_weights(type);  // 32, or 256 for the K-quants
-  require(k > 0 && k % weights == 0, "k must be a positive multiple of the type's block (32, K-quants 256)");
-  require(w_row_bytes == k / weights * bytes, "w_row_bytes must be whole blocks of the type's size");
-  return QType(type);
-}
-
-void quant_matmul_py(uintptr_t w, int type, int64_t n_rows, int64_t k, int64_t w_row_bytes, uintptr_t x,
-                     int64_t n_tokens, int64_t x_stride, uintptr_t y, int64_t y_stride, int threads) {
-  const QType t = checked_qtype(type, k, w_row_bytes);
-  require(n_rows >= 0 && n_tokens >= 0 && x_stride >= k && y_stride >= n_rows, "sizes and strides");
-  if (n_rows == 0 || n_tokens == 0) return;
-  require(w && x && y, "null pointer");
-  QuantMatmulProblem p{reinterpret_cast<const uint8_t*>(w), t, n_rows, k, w_row_bytes,
-                       reinterpret_cast<const float*>(x), n_tokens, x_stride, reinterpret_cast<float*>(y), y_stride};
-  py::gil_scoped_release release;
-  quant_matmul(p, threads);
-}
-
 // A quantised CPU set (quant_moe.h) from Python's arrays, copied: the problem's pointers point into
 // the copies, which live as long as the set (the worker may run it after the call returns). x and out
 // stay the caller's, alive until the set is done.
@@ -303,29 +274,6 @@ std::shared_ptr<QuantMoeSet> quant_moe_set(uintptr_t x, int64_t n_rows, int64_t 
   set->threads = threads;
   check_quant_moe(set->problem);  // here, so a bad set fails in the caller, not on the worker
   return set;
-}
-
-void quant_dequantize_py(uintptr_t w, int type, int64_t k, int64_t w_row_bytes, int64_t n_rows, int64_t row_begin,
-                         int64_t row_end, const py::object& ids, uintptr_t out, int64_t out_stride, int threads,
-                         bool bf16) {
-  const QType t = checked_qtype(type, k, w_row_bytes);
-  require(out_stride >= k, "out_stride must cover a row");
-  const int64_t* id_ptr = nullptr;
-  int64_t n_ids = 0;
-  py::array_t<int64_t, py::array::c_style> id_array;
-  if (!ids.is_none()) {
-    id_array = ids.cast<py::array_t<int64_t, py::array::c_style>>();
-    require(id_array.ndim() == 1, "ids must be 1-D int64");
-    id_ptr = id_array.data(), n_ids = id_array.shape(0);
-    for (int64_t i = 0; i < n_ids; ++i) require(id_ptr[i] >= 0 && id_ptr[i] < n_rows, "row id out of range");
-  } else {
-    require(0 <= row_begin && row_begin <= row_end && row_end <= n_rows, "row range out of bounds");
-  }
-  if ((id_ptr ? n_ids : row_end - row_begin) == 0) return;
-  require(w && out, "null pointer");
-  py::gil_scoped_release release;
-  quant_dequantize(reinterpret_cast<const uint8_t*>(w), t, k, w_row_bytes, row_begin, row_end, id_ptr, n_ids,
-                   reinterpret_cast<void*>(out), bf16, out_stride, threads);
 }
 
 }  // namespace
@@ -422,20 +370,6 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("experts", &CpuMailbox::experts, "Experts computed so far.")
       .def_property_readonly("compute_s", &CpuMailbox::compute_s, "Seconds spent answering posts.")
       .def("error", &CpuMailbox::error, "The first error a post met (empty if none).");
-  m.def("quant_isa", [] { return std::string(active_quant_table().name); },
-        "The instruction set the quantised-block kernels use now.");
-  m.def("supported_quant_isas", [] {
-    const char* names[4];
-    const int n = supported_quant_isas(names, 4);
-    return std::vector<std::string>(names, names + n);
-  }, "Instruction sets this CPU can run the quantised-block kernels with, best first.");
-  m.def("select_quant_isa", [](const std::string& name) { return select_quant_isa(name.c_str()); },
-        py::arg("name"), "Use one ISA's quantised-block kernels ('auto': the best); False if unsupported.");
-  m.def("quant_matmul", &quant_matmul_py, py::arg("w"), py::arg("type"), py::arg("n_rows"), py::arg("k"),
-        py::arg("w_row_bytes"), py::arg("x"), py::arg("n_tokens"), py::arg("x_stride"), py::arg("y"),
-        py::arg("y_stride"), py::arg("threads"),
-        "y (n_tokens, n_rows) fp32 = x (n_tokens, k) fp32 · Wᵀ, W (n_rows, k) in GGUF blocks (Q4_0/1, Q5_0/1, "
-        "Q8_0, Q4_K, Q5_K, Q6_K, MXFP4); the activations are quantised to int16 per 32-block.");
   m.def("quant_moe", [](uintptr_t x, int64_t n_rows, int64_t hidden, int64_t inter, int64_t x_stride, int gate_type,
                         int up_type, int down_type, const py::array_t<int64_t, py::array::c_style>& experts,
                         const py::array_t<int64_t, py::array::c_style>& tokens,
@@ -452,11 +386,8 @@ PYBIND11_MODULE(_native, m) {
         "A MoE layer's CPU set over quantised experts, added into out (N, H) fp32: experts (J, 4) int64 "
         "(gate, up, down block addresses, pairs; (J, 6) adds fp32 gate_up and down bias addresses), the pairs' "
         "token rows and weights grouped by expert; clamped: gpt-oss's clamped SwiGLU with alpha and limit.");
-  m.def("quant_dequantize", &quant_dequantize_py, py::arg("w"), py::arg("type"), py::arg("k"),
-        py::arg("w_row_bytes"), py::arg("n_rows"), py::arg("row_begin"), py::arg("row_end"), py::arg("ids"),
-        py::arg("out"), py::arg("out_stride"), py::arg("threads"), py::arg("bf16") = false,
-        "Rows of W (blocks) as fp32 (bf16, nearest even, with bf16=True) into out: rows [row_begin, row_end), "
-        "or the rows `ids` (int64) in turn.");
+  bind_quant(m);
+  bind_layer_ops(m);
   m.def("stream_read", [](uintptr_t data, size_t n_bytes, int threads) {
     py::gil_scoped_release release;
     return stream_read(reinterpret_cast<const void*>(data), n_bytes, threads);

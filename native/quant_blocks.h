@@ -96,7 +96,10 @@ extern const QuantKernelTable kQuantTableAvx512;
 const QuantKernelTable& active_quant_table();
 bool select_quant_isa(const char* name);  // "auto" or one of supported_quant_isas()
 int supported_quant_isas(const char** names, int capacity);
-void quant_matmul(const QuantMatmulProblem& p, int n_threads);
+// Several products of one x (a layer's q, k and v, or gate and up): parts[i] shares x, n_tokens,
+// x_stride and k with parts[0]. The activations are quantised once, and the parts' rows, taken as one
+// matrix, are cut into one range per thread, so one call costs one team wake-up.
+void quant_matmul(const QuantMatmulProblem* parts, int n_parts, int n_threads);
 // Rows of W as fp32 (bf16 with out_bf16): rows [row_begin, row_end), or, when ids is not null, rows
 // ids[0 … n_ids) in turn (an embedding lookup); out row i at out + i·out_stride elements.
 void quant_dequantize(const uint8_t* w, QType type, int64_t k, int64_t w_row_bytes, int64_t row_begin,

@@ -4,6 +4,7 @@
 // cut into one contiguous range per thread: every thread streams its own part of the weight blocks,
 // which is all the bandwidth a decode step has. Small matrices (a few rows) run on the calling
 // thread: a fork of the team costs more than their work.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -88,10 +89,14 @@ int supported_quant_isas(const char** names, int capacity) {
   return n;
 }
 
-void quant_matmul(const QuantMatmulProblem& P, int n_threads) {
+void quant_matmul(const QuantMatmulProblem* parts, int n_parts, int n_threads) {
+  if (n_parts <= 0) return;
   const QuantKernelTable& K = active_quant_table();
   const int nt = n_threads > 0 ? n_threads : default_threads();
+  const QuantMatmulProblem& P = parts[0];  // x, n_tokens, k: the same in every part
   const int64_t nb = P.k / kQBlock;
+  int64_t total_rows = 0;
+  for (int i = 0; i < n_parts; ++i) total_rows += parts[i].n_rows;
   static thread_local std::vector<int16_t> q_buf;
   static thread_local std::vector<float> d_buf, s_buf;
   if (q_buf.size() < size_t(P.n_tokens * P.k)) q_buf.resize(size_t(P.n_tokens * P.k));
@@ -99,20 +104,26 @@ void quant_matmul(const QuantMatmulProblem& P, int n_threads) {
   int16_t* q = q_buf.data();
   float *d = d_buf.data(), *s = s_buf.data();
   const QuantActs A{q, d, s};
-  const bool parallel = nt > 1 && P.n_rows >= kMinParallelRows;
+  const bool parallel = nt > 1 && total_rows >= kMinParallelRows;
 
 #pragma omp parallel num_threads(nt) if (parallel)
   {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < P.n_tokens; ++t) K.quantize_acts(P.x + t * P.x_stride, P.k, q + t * P.k, d + t * nb, s + t * nb);
 #if defined(_OPENMP)
-    const int n_parts = omp_get_num_threads(), part = omp_get_thread_num();
+    const int n_teams = omp_get_num_threads(), me = omp_get_thread_num();
 #else
-    const int n_parts = 1, part = 0;
+    const int n_teams = 1, me = 0;
 #endif
-    // after the implicit barrier of the loop above: every token is quantised
-    const int64_t r0 = P.n_rows * part / n_parts, r1 = P.n_rows * (part + 1) / n_parts;
-    if (r1 > r0) K.matmul_rows(P, A, r0, r1);
+    // after the implicit barrier of the loop above: every token is quantised. This thread's rows of
+    // the parts stacked [r0, r1), then each part's share of them.
+    const int64_t r0 = total_rows * me / n_teams, r1 = total_rows * (me + 1) / n_teams;
+    int64_t first = 0;  // the stacked index of this part's row 0
+    for (int i = 0; i < n_parts; ++i) {
+      const int64_t lo = std::max(r0, first) - first, hi = std::min(r1, first + parts[i].n_rows) - first;
+      if (hi > lo) K.matmul_rows(parts[i], A, lo, hi);
+      first += parts[i].n_rows;
+    }
   }
 }
 

@@ -63,7 +63,7 @@ template <> struct Decode<QType::q4_0> {
   static constexpr bool kOffset = true;
   static TANDEM_ALWAYS_INLINE WVec at(const uint8_t* b, int, float& s, float& c) {
     s = load_half(b), c = -8.0f * s;  // (q − 8)·d = q·d − 8d
-    return widen_u8(nibbles16(b + 2));
+    return nibbles_wide(b + 2);
   }
 };
 
@@ -72,7 +72,7 @@ template <> struct Decode<QType::q4_1> {
   static constexpr bool kOffset = true;
   static TANDEM_ALWAYS_INLINE WVec at(const uint8_t* b, int, float& s, float& c) {
     s = load_half(b), c = load_half(b + 2);
-    return widen_u8(nibbles16(b + 4));
+    return nibbles_wide(b + 4);
   }
 };
 

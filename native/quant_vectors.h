@@ -299,7 +299,17 @@ TANDEM_ALWAYS_INLINE WVec widen_u8(Bytes v) {
 TANDEM_ALWAYS_INLINE WVec widen_i8(Bytes v) {
   return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1))};
 }
-TANDEM_ALWAYS_INLINE WVec load_i8(const uint8_t* p) { return widen_i8(load_bytes(p)); }
+TANDEM_ALWAYS_INLINE WVec load_i8(const uint8_t* p) {  // each half widened straight from memory
+  return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+// A Q4 block's 16 bytes of nibbles → its 32 values: each byte widened to a 16-bit lane straight from
+// memory, then its low nibble (weights 0…15) and high nibble (16…31): three instructions where
+// nibbles16 + widen_u8 take eight, in a loop that is compute-bound on AVX2.
+TANDEM_ALWAYS_INLINE WVec nibbles_wide(const uint8_t* qs) {
+  const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  return {_mm256_and_si256(raw, _mm256_set1_epi16(0x0f)), _mm256_srli_epi16(raw, 4)};
+}
 TANDEM_ALWAYS_INLINE void widen_nibbles(Bytes q, WVec& lo, WVec& hi) {
   const WVec w = widen_u8(q);
   const __m256i low4 = _mm256_set1_epi16(0x0f);
@@ -370,4 +380,9 @@ TANDEM_ALWAYS_INLINE void store_block_bf16(uint16_t* out, const WVec& w, float s
   }
 }
 #endif
+#endif
+
+#if !defined(TANDEM_QUANT_AVX2)
+// A Q4 block's nibbles as its 32 values (AVX2 has its own, shorter, above).
+TANDEM_ALWAYS_INLINE WVec nibbles_wide(const uint8_t* qs) { return widen_u8(nibbles16(qs)); }
 #endif

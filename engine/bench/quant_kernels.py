@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
+
 import torch
 
 # (type name, ggml code, rows, cols): Qwen3-30B-A3B's expert shapes (hidden 2048, expert FFN 768) as
@@ -40,9 +42,10 @@ def _product_us(nat, w: torch.Tensor, code: int, rows: int, cols: int, rounds: i
     """Best over `rounds` of the mean µs per product, cycling through w's matrices (n, rows, bytes)."""
     x, y = torch.randn(1, cols), torch.empty(1, rows)
     n, row_bytes = w.shape[0], w.shape[2]
+    parts = [np.array([[w[i].data_ptr(), code, rows, row_bytes]], dtype=np.int64) for i in range(n)]
 
     def call(i: int) -> None:
-        nat.quant_matmul(w[i % n].data_ptr(), code, rows, cols, row_bytes, x.data_ptr(), 1, cols, y.data_ptr(), rows, 1)
+        nat.quant_matmul(parts[i % n], cols, x.data_ptr(), 1, cols, y.data_ptr(), rows, 1)
 
     for i in range(min(n, reps)):
         call(i)

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from engine.errors import KernelInputError
@@ -204,6 +205,37 @@ def attend_blocks(q: torch.Tensor, k_blocks, v_blocks=None, scale: float | None 
     else:
         attend_blocks_torch(q4, table, scale, out.view(B, nh, T, hs), lse.view(B, nh, T))
     return out, lse
+
+
+_ONE_SEQUENCE = np.array([0, 1], dtype=np.int64)  # seq_offsets of a table of one sequence of one block
+
+
+def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: slice,
+                scale: float) -> torch.Tensor | None:
+    """One sequence's attention over rows [start, stop) of a layer's cache, read in place: a resident
+    CPU decode step, without attend_blocks' checks and table (they cost more than the attention of a
+    short chat). q (1, nh, T, hs) fp32; k_cache, v_cache (slots, n_kv, hs) contiguous; every query sees
+    every row. → (1, nh, T, hs) fp32, or None where the native kernel does not take these tensors."""
+    nat = native.module()
+    _, nh, T, hs = q.shape
+    n_kv = k_cache.shape[1]
+    if (nat is None or not native_head_dim(hs) or q.dtype != torch.float32 or k_cache.dtype not in _KV_DTYPES
+            or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or q.stride(3) != 1 or nh % n_kv or rows.stop <= rows.start):
+        return None
+    size = k_cache.element_size()
+    # one block: (k address, v address, tokens, head stride, token stride of k, the same of v), in elements
+    table = np.array([[k_cache.data_ptr() + rows.start * n_kv * hs * size,
+                       v_cache.data_ptr() + rows.start * n_kv * hs * size,
+                       rows.stop - rows.start, hs, n_kv * hs, hs, n_kv * hs]], dtype=np.int64)
+    out = torch.empty(1, nh, T, hs)
+    lse = torch.empty(1, nh, T)
+    sb, sh, st, _ = q.stride()
+    codes = native.DTYPE_CODES
+    nat.attention_decode(q.data_ptr(), codes[q.dtype], 1, T, nh, hs, sb, sh, st, table.ctypes.data,
+                         _ONE_SEQUENCE.ctypes.data, n_kv, codes[k_cache.dtype], scale, out.data_ptr(), lse.data_ptr(),
+                         native.threads())
+    return out
 
 
 def _output(buf: torch.Tensor | None, shape, name: str) -> torch.Tensor:

@@ -13,10 +13,15 @@ import torch
 import torch.nn.functional as F
 
 
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of a fused product (…, 2·I), gate first → (…, I)."""
+    gate, up = gate_up.chunk(2, dim=-1)  # views
+    return F.silu(gate) * up
+
+
 def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """x: (n, H); gate_up: (2·I, H); down: (H, I) → (n, H)."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # (n, I) each
-    return F.linear(F.silu(gate) * up, down)
+    return F.linear(swiglu(F.linear(x, gate_up)), down)
 
 
 def group_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int]]:

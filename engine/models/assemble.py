@@ -91,11 +91,11 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
     quant_modules.install(model, blocks, dtype)  # a tied head shares the embedding's blocks
     for layer in model.model.layers:
         attn = getattr(layer, "self_attn", None)  # (a hybrid model's linear-attention layers have none)
-        # (MLA with a q LoRA has no q_proj: its fuse_qkv does nothing either way). Not when any of q, k, v
-        # is in blocks: a mixed file (Q4_K_M) may keep some and dequantise others, and blocks do not cat
-        if attn is not None and not any(isinstance(getattr(attn, p, None), quant_modules.QuantLinear)
-                                        for p in ("q_proj", "k_proj", "v_proj")):
-            attn.fuse_qkv()  # q, k, v projected by one GEMM (views: no memory added)
+        if attn is not None:
+            attn.fuse_qkv()  # q, k, v projected by one product (views or QuantRows: no memory added)
+        for ffn in (getattr(layer, "mlp", None), getattr(getattr(layer, "mlp", None), "shared_experts", None)):
+            if isinstance(ffn, FeedForward):
+                ffn.fuse_gate_up()
     if tied and "model.embed_tokens.weight" not in blocks:  # one tensor, not a second copy on the device
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(args.max_position, device, dtype)

@@ -15,8 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ConfigError
-from engine.kernels import qkv_rope_gpu, rmsnorm_gpu, rope_gpu, route_gpu
-from engine.kernels.experts_torch import ClampedSwiGLU
+from engine.kernels import layer_ops_cpu, qkv_rope_gpu, rmsnorm_gpu, rope_gpu, route_gpu
+from engine.kernels.experts_torch import ClampedSwiGLU, swiglu
+from engine.quant.blocks import QuantRows
+from engine.quant.matmul import quant_linear
+from engine.quant.modules import QuantLinear
 
 
 @dataclass
@@ -95,6 +98,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if rmsnorm_gpu.available(x, self.weight):  # one kernel instead of eight, same rounding
             return rmsnorm_gpu.rms_norm(x, self.weight, self.eps)
+        if layer_ops_cpu.available(x, self.weight):  # one call instead of five torch ops
+            return layer_ops_cpu.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 whatever the weights' dtype, as the reference implementations do.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -104,6 +109,8 @@ class RMSNorm(nn.Module):
         """(x + r, this norm of it): one kernel on the GPU."""
         if rmsnorm_gpu.available(x, self.weight) and r.is_contiguous() and r.dtype == x.dtype:
             return rmsnorm_gpu.add_rms_norm(x, r, self.weight, self.eps)
+        if layer_ops_cpu.available(x, r, self.weight) and x.shape == r.shape:
+            return layer_ops_cpu.add_rms_norm(x, r, self.weight, self.eps)
         h = x + r
         return h, self(h)
 
@@ -163,15 +170,24 @@ class Attention(nn.Module):
         # set by fuse_qkv; buffers, so that a later .to() moves them too (outside the state dict)
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.qkv_blocks: QuantRows | None = None  # set by fuse_qkv where q, k and v are blocks on the CPU
 
     def fuse_qkv(self) -> None:
-        """Lay q_proj, k_proj and v_proj's weights (and biases) out as one tensor, the three parameters
-        becoming views of it: no memory added, and a GPU decode step projects with one GEMM.
-        OLMoE's whole-projection norms and clipping keep the three projections, and partial RoPE
-        (GLM) the unfused path: the fused kernel rotates whole heads."""
+        """Project q, k and v with one product. Weights in blocks on the CPU become one QuantRows (the
+        three matrices, no copy: one native call; their types may differ, as in Q4_K_M files). Float
+        weights are laid out as one tensor, the three parameters becoming views of it: no memory added,
+        and a GPU decode step projects with one GEMM; there OLMoE's whole-projection norms and clipping
+        keep the three projections, and partial RoPE (GLM) the unfused path: the fused kernel rotates
+        whole heads. Blocks on a GPU, or some projections in blocks and some not, stay apart."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if any(isinstance(p, QuantLinear) for p in projections):
+            if all(isinstance(p, QuantLinear) and p.qweight.blocks.device.type == "cpu" for p in projections):
+                self.qkv_blocks = QuantRows([p.qweight for p in projections], "qkv")
+                if self.q_proj.bias is not None:
+                    self.qkv_bias = torch.cat([p.bias.detach() for p in projections])
+            return
         if self.norm_all_heads or self.clip_qkv is not None or self.rotary_dim != self.head_dim:
             return
-        projections = (self.q_proj, self.k_proj, self.v_proj)
         sizes = [p.out_features for p in projections]
         weight = torch.cat([p.weight.detach() for p in projections])  # ((nh + 2·n_kv)·hs, dim)
         bias = torch.cat([p.bias.detach() for p in projections]) if self.q_proj.bias is not None else None
@@ -208,9 +224,20 @@ class Attention(nn.Module):
         q, k, v = qkv_rope_gpu.qk_norm_rope(qkv, self.n_heads, self.n_kv_heads, cos, sin, *norms)
         return (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs), (B, n_kv, T, hs) ×2
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, dim) → q (B, T, nh·hs), k, v (B, T, n_kv·hs): one product where fuse_qkv made one."""
+        if self.qkv_blocks is not None:
+            qkv = quant_linear(x, self.qkv_blocks, self.qkv_bias)  # (B, T, (nh + 2·n_kv)·hs)
+        elif self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        else:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv_width = self.n_kv_heads * self.head_dim
+        return qkv.split((self.n_heads * self.head_dim, kv_width, kv_width), dim=-1)  # views
+
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, nh·hs), (B, T, n_kv·hs) ×2
+        q, k, v = self._project(x)  # (B, T, nh·hs), (B, T, n_kv·hs) ×2
         if self.q_norm is not None and self.norm_all_heads:  # OLMoE: one norm over every head at once
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -223,6 +250,10 @@ class Attention(nn.Module):
         partial = self.rotary_dim != self.head_dim
         if not partial and rope_gpu.available(q, cos) and k.is_contiguous():  # one kernel each, the same rounding
             q, k = rope_gpu.rope(q, cos, sin), rope_gpu.rope(k, cos, sin)
+            return (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if layer_ops_cpu.available(q, k, cos, sin) and layer_ops_cpu.rope_fits(q, cos) and layer_ops_cpu.rope_fits(k, cos):
+            # in place: q and k are this step's own tensors (projections, or the norms' outputs)
+            q, k = layer_ops_cpu.rope_(q, cos, sin), layer_ops_cpu.rope_(k, cos, sin)
             return (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if partial:  # cos, sin: (B, 1, T, rotary_dim)
@@ -238,8 +269,16 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_up_blocks: QuantRows | None = None  # set by fuse_gate_up
+
+    def fuse_gate_up(self) -> None:
+        """Gate and up in blocks on the CPU: one product over both (a QuantRows, no copy)."""
+        if all(isinstance(p, QuantLinear) and p.qweight.blocks.device.type == "cpu" for p in (self.gate_proj, self.up_proj)):
+            self.gate_up_blocks = QuantRows([self.gate_proj.qweight, self.up_proj.qweight], "gate_up")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_blocks is not None:
+            return self.down_proj(swiglu(quant_linear(x, self.gate_up_blocks)))  # (…, 2I) → (…, I) → (…, H)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

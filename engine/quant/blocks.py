@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -106,6 +107,13 @@ class QuantTensor:
     def __repr__(self) -> str:
         return f"QuantTensor({self.name}, {self.qtype.name}, {self.shape})"
 
+    @cached_property
+    def native_parts(self):
+        """numpy int64 (1, 4): (block address, type, rows, row bytes), the native product's description."""
+        import numpy as np
+
+        return np.array([[self.blocks.data_ptr(), self.qtype.code, self.shape[0], self.row_bytes]], dtype=np.int64)
+
     def __getitem__(self, rows) -> QuantTensor:
         """Rows by index tensor, list or slice: a QuantTensor of them (a copy unless a slice)."""
         if isinstance(rows, slice):
@@ -157,6 +165,13 @@ class QuantRows:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    @cached_property
+    def native_parts(self):
+        """numpy int64 (P, 4): each part's row of QuantTensor.native_parts, in order."""
+        import numpy as np
+
+        return np.concatenate([p.native_parts for p in self.parts])
 
 
 class QuantStack:

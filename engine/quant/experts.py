@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engine.experts.executor import ResidentExperts
 from engine.experts.gpu_quant_resident import GpuQuantResidentExperts
-from engine.kernels.experts_torch import ClampedSwiGLU
-from engine.quant.blocks import QuantRows, QuantStack
+from engine.kernels.experts_torch import ClampedSwiGLU, swiglu
+from engine.quant.blocks import QuantStack
 from engine.quant import moe as quant_moe
 from engine.quant.matmul import NATIVE_MAX_TOKENS, expert_tiles, implementation, quant_linear
 
@@ -121,15 +120,8 @@ class QuantResidentExperts(ResidentExperts):
 def swiglu_blocks(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     """x (n, H) → (n, H); gate_up a QuantTensor (2I, H) or a QuantRows of its gate and up (I, H) each."""
     tiles = expert_tiles()
-    if not isinstance(gate_up, QuantRows):
-        h = quant_linear(x, gate_up, tiles=tiles)  # (n, 2I)
-    elif len(gate_up.parts) == 2 and gate_up.parts[0].shape[0] == gate_up.parts[1].shape[0]:
-        gate, up = (quant_linear(x, p, tiles=tiles) for p in gate_up.parts)  # (n, I) each: no concatenation
-        return quant_linear(F.silu(gate) * up, down, tiles=tiles)
-    else:
-        h = torch.cat([quant_linear(x, p, tiles=tiles) for p in gate_up.parts], dim=-1)  # (n, 2I)
-    inter = h.shape[-1] // 2
-    return quant_linear(F.silu(h[..., :inter]) * h[..., inter:], down, tiles=tiles)  # (n, H)
+    h = quant_linear(x, gate_up, tiles=tiles)  # (n, 2I): one call over gate and up, whatever their types
+    return quant_linear(swiglu(h), down, tiles=tiles)  # (n, H)
 
 
 def clamped_swiglu_blocks(x: torch.Tensor, gate_up, down, form: ClampedSwiGLU, e: int) -> torch.Tensor:
@@ -137,13 +129,8 @@ def clamped_swiglu_blocks(x: torch.Tensor, gate_up, down, form: ClampedSwiGLU, e
     QuantRows of gate and up (I, H) each, its bias added to the products before the activation."""
     bias, tiles = form.gate_up_bias[e], expert_tiles()  # (2I,) gate half first
     inter = bias.shape[0] // 2
-    if isinstance(gate_up, QuantRows) and len(gate_up.parts) == 2 and gate_up.parts[0].shape[0] == inter:
-        gate = quant_linear(x, gate_up.parts[0], bias[:inter], tiles)  # (n, I) each: no concatenation
-        up = quant_linear(x, gate_up.parts[1], bias[inter:], tiles)
-    else:
-        parts = gate_up.parts if isinstance(gate_up, QuantRows) else [gate_up]
-        h = torch.cat([quant_linear(x, p, tiles=tiles) for p in parts], dim=-1) + bias  # (n, 2I)
-        gate, up = h[..., :inter], h[..., inter:]
+    h = quant_linear(x, gate_up, bias, tiles)  # (n, 2I): one call over gate and up
+    gate, up = h[..., :inter], h[..., inter:]
     return quant_linear(form.activation(gate, up), down, form.down_bias[e], tiles)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from engine.errors import KernelInputError
 from engine.kernels import native
-from engine.quant.blocks import QuantTensor, dequantize_blocks_torch
+from engine.quant.blocks import QuantRows, QuantTensor, dequantize_blocks_torch
 
 # Most tokens per call that the integer kernel takes; above it dequantised tiles + torch GEMM. One
 # thread each, busy 2-core Zen 4 (load 7), the built-in model's shapes, µs, kernel / tiles + GEMM:
@@ -95,14 +95,20 @@ def expert_tiles() -> torch.dtype:
 _EXPERT_TILES: torch.dtype | None = None
 
 
-def quant_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None,
+def quant_linear(x: torch.Tensor, w: QuantTensor | QuantRows, bias: torch.Tensor | None = None,
                  tiles: torch.dtype = torch.float32) -> torch.Tensor:
-    """x (…, K) float on the CPU, W (N, K) blocks → (…, N) in x's dtype (+ bias). tiles: the dtype
-    of the dequantised tiles (and of x in their GEMM) above NATIVE_MAX_TOKENS tokens, fp32 or bf16."""
+    """x (…, K) float on the CPU, W (N, K) blocks → (…, N) in x's dtype (+ bias). W may be a QuantRows,
+    several matrices' rows one after another (a layer's q, k and v): one kernel call then multiplies
+    them all, the activations quantised once. tiles: the dtype of the dequantised tiles (and of x in
+    their GEMM) above NATIVE_MAX_TOKENS tokens, fp32 or bf16."""
     n_rows, cols = w.shape
-    if w.blocks.device.type != "cpu":  # blocks placed on a GPU: its kernels
+    parts = w.parts if isinstance(w, QuantRows) else (w,)
+    if parts[0].blocks.device.type != "cpu":  # blocks placed on a GPU: its kernels
         from engine.kernels import quant_linear_gpu
 
+        if len(parts) > 1:
+            y = torch.cat([quant_linear_gpu.linear(x, p) for p in parts], dim=-1)
+            return y + bias if bias is not None else y
         return quant_linear_gpu.linear(x, w, bias)
     if x.device.type != "cpu" or not x.is_floating_point() or x.shape[-1] != cols:
         raise KernelInputError(f"quant_linear takes a CPU float x (…, {cols}), got {x.dtype} "
@@ -110,17 +116,19 @@ def quant_linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = No
     n = x.numel() // cols
     nat = _native()
     if nat is not None and n <= NATIVE_MAX_TOKENS:
-        # the decode step's call: a few µs of Python around the kernel matter at 200+ calls a token
+        # the decode step's call: a few µs of Python around the kernel matter at 100+ calls a token
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         y = torch.empty(*x.shape[:-1], n_rows)
-        nat.quant_matmul(w.blocks.data_ptr(), w.qtype.code, n_rows, cols, w.row_bytes, xf.data_ptr(), n, cols,
-                         y.data_ptr(), n_rows, native.threads())
+        nat.quant_matmul(w.native_parts, cols, xf.data_ptr(), n, cols, y.data_ptr(), n_rows, native.threads())
     else:
         xt = x.reshape(n, cols).to(tiles)
         y = torch.empty(n, n_rows)
-        for a in range(0, n_rows, TILE_ROWS):
-            b = min(n_rows, a + TILE_ROWS)
-            y[:, a:b] = xt @ dequantize_rows(w, row_range=(a, b), dtype=tiles).t()  # (n, b − a)
+        first = 0  # this part's first column of y
+        for part in parts:
+            for a in range(0, part.shape[0], TILE_ROWS):
+                b = min(part.shape[0], a + TILE_ROWS)
+                y[:, first + a:first + b] = xt @ dequantize_rows(part, row_range=(a, b), dtype=tiles).t()  # (n, b − a)
+            first += part.shape[0]
         y = y.view(*x.shape[:-1], n_rows)
     if bias is not None:
         y += bias

@@ -252,3 +252,25 @@ def test_shuffled_pool_with_many_blocks(kernel_mode, group, hs):
         for threads in (1, 2, 5):
             out, lse = attend_blocks(q, table, threads=threads)
             check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.skipif(attention_native.native.module() is None, reason="no native extension")
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_attend_rows_reads_a_slice_of_the_cache_in_place(kv_dtype):
+    """A resident CPU decode step: rows [5, 300) of a (slots, n_kv, hs) cache, GQA 9 heads over 3."""
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(400, 3, 64, generator=g).to(kv_dtype) for _ in range(2))
+    q = torch.randn(1, 9, 1, 64, generator=g)
+    out = attention_native.attend_rows(q, k_cache, v_cache, slice(5, 300), 0.125)
+    ref, _ = reference(q, [[k_cache[5:300].transpose(0, 1)]], [[v_cache[5:300].transpose(0, 1)]], 0.125)
+    assert out.shape == (1, 9, 1, 64)
+    assert torch.allclose(out.double(), ref, atol=2e-3 if kv_dtype != torch.float32 else 1e-5)
+
+
+def test_attend_rows_declines_what_the_kernel_does_not_take():
+    k_cache = v_cache = torch.zeros(8, 1, 24)
+    assert attention_native.attend_rows(torch.zeros(1, 2, 1, 24), k_cache, v_cache, slice(0, 4), 1.0) is None  # head dim
+    k_cache = v_cache = torch.zeros(8, 1, 64)
+    q16 = torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)
+    assert attention_native.attend_rows(q16, k_cache, v_cache, slice(0, 4), 1.0) is None  # q not fp32
+    assert attention_native.attend_rows(torch.zeros(1, 2, 1, 64), k_cache, v_cache, slice(2, 2), 1.0) is None  # no rows

@@ -119,9 +119,9 @@ def test_damaged_blocks_are_refused(qtype):
 def test_native_refuses_a_k_quant_width_off_its_super_block():
     y, x = torch.empty(1, 4), torch.zeros(1, 288)
     with pytest.raises(ValueError, match="multiple of the type's block"):
-        NAT.quant_matmul(x.data_ptr(), int(T.Q4_K), 4, 288, 144, x.data_ptr(), 1, 288, y.data_ptr(), 4, 1)
+        NAT.quant_matmul(np.array([[x.data_ptr(), int(T.Q4_K), 4, 144]]), 288, x.data_ptr(), 1, 288, y.data_ptr(), 4, 1)
     with pytest.raises(ValueError, match="whole blocks"):
-        NAT.quant_matmul(x.data_ptr(), int(T.Q6_K), 4, 256, 209, x.data_ptr(), 1, 256, y.data_ptr(), 4, 1)
+        NAT.quant_matmul(np.array([[x.data_ptr(), int(T.Q6_K), 4, 209]]), 256, x.data_ptr(), 1, 256, y.data_ptr(), 4, 1)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

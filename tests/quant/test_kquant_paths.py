@@ -7,6 +7,7 @@ Tolerance as in test_block_types.py: the int16 rounding of the activations moves
 min applied to the wrong sub-block, or a row or super-block misread, is off by O(|w||x|).
 """
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -46,8 +47,8 @@ def test_strided_activations_and_output(every_isa, qtype):
     w = torch.from_numpy(data)
     xs = torch.randn(n, cols + 64) * 4
     y = torch.full((n, rows + 5), 7.0)
-    NAT.quant_matmul(w.data_ptr(), int(qtype), rows, cols, data.shape[1], xs.data_ptr(), n, cols + 64, y.data_ptr(),
-                     rows + 5, 1)
+    parts = np.array([[w.data_ptr(), int(qtype), rows, data.shape[1]]], dtype=np.int64)
+    NAT.quant_matmul(parts, cols, xs.data_ptr(), n, cols + 64, y.data_ptr(), rows + 5, 1)
     ref_w, x = dequantize(data, qtype), xs[:, :cols]
     ref = x @ torch.from_numpy(ref_w).t()
     assert ((y[:, :rows] - ref).abs() <= _bound(x, ref_w)).all(), float((y[:, :rows] - ref).abs().max())

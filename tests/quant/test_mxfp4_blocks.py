@@ -132,6 +132,6 @@ def test_damaged_blocks_are_refused():
 def test_native_refuses_a_row_off_its_blocks():
     y, x = torch.empty(1, 4), torch.zeros(1, 64)
     with pytest.raises(ValueError, match="whole blocks"):
-        NAT.quant_matmul(x.data_ptr(), MX, 4, 64, 33, x.data_ptr(), 1, 64, y.data_ptr(), 4, 1)
+        NAT.quant_matmul(np.array([[x.data_ptr(), MX, 4, 33]]), 64, x.data_ptr(), 1, 64, y.data_ptr(), 4, 1)
     with pytest.raises(ValueError, match="multiple of the type's block"):
-        NAT.quant_matmul(x.data_ptr(), MX, 4, 48, 17, x.data_ptr(), 1, 48, y.data_ptr(), 4, 1)
+        NAT.quant_matmul(np.array([[x.data_ptr(), MX, 4, 17]]), 48, x.data_ptr(), 1, 48, y.data_ptr(), 4, 1)

@@ -114,9 +114,9 @@ def test_unknown_types_are_refused():
     if NAT is not None:
         y, x = torch.empty(1, 4), torch.zeros(1, 256)
         with pytest.raises(ValueError, match="unknown quantised block type 10"):
-            NAT.quant_matmul(x.data_ptr(), 10, 4, 256, 84, x.data_ptr(), 1, 256, y.data_ptr(), 4, 1)
+            NAT.quant_matmul(np.array([[x.data_ptr(), 10, 4, 84]]), 256, x.data_ptr(), 1, 256, y.data_ptr(), 4, 1)
         with pytest.raises(ValueError, match="w_row_bytes"):
-            NAT.quant_matmul(x.data_ptr(), 2, 4, 32, 20, x.data_ptr(), 1, 32, y.data_ptr(), 4, 1)
+            NAT.quant_matmul(np.array([[x.data_ptr(), 2, 4, 20]]), 32, x.data_ptr(), 1, 32, y.data_ptr(), 4, 1)
 
 
 def test_bad_inputs_are_refused():

@@ -84,6 +84,9 @@ def test_quantised_tiny_model_follows_the_dequantised_one(tmp_path):
     assert isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantLinear)
     assert model.lm_head.blocks is model.model.embed_tokens.blocks  # tied: one block tensor
     assert isinstance(model.model.layers[1].mlp.down_proj, QuantLinear)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp  # one product each for q, k, v and gate, up
+    assert attn.qkv_blocks.parts == [attn.q_proj.qweight, attn.k_proj.qweight, attn.v_proj.qweight]
+    assert mlp.gate_up_blocks.parts == [mlp.gate_proj.qweight, mlp.up_proj.qweight]
     prompt = [3, 17, 5, 42, 8, 9, 33, 60, 2, 71]  # 10 tokens: the prefill path (dequantised tiles)
     assert quant.generate_ids(prompt, 12) == ref.generate_ids(prompt, 12)
 
