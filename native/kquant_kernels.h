@@ -26,7 +26,7 @@ template <> struct Decode<QType::q4_k> {
   template <class F> static TANDEM_ALWAYS_INLINE void each_sub(const uint8_t* b, F&& f) {
     for (int p = 0; p < 4; ++p) {
       WVec lo, hi;
-      widen_nibbles(load_bytes(b + kQ4kQs + 32 * p), lo, hi);
+      widen_nibbles(b + kQ4kQs + 32 * p, lo, hi);
       f(2 * p, lo);
       f(2 * p + 1, hi);
     }
@@ -49,10 +49,10 @@ template <> struct Decode<QType::q5_k> {
     s = f8_mul(sc, f8_set1(load_half(b))), c = f8_mul(m, f8_set1(-load_half(b + 2)));
   }
   template <class F> static TANDEM_ALWAYS_INLINE void each_sub(const uint8_t* b, F&& f) {
-    const WVec qh = widen_u8(load_bytes(b + kQ5kQh));  // bit j: sub-block j's fifth bit, moved to bit 4
+    const WVec qh = load_u8(b + kQ5kQh);  // bit j: sub-block j's fifth bit, moved to bit 4
     for (int p = 0; p < 4; ++p) {
       WVec lo, hi;
-      widen_nibbles(load_bytes(b + kQ5kQs + 32 * p), lo, hi);
+      widen_nibbles(b + kQ5kQs + 32 * p, lo, hi);
       f(2 * p, or_masked(lo, shift16(qh, 4 - 2 * p), 0x10));
       f(2 * p + 1, or_masked(hi, shift16(qh, 3 - 2 * p), 0x10));
     }
@@ -79,9 +79,9 @@ template <> struct Decode<QType::q6_k> {
     const Sc16 sc = load_sc16(reinterpret_cast<const int8_t*>(b + kQ6kSc));
     for (int h = 0; h < 2; ++h) {
       WVec low[2][2];  // [ql row][low, high nibbles]
-      widen_nibbles(load_bytes(b + kQ6kQl + 64 * h), low[0][0], low[0][1]);
-      widen_nibbles(load_bytes(b + kQ6kQl + 64 * h + 32), low[1][0], low[1][1]);
-      const WVec qh = widen_u8(load_bytes(b + kQ6kQh + 32 * h));
+      widen_nibbles(b + kQ6kQl + 64 * h, low[0][0], low[0][1]);
+      widen_nibbles(b + kQ6kQl + 64 * h + 32, low[1][0], low[1][1]);
+      const WVec qh = load_u8(b + kQ6kQh + 32 * h);
       for (int p = 0; p < 4; ++p) {
         const WVec q = or_masked(low[p & 1][p >> 1], shift16(qh, 4 - 2 * p), 0x30);
         f(4 * h + p, centre_scale_pair(q, 32, sc, 4 * h + p));

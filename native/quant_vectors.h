@@ -66,6 +66,7 @@ TANDEM_ALWAYS_INLINE WVec load_i8(const uint8_t* p) {
   for (int j = 0; j < 32; ++j) w.v[j] = int16_t(int8_t(p[j]));
   return w;
 }
+TANDEM_ALWAYS_INLINE WVec load_u8(const uint8_t* p) { return widen_u8(load_bytes(p)); }
 // (w − centre)·sc0 for weights 0…15, ·sc1 for 16…31 (Q6_K's two scales a sub-block).
 TANDEM_ALWAYS_INLINE WVec centre_scale(const WVec& w, int centre, int sc0, int sc1) {
   WVec r;
@@ -89,8 +90,9 @@ TANDEM_ALWAYS_INLINE void store_block_bf16(uint16_t* out, const WVec& w, float s
   for (int j = 0; j < 32; ++j) out[j] = f32_to_bf16(float(w.v[j]) * s + c);
 }
 
-// 32 bytes → their low nibbles (lo) and high nibbles (hi) as 32 words each: one widening for both.
-TANDEM_ALWAYS_INLINE void widen_nibbles(const Bytes& q, WVec& lo, WVec& hi) {
+// The 32 bytes at p → their low nibbles (lo) and high nibbles (hi) as 32 words each: one widening for both.
+TANDEM_ALWAYS_INLINE void widen_nibbles(const uint8_t* p, WVec& lo, WVec& hi) {
+  const Bytes q = load_bytes(p);
   for (int j = 0; j < 32; ++j) lo.v[j] = int16_t(q.b[j] & 0x0f), hi.v[j] = int16_t(q.b[j] >> 4);
 }
 // Word shifts of small non-negative integers (the K-quants' bit fields after widening).
@@ -226,8 +228,8 @@ using FVec = __m512;
 
 TANDEM_ALWAYS_INLINE WVec widen_u8(Bytes v) { return _mm512_cvtepu8_epi16(v); }
 TANDEM_ALWAYS_INLINE WVec widen_i8(Bytes v) { return _mm512_cvtepi8_epi16(v); }
-TANDEM_ALWAYS_INLINE void widen_nibbles(Bytes q, WVec& lo, WVec& hi) {
-  const __m512i w = _mm512_cvtepu8_epi16(q);  // upper byte of each word 0: the shift needs no mask
+TANDEM_ALWAYS_INLINE void widen_nibbles(const uint8_t* p, WVec& lo, WVec& hi) {
+  const __m512i w = _mm512_cvtepu8_epi16(load_bytes(p));  // upper byte of each word 0: the shift needs no mask
   lo = _mm512_and_si512(w, _mm512_set1_epi16(0x0f)), hi = _mm512_srli_epi16(w, 4);
 }
 TANDEM_ALWAYS_INLINE WVec shift16(WVec w, int left) {
@@ -238,6 +240,7 @@ TANDEM_ALWAYS_INLINE WVec or_masked(WVec a, WVec b, int16_t mask) {
 }
 
 TANDEM_ALWAYS_INLINE WVec load_i8(const uint8_t* p) { return _mm512_cvtepi8_epi16(load_bytes(p)); }
+TANDEM_ALWAYS_INLINE WVec load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi16(load_bytes(p)); }
 TANDEM_ALWAYS_INLINE WVec centre_scale(WVec w, int centre, int sc0, int sc1) {
   const __m512i sc = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(int16_t(sc0))),
                                         _mm256_set1_epi16(int16_t(sc1)), 1);
@@ -303,6 +306,10 @@ TANDEM_ALWAYS_INLINE WVec load_i8(const uint8_t* p) {  // each half widened stra
   return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
 }
+TANDEM_ALWAYS_INLINE WVec load_u8(const uint8_t* p) {
+  return {_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
 // A Q4 block's 16 bytes of nibbles → its 32 values: each byte widened to a 16-bit lane straight from
 // memory, then its low nibble (weights 0…15) and high nibble (16…31): three instructions where
 // nibbles16 + widen_u8 take eight, in a loop that is compute-bound on AVX2.
@@ -310,8 +317,8 @@ TANDEM_ALWAYS_INLINE WVec nibbles_wide(const uint8_t* qs) {
   const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
   return {_mm256_and_si256(raw, _mm256_set1_epi16(0x0f)), _mm256_srli_epi16(raw, 4)};
 }
-TANDEM_ALWAYS_INLINE void widen_nibbles(Bytes q, WVec& lo, WVec& hi) {
-  const WVec w = widen_u8(q);
+TANDEM_ALWAYS_INLINE void widen_nibbles(const uint8_t* p, WVec& lo, WVec& hi) {
+  const WVec w = load_u8(p);
   const __m256i low4 = _mm256_set1_epi16(0x0f);
   lo = {_mm256_and_si256(w.lo, low4), _mm256_and_si256(w.hi, low4)};
   hi = {_mm256_srli_epi16(w.lo, 4), _mm256_srli_epi16(w.hi, 4)};

@@ -23,7 +23,10 @@ def _ops():
 
 def available(*tensors: torch.Tensor) -> bool:
     """Whether every tensor is fp32 on the CPU and the native operations are built."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and _ops() is not None
+    for t in tensors:  # a loop, not all(…): this runs a few times a layer at every decode step
+        if not t.is_cpu or t.dtype != torch.float32:
+            return False
+    return _ops() is not None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

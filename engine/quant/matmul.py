@@ -103,14 +103,14 @@ def quant_linear(x: torch.Tensor, w: QuantTensor | QuantRows, bias: torch.Tensor
     their GEMM) above NATIVE_MAX_TOKENS tokens, fp32 or bf16."""
     n_rows, cols = w.shape
     parts = w.parts if isinstance(w, QuantRows) else (w,)
-    if parts[0].blocks.device.type != "cpu":  # blocks placed on a GPU: its kernels
+    if not parts[0].blocks.is_cpu:  # blocks placed on a GPU: its kernels
         from engine.kernels import quant_linear_gpu
 
         if len(parts) > 1:
             y = torch.cat([quant_linear_gpu.linear(x, p) for p in parts], dim=-1)
             return y + bias if bias is not None else y
         return quant_linear_gpu.linear(x, w, bias)
-    if x.device.type != "cpu" or not x.is_floating_point() or x.shape[-1] != cols:
+    if not x.is_cpu or not x.is_floating_point() or x.shape[-1] != cols:
         raise KernelInputError(f"quant_linear takes a CPU float x (…, {cols}), got {x.dtype} "
                                f"{tuple(x.shape)} on {x.device}")
     n = x.numel() // cols
