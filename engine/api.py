@@ -49,14 +49,17 @@ class EngineConfig:
 
 
 def choose_backend(config: EngineConfig) -> str:
-    """`auto`: llama.cpp for dense GGUF files on machines without CUDA when llama-cpp-python is
-    installed, else Tandem. What the rule follows (benchmarks/RESULTS.md, the 2-core machine):
+    """`auto`: llama.cpp for GGUF files on machines without CUDA when llama-cpp-python is installed,
+    except MoE files on a CPU where Tandem's kernels lead; else Tandem. What the rule follows
+    (benchmarks/RESULTS.md, two 2-core machines, decode tok/s in the same run):
 
     - MoE files whose routed experts Tandem keeps in blocks (models/loader.EXPERT_BLOCK_FAMILIES) run
-      on Tandem: a Q4_K_M Qwen3-30B-A3B cut to 8 layers decoded at 35.1 tok/s against llama.cpp's
-      29.9 with default threads (prefill 170 against 278), record benchmarks/suite/cpu-moe-q4km-L8.json.
-    - Dense files stay with llama.cpp: the built-in Q4_1 file decoded at 76.9 tok/s against its 108
-      (benchmarks/suite/cpu-builtin.json, 2026-12-05).
+      on Tandem where its quantised kernels have AVX-512: a Q4_K_M Qwen3-30B-A3B cut to 8 layers
+      decoded at 38.7 tok/s against llama.cpp's 31.8 (Zen 4, benchmarks/suite/cpu-moe-q4km-L8.json).
+      With AVX2 only, llama.cpp's int8 products are ahead: 40.5 against 55.8 (Zen 3,
+      benchmarks/dev-2core-avx2/ab-cpu-moe-q4km-L8-cd7f0b8.json), so those files go to llama.cpp.
+    - Dense files go to llama.cpp: the built-in Q4_1 file decoded at 76.9 tok/s against its 108 (Zen 4,
+      benchmarks/suite/cpu-builtin.json), 71.8 against 136 (Zen 3).
 
     The built-in models stay on Tandem: they are the reference the tests hold to transformers, and
     llama.cpp's quantised-activation kernels change the dense model's greedy answer (asked for the
@@ -73,9 +76,18 @@ def choose_backend(config: EngineConfig) -> str:
     plain = {config.kv_policy, config.expert_policy} <= {"auto", "resident"} and not config.simulate_hybrid
     no_gpu = config.device == "cpu" or not torch.cuda.is_available()
     if gguf_model and plain and no_gpu and importlib.util.find_spec("llama_cpp") is not None \
-            and not _moe_in_blocks(config.model):
+            and not (_moe_in_blocks(config.model) and _quant_kernels_lead()):
         return "llamacpp"
     return "tandem"
+
+
+def _quant_kernels_lead() -> bool:
+    """Whether this CPU runs Tandem's quantised-block kernels with AVX-512, where its MoE decode was
+    measured ahead of llama.cpp's (choose_backend)."""
+    from engine.kernels import native
+
+    nat = native.module()
+    return nat is not None and hasattr(nat, "supported_quant_isas") and "avx512" in nat.supported_quant_isas()
 
 
 def _moe_in_blocks(path: str) -> bool:

@@ -233,7 +233,7 @@ class Attention(nn.Module):
         else:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         kv_width = self.n_kv_heads * self.head_dim
-        return qkv.split((self.n_heads * self.head_dim, kv_width, kv_width), dim=-1)  # views
+        return qkv.split_with_sizes((self.n_heads * self.head_dim, kv_width, kv_width), dim=-1)  # views
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         B, T, _ = x.shape

@@ -178,13 +178,19 @@ def test_offloaded_mxfp4_experts_with_their_form_follow_the_dequantised_file(tmp
         ref.close()
 
 
-def test_backend_auto_runs_a_moe_gguf_on_tandem_and_a_dense_one_on_llamacpp(files, tmp_path):
-    """On a machine without a GPU: MoE files whose experts stay in blocks decode faster on Tandem
-    (benchmarks/suite/cpu-moe-q4km-L8.json), dense files on llama.cpp (engine/api.py choose_backend)."""
+@pytest.mark.parametrize("avx512", [True, False])
+def test_backend_auto_follows_which_engine_decodes_a_gguf_faster(files, tmp_path, monkeypatch, avx512):
+    """On a machine without a GPU: MoE files whose experts stay in blocks decode faster on Tandem where
+    its quantised kernels have AVX-512 (benchmarks/suite/cpu-moe-q4km-L8.json) and on llama.cpp with
+    AVX2 only (benchmarks/dev-2core-avx2/); dense files on llama.cpp (engine/api.py choose_backend)."""
+    from engine import api
     from engine.api import EngineConfig, choose_backend
     from engine.models import builtin
 
-    assert choose_backend(EngineConfig(model=str(files["Q4_K_M"]), device="cpu")) == "tandem"
+    monkeypatch.setattr(api, "_quant_kernels_lead", lambda: avx512)
+    want = "tandem" if avx512 else "llamacpp"
+    assert choose_backend(EngineConfig(model=str(files["Q4_K_M"]), device="cpu")) == want
     dense, _ = builtin.resolve("builtin:smollm2-135m")  # the built-in dense GGUF, by its path
     assert choose_backend(EngineConfig(model=str(dense), device="cpu")) == "llamacpp"
     assert choose_backend(EngineConfig(model=str(tmp_path / "missing.gguf"), device="cpu")) == "llamacpp"
+    assert choose_backend(EngineConfig(model="builtin:smollm2-135m-moe", device="cpu")) == "tandem"
