@@ -2,8 +2,8 @@
 // it) and rotate-half RoPE in place.
 //
 // Each is a few µs of arithmetic for one token, but as torch ops a layer needs about twenty of them
-// (a norm is six: pow, mean, add, rsqrt, two multiplies), each with 2–5 µs of dispatch: on a
-// CPU-only decode that dispatch outweighed the products of a small model. One call each here; rows
+// (a norm is six: pow, mean, add, rsqrt, two multiplies), each with µs of dispatch: on a CPU-only
+// decode that dispatch outweighed the products of a small model. One call each here; rows
 // are split over threads only when there are many of them (prefill).
 #pragma once
 

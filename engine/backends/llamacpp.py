@@ -96,7 +96,8 @@ class LlamaCppBackend:
                                            n_gpu_layers=0, verbose=False)
         except ValueError as e:
             raise ModelFileError(f"llama.cpp could not load {self.path} ({e})",
-                                 "the file is truncated, corrupt or of an architecture llama.cpp lacks") from e
+                                 "the file is truncated, corrupt or of an architecture llama.cpp lacks; "
+                                 "for a MoE file, backend tandem may run it") from e
         report("loading tokenizer", 0.8)
         self.tokenizer = load_tokenizer(self.path.parent, self.path.name)
         self.max_context = self.llm.n_ctx()

@@ -1,12 +1,11 @@
 """A decoder layer's small operations on the CPU in one native call each (native/layer_ops.h): the
 RMSNorm (with the residual add before it) and RoPE in place.
 
-At one token each is a few µs of arithmetic, while the torch ops they replace cost 2–5 µs of dispatch
-apiece (a norm alone is six ops: 19 µs against 3.7 for the native call, a 576-wide row on a 2-core
-Zen 3; a RoPE of q 20 µs). On a CPU-only decode of a small model
-that dispatch outweighed the weight products. The GPU has its own kernels for these
-(rmsnorm_gpu, rope_gpu); this module is their CPU counterpart, for fp32 tensors on the CPU with the
-native extension built; anything else keeps the torch ops, which compute the same.
+At one token each is a few µs of arithmetic, while the torch ops they replace cost µs of dispatch
+apiece (a norm alone is six ops, a RoPE five): on a CPU-only decode of a small model that dispatch
+outweighed the weight products. The GPU has its own kernels for these (rmsnorm_gpu, rope_gpu); this
+module is their CPU counterpart, for fp32 tensors on the CPU with the native extension built;
+anything else keeps the torch ops, which compute the same.
 """
 
 from __future__ import annotations

@@ -93,7 +93,8 @@ def assemble(args: ModelArgs, tensors: dict[str, torch.Tensor], route, *, source
         attn = getattr(layer, "self_attn", None)  # (a hybrid model's linear-attention layers have none)
         if attn is not None:
             attn.fuse_qkv()  # q, k, v projected by one product (views or QuantRows: no memory added)
-        for ffn in (getattr(layer, "mlp", None), getattr(getattr(layer, "mlp", None), "shared_experts", None)):
+        mlp = getattr(layer, "mlp", None)
+        for ffn in (mlp, getattr(mlp, "shared_experts", None)):  # a dense FFN, or a MoE layer's shared expert
             if isinstance(ffn, FeedForward):
                 ffn.fuse_gate_up()
     if tied and "model.embed_tokens.weight" not in blocks:  # one tensor, not a second copy on the device

@@ -98,7 +98,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if rmsnorm_gpu.available(x, self.weight):  # one kernel instead of eight, same rounding
             return rmsnorm_gpu.rms_norm(x, self.weight, self.eps)
-        if layer_ops_cpu.available(x, self.weight):  # one call instead of five torch ops
+        if layer_ops_cpu.available(x, self.weight):  # one call instead of six torch ops
             return layer_ops_cpu.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 whatever the weights' dtype, as the reference implementations do.
         xf = x.float()
