@@ -24,6 +24,12 @@ python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/quant te
   tests/kernels/test_moe_decode_gpu.py 2>&1 \
   | tail -30 >"$res/pytest-cuda.log"
 tail -1 "$res/pytest-cuda.log" >>"$log"
+step CPU kernel tests  # every ISA of this host's CPU (AVX-512, AMX): a machine without them skips those
+python3 -m pytest -q -p no:cacheprovider -m "not cuda" -k "not builtin" tests/quant/test_quant_kernels.py \
+  tests/quant/test_kquant_paths.py tests/quant/test_quant_rows_product.py tests/quant/test_block_types.py \
+  tests/quant/test_mxfp4_blocks.py tests/kernels/test_layer_ops_cpu.py tests/kernels/test_attention_native.py \
+  tests/kernels/test_experts_cpu.py 2>&1 | tail -30 >"$res/pytest-cpu.log"
+tail -1 "$res/pytest-cpu.log" >>"$log"
 
 step GPU kernels over blocks  # the quantised decode GEMVs against BF16 and the copy bound, tile sweep
 python3 -m engine.bench.quant_gpu --json "$res/quant-gpu.json" >>"$log" 2>&1
