@@ -39,7 +39,7 @@ class BuildNative(build_ext):
 
 native = Pybind11Extension(
     "engine._native",
-    sorted(f"native/{name}" for name in ("bindings.cpp", "bindings_quant.cpp", "bindings_layer_ops.cpp", "layer_ops.cpp",
+    sorted(f"native/{name}" for name in ("bindings.cpp", "bindings_quant.cpp", "bindings_layer_ops.cpp", "layer_ops.cpp", "decode_layer.cpp",
                                          "dispatch.cpp", "isa_scalar.cpp", "isa_avx2.cpp",
                                          "isa_avx512.cpp", "isa_avx512bf16.cpp", "isa_amx.cpp",
                                          "moe_dispatch.cpp", "quant_dispatch.cpp",

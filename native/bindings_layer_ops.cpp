@@ -1,9 +1,36 @@
-// layer_ops.h's part of engine._native: fp32 tensors by address, shapes and strides; the Python
-// side (engine/kernels/layer_ops_cpu.py) checks dtypes, devices and layouts first.
+// layer_ops.h's and decode_layer.h's part of engine._native: fp32 tensors by address, shapes and
+// strides; the Python side (engine/kernels/layer_ops_cpu.py, engine/runtime/cpu_decode.py) checks
+// dtypes, devices and layouts first.
+#include <pybind11/numpy.h>
+
+#include <vector>
+
 #include "bindings.h"
+#include "decode_layer.h"
 #include "layer_ops.h"
 
 namespace tandem {
+
+namespace {
+
+using Parts = py::array_t<int64_t, py::array::c_style>;
+
+// quant_matmul's (P, 4) table (address, type, rows, row bytes) of matrices of k columns, checked
+std::vector<BlockMatrix> block_matrices(const Parts& parts, int64_t k) {
+  require(parts.ndim() == 2 && parts.shape(1) == 4, "parts must be an int64 table (P, 4): address, type, rows, row bytes");
+  std::vector<BlockMatrix> out;
+  for (int64_t i = 0; i < parts.shape(0); ++i) {
+    const int64_t* r = parts.data() + 4 * i;
+    const QType t = checked_qtype(int(r[1]), k, r[3]);
+    require(r[0] != 0 && r[2] > 0, "a part needs an address and rows");
+    out.push_back({reinterpret_cast<const uint8_t*>(r[0]), t, r[2], r[3]});
+  }
+  return out;
+}
+
+template <class T> const T* ptr(uintptr_t a) { return reinterpret_cast<const T*>(a); }
+
+}  // namespace
 
 void bind_layer_ops(py::module_& m) {
   m.def("rms_norm", [](uintptr_t x, int64_t x_stride, uintptr_t w, uintptr_t out, int64_t out_stride, int64_t rows,
@@ -40,6 +67,43 @@ void bind_layer_ops(py::module_& m) {
   }, py::arg("x"), py::arg("tokens"), py::arg("token_stride"), py::arg("heads"), py::arg("head_dim"),
         py::arg("rotary"), py::arg("cos"), py::arg("sin"), py::arg("threads"),
         "RoPE (rotate-half) in place on the first `rotary` dims of each head of x (tokens, heads, head_dim).");
+  py::class_<DecodeLayer>(m, "DecodeLayer",
+                          "A decoder layer's decode step for one token in one call (decode_layer.h). It keeps "
+                          "the addresses it is built with: the caller keeps those tensors alive and in place.")
+      .def(py::init([](int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t rotary,
+                       int64_t ffn, double norm_eps, double qk_norm_eps, double scale, uintptr_t norm1,
+                       uintptr_t norm2, uintptr_t q_norm, uintptr_t k_norm, const Parts& qkv, uintptr_t qkv_bias,
+                       const Parts& o, const Parts& gate_up, const Parts& down, uintptr_t k_cache,
+                       uintptr_t v_cache, int kv_dtype) {
+             require(kv_dtype >= 0 && kv_dtype <= 2, "kv_dtype must be 0 (fp32), 1 (bf16) or 2 (fp16)");
+             require(ffn >= 0, "ffn ≥ 0");
+             DecodeLayerWeights w{ptr<float>(norm1), ptr<float>(norm2), ptr<float>(q_norm), ptr<float>(k_norm),
+                                  block_matrices(qkv, dim), ptr<float>(qkv_bias), block_matrices(o, n_heads * head_dim),
+                                  ffn ? block_matrices(gate_up, dim) : std::vector<BlockMatrix>{},
+                                  ffn ? block_matrices(down, ffn) : std::vector<BlockMatrix>{},
+                                  reinterpret_cast<void*>(k_cache), reinterpret_cast<void*>(v_cache), DType(kv_dtype)};
+             const DecodeLayerShape shape{dim, n_heads, n_kv_heads, head_dim, rotary, ffn, float(norm_eps),
+                                          float(qk_norm_eps), float(scale)};
+             return new DecodeLayer(shape, std::move(w));
+           }),
+           py::arg("dim"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("rotary"),
+           py::arg("ffn"), py::arg("norm_eps"), py::arg("qk_norm_eps"), py::arg("scale"), py::arg("norm1"),
+           py::arg("norm2"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv").noconvert(), py::arg("qkv_bias"),
+           py::arg("o").noconvert(), py::arg("gate_up").noconvert(), py::arg("down").noconvert(), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("kv_dtype"))
+      .def("step", [](DecodeLayer& layer, uintptr_t x, uintptr_t normed, uintptr_t cos, uintptr_t sin,
+                      int64_t write_row, int64_t read_begin, int64_t n_read, int threads) {
+             require(x && normed && cos && sin, "null pointer");
+             require(read_begin >= 0 && n_read >= 1 && write_row >= read_begin && write_row < read_begin + n_read,
+                     "the written row must be one of the rows read");
+             py::gil_scoped_release release;
+             layer.step(reinterpret_cast<float*>(x), reinterpret_cast<float*>(normed), ptr<float>(cos), ptr<float>(sin),
+                        write_row, read_begin, n_read, threads);
+           },
+           py::arg("x"), py::arg("normed"), py::arg("cos"), py::arg("sin"), py::arg("write_row"), py::arg("read_begin"),
+           py::arg("n_read"), py::arg("threads"),
+           "x (dim,) fp32 ← the layer's output (without the FFN half: x + attention), normed ← norm₂(x + attention).")
+      .def_property_readonly("has_ffn", &DecodeLayer::has_ffn);
 }
 
 }  // namespace tandem

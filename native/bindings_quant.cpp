@@ -11,10 +11,7 @@
 #include "quant_blocks.h"
 
 namespace tandem {
-namespace {
 
-// Quantised blocks (quant_blocks.h): the wrappers in engine/quant/ check sizes against the tensors;
-// here the type and the row layout are checked once more, so no bad stride reaches the kernels.
 QType checked_qtype(int type, int64_t k, int64_t w_row_bytes) {
   const int64_t bytes = qblock_bytes(type);
   if (bytes == 0) throw std::invalid_argument("unknown quantised block type " + std::to_string(type) +
@@ -25,6 +22,8 @@ QType checked_qtype(int type, int64_t k, int64_t w_row_bytes) {
   require(w_row_bytes == k / weights * bytes, "w_row_bytes must be whole blocks of the type's size");
   return QType(type);
 }
+
+namespace {
 
 // parts (P, 4) int64, a row per matrix: its blocks' address, type, rows and row bytes. Every part
 // multiplies the same x (n_tokens, k); part i writes y's columns after those of the parts before it.

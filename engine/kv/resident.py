@@ -196,6 +196,17 @@ class ResidentKV(KVBackend):
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
         return attention_gpu.sdpa(q, keys, values, mask, causal=mask is None and T > 1)
 
+    def one_row_step(self) -> tuple[int, int, int] | None:
+        """The begun step as rows of each layer's cache where it is one sequence's one token on the CPU
+        with its past in one run of slots and no mask: (row written, first row read, rows read), the
+        rows a native layer step reads and writes in place (engine/runtime/cpu_decode.py). None otherwise."""
+        if self._step is None or self._paged_step is not None or self.device.type != "cpu":
+            return None
+        _, n_new, write, read = self._step
+        if n_new != 1 or not isinstance(write, slice) or not isinstance(read, slice) or self._masks[self.window] is not None:
+            return None
+        return write.start, read.start, read.stop - read.start
+
     def replayable_step(self) -> bool:
         """Whether the step begun is a paged decode: inputs at fixed addresses, a CUDA graph can replay it."""
         return self._paged_step is not None

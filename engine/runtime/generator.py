@@ -56,7 +56,7 @@ class Generator:
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
         self.keeps_recurrent_state = bool(getattr(kv, "recurrent", False))  # hybrid models (kv/recurrent.py)
         self.sessions = SessionPool(max_sessions)  # chats that keep their KV (engine/runtime/sessions.py)
-        self.graphs = None  # DecodeGraphs where decode steps can be replayed (engine/runtime/decode_graph.py)
+        self.graphs = None  # DecodeGraphs where decode steps can be replayed (engine/runtime/decode_graph.py); CPUDecodeSteps on a CPU
         self.threads = None  # ThreadChooser where the CPU's thread count is measured (engine/runtime/thread_chooser.py)
         self.live: list[SeqRun] = []  # admitted and not ended, in order of admission
         self._pending: _Launched | None = None

@@ -36,6 +36,7 @@ class TandemBackend:
         p = self.parts
         self.generator = Generator(p.model, p.kv, p.device, p.max_context, config.max_batch, self.telemetry)
         self.graphs_off: str | None = None  # why decode steps run eagerly (None: graphs are on)
+        self.cpu_decode_off: str | None = None  # on a CPU: why decode steps run as modules, not native layer calls
         self._setup_graphs()
         self._setup_threads()
 
@@ -68,6 +69,7 @@ class TandemBackend:
     def _setup_graphs(self) -> None:
         """Decode steps as CUDA graphs when the config asks and the KV and experts allow; re-run after
         a policy switch (a graph holds the addresses of the KV it was captured with)."""
+        from engine.runtime import cpu_decode
         from engine.runtime.decode_graph import DecodeGraphs, unsupported_reason
 
         p, g = self.parts, self.generator
@@ -77,6 +79,10 @@ class TandemBackend:
         self.graphs_off = reason
         if reason is None:
             g.graphs = DecodeGraphs(p.model, p.kv, p.experts, p.device, self.config.max_batch)
+        elif p.device.type == "cpu":  # the CPU's counterpart, a native call per layer, in the same place
+            self.cpu_decode_off = cpu_decode.unsupported_reason(p.model, p.kv, p.device)
+            if self.cpu_decode_off is None:
+                g.graphs = cpu_decode.CPUDecodeSteps(p.model, p.kv)
 
     def _drop_graphs(self) -> None:
         """Before the KV or experts they were captured over go (and to free their memory pool)."""
@@ -102,7 +108,9 @@ class TandemBackend:
                 "expert_policy": p.experts.policy if p.experts else None,
                 "load_s": p.load_s, "vocab_size": p.args.vocab_size,
                 "plan": self.plan.to_dict() | {"summary": self.plan.summary()} if self.plan else None,
-                "cuda_graphs": self.generator.graphs.telemetry() if self.generator.graphs else {"off": self.graphs_off},
+                "cuda_graphs": {"off": self.graphs_off} if self.graphs_off else self.generator.graphs.telemetry(),
+                **({"cpu_decode": self.generator.graphs.telemetry() if self.cpu_decode_off is None
+                    else {"off": self.cpu_decode_off}} if p.device.type == "cpu" else {}),
                 **(self.generator.threads.telemetry() if self.generator.threads else {})}
 
     def weight_types(self) -> list[str] | None:

@@ -1,0 +1,113 @@
+// decode_layer.h: a decoder layer's step for one token, composed of the kernels the per-operation
+// path calls one by one.
+#include "decode_layer.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "convert.h"
+#include "layer_ops.h"
+
+namespace tandem {
+
+namespace {
+
+constexpr size_t kMaxParts = 4;  // a product's matrices: q, k and v may each be of another type
+
+int64_t total_rows(const std::vector<BlockMatrix>& w) {
+  int64_t n = 0;
+  for (const BlockMatrix& m : w) n += m.rows;
+  return n;
+}
+
+}  // namespace
+
+DecodeLayer::DecodeLayer(const DecodeLayerShape& shape, DecodeLayerWeights weights)
+    : shape_(shape), w_(std::move(weights)) {
+  const DecodeLayerShape& s = shape_;
+  const int64_t q_width = s.n_heads * s.head_dim, kv_width = s.n_kv_heads * s.head_dim;
+  if (s.dim <= 0 || s.n_heads <= 0 || s.n_kv_heads <= 0 || s.n_heads % s.n_kv_heads)
+    throw std::invalid_argument("dim and head counts must be positive, n_heads a multiple of n_kv_heads");
+  if (s.head_dim < 16 || s.head_dim > kMaxHeadDim || s.head_dim % 16)
+    throw std::invalid_argument("head_dim must be a multiple of 16 in [16, 256]");
+  if (s.rotary < 2 || s.rotary % 2 || s.rotary > s.head_dim) throw std::invalid_argument("rotary must be even, ≤ head_dim");
+  if (total_rows(w_.qkv) != q_width + 2 * kv_width) throw std::invalid_argument("qkv rows must be (nh + 2·n_kv)·hs");
+  if (total_rows(w_.o) != s.dim) throw std::invalid_argument("o rows must be dim");
+  if (s.ffn > 0 && (total_rows(w_.gate_up) != 2 * s.ffn || total_rows(w_.down) != s.dim))
+    throw std::invalid_argument("gate_up rows must be 2·ffn and down rows dim");
+  for (const auto* w : {&w_.qkv, &w_.o, &w_.gate_up, &w_.down})
+    if (w->size() > kMaxParts) throw std::invalid_argument("a product has at most 4 matrices");
+  if (!w_.norm1 || !w_.norm2 || !w_.k_cache || !w_.v_cache) throw std::invalid_argument("null pointer");
+  if (bool(w_.q_norm) != bool(w_.k_norm)) throw std::invalid_argument("q_norm and k_norm come together");
+  xn_.resize(size_t(s.dim));
+  qkv_.resize(size_t(q_width + 2 * kv_width));
+  attn_.resize(size_t(q_width));
+  lse_.resize(size_t(s.n_heads));
+  o_.resize(size_t(s.dim));
+  gate_up_.resize(size_t(2 * s.ffn));
+}
+
+void DecodeLayer::matmul(const std::vector<BlockMatrix>& w, int64_t k, const float* x, float* y, int n_threads) const {
+  QuantMatmulProblem parts[kMaxParts];
+  const int64_t width = total_rows(w);  // y's row: every part's rows one after another
+  int n = 0;
+  int64_t column = 0;
+  for (const BlockMatrix& m : w) {
+    parts[n++] = {m.w, m.type, m.rows, k, m.row_bytes, x, 1, k, y + column, width};
+    column += m.rows;
+  }
+  quant_matmul(parts, n, n_threads);
+}
+
+void DecodeLayer::attention(const float* cos, const float* sin, int64_t write_row, int64_t read_begin,
+                            int64_t n_read, int n_threads) {
+  const DecodeLayerShape& s = shape_;
+  const int64_t hs = s.head_dim, q_width = s.n_heads * hs, kv_width = s.n_kv_heads * hs;
+  float* q = qkv_.data();
+  float* k = q + q_width;
+  const float* v = k + kv_width;
+  if (w_.q_norm) {  // each head normed on its own (Qwen3), before RoPE
+    rms_norm(q, hs, w_.q_norm, q, hs, s.n_heads, hs, s.qk_norm_eps, 1);
+    rms_norm(k, hs, w_.k_norm, k, hs, s.n_kv_heads, hs, s.qk_norm_eps, 1);
+  }
+  rope_rotate_half(q, 1, q_width, s.n_heads, hs, s.rotary, cos, sin, 1);
+  rope_rotate_half(k, 1, kv_width, s.n_kv_heads, hs, s.rotary, cos, sin, 1);
+  for (int64_t i = 0; i < kv_width; ++i) {  // this token's row of the cache, in the cache's dtype
+    store_from_f32(w_.k_cache, w_.kv_dtype, write_row * kv_width + i, k[i]);
+    store_from_f32(w_.v_cache, w_.kv_dtype, write_row * kv_width + i, v[i]);
+  }
+  const int64_t size = int64_t(dtype_size(w_.kv_dtype));
+  const KVBlock block{reinterpret_cast<int64_t>(w_.k_cache) + read_begin * kv_width * size,
+                      reinterpret_cast<int64_t>(w_.v_cache) + read_begin * kv_width * size,
+                      n_read, hs, kv_width, hs, kv_width};
+  const int64_t one_sequence[2] = {0, 1};
+  const AttentionProblem p{q, DType::f32, 1, 1, s.n_heads, hs, q_width, hs, hs, &block, one_sequence,
+                           s.n_kv_heads, w_.kv_dtype, s.scale, attn_.data(), lse_.data()};
+  attention_decode(p, n_threads);
+}
+
+void DecodeLayer::step(float* x, float* normed, const float* cos, const float* sin, int64_t write_row,
+                       int64_t read_begin, int64_t n_read, int n_threads) {
+  const DecodeLayerShape& s = shape_;
+  const int64_t q_width = s.n_heads * s.head_dim;
+  rms_norm(x, s.dim, w_.norm1, xn_.data(), s.dim, 1, s.dim, s.norm_eps, 1);
+  matmul(w_.qkv, s.dim, xn_.data(), qkv_.data(), n_threads);  // (nh + 2·n_kv)·hs
+  if (w_.qkv_bias)
+    for (size_t i = 0; i < qkv_.size(); ++i) qkv_[i] += w_.qkv_bias[i];
+  attention(cos, sin, write_row, read_begin, n_read, n_threads);  // → attn_ (nh·hs)
+  matmul(w_.o, q_width, attn_.data(), o_.data(), n_threads);     // (dim,)
+  add_rms_norm(x, o_.data(), w_.norm2, x, normed, 1, s.dim, s.norm_eps, 1);  // x += o; normed = norm₂(x)
+  if (s.ffn == 0) return;
+  matmul(w_.gate_up, s.dim, normed, gate_up_.data(), n_threads);  // (2·ffn,): gate, then up
+  float* act = gate_up_.data();
+  const float* up = act + s.ffn;
+  for (int64_t i = 0; i < s.ffn; ++i) {
+    const float g = act[i];
+    act[i] = g / (1.0f + std::exp(-g)) * up[i];  // SiLU(gate) · up, in place over gate
+  }
+  matmul(w_.down, s.ffn, act, o_.data(), n_threads);  // (dim,)
+  for (int64_t i = 0; i < s.dim; ++i) x[i] += o_[i];
+}
+
+}  // namespace tandem

@@ -1,0 +1,71 @@
+// One decoder layer's decode step for one token on the CPU, as one call: the weights in GGUF blocks,
+// the activations fp32, the KV cache rows of one sequence read and written in place.
+//
+//   x ← x + o · attention(rope(qkv · norm₁(x)))           the attention half, K and V stored at `write_row`
+//   normed ← norm₂(x)
+//   x ← x + down · (silu(gate · normed) ⊙ up · normed)    the FFN half, where the layer's FFN is dense
+//
+// The same kernels as the per-operation path (quant_matmul, rms_norm, add_rms_norm, rope_rotate_half,
+// attention_decode), in the same order and precision, so the two agree up to SiLU's exp. A MoE layer
+// builds its plan without the FFN half: the caller routes `normed` to its experts and adds their output.
+// What the call saves is the dispatch between those kernels: at one token of a small model each is
+// µs of work, and as torch operations and modules a layer cost about as much again in the interpreter.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+#include "quant_blocks.h"
+
+namespace tandem {
+
+// One matrix in blocks: its rows' address, type, row count and row bytes (quant_matmul's parts).
+struct BlockMatrix {
+  const uint8_t* w;
+  QType type;
+  int64_t rows, row_bytes;
+};
+
+struct DecodeLayerShape {
+  int64_t dim, n_heads, n_kv_heads, head_dim, rotary, ffn;  // ffn 0: no FFN half (a MoE layer)
+  float norm_eps, qk_norm_eps, scale;                      // scale: the softmax's on q·k
+};
+
+struct DecodeLayerWeights {
+  const float* norm1;                      // (dim,)
+  const float* norm2;                      // (dim,)
+  const float* q_norm;                     // (head_dim,) per-head norms of q and k before RoPE, or null
+  const float* k_norm;
+  std::vector<BlockMatrix> qkv;            // rows q (nh·hs), k (n_kv·hs), v (n_kv·hs), one after another
+  const float* qkv_bias;                   // ((nh + 2·n_kv)·hs,) or null
+  std::vector<BlockMatrix> o;              // (dim, nh·hs)
+  std::vector<BlockMatrix> gate_up;        // (2·ffn, dim): gate rows, then up rows
+  std::vector<BlockMatrix> down;           // (dim, ffn)
+  void* k_cache;                           // (slots, n_kv, hs) contiguous, kv_dtype
+  void* v_cache;
+  DType kv_dtype;
+};
+
+class DecodeLayer {
+ public:
+  DecodeLayer(const DecodeLayerShape& shape, DecodeLayerWeights weights);
+
+  // x (dim,) fp32 in/out; normed (dim,) out; cos, sin (rotary,) the token's angles. The sequence's rows
+  // are [read_begin, read_begin + n_read) of the cache, write_row among them (this token's K and V).
+  void step(float* x, float* normed, const float* cos, const float* sin, int64_t write_row, int64_t read_begin,
+            int64_t n_read, int n_threads);
+
+  bool has_ffn() const { return shape_.ffn > 0; }
+
+ private:
+  void matmul(const std::vector<BlockMatrix>& w, int64_t k, const float* x, float* y, int n_threads) const;
+  void attention(const float* cos, const float* sin, int64_t write_row, int64_t read_begin, int64_t n_read,
+                 int n_threads);
+
+  DecodeLayerShape shape_;
+  DecodeLayerWeights w_;
+  std::vector<float> xn_, qkv_, attn_, lse_, o_, gate_up_;  // scratch of one step
+};
+
+}  // namespace tandem

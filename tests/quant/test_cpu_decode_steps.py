@@ -1,0 +1,121 @@
+"""A CPU decode step as one native call per decoder layer (engine/runtime/cpu_decode.py) against the
+modules it stands in for. The call runs the same kernels in the same order, so the logits agree to fp32
+rounding (SiLU's exp is libm's there, torch's vectorised one in the module); a step it does not take
+runs the modules."""
+
+from contextlib import closing
+
+import numpy as np
+import pytest
+import torch
+from test_quant_model import engine_for, write_quantised_llama
+
+from engine.api import Engine, EngineConfig
+from engine.kernels import native
+from engine.runtime.cpu_decode import CPUDecodeSteps
+
+NAT = native.module()
+pytestmark = pytest.mark.skipif(NAT is None or not hasattr(NAT, "DecodeLayer"), reason="no native extension")
+IDS = [3, 17, 5, 42, 8, 9, 33, 60, 2, 71, 11, 4]
+
+
+def native_and_module_logits(engine, ids: list[int], prefill: int):
+    """(T, V) logits of each decode step after `prefill` tokens, taken by the native layer calls and
+    then, over the same past, by the modules (the step's KV row dropped in between)."""
+    parts, steps = engine.backend.parts, engine.backend.generator.graphs
+    assert isinstance(steps, CPUDecodeSteps)
+    kv, sid = parts.kv, parts.kv.new_sequence()
+    by_native, by_modules = [], []
+    try:
+        with torch.inference_mode():
+            positions = kv.begin_step([sid], prefill)
+            parts.model(torch.tensor([ids[:prefill]]), positions, kv)
+            kv.end_step()
+            for t in ids[prefill:]:
+                past = kv.length(sid)
+                positions = kv.begin_step([sid], 1)
+                by_native.append(steps.step(torch.tensor([[t]]), positions)[0])
+                kv.end_step()
+                kv.crop(sid, past)
+                positions = kv.begin_step([sid], 1)
+                by_modules.append(parts.model(torch.tensor([[t]]), positions, kv)[0])
+                kv.end_step()
+    finally:
+        kv.free(sid)
+    return torch.stack(by_native), torch.stack(by_modules)
+
+
+def test_a_llama_in_mixed_block_types_steps_natively_as_its_modules(tmp_path):
+    # q, k and v of three types (Q4_0, Q4_1, Q8_0 in turn): the fused product's parts differ
+    with closing(engine_for(write_quantised_llama(tmp_path / "q.gguf"))) as engine:
+        native_rows, module_rows = native_and_module_logits(engine, IDS, prefill=5)
+    torch.testing.assert_close(native_rows, module_rows, rtol=1e-4, atol=1e-4)
+    assert native_rows.abs().max() > 0.1  # logits, not a buffer left at zero
+
+
+def test_a_qwen3_moe_with_qk_norms_and_routed_experts(tmp_path):
+    pytest.importorskip("llama_cpp")
+    from test_quant_experts_gguf import write_quantised
+
+    with closing(engine_for(write_quantised(tmp_path, "qwen3_moe", "Q4_K_M"))) as engine:
+        assert engine.info()["cpu_decode"]["layers"] == 2
+        native_rows, module_rows = native_and_module_logits(engine, IDS, prefill=5)
+    torch.testing.assert_close(native_rows, module_rows, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_takes_the_native_steps_and_answers_alike(tmp_path):
+    from engine.api import GenerationRequest
+
+    request = GenerationRequest(prompt_ids=IDS[:6], max_new_tokens=10, greedy=True, ignore_eos=True)
+    with closing(engine_for(write_quantised_llama(tmp_path / "q.gguf"))) as engine:
+        native_ids = engine.generate(request).token_ids
+        counts = engine.info()["cpu_decode"]
+        generator = engine.backend.generator
+        steps, generator.graphs = generator.graphs, None
+        module_ids = engine.generate(request).token_ids
+        generator.graphs = steps
+    assert counts["native_steps"] >= 9 and counts["module_steps"] == 0
+    assert native_ids == module_ids
+
+
+def test_a_batch_step_runs_the_modules(tmp_path):
+    config = EngineConfig(model=str(write_quantised_llama(tmp_path / "q.gguf")), backend="tandem", device="cpu",
+                          max_batch=2)
+    with closing(Engine(config)) as engine:
+        parts, steps = engine.backend.parts, engine.backend.generator.graphs
+        kv = parts.kv
+        a, b = kv.new_sequence(), kv.new_sequence()
+        with torch.inference_mode():
+            positions = kv.begin_step([a, b], 1)
+            assert steps.step(torch.tensor([[3], [4]]), positions) is None  # two chats: not one run of rows
+            kv.end_step()
+            positions = kv.begin_step([a], 1)
+            assert steps.step(torch.tensor([[5]]), positions) is not None
+            kv.end_step()
+        assert steps.telemetry() == {"layers": 2, "native_steps": 1, "module_steps": 1}
+
+
+def test_float_weights_keep_the_modules_and_say_why(tmp_path):
+    with closing(engine_for(write_quantised_llama(tmp_path / "q.gguf"), dtype="float32")) as engine:
+        assert engine.info()["cpu_decode"] == {"off": "attention weights not all in blocks on the CPU"}
+        assert engine.backend.generator.graphs is None
+
+
+def test_the_native_layer_checks_its_shapes_and_rows():
+    q8 = torch.zeros(96, 2 * 34, dtype=torch.uint8)  # Q8_0 rows of 64 weights
+    o = np.array([[q8.data_ptr(), 8, 64, 68]], dtype=np.int64)
+    norm, cache = torch.ones(64), torch.zeros(8, 2, 16)
+    none = np.zeros((0, 4), dtype=np.int64)
+    shape = dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, rotary=16, ffn=0, norm_eps=1e-5, qk_norm_eps=0.0,
+                 scale=0.25, norm1=norm.data_ptr(), norm2=norm.data_ptr(), q_norm=0, k_norm=0, qkv_bias=0,
+                 gate_up=none, down=none, k_cache=cache.data_ptr(), v_cache=cache.data_ptr(), kv_dtype=0)
+    with pytest.raises(ValueError, match="qkv rows"):
+        NAT.DecodeLayer(qkv=o, o=o, **shape)  # 64 rows where q, k and v need 4·16 + 2·2·16 = 128
+    qkv = np.array([[q8.data_ptr(), 8, 96, 68], [q8.data_ptr(), 8, 32, 68]], dtype=np.int64)
+    layer = NAT.DecodeLayer(qkv=qkv, o=o, **shape)
+    assert not layer.has_ffn
+    x, normed, angles = torch.ones(64), torch.empty(64), torch.zeros(16)
+    with pytest.raises(ValueError, match="written row"):
+        layer.step(x.data_ptr(), normed.data_ptr(), angles.data_ptr(), angles.data_ptr(), 5, 0, 3, 1)
+    layer.step(x.data_ptr(), normed.data_ptr(), angles.data_ptr(), angles.data_ptr(), 2, 0, 3, 1)
+    assert torch.equal(x, torch.ones(64))  # zero weights: attention adds nothing to the residual
