@@ -56,10 +56,12 @@ def choose_backend(config: EngineConfig) -> str:
     - MoE files whose routed experts Tandem keeps in blocks (models/loader.EXPERT_BLOCK_FAMILIES) run
       on Tandem where its quantised kernels have AVX-512: a Q4_K_M Qwen3-30B-A3B cut to 8 layers
       decoded at 38.7 tok/s against llama.cpp's 31.8 (Zen 4, benchmarks/suite/cpu-moe-q4km-L8.json).
-      With AVX2 only, llama.cpp's int8 products are ahead: 40.5 against 55.8 (Zen 3,
-      benchmarks/dev-2core-avx2/ab-cpu-moe-q4km-L8-cd7f0b8.json), so those files go to llama.cpp.
-    - Dense files go to llama.cpp: the built-in Q4_1 file decoded at 76.9 tok/s against its 108 (Zen 4,
-      benchmarks/suite/cpu-builtin.json), 71.8 against 136 (Zen 3).
+      With AVX2 only, llama.cpp's int8 products are ahead: 34.8 against 46.0 (Zen 3,
+      benchmarks/dev-2core-avx2/ab-cpu-moe-q4km-L8-81bbb66.json), so those files go to llama.cpp.
+    - Dense files go to llama.cpp, which runs every dense architecture (Tandem the few its families
+      name). On the built-in Q4_1 file Tandem's CPU decode step, one native call a layer, is ahead on
+      Zen 3 (113 tok/s against 98.3, benchmarks/dev-2core-avx2/ab-cpu-builtin-81bbb66.json); on Zen 4
+      it read 76.9 against 108 before that step (benchmarks/suite/cpu-builtin.json).
 
     The built-in models stay on Tandem: they are the reference the tests hold to transformers, and
     llama.cpp's quantised-activation kernels change the dense model's greedy answer (asked for the
