@@ -71,7 +71,7 @@ void bind_layer_ops(py::module_& m) {
                           "A decoder layer's decode step for one token in one call (decode_layer.h). It keeps "
                           "the addresses it is built with: the caller keeps those tensors alive and in place.")
       .def(py::init([](int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t rotary,
-                       int64_t ffn, double norm_eps, double qk_norm_eps, double scale, uintptr_t norm1,
+                       int64_t ffn, int64_t kv_slots, double norm_eps, double qk_norm_eps, double scale, uintptr_t norm1,
                        uintptr_t norm2, uintptr_t q_norm, uintptr_t k_norm, const Parts& qkv, uintptr_t qkv_bias,
                        const Parts& o, const Parts& gate_up, const Parts& down, uintptr_t k_cache,
                        uintptr_t v_cache, int kv_dtype) {
@@ -82,27 +82,37 @@ void bind_layer_ops(py::module_& m) {
                                   ffn ? block_matrices(gate_up, dim) : std::vector<BlockMatrix>{},
                                   ffn ? block_matrices(down, ffn) : std::vector<BlockMatrix>{},
                                   reinterpret_cast<void*>(k_cache), reinterpret_cast<void*>(v_cache), DType(kv_dtype)};
-             const DecodeLayerShape shape{dim, n_heads, n_kv_heads, head_dim, rotary, ffn, float(norm_eps),
+             require(kv_slots >= 1, "kv_slots ≥ 1");
+             const DecodeLayerShape shape{dim, n_heads, n_kv_heads, head_dim, rotary, ffn, kv_slots, float(norm_eps),
                                           float(qk_norm_eps), float(scale)};
              return new DecodeLayer(shape, std::move(w));
            }),
            py::arg("dim"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("rotary"),
-           py::arg("ffn"), py::arg("norm_eps"), py::arg("qk_norm_eps"), py::arg("scale"), py::arg("norm1"),
+           py::arg("ffn"), py::arg("kv_slots"), py::arg("norm_eps"), py::arg("qk_norm_eps"), py::arg("scale"), py::arg("norm1"),
            py::arg("norm2"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv").noconvert(), py::arg("qkv_bias"),
            py::arg("o").noconvert(), py::arg("gate_up").noconvert(), py::arg("down").noconvert(), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("kv_dtype"))
       .def("step", [](DecodeLayer& layer, uintptr_t x, uintptr_t normed, uintptr_t cos, uintptr_t sin,
-                      int64_t write_row, int64_t read_begin, int64_t n_read, int threads) {
+                      int64_t write_row, const Parts& runs, int threads) {
              require(x && normed && cos && sin, "null pointer");
-             require(read_begin >= 0 && n_read >= 1 && write_row >= read_begin && write_row < read_begin + n_read,
-                     "the written row must be one of the rows read");
+             require(runs.ndim() == 2 && runs.shape(1) == 2 && runs.shape(0) >= 1,
+                     "runs must be an int64 table (R ≥ 1, 2): first slot, count");
+             const int64_t* r = runs.data();
+             bool written = false;
+             for (int64_t i = 0; i < runs.shape(0); ++i) {
+               require(r[2 * i] >= 0 && r[2 * i + 1] >= 1 && r[2 * i] + r[2 * i + 1] <= layer.kv_slots(),
+                       "a run's slots must lie in the cache");
+               written |= r[2 * i] <= write_row && write_row < r[2 * i] + r[2 * i + 1];
+             }
+             require(written, "the written row must be one of the rows read");
              py::gil_scoped_release release;
              layer.step(reinterpret_cast<float*>(x), reinterpret_cast<float*>(normed), ptr<float>(cos), ptr<float>(sin),
-                        write_row, read_begin, n_read, threads);
+                        write_row, r, runs.shape(0), threads);
            },
-           py::arg("x"), py::arg("normed"), py::arg("cos"), py::arg("sin"), py::arg("write_row"), py::arg("read_begin"),
-           py::arg("n_read"), py::arg("threads"),
-           "x (dim,) fp32 ← the layer's output (without the FFN half: x + attention), normed ← norm₂(x + attention).")
+           py::arg("x"), py::arg("normed"), py::arg("cos"), py::arg("sin"), py::arg("write_row"),
+           py::arg("runs").noconvert(), py::arg("threads"),
+           "x (dim,) fp32 ← the layer's output (without the FFN half: x + attention), normed ← norm₂(x + attention); "
+           "runs (R, 2) int64: the sequence's cache rows as runs (first slot, count), in order.")
       .def_property_readonly("has_ffn", &DecodeLayer::has_ffn);
 }
 

@@ -60,8 +60,8 @@ void DecodeLayer::matmul(const std::vector<BlockMatrix>& w, int64_t k, const flo
   quant_matmul(parts, n, n_threads);
 }
 
-void DecodeLayer::attention(const float* cos, const float* sin, int64_t write_row, int64_t read_begin,
-                            int64_t n_read, int n_threads) {
+void DecodeLayer::attention(const float* cos, const float* sin, int64_t write_row, const int64_t* runs,
+                            int64_t n_runs, int n_threads) {
   const DecodeLayerShape& s = shape_;
   const int64_t hs = s.head_dim, q_width = s.n_heads * hs, kv_width = s.n_kv_heads * hs;
   float* q = qkv_.data();
@@ -77,25 +77,28 @@ void DecodeLayer::attention(const float* cos, const float* sin, int64_t write_ro
     store_from_f32(w_.k_cache, w_.kv_dtype, write_row * kv_width + i, k[i]);
     store_from_f32(w_.v_cache, w_.kv_dtype, write_row * kv_width + i, v[i]);
   }
-  const int64_t size = int64_t(dtype_size(w_.kv_dtype));
-  const KVBlock block{reinterpret_cast<int64_t>(w_.k_cache) + read_begin * kv_width * size,
-                      reinterpret_cast<int64_t>(w_.v_cache) + read_begin * kv_width * size,
-                      n_read, hs, kv_width, hs, kv_width};
-  const int64_t one_sequence[2] = {0, 1};
-  const AttentionProblem p{q, DType::f32, 1, 1, s.n_heads, hs, q_width, hs, hs, &block, one_sequence,
+  const int64_t row_bytes = kv_width * int64_t(dtype_size(w_.kv_dtype));
+  const int64_t k_base = reinterpret_cast<int64_t>(w_.k_cache), v_base = reinterpret_cast<int64_t>(w_.v_cache);
+  blocks_.resize(size_t(n_runs));
+  for (int64_t i = 0; i < n_runs; ++i) {
+    const int64_t first = runs[2 * i], count = runs[2 * i + 1];
+    blocks_[size_t(i)] = {k_base + first * row_bytes, v_base + first * row_bytes, count, hs, kv_width, hs, kv_width};
+  }
+  const int64_t one_sequence[2] = {0, n_runs};
+  const AttentionProblem p{q, DType::f32, 1, 1, s.n_heads, hs, q_width, hs, hs, blocks_.data(), one_sequence,
                            s.n_kv_heads, w_.kv_dtype, s.scale, attn_.data(), lse_.data()};
   attention_decode(p, n_threads);
 }
 
 void DecodeLayer::step(float* x, float* normed, const float* cos, const float* sin, int64_t write_row,
-                       int64_t read_begin, int64_t n_read, int n_threads) {
+                       const int64_t* runs, int64_t n_runs, int n_threads) {
   const DecodeLayerShape& s = shape_;
   const int64_t q_width = s.n_heads * s.head_dim;
   rms_norm(x, s.dim, w_.norm1, xn_.data(), s.dim, 1, s.dim, s.norm_eps, 1);
   matmul(w_.qkv, s.dim, xn_.data(), qkv_.data(), n_threads);  // (nh + 2·n_kv)·hs
   if (w_.qkv_bias)
     for (size_t i = 0; i < qkv_.size(); ++i) qkv_[i] += w_.qkv_bias[i];
-  attention(cos, sin, write_row, read_begin, n_read, n_threads);  // → attn_ (nh·hs)
+  attention(cos, sin, write_row, runs, n_runs, n_threads);  // → attn_ (nh·hs)
   matmul(w_.o, q_width, attn_.data(), o_.data(), n_threads);     // (dim,)
   add_rms_norm(x, o_.data(), w_.norm2, x, normed, 1, s.dim, s.norm_eps, 1);  // x += o; normed = norm₂(x)
   if (s.ffn == 0) return;

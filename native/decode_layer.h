@@ -29,6 +29,7 @@ struct BlockMatrix {
 
 struct DecodeLayerShape {
   int64_t dim, n_heads, n_kv_heads, head_dim, rotary, ffn;  // ffn 0: no FFN half (a MoE layer)
+  int64_t kv_slots;                                        // rows of each cache
   float norm_eps, qk_norm_eps, scale;                      // scale: the softmax's on q·k
 };
 
@@ -52,20 +53,23 @@ class DecodeLayer {
   DecodeLayer(const DecodeLayerShape& shape, DecodeLayerWeights weights);
 
   // x (dim,) fp32 in/out; normed (dim,) out; cos, sin (rotary,) the token's angles. The sequence's rows
-  // are [read_begin, read_begin + n_read) of the cache, write_row among them (this token's K and V).
-  void step(float* x, float* normed, const float* cos, const float* sin, int64_t write_row, int64_t read_begin,
-            int64_t n_read, int n_threads);
+  // of the cache, in order, are n_runs runs of consecutive slots, runs (n_runs, 2) = (first slot, count);
+  // write_row, among them, takes this token's K and V.
+  void step(float* x, float* normed, const float* cos, const float* sin, int64_t write_row, const int64_t* runs,
+            int64_t n_runs, int n_threads);
 
   bool has_ffn() const { return shape_.ffn > 0; }
+  int64_t kv_slots() const { return shape_.kv_slots; }
 
  private:
   void matmul(const std::vector<BlockMatrix>& w, int64_t k, const float* x, float* y, int n_threads) const;
-  void attention(const float* cos, const float* sin, int64_t write_row, int64_t read_begin, int64_t n_read,
+  void attention(const float* cos, const float* sin, int64_t write_row, const int64_t* runs, int64_t n_runs,
                  int n_threads);
 
   DecodeLayerShape shape_;
   DecodeLayerWeights w_;
   std::vector<float> xn_, qkv_, attn_, lse_, o_, gate_up_;  // scratch of one step
+  std::vector<KVBlock> blocks_;                             // the step's runs as the attention's blocks
 };
 
 }  // namespace tandem

@@ -12,6 +12,7 @@ position p sees keys p−window+1 … p, as transformers' sliding-window mask).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -196,16 +197,24 @@ class ResidentKV(KVBackend):
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
         return attention_gpu.sdpa(q, keys, values, mask, causal=mask is None and T > 1)
 
-    def one_row_step(self) -> tuple[int, int, int] | None:
+    def one_sequence_step(self) -> tuple[int, np.ndarray] | None:
         """The begun step as rows of each layer's cache where it is one sequence's one token on the CPU
-        with its past in one run of slots and no mask: (row written, first row read, rows read), the
-        rows a native layer step reads and writes in place (engine/runtime/cpu_decode.py). None otherwise."""
+        and no mask: (the row this token's K and V go to, the sequence's rows (R, 2) int64 as runs of
+        consecutive slots (first, count), in order, this token's included). A native layer step reads
+        and writes them in place (engine/runtime/cpu_decode.py). None otherwise."""
         if self._step is None or self._paged_step is not None or self.device.type != "cpu":
             return None
-        _, n_new, write, read = self._step
-        if n_new != 1 or not isinstance(write, slice) or not isinstance(read, slice) or self._masks[self.window] is not None:
+        seqs, n_new, _, _ = self._step
+        if len(seqs) != 1 or n_new != 1 or self._masks[self.window] is not None:
             return None
-        return write.start, read.start, read.stop - read.start
+        seq, bs = seqs[0], self.block_size
+        n = seq.length + 1  # keys after the step
+        blocks = np.asarray(seq.blocks[:-(-n // bs)], dtype=np.int64)  # (nb,) in position order
+        starts = np.flatnonzero(np.diff(blocks, prepend=-2) != 1)  # the blocks that begin a run
+        counts = np.diff(starts, append=len(blocks)) * bs
+        counts[-1] -= len(blocks) * bs - n  # the last block's slots after this token
+        write = int(blocks[-1]) * bs + (n - 1) % bs
+        return write, np.stack((blocks[starts] * bs, counts), axis=1)
 
     def replayable_step(self) -> bool:
         """Whether the step begun is a paged decode: inputs at fixed addresses, a CUDA graph can replay it."""

@@ -10,7 +10,7 @@ own native set and placement). The embedding, the final norm and the head run as
 
 It is the CPU's counterpart of the CUDA decode graphs (engine/runtime/decode_graph.py) and sits in the
 generator's same place: `step` returns the logits, or None for a step it does not take (a batch, a
-prompt chunk, a past not in one run of slots), which then runs the modules as before.
+prompt chunk, a window or mask), which then runs the modules as before.
 
     unsupported_reason(model, kv, device) -> str | None
     CPUDecodeSteps(model, kv).step(tokens (1, 1), positions (1, 1)) -> logits (1, V) fp32 | None
@@ -83,7 +83,7 @@ class CPUDecodeSteps:
             empty = _empty_parts()
             self.plans.append(nat.DecodeLayer(
                 dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, rotary=rotary,
-                ffn=mlp.down_proj.qweight.shape[1] if dense else 0,
+                ffn=mlp.down_proj.qweight.shape[1] if dense else 0, kv_slots=kv.k.shape[1],
                 norm_eps=a.norm_eps, qk_norm_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
                 scale=a.head_dim ** -0.5, norm1=layer.input_layernorm.weight.data_ptr(),
                 norm2=layer.post_attention_layernorm.weight.data_ptr(),
@@ -99,18 +99,18 @@ class CPUDecodeSteps:
         self.steps = self.eager_steps = 0
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        rows = self.kv.one_row_step() if tokens.shape == (1, 1) else None
+        rows = self.kv.one_sequence_step() if tokens.shape == (1, 1) else None
         if rows is None:
             self.eager_steps += 1
             return None
-        write, begin, n = rows
+        write, runs = rows
         m, x, normed = self.model, self.x, self.normed
         x.copy_(m.model.embed_tokens(tokens).view(-1))
         pos = int(positions[0, 0])
         cos, sin = m.rope_cos[pos], m.rope_sin[pos]  # (rotary,) contiguous rows
         xp, np_, cp, sp, threads = x.data_ptr(), normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), native.threads()
         for plan, moe in zip(self.plans, self.moe):
-            plan.step(xp, np_, cp, sp, write, begin, n, threads)
+            plan.step(xp, np_, cp, sp, write, runs, threads)
             if moe is not None:  # the routed experts of norm₂(x), added to x
                 x += moe(normed.view(1, 1, -1)).view(-1)
         self.steps += 1

@@ -19,18 +19,20 @@ pytestmark = pytest.mark.skipif(NAT is None or not hasattr(NAT, "DecodeLayer"), 
 IDS = [3, 17, 5, 42, 8, 9, 33, 60, 2, 71, 11, 4]
 
 
-def native_and_module_logits(engine, ids: list[int], prefill: int):
+def native_and_module_logits(engine, ids: list[int], prefill: int, neighbour: int = 0):
     """(T, V) logits of each decode step after `prefill` tokens, taken by the native layer calls and
-    then, over the same past, by the modules (the step's KV row dropped in between)."""
+    then, over the same past, by the modules (the step's KV row dropped in between). neighbour: tokens
+    a second sequence prefills after the first one's, taking the KV blocks that follow its own."""
     parts, steps = engine.backend.parts, engine.backend.generator.graphs
     assert isinstance(steps, CPUDecodeSteps)
     kv, sid = parts.kv, parts.kv.new_sequence()
     by_native, by_modules = [], []
     try:
         with torch.inference_mode():
-            positions = kv.begin_step([sid], prefill)
-            parts.model(torch.tensor([ids[:prefill]]), positions, kv)
-            kv.end_step()
+            for seq, chunk in [(sid, ids[:prefill])] + ([(kv.new_sequence(), ids[:neighbour])] if neighbour else []):
+                positions = kv.begin_step([seq], len(chunk))
+                parts.model(torch.tensor([chunk]), positions, kv)
+                kv.end_step()
             for t in ids[prefill:]:
                 past = kv.length(sid)
                 positions = kv.begin_step([sid], 1)
@@ -51,6 +53,25 @@ def test_a_llama_in_mixed_block_types_steps_natively_as_its_modules(tmp_path):
         native_rows, module_rows = native_and_module_logits(engine, IDS, prefill=5)
     torch.testing.assert_close(native_rows, module_rows, rtol=1e-4, atol=1e-4)
     assert native_rows.abs().max() > 0.1  # logits, not a buffer left at zero
+
+
+def test_a_past_in_blocks_apart_is_read_as_runs(tmp_path):
+    # blocks of 4 tokens: the first chat holds blocks 0–1, the second 2, so the first one's decode
+    # continues in block 3 onwards and its past is two runs of slots
+    config = EngineConfig(model=str(write_quantised_llama(tmp_path / "q.gguf")), backend="tandem", device="cpu",
+                          max_batch=2, block_size=4)
+    with closing(Engine(config)) as engine:
+        native_rows, module_rows = native_and_module_logits(engine, IDS, prefill=5, neighbour=4)
+        kv = engine.backend.parts.kv
+        sid = kv.new_sequence()
+        kv.seqs[sid].blocks, kv.seqs[sid].length = [0, 1, 3], 8  # as the first chat's were at its 9th token
+        kv.begin_step([sid], 1)
+        write, runs = kv.one_sequence_step()
+        kv.end_step()
+    assert write == 12 and runs.tolist() == [[0, 8], [12, 1]]
+    # the modules gather a past in blocks apart and attend with torch's SDPA, the native call reads the
+    # runs with its own kernel: two summation orders of the softmax, so fp32 rounding apart, not 1e-4
+    torch.testing.assert_close(native_rows, module_rows, rtol=1e-3, atol=1e-3)
 
 
 def test_a_qwen3_moe_with_qk_norms_and_routed_experts(tmp_path):
@@ -87,7 +108,7 @@ def test_a_batch_step_runs_the_modules(tmp_path):
         a, b = kv.new_sequence(), kv.new_sequence()
         with torch.inference_mode():
             positions = kv.begin_step([a, b], 1)
-            assert steps.step(torch.tensor([[3], [4]]), positions) is None  # two chats: not one run of rows
+            assert steps.step(torch.tensor([[3], [4]]), positions) is None  # two chats at once
             kv.end_step()
             positions = kv.begin_step([a], 1)
             assert steps.step(torch.tensor([[5]]), positions) is not None
@@ -106,7 +127,7 @@ def test_the_native_layer_checks_its_shapes_and_rows():
     o = np.array([[q8.data_ptr(), 8, 64, 68]], dtype=np.int64)
     norm, cache = torch.ones(64), torch.zeros(8, 2, 16)
     none = np.zeros((0, 4), dtype=np.int64)
-    shape = dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, rotary=16, ffn=0, norm_eps=1e-5, qk_norm_eps=0.0,
+    shape = dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, rotary=16, ffn=0, kv_slots=8, norm_eps=1e-5, qk_norm_eps=0.0,
                  scale=0.25, norm1=norm.data_ptr(), norm2=norm.data_ptr(), q_norm=0, k_norm=0, qkv_bias=0,
                  gate_up=none, down=none, k_cache=cache.data_ptr(), v_cache=cache.data_ptr(), kv_dtype=0)
     with pytest.raises(ValueError, match="qkv rows"):
@@ -115,7 +136,10 @@ def test_the_native_layer_checks_its_shapes_and_rows():
     layer = NAT.DecodeLayer(qkv=qkv, o=o, **shape)
     assert not layer.has_ffn
     x, normed, angles = torch.ones(64), torch.empty(64), torch.zeros(16)
+    pointers = (x.data_ptr(), normed.data_ptr(), angles.data_ptr(), angles.data_ptr())
     with pytest.raises(ValueError, match="written row"):
-        layer.step(x.data_ptr(), normed.data_ptr(), angles.data_ptr(), angles.data_ptr(), 5, 0, 3, 1)
-    layer.step(x.data_ptr(), normed.data_ptr(), angles.data_ptr(), angles.data_ptr(), 2, 0, 3, 1)
+        layer.step(*pointers, 5, np.array([[0, 3]]), 1)
+    with pytest.raises(ValueError, match="in the cache"):
+        layer.step(*pointers, 2, np.array([[0, 3], [6, 4]]), 1)  # slots 6–9 of a cache of 8
+    layer.step(*pointers, 6, np.array([[0, 3], [6, 1]]), 1)
     assert torch.equal(x, torch.ones(64))  # zero weights: attention adds nothing to the residual
