@@ -1,8 +1,9 @@
 """One chat's decode step on the CPU as one native call per decoder layer.
 
 At one token a layer of a small model is a few products of µs each, and as modules and torch
-operations the layer paid about as much again in dispatch: the built-in model's token took 18 ms of
-CPU time on an AVX2 core, 10 of them in the products. Where the model, its weights and the KV allow,
+operations the layer paid about as much again in dispatch: the built-in model's token took 18.7 ms of
+CPU time on an AVX2 core against llama.cpp's 12.7, and 12.7–13.0 as native layer calls
+(benchmarks/dev-2core-avx2/cpu-time-builtin-*.json). Where the model, its weights and the KV allow,
 each layer's step runs as one `DecodeLayer.step` (native/decode_layer.h): the same kernels the modules
 call (block products, norms, RoPE, attention over the cache rows in place), in the same order. A MoE
 layer's native call ends at its FFN's input; the routed experts stay the executor's (they have their
@@ -18,6 +19,7 @@ prompt chunk, a window or mask), which then runs the modules as before.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.kernels import native
@@ -77,10 +79,10 @@ class CPUDecodeSteps:
         self.normed = torch.empty(a.dim)  # (H,) norm₂ of it: a MoE layer's expert input
         self.plans, self.moe = [], []
         rotary = a.rotary_dim or a.head_dim
+        empty = np.zeros((0, 4), dtype=np.int64)  # no matrices: a MoE layer's FFN half
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             dense = isinstance(mlp, FeedForward)
-            empty = _empty_parts()
             self.plans.append(nat.DecodeLayer(
                 dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, rotary=rotary,
                 ffn=mlp.down_proj.qweight.shape[1] if dense else 0, kv_slots=kv.k.shape[1],
@@ -121,9 +123,3 @@ class CPUDecodeSteps:
 
     def close(self) -> None:
         self.plans = self.moe = []
-
-
-def _empty_parts():
-    import numpy as np
-
-    return np.zeros((0, 4), dtype=np.int64)
