@@ -34,7 +34,7 @@ MAX_TOKENS = 8  # above this the tokens share each dequantised tile: the GEMM re
 # 2,048 weights is 2 steps. A decode GEMV waits on memory once a step and has too few programs to hide
 # it, so fewer, wider steps: the fastest setting of `python3 -m engine.bench.quant_gpu`'s sweep on an
 # H100 (o_proj 2048×4096 Q4_K 10.1 µs against 13.3 at 8 × 8, q_proj 4096×2048 10.1 against 10.5, the
-# Q6_K output head 320 against 330; benchmarks/h200/2026-12-06-cpu-decode-h100/quant-gpu.json).
+# Q6_K output head 320 against 330; benchmarks/h200/2026-12-06-q4km-h100/quant-gpu.json).
 ROWS, CHUNK = 4, 32
 WARPS = 4  # Triton's default (quant_moe_gpu's WARPS)
 ROWS_INTERPRETED = 64  # Triton's interpreter pays per operation, not per element: taller tiles, same code
