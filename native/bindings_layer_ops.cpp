@@ -13,10 +13,10 @@ namespace tandem {
 
 namespace {
 
-using Parts = py::array_t<int64_t, py::array::c_style>;
+using Int64s = py::array_t<int64_t, py::array::c_style>;  // tables and lists of int64
 
 // quant_matmul's (P, 4) table (address, type, rows, row bytes) of matrices of k columns, checked
-std::vector<BlockMatrix> block_matrices(const Parts& parts, int64_t k) {
+std::vector<BlockMatrix> block_matrices(const Int64s& parts, int64_t k) {
   require(parts.ndim() == 2 && parts.shape(1) == 4, "parts must be an int64 table (P, 4): address, type, rows, row bytes");
   std::vector<BlockMatrix> out;
   for (int64_t i = 0; i < parts.shape(0); ++i) {
@@ -72,8 +72,8 @@ void bind_layer_ops(py::module_& m) {
                           "the addresses it is built with: the caller keeps those tensors alive and in place.")
       .def(py::init([](int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t rotary,
                        int64_t ffn, int64_t kv_slots, double norm_eps, double qk_norm_eps, double scale, uintptr_t norm1,
-                       uintptr_t norm2, uintptr_t q_norm, uintptr_t k_norm, const Parts& qkv, uintptr_t qkv_bias,
-                       const Parts& o, const Parts& gate_up, const Parts& down, uintptr_t k_cache,
+                       uintptr_t norm2, uintptr_t q_norm, uintptr_t k_norm, const Int64s& qkv, uintptr_t qkv_bias,
+                       const Int64s& o, const Int64s& gate_up, const Int64s& down, uintptr_t k_cache,
                        uintptr_t v_cache, int kv_dtype) {
              require(kv_dtype >= 0 && kv_dtype <= 2, "kv_dtype must be 0 (fp32), 1 (bf16) or 2 (fp16)");
              require(ffn >= 0, "ffn ≥ 0");
@@ -93,26 +93,34 @@ void bind_layer_ops(py::module_& m) {
            py::arg("o").noconvert(), py::arg("gate_up").noconvert(), py::arg("down").noconvert(), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("kv_dtype"))
       .def("step", [](DecodeLayer& layer, uintptr_t x, uintptr_t normed, uintptr_t cos, uintptr_t sin,
-                      int64_t write_row, const Parts& runs, int threads) {
+                      const Int64s& write_rows, const Int64s& runs, const Int64s& offsets, int threads) {
              require(x && normed && cos && sin, "null pointer");
-             require(runs.ndim() == 2 && runs.shape(1) == 2 && runs.shape(0) >= 1,
-                     "runs must be an int64 table (R ≥ 1, 2): first slot, count");
-             const int64_t* r = runs.data();
-             bool written = false;
-             for (int64_t i = 0; i < runs.shape(0); ++i) {
-               require(r[2 * i] >= 0 && r[2 * i + 1] >= 1 && r[2 * i] + r[2 * i + 1] <= layer.kv_slots(),
-                       "a run's slots must lie in the cache");
-               written |= r[2 * i] <= write_row && write_row < r[2 * i] + r[2 * i + 1];
+             require(write_rows.ndim() == 1 && write_rows.shape(0) >= 1, "write_rows must be int64 (B ≥ 1,)");
+             const int64_t B = write_rows.shape(0);
+             require(offsets.ndim() == 1 && offsets.shape(0) == B + 1, "offsets must be int64 (B + 1,)");
+             require(runs.ndim() == 2 && runs.shape(1) == 2, "runs must be an int64 table (R, 2): first slot, count");
+             const int64_t *r = runs.data(), *o = offsets.data(), *w = write_rows.data();
+             require(o[0] == 0 && o[B] == runs.shape(0), "offsets must run from 0 to the runs' count");
+             for (int64_t b = 0; b < B; ++b) {
+               require(o[b] < o[b + 1], "every sequence needs a run");
+               bool written = false;
+               for (int64_t i = o[b]; i < o[b + 1]; ++i) {
+                 require(r[2 * i] >= 0 && r[2 * i + 1] >= 1 && r[2 * i] + r[2 * i + 1] <= layer.kv_slots(),
+                         "a run's slots must lie in the cache");
+                 written |= r[2 * i] <= w[b] && w[b] < r[2 * i] + r[2 * i + 1];
+               }
+               require(written, "the written row must be one of the rows read");
              }
-             require(written, "the written row must be one of the rows read");
              py::gil_scoped_release release;
              layer.step(reinterpret_cast<float*>(x), reinterpret_cast<float*>(normed), ptr<float>(cos), ptr<float>(sin),
-                        write_row, r, runs.shape(0), threads);
+                        B, w, r, o, threads);
            },
-           py::arg("x"), py::arg("normed"), py::arg("cos"), py::arg("sin"), py::arg("write_row"),
-           py::arg("runs").noconvert(), py::arg("threads"),
-           "x (dim,) fp32 ← the layer's output (without the FFN half: x + attention), normed ← norm₂(x + attention); "
-           "runs (R, 2) int64: the sequence's cache rows as runs (first slot, count), in order.")
+           py::arg("x"), py::arg("normed"), py::arg("cos"), py::arg("sin"), py::arg("write_rows").noconvert(),
+           py::arg("runs").noconvert(), py::arg("offsets").noconvert(), py::arg("threads"),
+           "B tokens, one a sequence: x (B, dim) fp32 ← the layer's output (without the FFN half: x + attention), "
+           "normed ← norm₂(x + attention); cos, sin (B, rotary). Sequence b's cache rows are runs "
+           "[offsets[b], offsets[b + 1]) of runs (R, 2) int64 (first slot, count), in order; its token's K and V "
+           "go to write_rows[b].")
       .def_property_readonly("has_ffn", &DecodeLayer::has_ffn);
 }
 

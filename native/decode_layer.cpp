@@ -2,6 +2,7 @@
 // path calls one by one.
 #include "decode_layer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -40,77 +41,92 @@ DecodeLayer::DecodeLayer(const DecodeLayerShape& shape, DecodeLayerWeights weigh
     if (w->size() > kMaxParts) throw std::invalid_argument("a product has at most 4 matrices");
   if (!w_.norm1 || !w_.norm2 || !w_.k_cache || !w_.v_cache) throw std::invalid_argument("null pointer");
   if (bool(w_.q_norm) != bool(w_.k_norm)) throw std::invalid_argument("q_norm and k_norm come together");
-  xn_.resize(size_t(s.dim));
-  qkv_.resize(size_t(q_width + 2 * kv_width));
-  attn_.resize(size_t(q_width));
-  lse_.resize(size_t(s.n_heads));
-  o_.resize(size_t(s.dim));
-  gate_up_.resize(size_t(2 * s.ffn));
 }
 
-void DecodeLayer::matmul(const std::vector<BlockMatrix>& w, int64_t k, const float* x, float* y, int n_threads) const {
+void DecodeLayer::reserve(int64_t B) {
+  const DecodeLayerShape& s = shape_;
+  const size_t b = size_t(B), q_width = size_t(s.n_heads * s.head_dim), kv_width = size_t(s.n_kv_heads * s.head_dim);
+  if (xn_.size() >= b * size_t(s.dim)) return;
+  xn_.resize(b * size_t(s.dim));
+  qkv_.resize(b * (q_width + 2 * kv_width));
+  attn_.resize(b * q_width);
+  lse_.resize(b * size_t(s.n_heads));
+  o_.resize(b * size_t(s.dim));
+  gate_up_.resize(b * size_t(2 * s.ffn));
+}
+
+void DecodeLayer::matmul(const std::vector<BlockMatrix>& w, int64_t k, const float* x, int64_t x_stride, int64_t B,
+                         float* y, int n_threads) const {
   QuantMatmulProblem parts[kMaxParts];
   const int64_t width = total_rows(w);  // y's row: every part's rows one after another
   int n = 0;
   int64_t column = 0;
   for (const BlockMatrix& m : w) {
-    parts[n++] = {m.w, m.type, m.rows, k, m.row_bytes, x, 1, k, y + column, width};
+    parts[n++] = {m.w, m.type, m.rows, k, m.row_bytes, x, B, x_stride, y + column, width};
     column += m.rows;
   }
   quant_matmul(parts, n, n_threads);
 }
 
-void DecodeLayer::attention(const float* cos, const float* sin, int64_t write_row, const int64_t* runs,
-                            int64_t n_runs, int n_threads) {
+void DecodeLayer::attention(const float* cos, const float* sin, int64_t B, const int64_t* write_rows,
+                            const int64_t* runs, const int64_t* offsets, int n_threads) {
   const DecodeLayerShape& s = shape_;
   const int64_t hs = s.head_dim, q_width = s.n_heads * hs, kv_width = s.n_kv_heads * hs;
+  const int64_t width = q_width + 2 * kv_width;  // a token's row of qkv_: q, k, v
   float* q = qkv_.data();
   float* k = q + q_width;
-  const float* v = k + kv_width;
-  if (w_.q_norm) {  // each head normed on its own (Qwen3), before RoPE
-    rms_norm(q, hs, w_.q_norm, q, hs, s.n_heads, hs, s.qk_norm_eps, 1);
-    rms_norm(k, hs, w_.k_norm, k, hs, s.n_kv_heads, hs, s.qk_norm_eps, 1);
+  for (int64_t b = 0; b < B && w_.q_norm; ++b) {  // each head normed on its own (Qwen3), before RoPE
+    rms_norm(q + b * width, hs, w_.q_norm, q + b * width, hs, s.n_heads, hs, s.qk_norm_eps, 1);
+    rms_norm(k + b * width, hs, w_.k_norm, k + b * width, hs, s.n_kv_heads, hs, s.qk_norm_eps, 1);
   }
-  rope_rotate_half(q, 1, q_width, s.n_heads, hs, s.rotary, cos, sin, 1);
-  rope_rotate_half(k, 1, kv_width, s.n_kv_heads, hs, s.rotary, cos, sin, 1);
-  for (int64_t i = 0; i < kv_width; ++i) {  // this token's row of the cache, in the cache's dtype
-    store_from_f32(w_.k_cache, w_.kv_dtype, write_row * kv_width + i, k[i]);
-    store_from_f32(w_.v_cache, w_.kv_dtype, write_row * kv_width + i, v[i]);
+  rope_rotate_half(q, B, width, s.n_heads, hs, s.rotary, cos, sin, 1);
+  rope_rotate_half(k, B, width, s.n_kv_heads, hs, s.rotary, cos, sin, 1);
+  for (int64_t b = 0; b < B; ++b) {  // each token's row of the cache, in the cache's dtype
+    const float* kb = k + b * width;
+    const float* vb = kb + kv_width;
+    for (int64_t i = 0; i < kv_width; ++i) {
+      store_from_f32(w_.k_cache, w_.kv_dtype, write_rows[b] * kv_width + i, kb[i]);
+      store_from_f32(w_.v_cache, w_.kv_dtype, write_rows[b] * kv_width + i, vb[i]);
+    }
   }
   const int64_t row_bytes = kv_width * int64_t(dtype_size(w_.kv_dtype));
   const int64_t k_base = reinterpret_cast<int64_t>(w_.k_cache), v_base = reinterpret_cast<int64_t>(w_.v_cache);
+  const int64_t n_runs = offsets[B];
   blocks_.resize(size_t(n_runs));
   for (int64_t i = 0; i < n_runs; ++i) {
     const int64_t first = runs[2 * i], count = runs[2 * i + 1];
     blocks_[size_t(i)] = {k_base + first * row_bytes, v_base + first * row_bytes, count, hs, kv_width, hs, kv_width};
   }
-  const int64_t one_sequence[2] = {0, n_runs};
-  const AttentionProblem p{q, DType::f32, 1, 1, s.n_heads, hs, q_width, hs, hs, blocks_.data(), one_sequence,
+  const AttentionProblem p{q, DType::f32, B, 1, s.n_heads, hs, width, hs, hs, blocks_.data(), offsets,
                            s.n_kv_heads, w_.kv_dtype, s.scale, attn_.data(), lse_.data()};
-  attention_decode(p, n_threads);
+  attention_decode(p, n_threads);  // → attn_ (B, nh, hs)
 }
 
-void DecodeLayer::step(float* x, float* normed, const float* cos, const float* sin, int64_t write_row,
-                       const int64_t* runs, int64_t n_runs, int n_threads) {
+void DecodeLayer::step(float* x, float* normed, const float* cos, const float* sin, int64_t B,
+                       const int64_t* write_rows, const int64_t* runs, const int64_t* offsets, int n_threads) {
   const DecodeLayerShape& s = shape_;
-  const int64_t q_width = s.n_heads * s.head_dim;
-  rms_norm(x, s.dim, w_.norm1, xn_.data(), s.dim, 1, s.dim, s.norm_eps, 1);
-  matmul(w_.qkv, s.dim, xn_.data(), qkv_.data(), n_threads);  // (nh + 2·n_kv)·hs
+  const int64_t q_width = s.n_heads * s.head_dim, width = q_width + 2 * s.n_kv_heads * s.head_dim;
+  reserve(B);
+  rms_norm(x, s.dim, w_.norm1, xn_.data(), s.dim, B, s.dim, s.norm_eps, 1);
+  matmul(w_.qkv, s.dim, xn_.data(), s.dim, B, qkv_.data(), n_threads);  // (B, (nh + 2·n_kv)·hs)
   if (w_.qkv_bias)
-    for (size_t i = 0; i < qkv_.size(); ++i) qkv_[i] += w_.qkv_bias[i];
-  attention(cos, sin, write_row, runs, n_runs, n_threads);  // → attn_ (nh·hs)
-  matmul(w_.o, q_width, attn_.data(), o_.data(), n_threads);     // (dim,)
-  add_rms_norm(x, o_.data(), w_.norm2, x, normed, 1, s.dim, s.norm_eps, 1);  // x += o; normed = norm₂(x)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < width; ++i) qkv_[size_t(b * width + i)] += w_.qkv_bias[i];
+  attention(cos, sin, B, write_rows, runs, offsets, n_threads);  // → attn_ (B, nh·hs)
+  matmul(w_.o, q_width, attn_.data(), q_width, B, o_.data(), n_threads);  // (B, dim)
+  add_rms_norm(x, o_.data(), w_.norm2, x, normed, B, s.dim, s.norm_eps, 1);  // x += o; normed = norm₂(x)
   if (s.ffn == 0) return;
-  matmul(w_.gate_up, s.dim, normed, gate_up_.data(), n_threads);  // (2·ffn,): gate, then up
-  float* act = gate_up_.data();
-  const float* up = act + s.ffn;
-  for (int64_t i = 0; i < s.ffn; ++i) {
-    const float g = act[i];
-    act[i] = g / (1.0f + std::exp(-g)) * up[i];  // SiLU(gate) · up, in place over gate
+  matmul(w_.gate_up, s.dim, normed, s.dim, B, gate_up_.data(), n_threads);  // (B, 2·ffn): gate, then up
+  for (int64_t b = 0; b < B; ++b) {
+    float* act = gate_up_.data() + b * 2 * s.ffn;
+    const float* up = act + s.ffn;
+    for (int64_t i = 0; i < s.ffn; ++i) {
+      const float g = act[i];
+      act[i] = g / (1.0f + std::exp(-g)) * up[i];  // SiLU(gate) · up, in place over gate
+    }
   }
-  matmul(w_.down, s.ffn, act, o_.data(), n_threads);  // (dim,)
-  for (int64_t i = 0; i < s.dim; ++i) x[i] += o_[i];
+  matmul(w_.down, s.ffn, gate_up_.data(), 2 * s.ffn, B, o_.data(), n_threads);  // (B, dim)
+  for (int64_t i = 0; i < B * s.dim; ++i) x[i] += o_[size_t(i)];
 }
 
 }  // namespace tandem

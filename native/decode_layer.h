@@ -1,5 +1,5 @@
-// One decoder layer's decode step for one token on the CPU, as one call: the weights in GGUF blocks,
-// the activations fp32, the KV cache rows of one sequence read and written in place.
+// One decoder layer's decode step on the CPU, as one call, for B sequences of one token each: the
+// weights in GGUF blocks, the activations fp32, each sequence's KV cache rows read and written in place.
 //
 //   x ← x + o · attention(rope(qkv · norm₁(x)))           the attention half, K and V stored at `write_row`
 //   normed ← norm₂(x)
@@ -52,23 +52,27 @@ class DecodeLayer {
  public:
   DecodeLayer(const DecodeLayerShape& shape, DecodeLayerWeights weights);
 
-  // x (dim,) fp32 in/out; normed (dim,) out; cos, sin (rotary,) the token's angles. The sequence's rows
-  // of the cache, in order, are n_runs runs of consecutive slots, runs (n_runs, 2) = (first slot, count);
-  // write_row, among them, takes this token's K and V.
-  void step(float* x, float* normed, const float* cos, const float* sin, int64_t write_row, const int64_t* runs,
-            int64_t n_runs, int n_threads);
+  // B tokens, one a sequence: x (B, dim) fp32 in/out; normed (B, dim) out; cos, sin (B, rotary) each
+  // token's angles. Sequence b's rows of the cache, in order, are runs [offsets[b], offsets[b + 1]) of
+  // runs (R, 2) = (first slot, count) of consecutive slots; write_rows[b], among them, takes its token's
+  // K and V.
+  void step(float* x, float* normed, const float* cos, const float* sin, int64_t B, const int64_t* write_rows,
+            const int64_t* runs, const int64_t* offsets, int n_threads);
 
   bool has_ffn() const { return shape_.ffn > 0; }
   int64_t kv_slots() const { return shape_.kv_slots; }
 
  private:
-  void matmul(const std::vector<BlockMatrix>& w, int64_t k, const float* x, float* y, int n_threads) const;
-  void attention(const float* cos, const float* sin, int64_t write_row, const int64_t* runs, int64_t n_runs,
-                 int n_threads);
+  // y (B, Σ rows) = x (B, k; rows x_stride apart) · [W₁; W₂; …]ᵀ
+  void matmul(const std::vector<BlockMatrix>& w, int64_t k, const float* x, int64_t x_stride, int64_t B, float* y,
+              int n_threads) const;
+  void attention(const float* cos, const float* sin, int64_t B, const int64_t* write_rows, const int64_t* runs,
+                 const int64_t* offsets, int n_threads);
+  void reserve(int64_t B);
 
   DecodeLayerShape shape_;
   DecodeLayerWeights w_;
-  std::vector<float> xn_, qkv_, attn_, lse_, o_, gate_up_;  // scratch of one step
+  std::vector<float> xn_, qkv_, attn_, lse_, o_, gate_up_;  // scratch of one step, B rows each
   std::vector<KVBlock> blocks_;                             // the step's runs as the attention's blocks
 };
 

@@ -197,24 +197,28 @@ class ResidentKV(KVBackend):
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
         return attention_gpu.sdpa(q, keys, values, mask, causal=mask is None and T > 1)
 
-    def one_sequence_step(self) -> tuple[int, np.ndarray] | None:
-        """The begun step as rows of each layer's cache where it is one sequence's one token on the CPU
-        and no mask: (the row this token's K and V go to, the sequence's rows (R, 2) int64 as runs of
-        consecutive slots (first, count), in order, this token's included). A native layer step reads
-        and writes them in place (engine/runtime/cpu_decode.py). None otherwise."""
+    def decode_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The begun step as rows of each layer's cache where it is a decode step on the CPU (one token a
+        sequence) that no window cuts: (write_rows (B,), runs (R, 2), offsets (B + 1,)), int64 each.
+        Sequence b's token goes to row write_rows[b]; its rows, this token's included, are runs
+        [offsets[b], offsets[b + 1]) of consecutive slots (first, count), in order. A native layer step
+        reads and writes them in place (engine/runtime/cpu_decode.py). None otherwise."""
         if self._step is None or self._paged_step is not None or self.device.type != "cpu":
             return None
         seqs, n_new, _, _ = self._step
-        if len(seqs) != 1 or n_new != 1 or self._masks[self.window] is not None:
+        if n_new != 1 or (self.window is not None and any(s.length >= self.window for s in seqs)):
             return None
-        seq, bs = seqs[0], self.block_size
-        n = seq.length + 1  # keys after the step
-        blocks = np.asarray(seq.blocks[:-(-n // bs)], dtype=np.int64)  # (nb,) in position order
-        starts = np.flatnonzero(np.diff(blocks, prepend=-2) != 1)  # the blocks that begin a run
-        counts = np.diff(starts, append=len(blocks)) * bs
-        counts[-1] -= len(blocks) * bs - n  # the last block's slots after this token
-        write = int(blocks[-1]) * bs + (n - 1) % bs
-        return write, np.stack((blocks[starts] * bs, counts), axis=1)
+        bs, writes, runs = self.block_size, [], []
+        for seq in seqs:
+            n = seq.length + 1  # keys after the step
+            blocks = np.asarray(seq.blocks[:-(-n // bs)], dtype=np.int64)  # (nb,) in position order
+            starts = np.flatnonzero(np.diff(blocks, prepend=-2) != 1)  # the blocks that begin a run
+            counts = np.diff(starts, append=len(blocks)) * bs
+            counts[-1] -= len(blocks) * bs - n  # the last block's slots after this token
+            writes.append(int(blocks[-1]) * bs + (n - 1) % bs)
+            runs.append(np.stack((blocks[starts] * bs, counts), axis=1))
+        offsets = np.cumsum([0] + [len(r) for r in runs], dtype=np.int64)
+        return np.array(writes, dtype=np.int64), np.concatenate(runs), offsets
 
     def replayable_step(self) -> bool:
         """Whether the step begun is a paged decode: inputs at fixed addresses, a CUDA graph can replay it."""

@@ -1,4 +1,4 @@
-"""One chat's decode step on the CPU as one native call per decoder layer.
+"""A decode step on the CPU as one native call per decoder layer.
 
 At one token a layer of a small model is a few products of µs each, and as modules and torch
 operations the layer paid about as much again in dispatch: the built-in model's token took 18.7 ms of
@@ -10,11 +10,12 @@ layer's native call ends at its FFN's input; the routed experts stay the executo
 own native set and placement). The embedding, the final norm and the head run as modules.
 
 It is the CPU's counterpart of the CUDA decode graphs (engine/runtime/decode_graph.py) and sits in the
-generator's same place: `step` returns the logits, or None for a step it does not take (a batch, a
-prompt chunk, a window or mask), which then runs the modules as before.
+generator's same place: `step` returns the logits, or None for a step it does not take (a prompt
+chunk, a sliding window that cuts the past), which then runs the modules as before. A batch of chats
+is one call a layer too: the products take the B tokens at once, the attention each chat's rows.
 
     unsupported_reason(model, kv, device) -> str | None
-    CPUDecodeSteps(model, kv).step(tokens (1, 1), positions (1, 1)) -> logits (1, V) fp32 | None
+    CPUDecodeSteps(model, kv).step(tokens (B, 1), positions (B, 1)) -> logits (B, V) fp32 | None
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class CPUDecodeSteps:
     def __init__(self, model: Decoder, kv: ResidentKV):
         nat, a = native.module(), model.args
         self.model, self.kv = model, kv
-        self.x = torch.empty(a.dim)  # (H,) the residual stream of the step's token
-        self.normed = torch.empty(a.dim)  # (H,) norm₂ of it: a MoE layer's expert input
+        self.x = torch.empty(1, a.dim)  # (B, H) the residual stream of the step's tokens, grown to B
+        self.normed = torch.empty(1, a.dim)  # (B, H) norm₂ of it: a MoE layer's expert input
         self.plans, self.moe = [], []
         rotary = a.rotary_dim or a.head_dim
         empty = np.zeros((0, 4), dtype=np.int64)  # no matrices: a MoE layer's FFN half
@@ -101,22 +102,27 @@ class CPUDecodeSteps:
         self.steps = self.eager_steps = 0
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        rows = self.kv.one_sequence_step() if tokens.shape == (1, 1) else None
+        """tokens (B, 1) on the host, positions (B, 1) from kv.begin_step → logits (B, V) fp32, or None
+        for a step the native calls do not take (the caller runs the modules)."""
+        rows = self.kv.decode_rows() if tokens.shape[1] == 1 else None
         if rows is None:
             self.eager_steps += 1
             return None
-        write, runs = rows
-        m, x, normed = self.model, self.x, self.normed
-        x.copy_(m.model.embed_tokens(tokens).view(-1))
-        pos = int(positions[0, 0])
-        cos, sin = m.rope_cos[pos], m.rope_sin[pos]  # (rotary,) contiguous rows
-        xp, np_, cp, sp, threads = x.data_ptr(), normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), native.threads()
+        writes, runs, offsets = rows
+        m, B = self.model, tokens.shape[0]
+        if self.x.shape[0] < B:
+            self.x, self.normed = torch.empty(B, self.model.args.dim), torch.empty(B, self.model.args.dim)
+        x, normed = self.x[:B], self.normed[:B]  # (B, H) each
+        x.copy_(m.model.embed_tokens(tokens).view(B, -1))
+        pos = positions[:, 0]
+        cos, sin = m.rope_cos[pos], m.rope_sin[pos]  # (B, rotary), gathered rows
+        pointers, threads = (x.data_ptr(), normed.data_ptr(), cos.data_ptr(), sin.data_ptr()), native.threads()
         for plan, moe in zip(self.plans, self.moe):
-            plan.step(xp, np_, cp, sp, write, runs, threads)
+            plan.step(*pointers, writes, runs, offsets, threads)
             if moe is not None:  # the routed experts of norm₂(x), added to x
-                x += moe(normed.view(1, 1, -1)).view(-1)
+                x += moe(normed.view(B, 1, -1)).view(B, -1)
         self.steps += 1
-        return m.lm_head(m.model.norm(x.view(1, -1))).float()  # (1, V)
+        return m.lm_head(m.model.norm(x)).float()  # (B, V)
 
     def telemetry(self) -> dict:
         return {"layers": len(self.plans), "native_steps": self.steps, "module_steps": self.eager_steps}

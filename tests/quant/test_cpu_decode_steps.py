@@ -66,9 +66,9 @@ def test_a_past_in_blocks_apart_is_read_as_runs(tmp_path):
         sid = kv.new_sequence()
         kv.seqs[sid].blocks, kv.seqs[sid].length = [0, 1, 3], 8  # as the first chat's were at its 9th token
         kv.begin_step([sid], 1)
-        write, runs = kv.one_sequence_step()
+        writes, runs, offsets = kv.decode_rows()
         kv.end_step()
-    assert write == 12 and runs.tolist() == [[0, 8], [12, 1]]
+    assert writes.tolist() == [12] and runs.tolist() == [[0, 8], [12, 1]] and offsets.tolist() == [0, 2]
     # the modules gather a past in blocks apart and attend with torch's SDPA, the native call reads the
     # runs with its own kernel: two summation orders of the softmax, so fp32 rounding apart, not 1e-4
     torch.testing.assert_close(native_rows, module_rows, rtol=1e-3, atol=1e-3)
@@ -99,21 +99,33 @@ def test_generation_takes_the_native_steps_and_answers_alike(tmp_path):
     assert native_ids == module_ids
 
 
-def test_a_batch_step_runs_the_modules(tmp_path):
+def test_a_batch_of_chats_steps_natively_as_the_modules(tmp_path):
+    # two chats of unequal pasts in one step: the modules pad and mask, the native call reads each
+    # chat's own rows; a prompt chunk still runs the modules
     config = EngineConfig(model=str(write_quantised_llama(tmp_path / "q.gguf")), backend="tandem", device="cpu",
-                          max_batch=2)
+                          max_batch=2, block_size=4)
     with closing(Engine(config)) as engine:
         parts, steps = engine.backend.parts, engine.backend.generator.graphs
-        kv = parts.kv
+        kv, model = parts.kv, parts.model
         a, b = kv.new_sequence(), kv.new_sequence()
         with torch.inference_mode():
+            for seq, chunk in ((a, IDS[:7]), (b, IDS[:3])):
+                positions = kv.begin_step([seq], len(chunk))
+                assert steps.step(torch.tensor([chunk]), positions) is None  # a prompt chunk
+                model(torch.tensor([chunk]), positions, kv)
+                kv.end_step()
+            tokens = torch.tensor([[5], [9]])
             positions = kv.begin_step([a, b], 1)
-            assert steps.step(torch.tensor([[3], [4]]), positions) is None  # two chats at once
+            by_native = steps.step(tokens, positions)
             kv.end_step()
-            positions = kv.begin_step([a], 1)
-            assert steps.step(torch.tensor([[5]]), positions) is not None
+            kv.crop(a, 7), kv.crop(b, 3)
+            positions = kv.begin_step([a, b], 1)
+            by_modules = model(tokens, positions, kv)
             kv.end_step()
-        assert steps.telemetry() == {"layers": 2, "native_steps": 1, "module_steps": 1}
+        assert steps.telemetry() == {"layers": 2, "native_steps": 1, "module_steps": 2}
+    assert by_native.shape == (2, 96)
+    # the modules attend over the padded batch with torch's SDPA, the native call with its own kernel
+    torch.testing.assert_close(by_native, by_modules, rtol=1e-3, atol=1e-3)
 
 
 def test_float_weights_keep_the_modules_and_say_why(tmp_path):
@@ -137,9 +149,15 @@ def test_the_native_layer_checks_its_shapes_and_rows():
     assert not layer.has_ffn
     x, normed, angles = torch.ones(64), torch.empty(64), torch.zeros(16)
     pointers = (x.data_ptr(), normed.data_ptr(), angles.data_ptr(), angles.data_ptr())
+
+    def step(write, runs, offsets):
+        layer.step(*pointers, np.array(write), np.array(runs), np.array(offsets), 1)
+
     with pytest.raises(ValueError, match="written row"):
-        layer.step(*pointers, 5, np.array([[0, 3]]), 1)
+        step([5], [[0, 3]], [0, 1])
     with pytest.raises(ValueError, match="in the cache"):
-        layer.step(*pointers, 2, np.array([[0, 3], [6, 4]]), 1)  # slots 6–9 of a cache of 8
-    layer.step(*pointers, 6, np.array([[0, 3], [6, 1]]), 1)
+        step([2], [[0, 3], [6, 4]], [0, 2])  # slots 6–9 of a cache of 8
+    with pytest.raises(ValueError, match="offsets"):
+        step([2], [[0, 3]], [0, 2])  # a run that is not there
+    step([6], [[0, 3], [6, 1]], [0, 2])
     assert torch.equal(x, torch.ones(64))  # zero weights: attention adds nothing to the residual
