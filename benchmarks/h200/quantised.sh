@@ -7,7 +7,8 @@
 # Each carried .lease/base*.tar (`git archive BASE -o .lease/base-BASE.tar`) adds the GPU kernels' bench
 # at BASE, its own tiles, beside this commit's: the A/B of a kernel change on the same machine.
 # CELLS (default: the four below) names the suite cells; CELLS= runs the tests and kernel benches only.
-# PREFILL_PROFILE=1 adds the profile of a resident 2,048-token prefill (2 layers, host and device time).
+# PREFILL_PROFILE=1 adds the profile of a resident 2,048-token prefill (2 layers, host and device time);
+# DECODE_PROFILE=1 that of a resident decode step (4 layers: kernels a token, their time against the wall's).
 source benchmarks/h200/lease_start.sh  # folders, log, wheels, native build, machine header
 CELLS=${CELLS-gpu-q4km-L16-resident gpu-q4km-L16-8gb gpu-q4km-prefill-32k gpu-q4km-L16-cpu-experts}
 
@@ -46,6 +47,12 @@ if [ -n "${PREFILL_PROFILE:-}" ]; then  # where a resident prefill over blocks s
   step prefill profile
   python3 benchmarks/h200/2026-12-05-q4km-blocks-h100/prefill_profile.py "$work/prefill" 2 2048 \
     >"$res/prefill-profile.txt" 2>&1
+fi
+
+if [ -n "${DECODE_PROFILE:-}" ]; then  # kernels a decode token and the time between them
+  step decode profile
+  python3 benchmarks/h200/decode_profile.py "$work/decode" 4 64 >"$res/decode-profile-run.txt" 2>&1
+  cp "$work/decode/decode.json" "$work/decode/decode-profile.txt" "$res/" 2>/dev/null
 fi
 
 [ -z "$CELLS" ] && { step ALL DONE; exit 0; }
