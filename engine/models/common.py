@@ -17,7 +17,7 @@ from torch import nn
 from engine.errors import ConfigError
 from engine.kernels import layer_ops_cpu, qkv_rope_gpu, rmsnorm_gpu, rope_gpu, route_gpu
 from engine.kernels.experts_torch import ClampedSwiGLU, swiglu
-from engine.quant.blocks import QuantRows
+from engine.quant.blocks import QuantRows, QuantTensor
 from engine.quant.matmul import quant_linear
 from engine.quant.modules import QuantLinear
 
@@ -170,7 +170,7 @@ class Attention(nn.Module):
         # set by fuse_qkv; buffers, so that a later .to() moves them too (outside the state dict)
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
-        self.qkv_blocks: QuantRows | None = None  # set by fuse_qkv where q, k and v are blocks on the CPU
+        self.qkv_blocks: QuantRows | QuantTensor | None = None  # set by fuse_qkv where q, k and v are blocks
 
     def fuse_qkv(self) -> None:
         """Project q, k and v with one product. Weights in blocks on the CPU become one QuantRows (the
@@ -178,15 +178,26 @@ class Attention(nn.Module):
         weights are laid out as one tensor, the three parameters becoming views of it: no memory added,
         and a GPU decode step projects with one GEMM; there OLMoE's whole-projection norms and clipping
         keep the three projections, and partial RoPE (GLM) the unfused path: the fused kernel rotates
-        whole heads. Blocks on a GPU, or some projections in blocks and some not, stay apart."""
+        whole heads. Blocks of one type on a GPU are stacked as one QuantTensor, the same way (one GEMV
+        launch, then the fused norms and RoPE); of several types, or some in blocks and some not, they
+        stay apart."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
+        whole_heads = not (self.norm_all_heads or self.clip_qkv is not None or self.rotary_dim != self.head_dim)
         if any(isinstance(p, QuantLinear) for p in projections):
-            if all(isinstance(p, QuantLinear) and p.qweight.blocks.device.type == "cpu" for p in projections):
+            if not all(isinstance(p, QuantLinear) for p in projections):
+                return
+            if all(p.qweight.blocks.device.type == "cpu" for p in projections):
                 self.qkv_blocks = QuantRows([p.qweight for p in projections], "qkv")
-                if self.q_proj.bias is not None:
-                    self.qkv_bias = torch.cat([p.bias.detach() for p in projections])
+            elif whole_heads and len({(p.qweight.qtype.code, p.qweight.blocks.device) for p in projections}) == 1:
+                self.qkv_blocks = QuantTensor.stacked([p.qweight for p in projections], "qkv")
+                for p, rows in zip(projections, self.qkv_blocks.parts_of([p.out_features for p in projections])):
+                    p.qweight, p.blocks = rows, nn.Parameter(rows.blocks, requires_grad=False)  # views of it
+            else:
+                return
+            if self.q_proj.bias is not None:
+                self.qkv_bias = torch.cat([p.bias.detach() for p in projections])
             return
-        if self.norm_all_heads or self.clip_qkv is not None or self.rotary_dim != self.head_dim:
+        if not whole_heads:
             return
         sizes = [p.out_features for p in projections]
         weight = torch.cat([p.weight.detach() for p in projections])  # ((nh + 2·n_kv)·hs, dim)
@@ -200,7 +211,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
         B, T, _ = x.shape
-        if self.qkv_weight is not None and qkv_rope_gpu.available(x, cos):
+        if (self.qkv_weight is not None or self.qkv_blocks is not None) and qkv_rope_gpu.available(x, cos):
             q, k, v = self._qkv_fused(x, cos, sin)
         else:
             q, k, v = self._qkv(x, cos, sin)
@@ -215,8 +226,11 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def _qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Two kernels: one GEMM, then norms and RoPE (engine/kernels/qkv_rope_gpu.py)."""
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (B, T, (nh + 2·n_kv)·hs)
+        """Two kernels: one GEMM (or GEMV over blocks), then norms and RoPE (engine/kernels/qkv_rope_gpu.py)."""
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (B, T, (nh + 2·n_kv)·hs)
+        else:
+            qkv = quant_linear(x, self.qkv_blocks, self.qkv_bias)
         if self.q_norm is not None:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         else:

@@ -141,6 +141,22 @@ class QuantTensor:
 
         return dequantize_rows(self).to(dtype)
 
+    @staticmethod
+    def stacked(tensors: list[QuantTensor], name: str) -> QuantTensor:
+        """Matrices of one type and width as one, their rows one after another (a copy of the blocks:
+        its parts_of views then stand in for them)."""
+        if len({(t.qtype.code, t.shape[1], t.blocks.device) for t in tensors}) != 1:
+            raise ValueError(f"{name}: only matrices of one type, width and device stack")
+        return QuantTensor(torch.cat([t.blocks for t in tensors]), tensors[0].qtype.code,
+                           (sum(t.shape[0] for t in tensors), tensors[0].shape[1]), name)
+
+    def parts_of(self, rows: list[int]) -> list[QuantTensor]:
+        """Views of consecutive row ranges, `rows` long each."""
+        firsts = [0]
+        for n in rows:
+            firsts.append(firsts[-1] + n)
+        return [self[a:b] for a, b in zip(firsts, firsts[1:])]
+
 
 class QuantRows:
     """Rows of several QuantTensors one after another, (Σ rows, cols), without a copy: an expert's

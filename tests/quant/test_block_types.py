@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 from engine.errors import ModelFileError
 from engine.kernels import native
@@ -85,7 +85,7 @@ def test_dequantise_and_rows_are_exact(every_isa, qtype):
     data = random_blocks(130, 512, qtype, seed=7)
     w, ref_w = QuantTensor.from_gguf(data, int(qtype), "w"), dequantize(data, qtype)
     assert w.shape == (130, 512)
-    assert np.array_equal(qm.dequantize_rows(w).numpy(), ref_w)
+    assert np.array_equal(qm.dequantize(w).numpy(), ref_w)
     assert np.array_equal(dequantize_blocks_torch(w.blocks, int(qtype)).numpy(), ref_w)
     ids = torch.tensor([[5, 0], [129, 5]])
     assert np.array_equal(qm.embedding(ids, w).numpy(), ref_w[ids.numpy()])
@@ -129,8 +129,22 @@ def test_bf16_dequantisation_is_the_fp32_one_rounded(every_isa, qtype):
     """The routed experts' prefill tiles: each ISA writes bf16 itself, equal to its fp32 values rounded
     to nearest even (torch's conversion), all rows and picked rows alike."""
     w = QuantTensor.from_gguf(random_blocks(37, 512, qtype, seed=5), int(qtype), "w")
-    want = qm.dequantize_rows(w).to(torch.bfloat16)
-    assert torch.equal(qm.dequantize_rows(w, dtype=torch.bfloat16), want)
+    want = qm.dequantize(w).to(torch.bfloat16)
+    assert torch.equal(qm.dequantize(w, dtype=torch.bfloat16), want)
     rows = torch.tensor([36, 0, 7])
-    assert torch.equal(qm.dequantize_rows(w, rows=rows, dtype=torch.bfloat16), want[rows])
-    assert torch.equal(qm.dequantize_rows(w, row_range=(3, 9), dtype=torch.bfloat16), want[3:9])
+    assert torch.equal(qm.dequantize(w, rows=rows, dtype=torch.bfloat16), want[rows])
+    assert torch.equal(qm.dequantize(w, row_range=(3, 9), dtype=torch.bfloat16), want[3:9])
+
+
+def test_stacked_matrices_are_one_and_their_parts_views_of_it():
+    g = np.random.default_rng(3)
+    q, k = (QuantTensor(torch.from_numpy(quantize(g.standard_normal((n, 64)).astype(np.float32), T.Q8_0)),
+                        T.Q8_0, (n, 64), name) for n, name in ((8, "q"), (4, "k")))
+    both = QuantTensor.stacked([q, k], "qk")
+    assert both.shape == (12, 64) and torch.equal(both.dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
+    q_view, k_view = both.parts_of([8, 4])
+    assert torch.equal(k_view.dequantize(), k.dequantize()) and k_view.blocks.data_ptr() == both.blocks[8:].data_ptr()
+    other = QuantTensor(torch.from_numpy(quantize(g.standard_normal((4, 64)).astype(np.float32), T.Q4_0)),
+                        T.Q4_0, (4, 64), "v")
+    with pytest.raises(ValueError, match="one type"):
+        QuantTensor.stacked([q, other], "qv")

@@ -125,8 +125,13 @@ def test_blocks_on_the_gpu_follow_the_dequantised_file(which, placement, request
     from engine.quant.modules import QuantLinear
 
     def check(parts):
-        q_proj = parts.model.model.layers[0].self_attn.q_proj
+        attn = parts.model.model.layers[0].self_attn
+        q_proj = attn.q_proj
         assert isinstance(q_proj, QuantLinear) and q_proj.qweight.blocks.is_cuda  # dense blocks on the GPU
+        # q, k and v (all Q8_0) stacked as one matrix, the projections' weights views of it
+        rows = attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
+        assert attn.qkv_blocks.shape == (rows, q_proj.in_features)
+        assert attn.v_proj.qweight.blocks.data_ptr() == attn.qkv_blocks.blocks[-attn.v_proj.out_features:].data_ptr()
         if placement["expert_policy"] == "resident":
             from engine.experts.gpu_quant_resident import GpuQuantResidentExperts
 
