@@ -85,7 +85,7 @@ def test_dequantise_and_rows_are_exact(every_isa, qtype):
     data = random_blocks(130, 512, qtype, seed=7)
     w, ref_w = QuantTensor.from_gguf(data, int(qtype), "w"), dequantize(data, qtype)
     assert w.shape == (130, 512)
-    assert np.array_equal(qm.dequantize(w).numpy(), ref_w)
+    assert np.array_equal(qm.dequantize_rows(w).numpy(), ref_w)
     assert np.array_equal(dequantize_blocks_torch(w.blocks, int(qtype)).numpy(), ref_w)
     ids = torch.tensor([[5, 0], [129, 5]])
     assert np.array_equal(qm.embedding(ids, w).numpy(), ref_w[ids.numpy()])
@@ -129,11 +129,11 @@ def test_bf16_dequantisation_is_the_fp32_one_rounded(every_isa, qtype):
     """The routed experts' prefill tiles: each ISA writes bf16 itself, equal to its fp32 values rounded
     to nearest even (torch's conversion), all rows and picked rows alike."""
     w = QuantTensor.from_gguf(random_blocks(37, 512, qtype, seed=5), int(qtype), "w")
-    want = qm.dequantize(w).to(torch.bfloat16)
-    assert torch.equal(qm.dequantize(w, dtype=torch.bfloat16), want)
+    want = qm.dequantize_rows(w).to(torch.bfloat16)
+    assert torch.equal(qm.dequantize_rows(w, dtype=torch.bfloat16), want)
     rows = torch.tensor([36, 0, 7])
-    assert torch.equal(qm.dequantize(w, rows=rows, dtype=torch.bfloat16), want[rows])
-    assert torch.equal(qm.dequantize(w, row_range=(3, 9), dtype=torch.bfloat16), want[3:9])
+    assert torch.equal(qm.dequantize_rows(w, rows=rows, dtype=torch.bfloat16), want[rows])
+    assert torch.equal(qm.dequantize_rows(w, row_range=(3, 9), dtype=torch.bfloat16), want[3:9])
 
 
 def test_stacked_matrices_are_one_and_their_parts_views_of_it():
