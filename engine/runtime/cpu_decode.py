@@ -2,7 +2,7 @@
 
 At one token a layer of a small model is a few products of µs each, and as modules and torch
 operations the layer paid about as much again in dispatch: the built-in model's token took 18.7 ms of
-CPU time on an AVX2 core against llama.cpp's 12.7, and 12.7–13.0 as native layer calls
+CPU time on an AVX2 core against llama.cpp's 12.7, and 11.2–13.0 as native layer calls
 (benchmarks/dev-2core-avx2/cpu-time-builtin-*.json). Where the model, its weights and the KV allow,
 each layer's step runs as one `DecodeLayer.step` (native/decode_layer.h): the same kernels the modules
 call (block products, norms, RoPE, attention over the cache rows in place), in the same order. A MoE
