@@ -9,6 +9,7 @@
 # CELLS (default: the four below) names the suite cells; CELLS= runs the tests and kernel benches only.
 # PREFILL_PROFILE=1 adds the profile of a resident 2,048-token prefill (2 layers, host and device time);
 # DECODE_PROFILE=1 that of a resident decode step (4 layers: kernels a token, their time against the wall's).
+# KERNEL_TESTS_ONLY=1 runs only the CUDA tests of the GEMVs over blocks (a short lease).
 source benchmarks/h200/lease_start.sh  # folders, log, wheels, native build, machine header
 CELLS=${CELLS-gpu-q4km-L16-resident gpu-q4km-L16-8gb gpu-q4km-prefill-32k gpu-q4km-L16-cpu-experts}
 
@@ -19,18 +20,25 @@ if [ -n "$CELLS" ]; then
   build=$!
 fi
 
-step CUDA tests
-python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/quant tests/experts \
-  tests/kernels/test_quant_moe_gpu.py tests/kernels/test_quant_linear_gpu.py tests/kernels/test_dequant_gpu.py \
-  tests/kernels/test_moe_decode_gpu.py 2>&1 \
-  | tail -30 >"$res/pytest-cuda.log"
-tail -1 "$res/pytest-cuda.log" >>"$log"
-step CPU kernel tests  # every ISA of this host's CPU (AVX-512, AMX): a machine without them skips those
-python3 -m pytest -q -p no:cacheprovider -m "not cuda" -k "not builtin" tests/quant/test_quant_kernels.py \
-  tests/quant/test_kquant_paths.py tests/quant/test_quant_rows_product.py tests/quant/test_block_types.py \
-  tests/quant/test_mxfp4_blocks.py tests/kernels/test_layer_ops_cpu.py tests/kernels/test_attention_native.py \
-  tests/kernels/test_experts_cpu.py 2>&1 | tail -30 >"$res/pytest-cpu.log"
-tail -1 "$res/pytest-cpu.log" >>"$log"
+if [ -n "${KERNEL_TESTS_ONLY:-}" ]; then  # a short lease: the CUDA tests of the GEMVs over blocks alone
+  step CUDA kernel tests
+  python3 -m pytest -q -p no:cacheprovider -m cuda tests/kernels/test_quant_moe_gpu.py \
+    tests/kernels/test_quant_linear_gpu.py 2>&1 | tail -30 >"$res/pytest-cuda.log"
+  tail -1 "$res/pytest-cuda.log" >>"$log"
+else
+  step CUDA tests
+  python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/quant tests/experts \
+    tests/kernels/test_quant_moe_gpu.py tests/kernels/test_quant_linear_gpu.py tests/kernels/test_dequant_gpu.py \
+    tests/kernels/test_moe_decode_gpu.py 2>&1 \
+    | tail -30 >"$res/pytest-cuda.log"
+  tail -1 "$res/pytest-cuda.log" >>"$log"
+  step CPU kernel tests  # every ISA of this host's CPU (AVX-512, AMX): a machine without them skips those
+  python3 -m pytest -q -p no:cacheprovider -m "not cuda" -k "not builtin" tests/quant/test_quant_kernels.py \
+    tests/quant/test_kquant_paths.py tests/quant/test_quant_rows_product.py tests/quant/test_block_types.py \
+    tests/quant/test_mxfp4_blocks.py tests/kernels/test_layer_ops_cpu.py tests/kernels/test_attention_native.py \
+    tests/kernels/test_experts_cpu.py 2>&1 | tail -30 >"$res/pytest-cpu.log"
+  tail -1 "$res/pytest-cpu.log" >>"$log"
+fi
 
 step GPU kernels over blocks  # the quantised decode GEMVs against BF16 and the copy bound, tile sweep
 python3 -m engine.bench.quant_gpu --json "$res/quant-gpu.json" >>"$log" 2>&1
