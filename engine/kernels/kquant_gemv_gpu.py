@@ -1,4 +1,4 @@
-"""Dot products of K-quant rows (Q4_K, Q5_K, Q6_K) with a vector on the GPU, the blocks read as 16- or 32-bit
+"""Dot products of K-quant rows (Q4_K, Q6_K) with a vector on the GPU, the blocks read as 16- or 32-bit
 words: the inner step of the decode GEMVs (quant_moe_gpu's `_gemv`, hence quant_linear_gpu's too).
 
 A decode GEMV over blocks is bound by how many bytes each multiprocessor has in flight, and a register
@@ -10,7 +10,6 @@ takes each word's nibbles apart in registers, so a row of 2,048 weights is one m
 Within a super-block (256 weights, sub-blocks j of 32, kquants.py's layouts):
   Q4_K  qs[128]: 32-byte chunk c holds sub-block 2c (low nibbles) and 2c + 1 (high), weight l at byte l;
         w = (d·sc_j)·q − dmin·m_j, so a sub-block's dot is (d·sc_j)·Σq·x − (dmin·m_j)·Σx
-  Q5_K  the same, with qh[32] before qs: bit j of qh[l] is weight l of sub-block j's fifth bit
   Q6_K  ql[128], qh[64], sc[16] int8, d: weight 128·h + 32·p + l (half h, quarter p, l < 32) takes
         ql[64h + 32(p % 2) + l] >> 4(p // 2) and (qh[32h + l] >> 2p) & 3 as its low four and top two
         bits; w = (d·sc)·(q − 32), one int8 scale for each 16 weights
@@ -18,9 +17,8 @@ The tile of a step is (row-super-block pairs RS, 4, words of 8 bytes' span): the
 sub-block's (or a 16-weight scale group's) products, so per-sub-block factors multiply sums, not
 weights. Every product and sum is fp32; only the order of the sums differs from decoding each weight.
 
-Words need aligned addresses: Q4_K's 144-byte and Q5_K's 176-byte super-blocks read 32-bit words where
-every row start is a multiple of 4 (WORD = 4), else 16-bit ones (WORD = 2); Q6_K's 210-byte ones always
-16-bit words. The
+Words need aligned addresses: Q4_K's 144-byte super-blocks read 32-bit words where every row start is a
+multiple of 4 (WORD = 4), else 16-bit ones (WORD = 2); Q6_K's 210-byte ones always 16-bit words. The
 caller (`word_bytes` below) picks WORD from the addresses it knows.
 """
 
@@ -34,7 +32,7 @@ try:
 except ImportError:
     triton = None
 
-KQUANT_WORDS = (12, 13, 14)  # ggml codes of the types read as words here: Q4_K, Q5_K, Q6_K
+KQUANT_WORDS = (12, 14)  # ggml codes of the types read as words here: Q4_K, Q6_K
 
 
 def word_bytes(*addresses: int) -> int:
@@ -46,20 +44,16 @@ def word_bytes(*addresses: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _q45k_sums(vec, blk, sb, ok, QT: tl.constexpr, WORD: tl.constexpr):
-        """blk (RS,) pointers to super-blocks of type QT (Q4_K or Q5_K), sb (RS,) their index along the
-        row, ok (RS,) → (RS,) fp32: each super-block's dot with vec's 256 matching elements."""
+    def _q4k_sums(vec, blk, sb, ok, WORD: tl.constexpr):
+        """blk (RS,) super-block start pointers, sb (RS,) their index along the row, ok (RS,) → (RS,) fp32:
+        each super-block's dot with vec's 256 matching elements."""
         W: tl.constexpr = 32 // WORD  # words of a 32-byte chunk
         c = tl.arange(0, 4)  # chunk: sub-blocks 2c, 2c + 1
         wi = tl.arange(0, W)
         ok3 = ok[:, None, None] & (wi[None, None, :] < W)
         ptr_t = tl.pointer_type(tl.int32) if WORD == 4 else tl.pointer_type(tl.uint16)
-        qs: tl.constexpr = 16 if QT == 12 else 48  # where qs starts
-        words = tl.load((blk + qs).to(ptr_t)[:, None, None] + (W * c)[None, :, None] + wi[None, None, :],
+        words = tl.load((blk + 16).to(ptr_t)[:, None, None] + (W * c)[None, :, None] + wi[None, None, :],
                         mask=ok3, other=0).to(tl.int32)  # (RS, 4, W): 2·WORD nibbles each
-        if QT == 13:  # qh's word wi: the fifth bits of the weights whose nibbles word wi of each chunk holds
-            high = tl.load((blk + 16).to(ptr_t)[:, None, None] + wi[None, None, :],
-                           mask=ok[:, None, None] & (wi[None, None, :] < W), other=0).to(tl.int32)  # (RS, 1, W)
         d, dmin = _half_rows(blk, ok), _half_rows(blk + 2, ok)
         xb = vec + sb.to(tl.int64) * 256  # (RS,) the super-block's activations
         total = tl.zeros(blk.shape, tl.float32)
@@ -67,10 +61,7 @@ if triton is not None:
             acc = tl.zeros((blk.shape[0], 4, W), tl.float32)
             xs = tl.zeros((blk.shape[0], 4, W), tl.float32)
             for b in tl.static_range(WORD):  # byte b of each word: weight WORD·wi + b of the sub-block
-                q = (words >> (8 * b + 4 * h)) & 15
-                if QT == 13:  # bit j = 2c + h of byte b
-                    q = q | (((high >> ((8 * b + h) + 2 * c[None, :, None])) & 1) << 4)
-                q = q.to(tl.float32)
+                q = ((words >> (8 * b + 4 * h)) & 15).to(tl.float32)
                 x = tl.load(xb[:, None, None] + (64 * c + 32 * h)[None, :, None] + (WORD * wi + b)[None, None, :],
                             mask=ok3, other=0.0).to(tl.float32)
                 acc += q * x
@@ -117,7 +108,7 @@ if triton is not None:
     @triton.jit
     def dot_rows(vec, part, row0, n_rows, row_bytes, N_SB: tl.constexpr, QT: tl.constexpr, BB: tl.constexpr,
                  ROWS: tl.constexpr, S: tl.constexpr, WORD: tl.constexpr):
-        """Rows row0 … row0 + ROWS − 1 (those < n_rows) of a matrix of type QT (a K-quant, BB bytes a
+        """Rows row0 … row0 + ROWS − 1 (those < n_rows) of a matrix of type QT (Q4_K or Q6_K, BB bytes a
         super-block, N_SB a row of row_bytes) starting at `part` → (ROWS,) fp32 dot products with vec
         (256·N_SB elements). S super-blocks of each row a step; the steps are unrolled, so the loads of
         all of them can be in flight together."""
@@ -129,8 +120,8 @@ if triton is not None:
             sb = s0 + rs % S  # (ROWS·S,) super-block along the row
             ok = (r < n_rows) & (sb < N_SB)
             blk = starts + sb * BB
-            if QT == 12 or QT == 13:
-                acc += _q45k_sums(vec, blk, sb, ok, QT, WORD)
+            if QT == 12:
+                acc += _q4k_sums(vec, blk, sb, ok, WORD)
             else:
                 acc += _q6k_sums(vec, blk, sb, ok)
         return tl.sum(tl.reshape(acc, (ROWS, S)), 1)  # (ROWS,): row-major, so pair v is row v // S

@@ -38,7 +38,7 @@ MAX_TOKENS = 8  # above this the tokens share each dequantised tile: the GEMM re
 # Q6_K output head 320 against 330; benchmarks/h200/2026-12-06-q4km-h100/quant-gpu.json).
 ROWS, CHUNK = 4, 32
 WARPS = 4  # Triton's default (quant_moe_gpu's WARPS)
-# K-quant rows read as words (kquant_gemv_gpu): rows a program, super-blocks a step, warps
+# Q4_K and Q6_K rows read as words (kquant_gemv_gpu): rows a program, super-blocks a step, warps
 WORD_ROWS, SUPER, WORD_WARPS = 2, 8, 2
 ROWS_INTERPRETED = 64  # Triton's interpreter pays per operation, not per element: taller tiles, same code
 CHUNK_BYTES = 64 << 20  # a prefill's dequantised tile of W: 16K rows of 2048 in bf16

@@ -54,7 +54,7 @@ except ImportError:
 # and left 8 experts at 42–44 µs (benchmarks/h200/2026-12-05-int16-dot-h100): a program's loop waits on
 # memory once an iteration, so the iterations a program makes are the lever the bench's sweep explores.
 ROWS_GATE_UP, ROWS_DOWN, CHUNK, WARPS = 8, 8, 8, 4
-# K-quant rows read as words (kquant_gemv_gpu): rows a program and super-blocks of a row a step (S),
+# Q4_K and Q6_K read as words (kquant_gemv_gpu): rows a program and super-blocks of a row a step (S),
 # and the warps of such a program.
 WORD_ROWS, SUPER, WORD_WARPS = 2, 8, 2
 COPY_BYTES = 256  # a pair that fills a slot copies its rows this many bytes a step (a row: 0.4–2.3 KB)
@@ -75,9 +75,9 @@ if triton is not None:
               ROWS: tl.constexpr, C: tl.constexpr, S: tl.constexpr, WORD: tl.constexpr):
         """Dot products of rows row0 … row0 + ROWS − 1 (those < n_rows) of a matrix of type QT (ggml's
         code, BB bytes a block) at `part` (row 0's first byte, rows of row_bytes) with the vector at `vec`
-        (K elements) → (ROWS,) fp32. K-quants whose rows allow words (WORD ≥ 2: kquant_gemv_gpu)
+        (K elements) → (ROWS,) fp32. Q4_K and Q6_K whose rows allow words (WORD ≥ 2: kquant_gemv_gpu)
         are read as words, S super-blocks a step; the rest as bytes, C sub-blocks of 32 a step."""
-        if (QT == 12 or QT == 13 or QT == 14) and WORD >= 2:
+        if (QT == 12 or QT == 14) and WORD >= 2:
             return _kquant_dot_rows(vec, part, row0, n_rows, row_bytes, K // 256, QT, BB, ROWS, S, WORD)
         r = row0 + tl.arange(0, ROWS * C) // C  # (ROWS·C,) row of each sub-block slot
         rows = part + r.to(tl.int64) * row_bytes  # (ROWS·C,) its start
