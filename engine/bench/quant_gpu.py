@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 H, I, TOP_K, SLOTS = 2048, 768, 8, 256  # Qwen3-30B-A3B's expert shapes, a decode step's routing
-# The kernels' tile settings swept: the K-quant rows here are read as words (kquant_gemv_gpu), rows a
-# program, super-blocks of a row a step and warps a program; the same three for quant_linear_gpu.
-SWEEP = {"WORD_ROWS": (1, 2, 4), "SUPER": (4, 8), "WORD_WARPS": (1, 2, 4)}
-LINEAR_SWEEP = SWEEP
+# The kernels' tile settings swept. A program's loop waits on memory once an iteration: 8 experts of one
+# token took 42–44 µs whether a weight cost 14 PTX instructions or 6 (benchmarks/h200/2026-12-05-int16-dot-h100),
+# so the sweep varies the iterations a program makes (CHUNK sub-blocks of a row a step) and the warps.
+SWEEP = {"ROWS_GATE_UP": (4, 8), "ROWS_DOWN": (8, 16), "CHUNK": (8, 16, 32), "WARPS": (4, 8)}
+LINEAR_SWEEP = {"ROWS": (4, 8, 16), "CHUNK": (8, 16, 32), "WARPS": (4, 8)}  # quant_linear_gpu's tile at one token
 
 
 def random_blocks(n_rows: int, cols: int, code: int, gen: torch.Generator, device) -> torch.Tensor:

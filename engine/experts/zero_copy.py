@@ -53,7 +53,6 @@ import torch
 from engine.experts.cpu_mailbox import ChurnGate, CpuMailbox
 from engine.kernels import moe_decode_gpu, quant_moe_gpu
 from engine.kernels.cuda_streams import indexed
-from engine.kernels.kquant_gemv_gpu import word_bytes
 
 # At most 1/SPARE_SHARE of the cache waits as free slots for the next step's misses: a churning step
 # misses well under a quarter of the slots (13-17%), and a slot held free holds no hit.
@@ -98,8 +97,6 @@ class ZeroCopyDecode:
         self.host_offsets = (store_base - cache.pool.data_ptr()) // elt + \
             np.maximum(store.block_of, 0) * store.block_numel
         self.slot_numel = cache.pool.shape[1]  # P: a slot's offset is slot · P
-        # a byte count every store offset and slot offset is a multiple of: K-quant rows read as words there
-        self.offset_word = word_bytes(*{int(v) % 4 for v in np.unique(self.host_offsets)}, self.slot_numel)
         self.pool_numel = cache.pool.numel()
         self.mirror = self._host(torch.from_numpy(self.host_offsets.copy()))  # (L, E) the host's copy of the table
         self.table = self.mirror.to(self.device, copy=True)  # (L, E) int64, read by the graph
@@ -157,7 +154,7 @@ class ZeroCopyDecode:
         if self.store.quantised:  # offsets, spares and the pool in bytes: the blocks read in place
             return quant_moe_gpu.moe_decode_quant(x, ids, weights, self.cache.pool, self.store.layouts[layer].kernel_parts,
                                                   self.store.expert_ffn, offsets=offsets, spare=spare, admit=True,
-                                                  cpu=cpu, offset_word=self.offset_word)
+                                                  cpu=cpu)
         return moe_decode_gpu.moe_decode(x, ids, weights, self.cache.gate_up, self.cache.down,
                                          offsets=offsets, spare=spare, admit=True, cpu=cpu)
 

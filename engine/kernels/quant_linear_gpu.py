@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import dequant_gpu, quant_moe_gpu
-from engine.kernels.kquant_gemv_gpu import KQUANT_WORDS, word_bytes
 
 try:
     import triton
@@ -38,8 +37,6 @@ MAX_TOKENS = 8  # above this the tokens share each dequantised tile: the GEMM re
 # Q6_K output head 320 against 330; benchmarks/h200/2026-12-06-q4km-h100/quant-gpu.json).
 ROWS, CHUNK = 4, 32
 WARPS = 4  # Triton's default (quant_moe_gpu's WARPS)
-# Q4_K and Q6_K rows read as words (kquant_gemv_gpu): rows a program, super-blocks a step, warps
-WORD_ROWS, SUPER, WORD_WARPS = 2, 8, 2
 ROWS_INTERPRETED = 64  # Triton's interpreter pays per operation, not per element: taller tiles, same code
 CHUNK_BYTES = 64 << 20  # a prefill's dequantised tile of W: 16K rows of 2048 in bf16
 
@@ -95,13 +92,13 @@ def _self_test(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K: tl.constexpr, row_bytes, QT: tl.constexpr,
-                       BB: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                       WORD: tl.constexpr):
+    def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr, BB: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr):
         """Program (row tile, token m): out[m, rows] = W[rows] · x[m] (+ bias), fp32 sums rounded once. Row
         tiles on grid axis 0 (up to 2^31 − 1; axis 1 stops at 65,535: 131K rows in tiles of 2)."""
         m = tl.program_id(1)
-        acc = _gemv(x_ptr + m * K, w_ptr, tl.program_id(0) * ROWS, N, row_bytes, K, QT, BB, ROWS, C, S, WORD)  # (ROWS,)
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS * C) // C  # (ROWS·C,) row of each sub-block slot
+        acc = _gemv(x_ptr + m * K, w_ptr + r.to(tl.int64) * row_bytes, r < N, K // 32, QT, BB, ROWS, C)  # (ROWS,)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
@@ -120,13 +117,10 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     if n <= MAX_TOKENS:
         y = torch.empty(n, N, dtype=x.dtype, device=x.device)
         if n:
-            word = word_bytes(w.blocks.data_ptr(), w.row_bytes) if w.qtype.code in KQUANT_WORDS else 1
-            rows, warps = (WORD_ROWS, WORD_WARPS) if word >= 2 else (ROWS, WARPS)
-            rows = ROWS_INTERPRETED if dequant_gpu.interpreted() else rows
+            rows = ROWS_INTERPRETED if dequant_gpu.interpreted() else ROWS
             _linear_kernel[(triton.cdiv(N, rows), n)](x2, w.blocks, bias if bias is not None else x2, y, N, K,
                                                       w.row_bytes, QT=w.qtype.code, BB=w.qtype.block_bytes,
-                                                      HAS_BIAS=bias is not None, ROWS=rows, C=CHUNK, S=SUPER,
-                                                      WORD=word, num_warps=warps)
+                                                      HAS_BIAS=bias is not None, ROWS=rows, C=CHUNK, num_warps=WARPS)
         return y.view(*x.shape[:-1], N)
     per_chunk = max(1, min(N, CHUNK_BYTES // (K * x.element_size())))
     tile = torch.empty(per_chunk, K, dtype=x.dtype, device=x.device)  # (R, K) dequantised rows of W

@@ -34,7 +34,6 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import dequant_gpu, moe_decode_gpu
-from engine.kernels.kquant_gemv_gpu import KQUANT_WORDS, word_bytes
 from engine.quant.blocks import QTYPES, qtype
 
 try:
@@ -42,7 +41,6 @@ try:
     import triton.language as tl
 
     from engine.kernels.dequant_gpu import _values32, _values_k
-    from engine.kernels.kquant_gemv_gpu import dot_rows as _kquant_dot_rows
 except ImportError:
     triton = None
 
@@ -54,9 +52,6 @@ except ImportError:
 # and left 8 experts at 42–44 µs (benchmarks/h200/2026-12-05-int16-dot-h100): a program's loop waits on
 # memory once an iteration, so the iterations a program makes are the lever the bench's sweep explores.
 ROWS_GATE_UP, ROWS_DOWN, CHUNK, WARPS = 8, 8, 8, 4
-# Q4_K and Q6_K read as words (kquant_gemv_gpu): rows a program and super-blocks of a row a step (S),
-# and the warps of such a program.
-WORD_ROWS, SUPER, WORD_WARPS = 2, 8, 2
 COPY_BYTES = 256  # a pair that fills a slot copies its rows this many bytes a step (a row: 0.4–2.3 KB)
 # Triton's interpreter runs programs one after another and pays per operation, not per element: few
 # programs of many rows keep the tests fast. The code is the same; only the tile is taller.
@@ -71,18 +66,11 @@ def available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gemv(vec, part, row0, n_rows, row_bytes, K: tl.constexpr, QT: tl.constexpr, BB: tl.constexpr,
-              ROWS: tl.constexpr, C: tl.constexpr, S: tl.constexpr, WORD: tl.constexpr):
-        """Dot products of rows row0 … row0 + ROWS − 1 (those < n_rows) of a matrix of type QT (ggml's
-        code, BB bytes a block) at `part` (row 0's first byte, rows of row_bytes) with the vector at `vec`
-        (K elements) → (ROWS,) fp32. Q4_K and Q6_K whose rows allow words (WORD ≥ 2: kquant_gemv_gpu)
-        are read as words, S super-blocks a step; the rest as bytes, C sub-blocks of 32 a step."""
-        if (QT == 12 or QT == 14) and WORD >= 2:
-            return _kquant_dot_rows(vec, part, row0, n_rows, row_bytes, K // 256, QT, BB, ROWS, S, WORD)
-        r = row0 + tl.arange(0, ROWS * C) // C  # (ROWS·C,) row of each sub-block slot
-        rows = part + r.to(tl.int64) * row_bytes  # (ROWS·C,) its start
-        row_ok = r < n_rows
-        n_sub: tl.constexpr = K // 32
+    def _gemv(vec, rows, row_ok, n_sub, QT: tl.constexpr, BB: tl.constexpr, ROWS: tl.constexpr,
+              C: tl.constexpr):
+        """Dot products of ROWS matrix rows of type QT (ggml's code, BB bytes a block) with the vector at
+        `vec` (K = 32·n_sub elements): rows (ROWS·C,) are the start pointers of the row each of the C
+        sub-block slots a row belongs to, row_ok (ROWS·C,) masks them → (ROWS,) fp32."""
         c = tl.arange(0, ROWS * C) % C  # (ROWS·C,) slot within its row
         l = tl.arange(0, 32)  # (32,) weight within a sub-block
         acc = tl.zeros((ROWS * C,), tl.float32)
@@ -100,12 +88,13 @@ if triton is not None:
 
     @triton.jit
     def _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, n, offset, row_bytes,
-                   HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr, ROWS: tl.constexpr, COPY: tl.constexpr):
-        """Pair program_id(0)'s part at `offset` of its expert's block, n rows of row_bytes → (pointer to
-        the part's first byte, rows to read: n, or 0 for a skipped pair) for row tile program_id(1). The
-        block is slot ids[p] of the pool, or with HAS_OFFS `offs[ids[p]]` bytes past the pool's start (a
-        slot, or the pinned host store read over PCIe). With HAS_SPARE a pair whose spare[p] ≥ 0 first
-        copies the tile's rows there (COPY bytes a step) and reads them from the copy."""
+                   HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
+                   COPY: tl.constexpr):
+        """Pair program_id(0)'s part at `offset` of its expert's block, n rows of row_bytes: → (start
+        pointer of each sub-block slot's row (ROWS·C,), which of them to read (ROWS·C,)) for row tile
+        program_id(1). The block is slot ids[p] of the pool, or with HAS_OFFS `offs[ids[p]]` bytes past
+        the pool's start (a slot, or the pinned host store read over PCIe). With HAS_SPARE a pair whose
+        spare[p] ≥ 0 first copies the tile's rows there (COPY bytes a step) and reads them from the copy."""
         p = tl.program_id(0)
         e = tl.load(ids_ptr + p)
         valid = (e >= 0) & (e < E)
@@ -124,25 +113,25 @@ if triton is not None:
                 tl.store(pool_ptr + dest + at, tl.load(pool_ptr + block + at, mask=m), mask=m)
             tl.debug_barrier()  # the copy is written before the program reads it back
             block = tl.where(sp >= 0, sp, block)  # one read over the link: the rest from the slot
-        return pool_ptr + block + offset, n_rows
+        r = tl.program_id(1) * ROWS + tl.arange(0, ROWS * C) // C  # (ROWS·C,) row of each slot
+        start = pool_ptr + block + offset + r.to(tl.int64) * row_bytes
+        return start, r < n_rows
 
     @triton.jit
     def _gate_up_kernel(x_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, act_ptr, experts_ptr, bias_ptr, alpha, limit,
-                        H: tl.constexpr, I: tl.constexpr, E, top_k, stride_slot, off_g, row_g, off_u, row_u,
-                        QG: tl.constexpr, BG: tl.constexpr, QU: tl.constexpr, BU: tl.constexpr, HAS_OFFS: tl.constexpr,
-                        HAS_SPARE: tl.constexpr, CLAMPED: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
-                        S: tl.constexpr, WORD: tl.constexpr, COPY: tl.constexpr):
+                        H, I, E, top_k, stride_slot, off_g, row_g, off_u, row_u, QG: tl.constexpr, BG: tl.constexpr,
+                        QU: tl.constexpr, BU: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr,
+                        CLAMPED: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr, COPY: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
         x_row = x_ptr + (p // top_k) * H
-        gate_part, n = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, I, off_g, row_g,
-                                  HAS_OFFS, HAS_SPARE, ROWS, COPY)
-        up_part, _ = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, I, off_u, row_u,
-                                HAS_OFFS, HAS_SPARE, ROWS, COPY)
+        gate_rows, ok = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, I, off_g, row_g,
+                                   HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
+        up_rows, _ = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, I, off_u, row_u,
+                                HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         dtype = act_ptr.dtype.element_ty
-        row0 = tl.program_id(1) * ROWS
-        gate = _gemv(x_row, gate_part, row0, n, row_g, H, QG, BG, ROWS, C, S, WORD)  # (ROWS,) fp32
-        up = _gemv(x_row, up_part, row0, n, row_u, H, QU, BU, ROWS, C, S, WORD)
-        rows = row0 + tl.arange(0, ROWS)  # (ROWS,)
+        gate = _gemv(x_row, gate_rows, ok, H // 32, QG, BG, ROWS, C)  # (ROWS,) fp32
+        up = _gemv(x_row, up_rows, ok, H // 32, QU, BU, ROWS, C)
+        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
         if CLAMPED:  # gpt-oss: the expert's biases, then (clamp(u, ±limit) + 1) · g'·σ(alpha·g'), g' = min(g, limit)
             e = tl.load(ids_ptr + p)
             valid = (e >= 0) & (e < E)  # a skipped pair's expert id may be anything: no bias is read for it
@@ -160,17 +149,16 @@ if triton is not None:
         tl.store(act_ptr + p * I + rows, act.to(dtype), mask=rows < I)
 
     @triton.jit
-    def _down_kernel(act_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, wts_ptr, y_ptr, experts_ptr, bias_ptr,
-                     H: tl.constexpr, I: tl.constexpr, E, stride_slot, off_d, row_d, QD: tl.constexpr,
-                     BD: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr, CLAMPED: tl.constexpr,
-                     ROWS: tl.constexpr, C: tl.constexpr, S: tl.constexpr, WORD: tl.constexpr, COPY: tl.constexpr):
+    def _down_kernel(act_ptr, pool_ptr, ids_ptr, offs_ptr, spare_ptr, wts_ptr, y_ptr, experts_ptr, bias_ptr, H, I, E,
+                     stride_slot, off_d, row_d, QD: tl.constexpr, BD: tl.constexpr, HAS_OFFS: tl.constexpr,
+                     HAS_SPARE: tl.constexpr, CLAMPED: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
+                     COPY: tl.constexpr):
         p = tl.program_id(0)  # (token, choice) pair
-        down_part, n = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, H, off_d, row_d,
-                                  HAS_OFFS, HAS_SPARE, ROWS, COPY)
+        down_rows, ok = _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, H, off_d, row_d,
+                                   HAS_OFFS, HAS_SPARE, ROWS, C, COPY)
         dtype = y_ptr.dtype.element_ty
-        row0 = tl.program_id(1) * ROWS
-        y = _gemv(act_ptr + p * I, down_part, row0, n, row_d, I, QD, BD, ROWS, C, S, WORD)  # (ROWS,) fp32
-        rows = row0 + tl.arange(0, ROWS)  # (ROWS,) output features
+        y = _gemv(act_ptr + p * I, down_rows, ok, I // 32, QD, BD, ROWS, C)  # (ROWS,) fp32
+        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,) output features
         if CLAMPED:  # the pair's expert's (H,) down bias, inside F.linear's one rounding; none for a skipped pair
             e = tl.load(ids_ptr + p)
             valid = (e >= 0) & (e < E)
@@ -217,7 +205,7 @@ def _check(x, ids, weights, pool, parts, expert_ffn, out) -> list[tuple[int, int
 def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor,
                      parts, expert_ffn: int, out: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
                      spare: torch.Tensor | None = None, admit: bool = False, cpu: tuple | None = None,
-                     form=None, experts: torch.Tensor | None = None, offset_word: int = 1) -> torch.Tensor:
+                     form=None, experts: torch.Tensor | None = None) -> torch.Tensor:
     """x (N, H) bf16/fp16/fp32; ids (N, k) int64: slot index of each (token, choice) pair in `pool`,
     an id outside [0, S) skips that pair (adds zero, reads nothing: the caller marks pairs the CPU
     computes so); weights (N, k) in x's dtype; pool (S, B) uint8, rows contiguous: slot s holds one
@@ -234,10 +222,7 @@ def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
 
     form: gpt-oss's experts (experts_torch.ClampedSwiGLU, its biases (E, 2I) and (E, H) on the device):
     each pair adds its expert's biases and takes the clamped activation; experts (N, k) int64 gives each
-    pair's expert id where ids are slots (None: ids are the expert ids).
-
-    offset_word: a byte count every entry of `offsets` is a multiple of (4, 2 or 1), so that the K-quant
-    rows they point at can be read as words (kquant_gemv_gpu)."""
+    pair's expert id where ids are slots (None: ids are the expert ids)."""
     (qg, bg, off_g, row_g), (qu, bu, off_u, row_u), (qd, bd, off_d, row_d) = _check(
         x, ids, weights, pool, parts, expert_ffn, out)
     assert not admit or (offsets is not None and spare is not None), "admit needs offsets and spare"
@@ -266,20 +251,11 @@ def moe_decode_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
                              f"do not fit experts of ({2 * I}, {H}) on {x.device}")
         experts = (ids if experts is None else experts).contiguous()
         alpha, limit = float(form.alpha), float(form.limit)
-    base = [pool.data_ptr(), pool.stride(0)] + ([offset_word] if offsets is not None else [])
-    word_gu, word_d = word_bytes(*base, off_g, row_g, off_u, row_u), word_bytes(*base, off_d, row_d)
-    tiles = []
-    for codes, word, rows in (((qg, qu), word_gu, ROWS_GATE_UP), ((qd,), word_d, ROWS_DOWN)):
-        words = word >= 2 and all(c in KQUANT_WORDS for c in codes)
-        rows = WORD_ROWS if words else rows
-        tiles.append((ROWS_INTERPRETED if dequant_gpu.interpreted() else rows, word if words else 1,
-                      WORD_WARPS if words else WARPS))
-    (rows_gu, word_gu, warps_gu), (rows_d, word_d, warps_d) = tiles
+    rows_gu, rows_d = (ROWS_INTERPRETED,) * 2 if dequant_gpu.interpreted() else (ROWS_GATE_UP, ROWS_DOWN)
     _gate_up_kernel[(P, triton.cdiv(I, rows_gu))](x, pool, ids, offs, sp, act, experts, bias_gu, alpha, limit, H, I,
                                                   E, k, pool.stride(0), off_g, row_g, off_u, row_u, QG=qg, BG=bg,
-                                                  QU=qu, BU=bu, ROWS=rows_gu, S=SUPER, WORD=word_gu,
-                                                  num_warps=warps_gu, **has)
+                                                  QU=qu, BU=bu, ROWS=rows_gu, num_warps=WARPS, **has)
     _down_kernel[(P, triton.cdiv(H, rows_d))](act, pool, ids, offs, sp, weights, y, experts, bias_d, H, I, E,
-                                              pool.stride(0), off_d, row_d, QD=qd, BD=bd, ROWS=rows_d, S=SUPER,
-                                              WORD=word_d, num_warps=warps_d, **has)
+                                              pool.stride(0), off_d, row_d, QD=qd, BD=bd, ROWS=rows_d, num_warps=WARPS,
+                                              **has)
     return moe_decode_gpu.sum_choices(y, out, ids, sp, offs, admit, cpu)

@@ -15,7 +15,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from engine.kernels import dequant_gpu, quant_linear_gpu, quant_moe_gpu  # noqa: E402
-from engine.kernels.kquant_gemv_gpu import KQUANT_WORDS  # noqa: E402
 from engine.quant.blocks import QTYPES, qtype  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100/H200: the GPU machine's
@@ -24,7 +23,7 @@ POINTERS = {"slots_ptr": "*i64", "ids_ptr": "*i64", "offs_ptr": "*i64", "spare_p
 FLOATS = ("alpha", "limit")
 
 
-def compiled(fn, divisible: bool = False, num_warps: int = 4, **constexprs):
+def compiled(fn, divisible: bool = False, **constexprs):
     """fn compiled for TARGET with these constexprs (other arguments: pointers per POINTERS, fp32 or
     i32 scalars) → Triton's compiled kernel (its PTX in .asm["ptx"]). divisible: every pointer and
     integer argument marked a multiple of 16, as Triton's launcher marks the ones that are (the row
@@ -35,7 +34,7 @@ def compiled(fn, divisible: bool = False, num_warps: int = 4, **constexprs):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if divisible and (signature[n] == "i32" or signature[n].startswith("*"))}
     return triton.compile(ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs),
-                          target=TARGET, options={"num_warps": num_warps})
+                          target=TARGET)
 
 
 def compile_kernel(fn, **constexprs) -> str | None:
@@ -55,25 +54,21 @@ def failures():
             yield f"dequantise {qt.name} bf16={bf16}", compile_kernel(
                 dequant_gpu._dequant_k_kernel if k else dequant_gpu._dequant32_kernel, QT=code, BB=qt.block_bytes,
                 BF16_BITS=bf16, ROWS=dequant_gpu.ROWS)
-        # the K-quants also as words (4: Q4_K's 32-bit ones; Q6_K takes 16-bit ones whatever the width)
-        for word in (1, 2, 4) if code in KQUANT_WORDS else (1,):
-            tile = dict(S=quant_moe_gpu.SUPER, WORD=word)
-            for bias in (True, False):
-                yield f"linear {qt.name} bias={bias} word={word}", compile_kernel(
-                    quant_linear_gpu._linear_kernel, QT=code, BB=qt.block_bytes, HAS_BIAS=bias, K=2048,
-                    ROWS=quant_linear_gpu.WORD_ROWS if word > 1 else quant_linear_gpu.ROWS,
-                    C=quant_linear_gpu.CHUNK, **tile)
-            # the slots' form, the one graph's (offsets and spare slots), gpt-oss's clamped form in both
-            for offs, spare, clamped in ((False, False, False), (True, True, False), (False, False, True),
-                                         (True, True, True)):
-                flags = dict(HAS_OFFS=offs, HAS_SPARE=spare, CLAMPED=clamped, C=quant_moe_gpu.CHUNK,
-                             COPY=quant_moe_gpu.COPY_BYTES, H=2048, I=768, **tile)
-                rows = quant_moe_gpu.WORD_ROWS if word > 1 else quant_moe_gpu.ROWS_GATE_UP
-                form = f"{qt.name} offsets={offs} spare={spare} clamped={clamped} word={word}"
-                yield f"gate_up {form}", compile_kernel(quant_moe_gpu._gate_up_kernel, QG=code, BG=qt.block_bytes,
-                                                        QU=code, BU=qt.block_bytes, ROWS=rows, **flags)
-                yield f"down {form}", compile_kernel(quant_moe_gpu._down_kernel, QD=code, BD=qt.block_bytes,
-                                                     ROWS=rows, **flags)
+        for bias in (True, False):
+            yield f"linear {qt.name} bias={bias}", compile_kernel(
+                quant_linear_gpu._linear_kernel, QT=code, BB=qt.block_bytes, HAS_BIAS=bias,
+                ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK)
+        # the slots' form, the one graph's (offsets and spare slots), gpt-oss's clamped form in both
+        for offs, spare, clamped in ((False, False, False), (True, True, False), (False, False, True), (True, True, True)):
+            flags = dict(HAS_OFFS=offs, HAS_SPARE=spare, CLAMPED=clamped, C=quant_moe_gpu.CHUNK,
+                         COPY=quant_moe_gpu.COPY_BYTES)
+            form = f"{qt.name} offsets={offs} spare={spare} clamped={clamped}"
+            yield f"gate_up {form}", compile_kernel(quant_moe_gpu._gate_up_kernel, QG=code, BG=qt.block_bytes,
+                                                    QU=code, BU=qt.block_bytes, ROWS=quant_moe_gpu.ROWS_GATE_UP,
+                                                    **flags)
+            yield f"down {form}", compile_kernel(quant_moe_gpu._down_kernel, QD=code, BD=qt.block_bytes,
+                                                 ROWS=quant_moe_gpu.ROWS_DOWN, **flags)
+
 
 if __name__ == "__main__":
     bad = [(what, error) for what, error in failures() if error is not None]

@@ -41,12 +41,11 @@ def main(which: str, type_name: str) -> None:
     code = next(c for c, qt in QTYPES.items() if qt.name == type_name)
     qt = QTYPES[code]
     if which == "linear":
-        k = compiled(quant_linear_gpu._linear_kernel, True, QT=code, BB=qt.block_bytes, HAS_BIAS=False, K=2048,
-                     ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK, S=quant_linear_gpu.SUPER, WORD=1)
+        k = compiled(quant_linear_gpu._linear_kernel, True, QT=code, BB=qt.block_bytes, HAS_BIAS=False,
+                     ROWS=quant_linear_gpu.ROWS, C=quant_linear_gpu.CHUNK)
         rows = quant_linear_gpu.ROWS
     else:
-        flags = dict(HAS_OFFS=False, HAS_SPARE=False, CLAMPED=False, C=quant_moe_gpu.CHUNK, COPY=quant_moe_gpu.COPY_BYTES,
-                     H=2048, I=768, S=quant_moe_gpu.SUPER, WORD=1)  # the byte-wise decoding's loop
+        flags = dict(HAS_OFFS=False, HAS_SPARE=False, CLAMPED=False, C=quant_moe_gpu.CHUNK, COPY=quant_moe_gpu.COPY_BYTES)
         if which == "down":
             rows = quant_moe_gpu.ROWS_DOWN
             k = compiled(quant_moe_gpu._down_kernel, True, QD=code, BD=qt.block_bytes, ROWS=rows, **flags)

@@ -23,7 +23,6 @@ from test_dequant_gpu import random_blocks  # noqa: E402
 
 from engine.experts.store import QuantLayout  # noqa: E402
 from engine.kernels import dequant_gpu, moe_decode_gpu, quant_moe_gpu  # noqa: E402
-from engine.kernels.kquant_gemv_gpu import word_bytes  # noqa: E402
 from engine.quant.blocks import QTYPES  # noqa: E402
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -57,7 +56,7 @@ def expert_blocks(rows: int, cols: int, qtype, seed: int) -> np.ndarray:
     return data.reshape(rows, -1)
 
 
-def slots(types, H: int, I: int, S: int, used: list[int], seed: int, tail: int = TAIL):
+def slots(types, H: int, I: int, S: int, used: list[int], seed: int):
     """S slots of experts in `types` (gate, up, down), only `used` holding blocks → (pool (S, B) uint8 with
     the parts at LEAD, after a GAP, then down and TAIL padding; parts; the fp32 pool (S, 3IH) that
     moe_decode reads, NaN where unused)."""
@@ -67,19 +66,19 @@ def slots(types, H: int, I: int, S: int, used: list[int], seed: int, tail: int =
         blocks[:, at:at + nbytes] = torch.from_numpy(expert_blocks(S * rows, cols, T(code), seed + p).reshape(S, -1))
     (g, _, _, _, ng), (u, _, _, _, nu), (d, *_) = layout.parts
     parts = ((g, LEAD), (u, LEAD + ng + GAP), (d, LEAD + ng + GAP + nu))
-    pool = torch.full((S, layout.nbytes + LEAD + GAP + tail), 0xFF, dtype=torch.uint8)
+    pool = torch.full((S, layout.nbytes + LEAD + GAP + TAIL), 0xFF, dtype=torch.uint8)
     pool[used, LEAD:LEAD + ng] = blocks[used, :ng]
-    pool[used, LEAD + ng + GAP:-tail] = blocks[used, ng:]
+    pool[used, LEAD + ng + GAP:-TAIL] = blocks[used, ng:]
     dense = torch.full((S, 3 * I * H), float("nan"))
     dense[used] = layout.dequantize(blocks[used])  # (n, 3IH): [gate_up (2I·H) | down (H·I)], gguf's values
     return pool, parts, dense
 
 
-def run(types, H: int, I: int, ids: list[list[int]], dtype, device, seed: int, tail: int = TAIL):
+def run(types, H: int, I: int, ids: list[list[int]], dtype, device, seed: int):
     """ids (N, k) over 6 slots (1 … 4 hold experts; 0, 5 are junk) → (moe_decode_quant's out, moe_decode's
     over the dequantised slots), both on the CPU in fp32."""
     S = 6
-    pool, parts, dense = slots(types, H, I, S, [1, 2, 3, 4], seed, tail)
+    pool, parts, dense = slots(types, H, I, S, [1, 2, 3, 4], seed)
     gen = torch.Generator().manual_seed(seed)
     N, k = len(ids), len(ids[0])
     x = torch.randn(N, H, generator=gen).to(device, dtype)
@@ -107,21 +106,6 @@ def test_every_type_in_all_three_parts(qtype, device):
     device = on(device)
     got, want = run((qtype,) * 3, 256, 256, [[3, 6, 1]], torch.float32, device, seed=int(qtype))  # 6: skipped
     close_fp32(got, want)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("types,H,I", [((T.Q4_K, T.Q4_K, T.Q6_K), 768, 512), ((T.Q6_K, T.Q6_K, T.Q4_K), 512, 768)],
-                         ids=["Q4_K-Q4_K-Q6_K", "Q6_K-Q6_K-Q4_K"])
-def test_kquant_rows_read_as_words(types, H, I, device, monkeypatch):
-    """Slot rows of 4-aligned parts (a tail of 40 bytes): Q4_K read as 32-bit words and Q6_K as 16-bit
-    ones (kquant_gemv_gpu), each row 3 super-blocks, fewer than a step's SUPER. The unaligned pools of
-    the other tests take the byte-wise decoding."""
-    device = on(device)
-    widths = []
-    monkeypatch.setattr(quant_moe_gpu, "word_bytes", lambda *a: widths.append(word_bytes(*a)) or widths[-1])
-    got, want = run(types, H, I, [[3, 6, 1], [2, 2, -1]], torch.float32, device, seed=H, tail=40)
-    close_fp32(got, want)
-    assert widths == [4, 4]
 
 
 @pytest.mark.parametrize("device", DEVICES)
