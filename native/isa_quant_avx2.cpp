@@ -1,4 +1,5 @@
-// Quantised-block kernels for AVX2 + FMA + F16C (Haswell / Zen 1 and later): vpmaddwd dots over two 256-bit halves.
+// Quantised-block kernels for AVX2 + FMA + F16C (Haswell / Zen 1 and later): vpmaddwd dots over two 256-bit halves,
+// and for the K-quants vpmaddubsw over u8 weights and int8 activations (kquant_kernels.h's ksuper_tile_i8).
 // Compiled for that ISA by the target pragma below, in an anonymous namespace like the other ISA
 // files; quant_dispatch.cpp reads the table after checking the CPU.
 #include "common.h"
@@ -25,7 +26,7 @@ namespace {
 #include "quant_kernels.h"
 }  // namespace
 
-const QuantKernelTable kQuantTableAvx2 = {"avx2", &quantize_acts, &matmul_rows, &dequantize_row,
+const QuantKernelTable kQuantTableAvx2 = {"avx2", &quantize_acts, &quantize_acts8, &matmul_rows, &dequantize_row,
                                            &dequantize_row_bf16};
 }  // namespace tandem
 

@@ -14,6 +14,6 @@ namespace {
 #include "quant_kernels.h"
 }  // namespace
 
-const QuantKernelTable kQuantTableScalar = {"scalar", &quantize_acts, &matmul_rows, &dequantize_row,
+const QuantKernelTable kQuantTableScalar = {"scalar", &quantize_acts, nullptr, &matmul_rows, &dequantize_row,
                                            &dequantize_row_bf16};
 }  // namespace tandem

@@ -5,7 +5,26 @@
 //                          from shared loads (two Q4_K sub-blocks are one 32-byte load's two nibbles).
 // In the tile loop sub-block j's offset term, c_j·a_d·Σa over its activation block, becomes one 8-lane
 // FMA a super-block, c·(a_d·Σa) for all 8 at once, summed across lanes at the end of the row.
+// AVX2 has a third form (scales8 / scale8 / each_sub8 / finish8, ksuper_tile_i8 at the end): the
+// weights as u8 against int8 activations, integer sums over the whole super-block.
 // Included by quant_kernels.h after the vector operations (quant_vectors.h) and the Decode template.
+
+#if defined(TANDEM_QUANT_AVX2)
+// The int8 form (ksuper_tile_i8 below) of Q4_K/Q5_K's scales: sc the 8 scales as words in both 128-bit
+// lanes (pick_words broadcasts one), mn the 8 mins as words, each twice (words 2j, 2j+1 = m_j: one
+// vpmaddwd against the 16 activation sums of 16 values gives m_j·Σa over sub-block j).
+struct KScales8 { __m256i sc, mn; };
+TANDEM_ALWAYS_INLINE KScales8 kscales_int(const uint8_t* scales) {
+  const __m128i both = kscale_bytes(scales);
+  return {_mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(both)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(both, both))};
+}
+// acc + d·a_d·Σ sc_j·q·a − dmin·a_d·Σ_j m_j·Σa_j: the super-block's two integer sums, one FMA each.
+TANDEM_ALWAYS_INLINE FVec kfinish_min(float d, float dmin, const KScales8& S, I32x8 sum, const int16_t* bs, float ad,
+                                      FVec acc) {
+  const I32x8 mins = _mm256_madd_epi16(S.mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
+  return fmadd_i32(mins, -(dmin * ad), fmadd_i32(sum, d * ad, acc));
+}
+#endif
 
 template <> struct Decode<QType::q4_k> {
   static constexpr int kSub = kKSub;
@@ -31,6 +50,22 @@ template <> struct Decode<QType::q4_k> {
       f(2 * p + 1, hi);
     }
   }
+#if defined(TANDEM_QUANT_AVX2)
+  using Scales8 = KScales8;
+  static TANDEM_ALWAYS_INLINE Scales8 scales8(const uint8_t* b) { return kscales_int(b + kQ4kScales); }
+  static TANDEM_ALWAYS_INLINE __m256i scale8(const Scales8& S, int j) { return pick_words(S.sc, j, j); }
+  template <class F> static TANDEM_ALWAYS_INLINE void each_sub8(const uint8_t* b, F&& f) {
+    for (int p = 0; p < 4; ++p) {
+      const Bytes raw = load_bytes(b + kQ4kQs + 32 * p);
+      f(2 * p, field(raw, 0, 0x0f));
+      f(2 * p + 1, field(raw, 4, 0x0f));
+    }
+  }
+  static TANDEM_ALWAYS_INLINE FVec finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
+                                           FVec acc) {
+    return kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc);
+  }
+#endif
 };
 
 template <> struct Decode<QType::q5_k> {
@@ -57,6 +92,23 @@ template <> struct Decode<QType::q5_k> {
       f(2 * p + 1, or_masked(hi, shift16(qh, 3 - 2 * p), 0x10));
     }
   }
+#if defined(TANDEM_QUANT_AVX2)
+  using Scales8 = KScales8;
+  static TANDEM_ALWAYS_INLINE Scales8 scales8(const uint8_t* b) { return kscales_int(b + kQ5kScales); }
+  static TANDEM_ALWAYS_INLINE __m256i scale8(const Scales8& S, int j) { return pick_words(S.sc, j, j); }
+  template <class F> static TANDEM_ALWAYS_INLINE void each_sub8(const uint8_t* b, F&& f) {
+    const Bytes qh = load_bytes(b + kQ5kQh);  // bit j: sub-block j's fifth bit, moved to bit 4
+    for (int p = 0; p < 4; ++p) {
+      const Bytes raw = load_bytes(b + kQ5kQs + 32 * p);
+      f(2 * p, or_shifted(field(raw, 0, 0x0f), qh, 4 - 2 * p, 0x10));
+      f(2 * p + 1, or_shifted(field(raw, 4, 0x0f), qh, 3 - 2 * p, 0x10));
+    }
+  }
+  static TANDEM_ALWAYS_INLINE FVec finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
+                                           FVec acc) {
+    return kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc);
+  }
+#endif
 };
 
 template <> struct Decode<QType::q6_k> {
@@ -88,6 +140,33 @@ template <> struct Decode<QType::q6_k> {
       }
     }
   }
+#if defined(TANDEM_QUANT_AVX2)
+  // The 16 int8 scales as words: all (for the centring term) and each 128-bit half in both lanes
+  // (sub-block j's pair, words 2j and 2j+1, picked from one of them).
+  struct Scales8 { __m256i all, low, high; };
+  static TANDEM_ALWAYS_INLINE Scales8 scales8(const uint8_t* b) {
+    const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQ6kSc)));
+    return {all, _mm256_permute2x128_si256(all, all, 0x00), _mm256_permute2x128_si256(all, all, 0x11)};
+  }
+  static TANDEM_ALWAYS_INLINE __m256i scale8(const Scales8& S, int j) {
+    return j < 4 ? pick_words(S.low, 2 * j, 2 * j + 1) : pick_words(S.high, 2 * j - 8, 2 * j - 7);
+  }
+  // q (0…63) as u8; the −32 comes back in finish8.
+  template <class F> static TANDEM_ALWAYS_INLINE void each_sub8(const uint8_t* b, F&& f) {
+    for (int h = 0; h < 2; ++h) {
+      const Bytes ql[2] = {load_bytes(b + kQ6kQl + 64 * h), load_bytes(b + kQ6kQl + 64 * h + 32)};
+      const Bytes qh = load_bytes(b + kQ6kQh + 32 * h);
+      for (int p = 0; p < 4; ++p) f(4 * h + p, or_shifted(field(ql[p & 1], p >= 2 ? 4 : 0, 0x0f), qh, 4 - 2 * p, 0x30));
+    }
+  }
+  // Σ sc·(q − 32)·a = Σ sc·q·a − 32·Σ_i sc_i·bsum_i (i over the 16 scales, bsum over their 16 values):
+  // exact in int32 (|Σ sc·q·a| ≤ 256·128·63·127 < 2^29), one conversion, d·a_d.
+  static TANDEM_ALWAYS_INLINE FVec finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
+                                           FVec acc) {
+    const __m256i centre = _mm256_madd_epi16(S.all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
+    return fmadd_i32(_mm256_sub_epi32(sum, _mm256_slli_epi32(centre, 5)), load_half(b + kQ6kD) * ad, acc);
+  }
+#endif
 };
 
 // rows_tile (quant_kernels.h) for the K-quants: NT tokens from t0 over rows [r, r + R), a super-block
@@ -133,3 +212,46 @@ TANDEM_ALWAYS_INLINE void ksuper_tile(const QuantMatmulProblem& P, const QuantAc
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < NT; ++t) P.y[(t0 + t) * P.y_stride + r + i] = hsum(acc[i][t]) + f8_hsum(offset[i][t]);
 }
+
+#if defined(TANDEM_QUANT_AVX2)
+// ksuper_tile over the int8 form (AVX2): a super-block's weights stay u8 and meet the int8 activations
+// in vpmaddubsw, each sub-block's integer scale is applied by vpmaddwd, and the 8 sub-blocks add up
+// in int32; per (row, super-block, token) the weight-independent terms (mins, Q6_K's centring) come
+// from the activations' 16-value sums, and one or two conversions and FMAs turn the lot into floats.
+// Per sub-block and token that is a load, vpmaddubsw, vpmaddwd and an add, where the int16 form takes
+// two vpmaddwd, an add, a conversion and an FMA after widening the weights to words (which the int8
+// form skips altogether): on a CPU without AVX-512 these products are bound by instructions, not by
+// memory. The price is the activations' int8 rounding, max|x|/254 over each 256 values at most.
+template <QType TY, int NT, int R>
+TANDEM_ALWAYS_INLINE void ksuper_tile_i8(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int64_t r) {
+  using D = Decode<TY>;
+  constexpr int64_t bytes = qblock_bytes(int(TY));
+  constexpr int64_t kSums = kQKBlock / 16;  // activation sums a super-block
+  const int64_t ns = P.k / kQKBlock;
+  const int8_t* a = A.q8 + t0 * P.k;
+  const float* ad = A.d8 + t0 * ns;
+  const int16_t* bs = A.b8 + t0 * ns * kSums;
+  const uint8_t* row = P.w + r * P.w_row_bytes;
+  FVec acc[R][NT];
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = fzero();
+  for (int64_t sb = 0; sb < ns; ++sb) {
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* blk = row + i * P.w_row_bytes + sb * bytes;
+      for (int64_t at = 0; at < bytes; at += 64)  // the next tile's rows, as ksuper_tile
+        _mm_prefetch(reinterpret_cast<const char*>(blk + R * P.w_row_bytes + at), _MM_HINT_T0);
+      const typename D::Scales8 S = D::scales8(blk);
+      I32x8 sum[NT];
+      for (int t = 0; t < NT; ++t) sum[t] = i32_zero();
+      D::each_sub8(blk, [&](int j, Bytes q) {
+        const __m256i sc = D::scale8(S, j);
+        for (int t = 0; t < NT; ++t) sum[t] = i32_add(sum[t], dot_u8s8(q, a + t * P.k + sb * kQKBlock + 32 * j, sc));
+      });
+      for (int t = 0; t < NT; ++t)
+        acc[i][t] = D::finish8(blk, S, sum[t], bs + (t * ns + sb) * kSums, ad[t * ns + sb], acc[i][t]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < NT; ++t) P.y[(t0 + t) * P.y_stride + r + i] = hsum(acc[i][t]);
+}
+#endif

@@ -20,11 +20,13 @@
 //
 // Activations are quantised per 32-block to int16 (scale a_d = max|x|/32767) so that a block's dot
 // product is one exact integer dot: Σ w·x ≈ s·a_d·Σ q·a_q + c·a_d·Σ a_q (the offset's term: c = −8·d
-// for Q4_0, m for Q4_1, …). quant_kernels.h says why int16 and not int8.
+// for Q4_0, m for Q4_1, …). quant_kernels.h says why int16 and not int8, and where the AVX2 kernels
+// take int8 all the same (the K-quants: kquant_kernels.h).
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "common.h"
 #include "kquant_blocks.h"
@@ -68,18 +70,48 @@ struct QuantMatmulProblem {
   int64_t y_stride;
 };
 
+constexpr bool is_kquant(QType t) { return t == QType::q4_k || t == QType::q5_k || t == QType::q6_k; }
+
 // The activations of one call quantised per block: q (n_tokens, k) int16 contiguous; d and s
 // (n_tokens, k/32): each block's scale and d·Σq (the offset term's factor).
+// The int8 form, which a table with quantize_acts8 (AVX2) reads for the K-quants instead: q8
+// (n_tokens, k) int8, d8 (n_tokens, k/256) one scale a super-block (max|x|/127), b8 (n_tokens, k/16)
+// Σq8 over each 16 values (the mins' and Q6_K's centring terms). Null where no product reads it.
 struct QuantActs {
   const int16_t* q;
   const float* d;
   const float* s;
+  const int8_t* q8 = nullptr;
+  const float* d8 = nullptr;
+  const int16_t* b8 = nullptr;
+};
+
+struct QuantKernelTable;
+
+// One call's quantised activations (n_tokens rows of k), each form filled only where one of the
+// call's products reads it: reserve() with the products' types, then quantize() each token row
+// (any thread), then at(first row) for a product's view.
+class QuantActsBuffer {
+ public:
+  // k_quants / others: whether any product of the call is of a K-quant type / of another type.
+  void reserve(const QuantKernelTable& K, int64_t n_tokens, int64_t k, bool k_quants, bool others);
+  void quantize(const QuantKernelTable& K, int64_t row, const float* x);
+  QuantActs at(int64_t row) const;
+
+ private:
+  int64_t k_ = 0;
+  bool i16_ = false, i8_ = false;
+  std::vector<int16_t> q_, b8_;
+  std::vector<float> d_, s_, d8_;
+  std::vector<int8_t> q8_;
 };
 
 // The kernels of one instruction set; threading lives in quant_dispatch.cpp.
 struct QuantKernelTable {
   const char* name;
   void (*quantize_acts)(const float* x, int64_t k, int16_t* q, float* d, float* s);  // one token
+  // One token in the int8 form (QuantActs' q8, d8, b8); null where the K-quants read the int16 form.
+  void (*quantize_acts8)(const float* x, int64_t k, int8_t* q, float* d, int16_t* bsum);
   // Rows [row_begin, row_end) of y, every token.
   void (*matmul_rows)(const QuantMatmulProblem&, const QuantActs&, int64_t row_begin, int64_t row_end);
   void (*dequantize_row)(const uint8_t* w, QType type, int64_t k, float* out);  // k floats

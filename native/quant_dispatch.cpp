@@ -89,27 +89,51 @@ int supported_quant_isas(const char** names, int capacity) {
   return n;
 }
 
+void QuantActsBuffer::reserve(const QuantKernelTable& K, int64_t n_tokens, int64_t k, bool k_quants, bool others) {
+  k_ = k;
+  i8_ = k_quants && K.quantize_acts8;
+  i16_ = others || (k_quants && !K.quantize_acts8);
+  auto fit = [](auto& v, int64_t n) {
+    if (v.size() < size_t(n)) v.resize(size_t(n));
+  };
+  if (i16_) fit(q_, n_tokens * k), fit(d_, n_tokens * (k / kQBlock)), fit(s_, n_tokens * (k / kQBlock));
+  if (i8_) fit(q8_, n_tokens * k), fit(d8_, n_tokens * (k / kQKBlock)), fit(b8_, n_tokens * (k / 16));
+}
+
+void QuantActsBuffer::quantize(const QuantKernelTable& K, int64_t row, const float* x) {
+  const int64_t nb = k_ / kQBlock;
+  if (i16_) K.quantize_acts(x, k_, q_.data() + row * k_, d_.data() + row * nb, s_.data() + row * nb);
+  if (i8_) K.quantize_acts8(x, k_, q8_.data() + row * k_, d8_.data() + row * (k_ / kQKBlock), b8_.data() + row * (k_ / 16));
+}
+
+QuantActs QuantActsBuffer::at(int64_t row) const {
+  QuantActs A{nullptr, nullptr, nullptr};
+  const int64_t nb = k_ / kQBlock;
+  if (i16_) A.q = q_.data() + row * k_, A.d = d_.data() + row * nb, A.s = s_.data() + row * nb;
+  if (i8_) A.q8 = q8_.data() + row * k_, A.d8 = d8_.data() + row * (k_ / kQKBlock), A.b8 = b8_.data() + row * (k_ / 16);
+  return A;
+}
+
 void quant_matmul(const QuantMatmulProblem* parts, int n_parts, int n_threads) {
   if (n_parts <= 0) return;
   const QuantKernelTable& K = active_quant_table();
   const int nt = n_threads > 0 ? n_threads : default_threads();
   const QuantMatmulProblem& P = parts[0];  // x, n_tokens, k: the same in every part
-  const int64_t nb = P.k / kQBlock;
   int64_t total_rows = 0;
-  for (int i = 0; i < n_parts; ++i) total_rows += parts[i].n_rows;
-  static thread_local std::vector<int16_t> q_buf;
-  static thread_local std::vector<float> d_buf, s_buf;
-  if (q_buf.size() < size_t(P.n_tokens * P.k)) q_buf.resize(size_t(P.n_tokens * P.k));
-  if (d_buf.size() < size_t(P.n_tokens * nb)) d_buf.resize(size_t(P.n_tokens * nb)), s_buf.resize(d_buf.size());
-  int16_t* q = q_buf.data();
-  float *d = d_buf.data(), *s = s_buf.data();
-  const QuantActs A{q, d, s};
+  bool k_quants = false, others = false;
+  for (int i = 0; i < n_parts; ++i) total_rows += parts[i].n_rows, (is_kquant(parts[i].type) ? k_quants : others) = true;
+  // the calling thread's, named through a reference: inside the region the bare name would be each
+  // team thread's own copy
+  static thread_local QuantActsBuffer buffer;
+  QuantActsBuffer& acts = buffer;
+  acts.reserve(K, P.n_tokens, P.k, k_quants, others);
+  const QuantActs A = acts.at(0);
   const bool parallel = nt > 1 && total_rows >= kMinParallelRows;
 
 #pragma omp parallel num_threads(nt) if (parallel)
   {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < P.n_tokens; ++t) K.quantize_acts(P.x + t * P.x_stride, P.k, q + t * P.k, d + t * nb, s + t * nb);
+    for (int64_t t = 0; t < P.n_tokens; ++t) acts.quantize(K, t, P.x + t * P.x_stride);
 #if defined(_OPENMP)
     const int n_teams = omp_get_num_threads(), me = omp_get_thread_num();
 #else

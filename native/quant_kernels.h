@@ -11,7 +11,8 @@
 // question changed ("L'Étoile, la Marseillaise …" instead of "The capital of France is Paris."),
 // and vpmaddwd takes a block in one 512-bit instruction all the same. Each block's int32 sums become
 // float and are scaled by d·a_d into the token's float lanes (one convert, one FMA per block and
-// token). Tokens run in groups (kGroup) over a chunk of rows, so a row's blocks are unpacked once per
+// token). The exception: AVX2's K-quant products read the activations as int8, one scale per 256
+// values (quantize_acts8, kquant_kernels.h's ksuper_tile_i8 says why), as llama.cpp's do. Tokens run in groups (kGroup) over a chunk of rows, so a row's blocks are unpacked once per
 // group and re-read from L1 by the next group.
 //
 // Every type is read through a decoder, Decode<TY>::at(block, j, s, c): sub-block j's 32 small integers q
@@ -51,6 +52,39 @@ void quantize_acts(const float* x, int64_t k, int16_t* q, float* d, float* s) {
     s[b] = d[b] * float(sum);
   }
 }
+
+#if defined(TANDEM_QUANT_AVX2)
+// One token's activations → the int8 form the AVX2 K-quant products read (QuantActs' q8, d8, b8):
+// d = max|x|/127 per 256 values (0 for an all-zero one), q = x/d rounded to nearest even (vcvtps2dq
+// under the default rounding mode), and Σq over each 16 values.
+void quantize_acts8(const float* x, int64_t k, int8_t* q, float* d, int16_t* bsum) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < k / kQKBlock; ++b) {
+    const float* xb = x + b * kQKBlock;
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < kQKBlock; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + j), abs_mask));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    d[b] = amax / 127.0f;
+    int8_t* qb = q + b * kQKBlock;
+    for (int j = 0; j < kQKBlock; j += 32) {
+      __m256i i[4];
+      for (int v = 0; v < 4; ++v) i[v] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8 * v), inv));
+      // the packs work per 128-bit lane: dwords come out as 0 4 1 5 2 6 3 7 of the wanted order
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + j),
+                          _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+    for (int g = 0; g < kQKBlock / 16; ++g) {
+      int sum = 0;
+      for (int j = 0; j < 16; ++j) sum += qb[16 * g + j];
+      bsum[b * (kQKBlock / 16) + g] = int16_t(sum);
+    }
+  }
+}
+#endif
 
 #include "quant_vectors.h"
 
@@ -159,7 +193,11 @@ template <QType TY, int NT, int R>
 TANDEM_ALWAYS_INLINE void rows_tile(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int64_t r) {
   using D = Decode<TY>;
   if constexpr (D::kSub == kKSub) {
+#if defined(TANDEM_QUANT_AVX2)
+    ksuper_tile_i8<TY, NT, R>(P, A, t0, r);  // the int8 form (kquant_kernels.h)
+#else
     ksuper_tile<TY, NT, R>(P, A, t0, r);
+#endif
     return;
   }
   const int64_t nb = P.k / kQBlock, bytes = qblock_bytes(int(TY));

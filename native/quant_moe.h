@@ -93,22 +93,20 @@ inline void for_rows_of_part(int64_t n_segments, int64_t seg_rows, int part, int
 // A set's scratch, kept by the calling thread (the native worker) between calls.
 struct QuantMoeBuffers {
   std::vector<int64_t> active, first;  // experts with pairs; each one's first pair, then the total
-  std::vector<int16_t> qx, qh;         // (pairs, H), (pairs, I) quantised rows
-  std::vector<float> dx, sx, dh, sh;   // (pairs, H/32), (pairs, I/32) block factors
+  QuantActsBuffer ax, ah;              // (pairs, H), (pairs, I) quantised rows
   std::vector<float> gate, up, y;      // (pairs, I), (pairs, I), (pairs, H)
 };
 
 inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
   check_quant_moe(p);
   const QuantKernelTable& K = active_quant_table();
-  const int64_t H = p.hidden, I = p.inter, nbH = H / kQBlock, nbI = I / kQBlock;
+  const int64_t H = p.hidden, I = p.inter;
   // Reused across calls on this thread (the native worker): no allocation once sizes settle.
   // Thread-locals of the calling thread, named through these references: inside the parallel region
   // the bare names would be each team thread's own (empty) copies.
   static thread_local QuantMoeBuffers buffers;
   auto &active = buffers.active, &first = buffers.first;
-  auto &qx = buffers.qx, &qh = buffers.qh;
-  auto &dx = buffers.dx, &sx = buffers.sx, &dh = buffers.dh, &sh = buffers.sh;
+  auto &ax = buffers.ax, &ah = buffers.ah;
   auto &gate = buffers.gate, &up = buffers.up, &y = buffers.y;
   active.clear(), first.clear();
   int64_t pairs = 0;
@@ -119,8 +117,10 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
   if (pairs == 0) return;
   first.push_back(pairs);
   auto fit = [](auto& v, int64_t n) { if (v.size() < size_t(n)) v.resize(size_t(n)); };
-  fit(qx, pairs * H), fit(dx, pairs * nbH), fit(sx, pairs * nbH), fit(y, pairs * H);
-  fit(qh, pairs * I), fit(dh, pairs * nbI), fit(sh, pairs * nbI), fit(gate, pairs * I), fit(up, pairs * I);
+  fit(y, pairs * H), fit(gate, pairs * I), fit(up, pairs * I);
+  ax.reserve(K, pairs, H, is_kquant(p.gate_type) || is_kquant(p.up_type),
+             !is_kquant(p.gate_type) || !is_kquant(p.up_type));
+  ah.reserve(K, pairs, I, is_kquant(p.down_type), !is_kquant(p.down_type));
   const int64_t J = int64_t(active.size());
   const int nt = n_threads > 0 ? n_threads : default_threads();
 
@@ -137,7 +137,7 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
     // 1. each pair's token row, quantised per block (the gate and up products read it)
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < pairs; ++i)
-      K.quantize_acts(p.x + p.tokens[i] * p.x_stride, H, qx.data() + i * H, dx.data() + i * nbH, sx.data() + i * nbH);
+      ax.quantize(K, i, p.x + p.tokens[i] * p.x_stride);
 
     // 2. gate and up: segment 2a is expert a's gate (I rows), 2a+1 its up
     for_rows_of_part(2 * J, I, part, parts, [&](int64_t seg, int64_t r0, int64_t r1) {
@@ -147,7 +147,7 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
       const QType type = is_up ? p.up_type : p.gate_type;
       float* out = (is_up ? up : gate).data() + f * I;
       const QuantMatmulProblem P{is_up ? e.up : e.gate, type, I, H, quant_row_bytes(type, H), nullptr, n, H, out, I};
-      K.matmul_rows(P, QuantActs{qx.data() + f * H, dx.data() + f * nbH, sx.data() + f * nbH}, r0, r1);
+      K.matmul_rows(P, ax.at(f), r0, r1);
     });
 #pragma omp barrier
 
@@ -169,7 +169,7 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
           g[c] = gc / (1.0f + std::exp(-gc)) * uc;
         }
       }
-      K.quantize_acts(g, I, qh.data() + i * I, dh.data() + i * nbI, sh.data() + i * nbI);
+      ah.quantize(K, i, g);
     }
 
     // 4. down: segment a is expert a's down (H rows)
@@ -178,7 +178,7 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
       const int64_t f = first[size_t(a)];
       const QuantMatmulProblem P{e.down, p.down_type, H, I, quant_row_bytes(p.down_type, I), nullptr, e.n_pairs, I,
                                  y.data() + f * H, H};
-      K.matmul_rows(P, QuantActs{qh.data() + f * I, dh.data() + f * nbI, sh.data() + f * nbI}, r0, r1);
+      K.matmul_rows(P, ah.at(f), r0, r1);
     });
 #pragma omp barrier
 

@@ -6,6 +6,8 @@
 //   FVec   float lanes of a running dot product (one lane for the scalar set)
 //   F8     8 floats: a K-quant super-block's per-sub-block factors (kquant_kernels.h)
 //   Sc16   Q6_K's 16 int8 scales of a super-block, held for picking each sub-block's pair
+//   I32x8  (AVX2 only) 8 int32 lanes of a K-quant super-block's integer dot over int8 activations:
+//          dot_u8s8 (vpmaddubsw, then vpmaddwd by the sub-block's scale words), pick_words, or_shifted
 //
 // A type's decoder (quant_kernels.h, kquant_kernels.h) is written once in these operations; only this
 // file differs between AVX-512, AVX2 and the scalar loops.
@@ -210,14 +212,18 @@ TANDEM_ALWAYS_INLINE float f8_hsum(F8 v) {
 //   scales 0–3 = u0 & 63, 4–7 = (u2 & 15) | (u0 >> 6 & 3) << 4;  mins 0–3 = u1 & 63, 4–7 = (u2 >> 4 & 15) | (u1 >> 6 & 3) << 4
 // ((u >> 6 & 3) << 4 per byte is u >> 2 & 0x30: the bits that shift in from the next byte are masked.)
 // Reads 16 bytes: the 4 after the scales are the block's own quants.
-TANDEM_ALWAYS_INLINE void kscales8(const uint8_t* scales, F8& sc, F8& m) {
+// kscale_bytes: bytes 0–7 the scales, 8–15 the mins, as u8; kscales8: the same as floats.
+TANDEM_ALWAYS_INLINE __m128i kscale_bytes(const uint8_t* scales) {
   const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales));
   const __m128i low = _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0));   // u0, u2, u1, u2
   const __m128i high = _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0));  // u0, u0, u1, u1
   const __m128i lo = _mm_and_si128(_mm_srlv_epi32(low, _mm_setr_epi32(0, 0, 0, 4)),
                                    _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
   const __m128i hi = _mm_and_si128(_mm_srli_epi32(high, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-  const __m128i both = _mm_or_si128(lo, hi);  // bytes 0–7 the scales, 8–15 the mins
+  return _mm_or_si128(lo, hi);
+}
+TANDEM_ALWAYS_INLINE void kscales8(const uint8_t* scales, F8& sc, F8& m) {
+  const __m128i both = kscale_bytes(scales);
   sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both));
   m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(both, both)));
 }
@@ -385,6 +391,34 @@ TANDEM_ALWAYS_INLINE void store_block_bf16(uint16_t* out, const WVec& w, float s
     const __m256i packed = _mm256_packus_epi32(bf16_lanes(v[2 * h]), bf16_lanes(v[2 * h + 1]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h), _mm256_permute4x64_epi64(packed, 0xD8));
   }
+}
+
+// -- the K-quants' int8 products (kquant_kernels.h's ksuper_tile_i8): u8 weights × s8 activations --
+using I32x8 = __m256i;  // 8 int32 lanes of a super-block's running integer dot
+TANDEM_ALWAYS_INLINE I32x8 i32_zero() { return _mm256_setzero_si256(); }
+TANDEM_ALWAYS_INLINE I32x8 i32_add(I32x8 a, I32x8 b) { return _mm256_add_epi32(a, b); }
+// 32 weights q (u8, ≤ 63) against 32 activations (s8, |a| ≤ 127): vpmaddubsw sums adjacent pairs to
+// int16 (|2·63·128| < 2^15: it never saturates), then vpmaddwd multiplies word i by scale word i
+// and sums pairs again: 8 int32 lanes, Σ q·a·scale over the 32 weights.
+TANDEM_ALWAYS_INLINE I32x8 dot_u8s8(Bytes q, const int8_t* a, __m256i scale) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), scale);
+}
+// Word lo of v's low 128-bit lane in all of that lane, word hi of its high lane in all of it (the
+// maddubs words of weights 0…15 sit in the low lane, of 16…31 in the high one).
+TANDEM_ALWAYS_INLINE __m256i pick_words(__m256i v, int lo, int hi) {
+  return _mm256_shuffle_epi8(v, _mm256_setr_m128i(_mm_set1_epi16(int16_t(0x0100 + 0x0202 * lo)),
+                                                  _mm_set1_epi16(int16_t(0x0100 + 0x0202 * hi))));
+}
+// a | ((v shifted left by `left`, right when negative) & mask) in every byte: a bit field of v moved
+// into place above a nibble (16-bit shifts: what comes in from the neighbouring byte lies outside
+// mask, as long as mask's bits stay within the shifted field's).
+TANDEM_ALWAYS_INLINE Bytes or_shifted(Bytes a, Bytes v, int left, uint8_t mask) {
+  const __m256i moved = left >= 0 ? _mm256_slli_epi16(v, left) : _mm256_srli_epi16(v, -left);
+  return _mm256_or_si256(a, _mm256_and_si256(moved, _mm256_set1_epi8(char(mask))));
+}
+// acc + float(lanes)·f
+TANDEM_ALWAYS_INLINE FVec fmadd_i32(I32x8 lanes, float f, FVec acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(f), acc);
 }
 #endif
 #endif

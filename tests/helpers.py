@@ -103,3 +103,34 @@ def stepped_logits(engine, ids: list[int], prefill: int):
     finally:
         kv.free(sid)
     return torch.cat(rows).float().cpu()
+
+
+# Logits of a model over GGUF blocks against the same file dequantised to float32, as a fraction of
+# max |logit|. The int16 form of the activations (per 32 values, at most 2^-16 of the block's largest
+# value) compounds to some 1e-4 over a tiny model's layers (observed 4e-5): held to 1e-3. AVX2's
+# K-quant products read them as int8 per 256 values (native/kquant_kernels.h: at most max|x_b|/254 a
+# value, llama.cpp's Q8_K), 2^8 times coarser and over 8 times as many values a scale: observed up to
+# 1.1e-2 of max |logit| on the tiny test models and 2.0e-2 on one random MoE layer: held to 4e-2.
+INT16_LOGIT_TOL, INT8_LOGIT_TOL = 1e-3, 4e-2
+
+
+def quant_logit_tolerance() -> float:
+    """INT8_LOGIT_TOL where the active native kernels read K-quant activations as int8, else INT16's."""
+    from engine.kernels import native
+
+    nat = native.module()
+    int8 = nat is not None and hasattr(nat, "quant_isa") and nat.quant_isa() == "avx2"
+    return INT8_LOGIT_TOL if int8 else INT16_LOGIT_TOL
+
+
+def greedy_follows(quant, ref, prompt: list[int], n: int) -> bool:
+    """Whether `quant`'s greedy continuation is `ref`'s, or leaves it only where the two tokens were a
+    near tie in `ref`'s own logits (within quant_logit_tolerance() of max |logit|): the rounding of
+    int8 activations may swap such a pair, and the continuations then go their own ways."""
+    got, want = quant.generate_ids(prompt, n), ref.generate_ids(prompt, n)
+    if got == want:
+        return True
+    i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+    row = stepped_logits(ref, prompt + want[:i], len(prompt) + i)[-1]
+    gap = float(row[want[i]] - row[got[i]])
+    return 0.0 <= gap <= quant_logit_tolerance() * float(row.abs().max())

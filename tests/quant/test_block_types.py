@@ -4,7 +4,8 @@ The blocks are random bytes (every bit pattern of the nibbles, high bits and pac
 fp16 scales in their places, so no quantiser stands between the test and the layout.
 
 Tolerance: the activations are quantised per 32-block to int16 (d = max|x_b|/32767, round to nearest),
-so each x_j moves by at most d/2 and an output by at most Σ_b d_b/2 · Σ_{j∈b} |w_j|; fp32 rounding of
+so each x_j moves by at most d/2 and an output by at most Σ_b d_b/2 · Σ_{j∈b} |w_j| (AVX2's K-quant
+products: int8 per 256-block, d = max|x_b|/127, the same sum over 256-blocks; INT8_ISAS); fp32 rounding of
 the sums (and Q6_K's int32 lanes, up to 2^28, converted to float: 2^-24 of themselves) stays under
 1e-5 of Σ|w||x|. That bound is what every element is held to. The weights are exact: the kernels'
 dequantisation equals gguf's bit for bit.
@@ -40,12 +41,27 @@ def random_blocks(rows: int, cols: int, qtype, seed: int = 0) -> np.ndarray:
     return data.reshape(rows, -1)
 
 
-def _bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
-    """(n, rows): the largest error the int16 activation rounding can cause, plus fp32's share."""
+# The ISAs whose K-quant products read the activations as int8 with one scale per 256 values
+# (native/kquant_kernels.h's ksuper_tile_i8, AVX2 only): d = max|x_b|/127 over each 256-block b, so
+# each x_j moves by up to d/2 (max|x_b|/254) and an output by Σ_b d_b/2 · Σ_{j∈b} |w_j|, 258 times
+# the int16 bound's reach (127 against 32767, per 256 values against per 32).
+INT8_ISAS = {"avx2"}
+K_QUANTS = {int(T.Q4_K), int(T.Q5_K), int(T.Q6_K)}
+
+
+def int8_form(isa, qtype) -> bool:
+    """Whether `isa`'s products over `qtype` blocks read the int8 form of the activations."""
+    return isa in INT8_ISAS and qtype is not None and int(qtype) in K_QUANTS
+
+
+def _bound(x: torch.Tensor, w: np.ndarray, isa=None, qtype=None) -> torch.Tensor:
+    """(n, rows): the largest error the activations' rounding can cause (int16 per 32, or int8 per 256
+    where `isa` reads `qtype` so), plus fp32's share."""
     n, cols = x.shape
-    d = x.reshape(n, cols // 32, 32).abs().amax(-1) / 32767  # (n, blocks)
+    group, top = (256, 127) if int8_form(isa, qtype) else (32, 32767)
+    d = x.reshape(n, cols // group, group).abs().amax(-1) / top  # (n, blocks)
     wabs = torch.from_numpy(np.abs(w))
-    return (d / 2) @ wabs.reshape(w.shape[0], cols // 32, 32).sum(-1).t() + 1e-5 * (x.abs() @ wabs.t()) + 1e-6
+    return (d / 2) @ wabs.reshape(w.shape[0], cols // group, group).sum(-1).t() + 1e-5 * (x.abs() @ wabs.t()) + 1e-6
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -58,7 +74,7 @@ def test_matmul_matches_dequantised_fp32(every_isa, qtype, rows, cols, n_tokens)
     ref = x @ torch.from_numpy(ref_w).t()
     y = qm.quant_linear(x, w)
     assert y.shape == (n_tokens, rows) and y.dtype == torch.float32
-    assert ((y - ref).abs() <= _bound(x, ref_w)).all(), float((y - ref).abs().max())
+    assert ((y - ref).abs() <= _bound(x, ref_w, every_isa, qtype)).all(), float((y - ref).abs().max())
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -77,7 +93,7 @@ def test_the_prefill_path_and_extreme_blocks(every_isa, qtype):
     ref = x @ torch.from_numpy(ref_w).t()
     for n in (4, 24):
         y = qm.quant_linear(x[:n], w)
-        assert ((y - ref[:n]).abs() <= _bound(x[:n], ref_w)).all(), float((y - ref[:n]).abs().max())
+        assert ((y - ref[:n]).abs() <= _bound(x[:n], ref_w, every_isa, qtype)).all(), float((y - ref[:n]).abs().max())
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

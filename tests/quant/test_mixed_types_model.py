@@ -5,7 +5,9 @@ Logit tolerance: every product over blocks rounds its activations to int16 per 3
 of the block's largest value, about 1.5e-5 of Σ|w||x| per output (test_block_types.py); through two
 layers of 7 products and the head that compounds to some 1e-4 of the logits' scale. Observed 4e-5 of
 max |logit| over the tiny model's decode steps (its prefill, over dequantised tiles, matched exactly);
-held to 1e-3 of it.
+held to 1e-3 of it. AVX2's K-quant products read int8 activations instead (per 256 values, llama.cpp's
+Q8_K): held to 4e-2, and a greedy answer may leave the dequantised one at a near tie
+(helpers.quant_logit_tolerance, greedy_follows).
 """
 
 import logging
@@ -15,6 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
+from helpers import greedy_follows, quant_logit_tolerance
 from helpers import stepped_logits as logits
 
 from engine.api import Engine, EngineConfig
@@ -105,8 +108,8 @@ def test_mixed_model_logits_follow_the_dequantised_one(tmp_path, float_q_layer):
     for prefill in (len(PROMPT), 12):
         got, want = logits(quant, PROMPT, prefill), logits(ref, PROMPT, prefill)
         scale = float(want.abs().max())
-        assert scale > 0.1 and float((got - want).abs().max()) <= 1e-3 * scale
-    assert quant.generate_ids(PROMPT, 8) == ref.generate_ids(PROMPT, 8)
+        assert scale > 0.1 and float((got - want).abs().max()) <= quant_logit_tolerance() * scale
+    assert greedy_follows(quant, ref, PROMPT, 8)
 
 
 @pytest.mark.parametrize("up_type", [None, T.Q6_K], ids=["gate-up-alike", "gate-up-differ"])
@@ -142,7 +145,7 @@ def _check_real_file(path, expect_types: set[str]):
     found = {m.qweight.qtype.name for m in model.modules() if isinstance(m, QuantLinear)}
     assert expect_types <= found, found
     prompt = quant.tokenize("The capital of France is")
-    assert quant.generate_ids(prompt, 10) == ref.generate_ids(prompt, 10)
+    assert greedy_follows(quant, ref, prompt, 10)
     quant.close(), ref.close()
 
 

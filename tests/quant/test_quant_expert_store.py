@@ -3,14 +3,16 @@ block is the expert's gate, up and down bytes as the file has them, fills move t
 dequantise into the slots, the CPU set computes over the blocks in place; the engine's output follows
 the same file dequantised to float32 under every offload policy (simulated hybrid on the CPU).
 
-Logit tolerance as in test_quant_experts_gguf.py (1e-3 of max |logit|): the CPU set's products round
-their activations to int16 per 32-block; slots hold the exact dequantised weights.
+Logit tolerance as in test_quant_experts_gguf.py (helpers.quant_logit_tolerance: 1e-3 of max |logit|,
+4e-2 where AVX2's K-quant products read int8 activations): the CPU set's products round their
+activations; slots hold the exact dequantised weights.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import greedy_follows, quant_logit_tolerance
 from helpers import stepped_logits as logits
 from test_quant_experts_gguf import PROMPT, engine_for, file_expert_bytes, write_quantised
 
@@ -114,8 +116,8 @@ def test_offloaded_quantised_experts_follow_the_dequantised_file(files, policy):
         for prefill in (len(PROMPT), 12):
             got, want = logits(quant, PROMPT, prefill), logits(ref, PROMPT, prefill)
             scale = float(want.abs().max())
-            assert scale > 0.1 and float((got - want).abs().max()) <= 1e-3 * scale
-        assert quant.generate_ids(PROMPT, 8) == ref.generate_ids(PROMPT, 8)
+            assert scale > 0.1 and float((got - want).abs().max()) <= quant_logit_tolerance() * scale
+        assert greedy_follows(quant, ref, PROMPT, 8)
         stats = experts.telemetry()
         assert "Q4_K" in stats["store_types"]
         assert stats["zero_copy"] == {"off": "needs CUDA and Triton" if policy == "adaptive" else f"policy {policy}"}
@@ -172,7 +174,7 @@ def test_offloaded_mxfp4_experts_with_their_form_follow_the_dequantised_file(tmp
         assert experts.forms  # the layers' biases and clamp
         got, want = logits(quant, PROMPT, len(PROMPT)), logits(ref, PROMPT, len(PROMPT))
         scale = float(want.abs().max())
-        assert scale > 0.1 and float((got - want).abs().max()) <= 1e-3 * scale
+        assert scale > 0.1 and float((got - want).abs().max()) <= quant_logit_tolerance() * scale
     finally:
         quant.close()
         ref.close()

@@ -5,7 +5,8 @@ QuantResidentExperts, and the model computes what the same file dequantised to f
 Logit tolerance, as in test_mixed_types_model.py: every product over blocks rounds its activations to
 int16 per 32-block (at most 2^-16 of the block's largest value, about 1.5e-5 of Σ|w||x| per output);
 through two layers of attention, two expert products in sequence and the head that compounds to some
-1e-4 of the logits' scale; held to 1e-3 of max |logit|. Prefill of more than 16 tokens runs dequantised
+1e-4 of the logits' scale; held to 1e-3 of max |logit| (4e-2 where AVX2's K-quant products read
+int8 activations: helpers.quant_logit_tolerance says why; greedy_follows for the generations). Prefill of more than 16 tokens runs dequantised
 tiles (exact up to summation order), the decode steps the integer kernels.
 """
 
@@ -15,6 +16,7 @@ import logging
 
 import pytest
 import torch
+from helpers import greedy_follows, quant_logit_tolerance
 from helpers import stepped_logits as logits
 
 from engine.api import Engine, EngineConfig
@@ -131,8 +133,8 @@ def test_model_over_expert_blocks_follows_the_dequantised_one(files, key):
         for prefill in (len(PROMPT), 12):
             got, want = logits(quant, PROMPT, prefill), logits(ref, PROMPT, prefill)
             scale = float(want.abs().max())
-            assert scale > 0.1 and float((got - want).abs().max()) <= 1e-3 * scale
-        assert quant.generate_ids(PROMPT, 8) == ref.generate_ids(PROMPT, 8)
+            assert scale > 0.1 and float((got - want).abs().max()) <= quant_logit_tolerance() * scale
+        assert greedy_follows(quant, ref, PROMPT, 8)
         assert "Q" in experts.telemetry()["kernel"]
         assert quant.stats().to_dict()["kernels"]["cpu_experts"] == experts.telemetry()["kernel"]  # the panel's
     finally:

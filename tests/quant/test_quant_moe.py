@@ -4,7 +4,8 @@ the per-expert loop over the same blocks and against fp32 experts dequantised fr
 Tolerances: against the loop, the same products over the same blocks, so only SiLU's last bit and the
 order of the weighted sum differ (the down product's int16 activations then round differently in rare
 blocks): 1e-5 of the output scale. Against fp32 weights, the activations' int16 rounding per 32-block
-(at most 2^-16 of the block's largest value per product, two products in sequence): 1e-3 of the scale.
+(at most 2^-16 of the block's largest value per product, two products in sequence): 1e-3 of the scale;
+4e-2 where AVX2's K-quant products read int8 activations per 256 values (helpers.quant_logit_tolerance).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from helpers import quant_logit_tolerance
 from test_block_types import random_blocks
 
 from engine.kernels import experts_cpu
@@ -75,7 +77,7 @@ def test_one_native_call_is_the_loop(experts, n):
             e = int(ids[t, j])
             h = gate_up.experts[e].dequantize() @ x[t]
             dense[t] += w[t, j] * (down.experts[e].dequantize() @ (torch.nn.functional.silu(h[:I]) * h[I:]))
-    assert float((got - dense).abs().max()) <= 1e-3 * float(dense.abs().max())
+    assert float((got - dense).abs().max()) <= quant_logit_tolerance() * float(dense.abs().max())
 
 
 @pytest.mark.parametrize("threads", [3, 7, 64])

@@ -36,7 +36,7 @@ def test_mixed_parts_equal_their_products_side_by_side(every_isa, n_tokens):
     y = qm.quant_linear(x, QuantRows(tensors, "qkv"))
     ref = x @ torch.from_numpy(w).t()
     assert y.shape == (n_tokens, 114)
-    assert ((y - ref).abs() <= _bound(x, w)).all(), float((y - ref).abs().max())
+    assert ((y - ref).abs() <= _bound(x, w, every_isa, T.Q4_K)).all(), float((y - ref).abs().max())  # all K-quants
 
 
 def test_parts_take_a_bias_and_keep_the_leading_dims(every_isa):
@@ -46,7 +46,7 @@ def test_parts_take_a_bias_and_keep_the_leading_dims(every_isa):
     y = qm.quant_linear(x, QuantRows(tensors), bias)
     ref = x @ torch.from_numpy(w).t() + bias
     assert y.shape == (2, 3, 16)
-    assert torch.allclose(y, ref, atol=1e-3, rtol=1e-3)
+    assert ((y - ref).abs() <= _bound(x.reshape(6, 256), w, every_isa, T.Q4_K).reshape(2, 3, 16)).all()
 
 
 @needs_native
