@@ -10,9 +10,12 @@ The rounding is the reference's (engine/models/common.py): the norm normalises i
 activations' dtype and multiplies by the weight in that dtype; RoPE rounds x·cos and rotate_half(x)·sin
 to the dtype and adds them; both are rope_gpu.rope_heads, which rope() uses too.
 
-    qk_norm_rope(qkv, n_heads, n_kv_heads, cos, sin, q_weight, k_weight, eps) -> q, k, v
+    qk_norm_rope(qkv, n_heads, n_kv_heads, cos, sin, q_weight, k_weight, eps, store=None) -> q, k, v
         qkv (B, T, (nh + 2·n_kv)·hs) contiguous, q first, then k, then v; cos, sin (B, 1, T, hs)
         contiguous; q_weight, k_weight (hs,) or None (no norm) → q (B, T, nh, hs), k, v (B, T, n_kv, hs)
+        store: (k_cache, v_cache (slots, n_kv, hs) contiguous, rows (B·T,) int64 on the device): k and v
+        are written to their cache rows instead (a decode step's KV store, two kernels fewer a layer)
+        and come back None.
 """
 
 from __future__ import annotations
@@ -37,19 +40,21 @@ def available(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _qkv_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, n_heads, n_kv, hs, eps,
-                    NORM: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HS: tl.constexpr):
+    def _qkv_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, rows_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, n_heads, n_kv, hs,
+                    eps, NORM: tl.constexpr, STORE: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                    HS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # one token: b · T + t
         src_row = (n_heads + 2 * n_kv) * hs
+        kv_row = tl.load(rows_ptr + row) if STORE else row  # with STORE k_ptr, v_ptr are the caches
         rope_heads(qkv_ptr, q_ptr, qw_ptr, cos_ptr, sin_ptr, row, src_row, n_heads, hs, eps, NORM, True, Q_HEADS, HS)
         rope_heads(qkv_ptr + n_heads * hs, k_ptr, kw_ptr, cos_ptr, sin_ptr, row, src_row, n_kv, hs, eps,
-                   NORM, True, KV_HEADS, HS)
+                   NORM, True, KV_HEADS, HS, kv_row)
         rope_heads(qkv_ptr + (n_heads + n_kv) * hs, v_ptr, kw_ptr, cos_ptr, sin_ptr, row, src_row, n_kv, hs, eps,
-                   False, False, KV_HEADS, HS)  # v: copied out as it is
+                   False, False, KV_HEADS, HS, kv_row)  # v: copied out as it is
 
 
 def qk_norm_rope(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float):
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, store=None):
     B, T, width = qkv.shape
     hs = width // (n_heads + 2 * n_kv_heads)
     assert width == (n_heads + 2 * n_kv_heads) * hs and hs % 2 == 0, "qkv: (B, T, (nh + 2·n_kv)·hs)"
@@ -57,11 +62,17 @@ def qk_norm_rope(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Te
     norm = q_weight is not None
     assert norm == (k_weight is not None) and (not norm or q_weight.shape == k_weight.shape == (hs,))
     q = qkv.new_empty(B, T, n_heads, hs)
-    k = qkv.new_empty(B, T, n_kv_heads, hs)
-    v = qkv.new_empty(B, T, n_kv_heads, hs)
+    if store is None:
+        k = qkv.new_empty(B, T, n_kv_heads, hs)
+        v = qkv.new_empty(B, T, n_kv_heads, hs)
+        rows = k  # any pointer stands in when unused
+    else:
+        k, v, rows = store
+        assert k.shape[1:] == v.shape[1:] == (n_kv_heads, hs) and k.is_contiguous() and v.is_contiguous()
+        assert rows.shape == (B * T,) and rows.dtype == torch.int64 and rows.device == qkv.device
     if B * T:
         qw, kw = (q_weight, k_weight) if norm else (cos, cos)  # any pointer stands in when unused
-        _qkv_kernel[(B * T,)](qkv, q, k, v, qw, kw, cos, sin, n_heads, n_kv_heads, hs, eps, NORM=norm,
-                              Q_HEADS=triton.next_power_of_2(n_heads),
+        _qkv_kernel[(B * T,)](qkv, q, k, v, rows, qw, kw, cos, sin, n_heads, n_kv_heads, hs, eps, NORM=norm,
+                              STORE=store is not None, Q_HEADS=triton.next_power_of_2(n_heads),
                               KV_HEADS=triton.next_power_of_2(n_kv_heads), HS=triton.next_power_of_2(hs))
-    return q, k, v
+    return (q, k, v) if store is None else (q, None, None)

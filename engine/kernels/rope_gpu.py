@@ -30,9 +30,10 @@ if triton is not None:
 
     @triton.jit
     def rope_heads(src_ptr, dst_ptr, w_ptr, cos_ptr, sin_ptr, row, src_row, n_heads, hs, eps,
-                   NORM: tl.constexpr, ROPE: tl.constexpr, HEADS: tl.constexpr, HS: tl.constexpr):
+                   NORM: tl.constexpr, ROPE: tl.constexpr, HEADS: tl.constexpr, HS: tl.constexpr, dst_row=None):
         """One token's n_heads heads of hs, from src (row stride src_row elements) to dst (contiguous
-        heads): with NORM each head RMS-normalised over hs with weight w (the reference's rounding,
+        heads; row dst_row of dst, `row` where None: a KV cache's slot takes another index than the
+        token's): with NORM each head RMS-normalised over hs with weight w (the reference's rounding,
         engine/kernels/rmsnorm_gpu.py), then with ROPE rotated. Also used by qkv_rope_gpu."""
         h = tl.arange(0, HEADS)
         d = tl.arange(0, HS)
@@ -59,7 +60,8 @@ if triton is not None:
             a = (x.to(tl.float32) * c[None, :]).to(dtype).to(tl.float32)
             b = (xr.to(tl.float32) * sign[None, :] * s[None, :]).to(dtype).to(tl.float32)
             x = (a + b).to(dtype)
-        tl.store(dst_ptr + row * n_heads * hs + h[:, None] * hs + d[None, :], x, mask=ok)
+        out_row = row if dst_row is None else dst_row
+        tl.store(dst_ptr + out_row * n_heads * hs + h[:, None] * hs + d[None, :], x, mask=ok)
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_heads, hs, HEADS: tl.constexpr, HS: tl.constexpr):

@@ -51,6 +51,12 @@ class KVBackend(ABC):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (B, nh, T, hs); k, v: (B, n_kv, T, hs) of the new tokens → (B, nh, T, hs)."""
 
+    def decode_store(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where the begun step's new K and V rows of `layer` go, for a projection kernel that writes
+        them there itself: (k_cache, v_cache (slots, n_kv, hs) contiguous, rows (B·T,) int64 on the
+        device), after which `attend` takes k = v = None. None: attend stores k and v (the default)."""
+        return None
+
     @abstractmethod
     def end_step(self) -> None:
         """Commit the step's tokens."""

@@ -164,9 +164,10 @@ class ResidentKV(KVBackend):
         sliding window (None: full attention) where layers differ; "model": the cache's window."""
         window = self.window if window == "model" else window
         seqs, n_new, write, read = self._step
-        B, n_kv, T, hs = k.shape
-        self.k[layer][write] = k.transpose(1, 2).reshape(B * T, n_kv, hs)
-        self.v[layer][write] = v.transpose(1, 2).reshape(B * T, n_kv, hs)
+        B, _, T, hs = q.shape
+        if k is not None:  # None: the projection stored them (decode_store)
+            self.k[layer][write] = k.transpose(1, 2).reshape(B * T, self.n_kv_heads, hs)
+            self.v[layer][write] = v.transpose(1, 2).reshape(B * T, self.n_kv_heads, hs)
         if self._paged_step is not None:
             table, keys = self._paged_step
             splits, scratch = self._scratch[B]
@@ -196,6 +197,12 @@ class ResidentKV(KVBackend):
         if sinks is not None:
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
         return attention_gpu.sdpa(q, keys, values, mask, causal=mask is None and T > 1)
+
+    def decode_store(self, layer: int):
+        """A paged decode step's rows (the step buffer's write slots, fixed addresses for a graph)."""
+        if self._paged_step is None:
+            return None
+        return self.k[layer], self.v[layer], self._step[2]
 
     def decode_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The begun step as rows of each layer's cache where it is a decode step on the CPU (one token a

@@ -212,7 +212,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
         B, T, _ = x.shape
         if (self.qkv_weight is not None or self.qkv_blocks is not None) and qkv_rope_gpu.available(x, cos):
-            q, k, v = self._qkv_fused(x, cos, sin)
+            q, k, v = self._qkv_fused(x, cos, sin, kv.decode_store(self.layer_idx))  # k, v None: stored
         else:
             q, k, v = self._qkv(x, cos, sin)
         if self.sinks is None and not self.attend_options:
@@ -225,8 +225,9 @@ class Attention(nn.Module):
             y = kv.attend(self.layer_idx, q, k, v, **sinks, **self.attend_options)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-    def _qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Two kernels: one GEMM (or GEMV over blocks), then norms and RoPE (engine/kernels/qkv_rope_gpu.py)."""
+    def _qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store=None):
+        """Two kernels: one GEMM (or GEMV over blocks), then norms and RoPE (engine/kernels/qkv_rope_gpu.py),
+        which with `store` (the KV backend's decode_store) also writes k and v into their cache rows."""
         if self.qkv_weight is not None:
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (B, T, (nh + 2·n_kv)·hs)
         else:
@@ -235,8 +236,8 @@ class Attention(nn.Module):
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         else:
             norms = (None, None, 0.0)
-        q, k, v = qkv_rope_gpu.qk_norm_rope(qkv, self.n_heads, self.n_kv_heads, cos, sin, *norms)
-        return (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs), (B, n_kv, T, hs) ×2
+        q, k, v = qkv_rope_gpu.qk_norm_rope(qkv, self.n_heads, self.n_kv_heads, cos, sin, *norms, store=store)
+        return (None if t is None else t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs), (B, n_kv, T, hs) ×2
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, dim) → q (B, T, nh·hs), k, v (B, T, n_kv·hs): one product where fuse_qkv made one."""

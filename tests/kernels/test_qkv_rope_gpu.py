@@ -49,6 +49,27 @@ def test_fused_projection_norms_and_rope_match_the_three_projections(B, T, nh, n
         assert torch.allclose(g, r, rtol=1e-5, atol=1e-5), (g - r).abs().max()
 
 
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (2, 2)])
+def test_store_writes_k_and_v_into_their_cache_rows(B, T):
+    """With a KV backend's decode_store the kernel writes k and v to rows[b·T + t] of the caches and
+    returns None for them: the same values the unfused path stores, the other rows untouched."""
+    attn = _attention(8, 2, 32, True, False, seed=3)
+    attn.fuse_qkv()
+    x = torch.randn(B, T, 48, generator=torch.Generator().manual_seed(B + T)).to(DEVICE)
+    cos, sin = _rope(B, T, 32, torch.float32)
+    q_ref, k_ref, v_ref = attn._qkv_fused(x, cos, sin)  # (B, nh, T, hs), (B, n_kv, T, hs) ×2
+    k_cache = torch.full((9, 2, 32), 7.0, device=DEVICE)
+    v_cache = torch.full((9, 2, 32), 7.0, device=DEVICE)
+    rows = torch.tensor([5, 0, 8, 3][:B * T], device=DEVICE)
+    q, k, v = attn._qkv_fused(x, cos, sin, (k_cache, v_cache, rows))
+    assert k is None and v is None and torch.equal(q, q_ref)
+    for cache, ref in ((k_cache, k_ref), (v_cache, v_ref)):
+        assert torch.equal(cache[rows], ref.transpose(1, 2).reshape(B * T, 2, 32))
+        untouched = torch.ones(9, dtype=torch.bool)
+        untouched[rows.cpu()] = False
+        assert (cache[untouched.to(DEVICE)] == 7.0).all()
+
+
 def test_fuse_qkv_makes_the_three_weights_views_of_one_tensor_and_changes_no_value():
     attn = _attention(4, 2, 16, True, True)
     before = {k: v.clone() for k, v in attn.state_dict().items()}

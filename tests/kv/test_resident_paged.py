@@ -43,3 +43,33 @@ def test_paged_resident_decodes_a_batch_like_the_reference(dense_engine):
     assert steps["paged"] == 6 * a.n_layers  # every decode step of every layer took the kernel
     for b, p in enumerate(prompts):
         assert_same_greedy(p, tokens[b], [(v[b], i[b]) for v, i in tops], reference_logits(parts, p + tokens[b]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only where there is no GPU; "
+                    "CUDA generation stores through the kernel in the CUDA parity tests")
+def test_projection_kernel_stores_k_and_v_of_a_paged_decode_step(dense_engine, monkeypatch):
+    """The fused q/k/v kernel (forced here, as on CUDA) writes each decode step's k and v into the rows
+    decode_store names, attend gets None for them, and the tokens stay the reference's."""
+    from engine.kernels import qkv_rope_gpu
+
+    parts = dense_engine.parts
+    prompts = [dense_engine.render(PROMPT), dense_engine.tokenize("Once upon a time")]
+    a = parts.args
+    for layer in parts.model.model.layers:
+        if layer.self_attn.qkv_weight is None:
+            layer.self_attn.fuse_qkv()
+    monkeypatch.setattr(qkv_rope_gpu, "available", lambda x, cos: x.is_contiguous() and cos.is_contiguous())
+    kv = ResidentKV(a.n_layers, a.n_kv_heads, a.head_dim, max_context=160, max_batch=2, block_size=16,
+                    device=parts.device, dtype=parts.dtype, paged_decode=True)
+    stored = {"n": 0}
+    real_attend = kv.attend
+
+    def counting_attend(layer, q, k, v):
+        stored["n"] += k is None and v is None
+        return real_attend(layer, q, k, v)
+
+    kv.attend = counting_attend
+    tokens, tops = greedy(parts.model, kv, prompts, 6)
+    assert stored["n"] == 6 * a.n_layers  # every decode step of every layer stored through the kernel
+    for b, p in enumerate(prompts):
+        assert_same_greedy(p, tokens[b], [(v[b], i[b]) for v, i in tops], reference_logits(parts, p + tokens[b]))
