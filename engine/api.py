@@ -56,8 +56,10 @@ def choose_backend(config: EngineConfig) -> str:
     - MoE files whose routed experts Tandem keeps in blocks (models/loader.EXPERT_BLOCK_FAMILIES) run
       on Tandem where its quantised kernels have AVX-512: a Q4_K_M Qwen3-30B-A3B cut to 8 layers
       decoded at 38.7 tok/s against llama.cpp's 31.8 (Zen 4, benchmarks/suite/cpu-moe-q4km-L8.json).
-      With AVX2 only, llama.cpp's int8 products are ahead: 34.8 against 46.0 (Zen 3,
-      benchmarks/dev-2core-avx2/ab-cpu-moe-q4km-L8-81bbb66.json), so those files go to llama.cpp.
+      With AVX2 only, llama.cpp is still ahead on two threads: 43.6 against 49.5 (Zen 3,
+      benchmarks/dev-2core-avx2/ab-cpu-moe-q4km-L8-d846984.json), though one thread's CPU time a
+      token is lower (31.5–34.8 ms against 34.5–39.0, cpu-time-moe-q4km-L8-a82014b-run*.json), so
+      those files go to llama.cpp.
     - Dense files go to llama.cpp, which runs every dense architecture (Tandem the few its families
       name). On the built-in Q4_1 file Tandem's CPU decode step, one native call a layer, is ahead on
       Zen 3 (113 tok/s against 98.3, benchmarks/dev-2core-avx2/ab-cpu-builtin-81bbb66.json); on Zen 4
