@@ -60,7 +60,8 @@ def cell_cpu_moe(ctx) -> list[dict]:
     path = moe_file(ctx)
     spec = {"prefill": 64 if ctx.quick else 512, "decode_prompt": 32, "new_tokens": 24 if ctx.quick else 64,
             "seed": 0, "warmup": True, "warmup_tokens": 4}
-    base = {"model": str(path), "device": "cpu", "max_context": 2048, "max_batch": 1}
+    threads = {"cpu_threads": ctx.threads} if ctx.threads else {}  # --threads: both engines; else their defaults
+    base = {"model": str(path), "device": "cpu", "max_context": 2048, "max_batch": 1, **threads}
     tandem = {**base, "backend": "tandem"}
     llama = {**base, "backend": "llamacpp", "kv_policy": "resident", "expert_policy": "resident"}
     systems = {name: (lambda t=ctx.tree_of(name): probe(t.path, {**spec, "config": tandem}))
@@ -68,7 +69,7 @@ def cell_cpu_moe(ctx) -> list[dict]:
     systems["llama.cpp"] = lambda: probe(ctx.trees[0].path, {**spec, "config": llama})
     res = alternate(ctx, systems)
     info = {name: rs[-1].get("info") for name, rs in res.items()}
-    cond = f"{path.name}, default threads, greedy, EOS ignored"
+    cond = f"{path.name}, {f'{ctx.threads} threads' if ctx.threads else 'default threads'}, greedy, EOS ignored"
     return [row(ctx, "decode tok/s", f"{spec['new_tokens']} tokens after a {spec['decode_prompt']}-token prompt, "
                 f"{cond}", {n: [r["decode_tok_s"] for r in rs] for n, rs in res.items()}, "llama.cpp", info=info),
             row(ctx, "prefill tok/s", f"{spec['prefill']}-token prompt, {cond}",

@@ -306,6 +306,23 @@ def test_the_cpu_moe_cell_makes_its_file_once_and_stays_out_of_quick(tmp_path, m
         suite_cpu_moe.moe_file(ctx)
 
 
+@pytest.mark.parametrize("threads", [None, 1])
+def test_the_cpu_moe_cell_runs_both_engines_at_the_threads_asked(tmp_path, monkeypatch, threads):
+    """--threads reaches both engines' configs and the rows' condition; without it both keep their
+    default threads (Tandem's chooser, llama.cpp's)."""
+    from engine.bench import suite_cpu_moe
+
+    (tmp_path / "qwen3-30b-a3b-L8-Q4_K_M.gguf").write_bytes(b"GGUF")
+    configs = []
+    monkeypatch.setattr(suite, "probe", lambda tree, spec: configs.append(spec["config"]) or
+                        {"decode_tok_s": 2.0, "prefill_tok_s": 3.0})
+    ctx = suite.Ctx(trees=[suite.Tree("this", suite.REPO, "a" * 40)], rounds=1, work=tmp_path, threads=threads)
+    rows = suite_cpu_moe.cell_cpu_moe(ctx)
+    assert {c["backend"] for c in configs} == {"tandem", "llamacpp"}
+    assert all(c.get("cpu_threads") == threads for c in configs)
+    assert all(("1 threads" if threads else "default threads") in r["condition"] for r in rows)
+
+
 def test_warm_up_prompt_reaches_the_timed_prefills_paths():
     from engine.bench.suite_probe import PREFILL_WARMUP, warmup_prompt
 
