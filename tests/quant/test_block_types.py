@@ -5,7 +5,7 @@ fp16 scales in their places, so no quantiser stands between the test and the lay
 
 Tolerance: the activations are quantised per 32-block to int16 (d = max|x_b|/32767, round to nearest),
 so each x_j moves by at most d/2 and an output by at most Σ_b d_b/2 · Σ_{j∈b} |w_j| (AVX2's K-quant
-products: int8 per 256-block, d = max|x_b|/127, the same sum over 256-blocks; INT8_ISAS); fp32 rounding of
+products: int8 per 256-block, d = max|x_b|/127, the same sum over 256-blocks; helpers.INT8_ISAS); fp32 rounding of
 the sums (and Q6_K's int32 lanes, up to 2^28, converted to float: 2^-24 of themselves) stays under
 1e-5 of Σ|w||x|. That bound is what every element is held to. The weights are exact: the kernels'
 dequantisation equals gguf's bit for bit.
@@ -16,6 +16,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
+from helpers import INT8_ISAS
 
 from engine.errors import ModelFileError
 from engine.kernels import native
@@ -41,11 +42,10 @@ def random_blocks(rows: int, cols: int, qtype, seed: int = 0) -> np.ndarray:
     return data.reshape(rows, -1)
 
 
-# The ISAs whose K-quant products read the activations as int8 with one scale per 256 values
-# (native/kquant_kernels.h's ksuper_tile_i8, AVX2 only): d = max|x_b|/127 over each 256-block b, so
+# helpers.INT8_ISAS: the ISAs whose K-quant products read the activations as int8 with one scale per
+# 256 values (native/kquant_kernels.h's ksuper_tile_i8): d = max|x_b|/127 over each 256-block b, so
 # each x_j moves by up to d/2 (max|x_b|/254) and an output by Σ_b d_b/2 · Σ_{j∈b} |w_j|, 258 times
 # the int16 bound's reach (127 against 32767, per 256 values against per 32).
-INT8_ISAS = {"avx2"}
 K_QUANTS = {int(T.Q4_K), int(T.Q5_K), int(T.Q6_K)}
 
 
