@@ -112,7 +112,7 @@ void bind_layer_ops(py::module_& m) {
                require(written, "the written row must be one of the rows read");
              }
              py::gil_scoped_release release;
-             layer.step(reinterpret_cast<float*>(x), reinterpret_cast<float*>(normed), ptr<float>(cos), ptr<float>(sin),
+             return layer.step(reinterpret_cast<float*>(x), reinterpret_cast<float*>(normed), ptr<float>(cos), ptr<float>(sin),
                         B, w, r, o, threads);
            },
            py::arg("x"), py::arg("normed"), py::arg("cos"), py::arg("sin"), py::arg("write_rows").noconvert(),
@@ -120,7 +120,38 @@ void bind_layer_ops(py::module_& m) {
            "B tokens, one a sequence: x (B, dim) fp32 ← the layer's output (without the FFN half: x + attention), "
            "normed ← norm₂(x + attention); cos, sin (B, rotary). Sequence b's cache rows are runs "
            "[offsets[b], offsets[b + 1]) of runs (R, 2) int64 (first slot, count), in order; its token's K and V "
-           "go to write_rows[b].")
+           "go to write_rows[b]. Returns whether x has the FFN half (a MoE layer's: where set_routed gave its "
+           "experts and B ≤ their max_tokens).")
+      .def("set_routed", [](DecodeLayer& layer, uintptr_t router, int64_t n_experts, int64_t top_k, bool renormalise,
+                            const Int64s& group, const Int64s& blocks, int gate_type, int up_type, int down_type,
+                            int64_t inter, int64_t max_tokens) {
+             require(group.ndim() == 1 && group.shape(0) == n_experts, "group must be int64 (E,)");
+             require(blocks.ndim() == 2 && blocks.shape(1) == 3, "blocks must be an int64 table (G, 3): gate, up, down");
+             require(inter >= 1 && max_tokens >= 1, "inter ≥ 1 and max_tokens ≥ 1");
+             const int64_t dim = layer.dim();
+             // an unknown type's row bytes 0: checked_qtype then names the type
+             auto rows = [](int t, int64_t k) { return qblock_weights(t) ? k / qblock_weights(t) * qblock_bytes(t) : 0; };
+             RoutedExperts r;
+             r.router = ptr<float>(router), r.n_experts = n_experts, r.top_k = top_k, r.renormalise = renormalise;
+             r.group.assign(group.data(), group.data() + n_experts);
+             r.gate_type = checked_qtype(gate_type, dim, rows(gate_type, dim));
+             r.up_type = checked_qtype(up_type, dim, rows(up_type, dim));
+             r.down_type = checked_qtype(down_type, inter, rows(down_type, inter));
+             r.inter = inter, r.max_tokens = max_tokens;
+             for (int64_t g = 0; g < blocks.shape(0); ++g) {
+               const int64_t* a = blocks.data() + 3 * g;
+               require(a[0] && a[1] && a[2], "an expert without blocks");
+               r.blocks.push_back({ptr<uint8_t>(uintptr_t(a[0])), ptr<uint8_t>(uintptr_t(a[1])),
+                                   ptr<uint8_t>(uintptr_t(a[2])), 0});
+             }
+             layer.set_routed(std::move(r));
+           },
+           py::arg("router"), py::arg("n_experts"), py::arg("top_k"), py::arg("renormalise"), py::arg("group").noconvert(),
+           py::arg("blocks").noconvert(), py::arg("gate_type"), py::arg("up_type"), py::arg("down_type"), py::arg("inter"),
+           py::arg("max_tokens"),
+           "A MoE layer's router (E, dim) fp32 by address, softmax then top-k (renormalised or not), and its quantised "
+           "experts: group (E,) each expert's row of blocks (G, 3) (gate, up, down addresses, GGUF rows), the three "
+           "block types, the experts' width. step then routes normed and adds the experts' output to x itself.")
       .def_property_readonly("has_ffn", &DecodeLayer::has_ffn);
 }
 

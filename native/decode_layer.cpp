@@ -102,7 +102,18 @@ void DecodeLayer::attention(const float* cos, const float* sin, int64_t B, const
   attention_decode(p, n_threads);  // → attn_ (B, nh, hs)
 }
 
-void DecodeLayer::step(float* x, float* normed, const float* cos, const float* sin, int64_t B,
+void DecodeLayer::set_routed(RoutedExperts routed) {
+  if (shape_.ffn > 0) throw std::invalid_argument("a layer with a dense FFN has no routed experts");
+  if (!routed.router || routed.n_experts < 1 || routed.top_k < 1 || routed.top_k > routed.n_experts)
+    throw std::invalid_argument("a router of E ≥ 1 experts choosing 1 ≤ k ≤ E");
+  if (int64_t(routed.group.size()) != routed.n_experts || routed.blocks.empty())
+    throw std::invalid_argument("every expert needs its group, and there is at least one");
+  for (int64_t g : routed.group)
+    if (g < 0 || g >= int64_t(routed.blocks.size())) throw std::invalid_argument("an expert's group is out of range");
+  routed_ = std::move(routed);
+}
+
+bool DecodeLayer::step(float* x, float* normed, const float* cos, const float* sin, int64_t B,
                        const int64_t* write_rows, const int64_t* runs, const int64_t* offsets, int n_threads) {
   const DecodeLayerShape& s = shape_;
   const int64_t q_width = s.n_heads * s.head_dim, width = q_width + 2 * s.n_kv_heads * s.head_dim;
@@ -115,7 +126,13 @@ void DecodeLayer::step(float* x, float* normed, const float* cos, const float* s
   attention(cos, sin, B, write_rows, runs, offsets, n_threads);  // → attn_ (B, nh·hs)
   matmul(w_.o, q_width, attn_.data(), q_width, B, o_.data(), n_threads);  // (B, dim)
   add_rms_norm(x, o_.data(), w_.norm2, x, normed, B, s.dim, s.norm_eps, 1);  // x += o; normed = norm₂(x)
-  if (s.ffn == 0) return;
+  if (s.ffn == 0) {
+    if (routed_.n_experts == 0 || B > routed_.max_tokens) return false;
+    std::fill(o_.begin(), o_.begin() + B * s.dim, 0.0f);  // (B, dim) the experts' sum
+    quant_moe(route_.route(routed_, normed, s.dim, B, s.dim, o_.data(), s.dim, n_threads), n_threads);
+    for (int64_t i = 0; i < B * s.dim; ++i) x[i] += o_[size_t(i)];
+    return true;
+  }
   matmul(w_.gate_up, s.dim, normed, s.dim, B, gate_up_.data(), n_threads);  // (B, 2·ffn): gate, then up
   for (int64_t b = 0; b < B; ++b) {
     float* act = gate_up_.data() + b * 2 * s.ffn;
@@ -127,6 +144,7 @@ void DecodeLayer::step(float* x, float* normed, const float* cos, const float* s
   }
   matmul(w_.down, s.ffn, gate_up_.data(), 2 * s.ffn, B, o_.data(), n_threads);  // (B, dim)
   for (int64_t i = 0; i < B * s.dim; ++i) x[i] += o_[size_t(i)];
+  return true;
 }
 
 }  // namespace tandem

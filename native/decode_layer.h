@@ -7,7 +7,8 @@
 //
 // The same kernels as the per-operation path (quant_matmul, rms_norm, add_rms_norm, rope_rotate_half,
 // attention_decode), in the same order and precision, so the two agree up to SiLU's exp. A MoE layer
-// builds its plan without the FFN half: the caller routes `normed` to its experts and adds their output.
+// builds its plan without the FFN half; given its router and quantised experts (`set_routed`), the step
+// routes `normed` and adds the experts' output itself (moe_route.h, quant_moe.h), else the caller does.
 // What the call saves is the dispatch between those kernels: at one token of a small model each is
 // µs of work, and as torch operations and modules a layer cost about as much again in the interpreter.
 #pragma once
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "common.h"
+#include "moe_route.h"
 #include "quant_blocks.h"
 
 namespace tandem {
@@ -56,10 +58,16 @@ class DecodeLayer {
   // token's angles. Sequence b's rows of the cache, in order, are runs [offsets[b], offsets[b + 1]) of
   // runs (R, 2) = (first slot, count) of consecutive slots; write_rows[b], among them, takes its token's
   // K and V.
-  void step(float* x, float* normed, const float* cos, const float* sin, int64_t B, const int64_t* write_rows,
+  // Returns whether x has the FFN half: a dense layer's always, a MoE layer's where it has its experts
+  // (set_routed) and B ≤ their max_tokens.
+  bool step(float* x, float* normed, const float* cos, const float* sin, int64_t B, const int64_t* write_rows,
             const int64_t* runs, const int64_t* offsets, int n_threads);
 
+  // A MoE layer's router and experts (a layer without the dense FFN half only).
+  void set_routed(RoutedExperts routed);
+
   bool has_ffn() const { return shape_.ffn > 0; }
+  int64_t dim() const { return shape_.dim; }
   int64_t kv_slots() const { return shape_.kv_slots; }
 
  private:
@@ -73,6 +81,8 @@ class DecodeLayer {
   DecodeLayerShape shape_;
   DecodeLayerWeights w_;
   std::vector<float> xn_, qkv_, attn_, lse_, o_, gate_up_;  // scratch of one step, B rows each
+  RoutedExperts routed_;                                    // n_experts 0: the caller's
+  MoeRoute route_;
   std::vector<KVBlock> blocks_;                             // the step's runs as the attention's blocks
 };
 

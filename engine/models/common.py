@@ -367,6 +367,22 @@ class MoEFeedForward(nn.Module):
         return y.view(B, T, H)
 
 
+@dataclass(frozen=True)
+class SoftmaxTopK:
+    """A family's routing rule: softmax over all experts in fp32 → top-k → the k weights renormalised to
+    sum 1 as the config's norm_topk_prob says (`always` None) or whatever it says. A value rather than
+    a bare function, so the CPU decode step's native router (engine/runtime/cpu_decode.py) can tell the
+    rule and its renormalisation apart from the families' other rules."""
+
+    always: bool | None = None
+
+    def renormalises(self, configured: bool) -> bool:
+        return configured if self.always is None else self.always
+
+    def __call__(self, logits: torch.Tensor, k: int, renormalise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_topk(logits, k, self.renormalises(renormalise))
+
+
 def softmax_topk(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax in fp32 over experts, top-k, optional renormalisation (Qwen3-MoE, OLMoE, Mixtral)."""
     if route_gpu.available(logits):  # one kernel on the GPU

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.common import ModelArgs, softmax_topk
+from engine.models.common import ModelArgs, SoftmaxTopK
 from engine.models.gguf_names import sanitize_moe_gguf
 from engine.models.hf_config import decoder_args
 
@@ -49,9 +49,7 @@ def args_from_config(config: dict) -> ModelArgs:
     )
 
 
-def route(logits: torch.Tensor, k: int, renormalise: bool = True):
-    """Routing of the upcycled MoE variant: softmax → top-k → always renormalise (the flag is ignored)."""
-    return softmax_topk(logits, k, renormalise=True)
+route = SoftmaxTopK(always=True)  # the upcycled MoE variant's: always renormalised, the flag ignored
 
 
 def _unpermute(w, n_heads: int):

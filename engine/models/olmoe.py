@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.common import ModelArgs, softmax_topk
+from engine.models.common import ModelArgs, SoftmaxTopK
 from engine.models.expert_names import sanitize_moe_hf
 from engine.models.gguf_names import moe_config_from_gguf, sanitize_moe_gguf
 from engine.models.hf_config import decoder_args, expert_count
@@ -48,9 +48,7 @@ def args_from_config(config: dict) -> ModelArgs:
     )
 
 
-def route(logits: torch.Tensor, k: int, renormalise: bool = False):
-    """Softmax over all experts in fp32 → top-k → renormalise the k weights iff norm_topk_prob."""
-    return softmax_topk(logits, k, renormalise)
+route = SoftmaxTopK()  # renormalise the k weights iff norm_topk_prob
 
 
 sanitize_hf = sanitize_moe_hf

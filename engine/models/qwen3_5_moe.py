@@ -32,8 +32,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.common import (Attention, Decoder, ModelArgs, MoEFeedForward, RMSNorm, apply_partial_rope,
-                                  softmax_topk, token_embedding)
+from engine.models.common import (
+    Attention,
+    Decoder,
+    ModelArgs,
+    MoEFeedForward,
+    RMSNorm,
+    SoftmaxTopK,
+    apply_partial_rope,
+    token_embedding,
+)
 from engine.models.expert_names import fuse_experts
 from engine.models.gated_deltanet import DeltaNetShape, GatedDeltaNet
 from engine.models.hf_config import decoder_args, expert_count
@@ -107,9 +115,7 @@ def args_from_config(config: dict) -> ModelArgs:
     )
 
 
-def route(logits: torch.Tensor, k: int, renormalise: bool = True):
-    """Softmax over all experts in fp32 → top-k → renormalised (whatever the config says)."""
-    return softmax_topk(logits, k, True)
+route = SoftmaxTopK(always=True)  # renormalised whatever the config says
 
 
 class GatedAttention(Attention):

@@ -6,8 +6,11 @@ CPU time on an AVX2 core against llama.cpp's 12.7, and 11.2–13.0 as native lay
 (benchmarks/dev-2core-avx2/cpu-time-builtin-*.json). Where the model, its weights and the KV allow,
 each layer's step runs as one `DecodeLayer.step` (native/decode_layer.h): the same kernels the modules
 call (block products, norms, RoPE, attention over the cache rows in place), in the same order. A MoE
-layer's native call ends at its FFN's input; the routed experts stay the executor's (they have their
-own native set and placement). The embedding, the final norm and the head run as modules.
+layer whose experts are all quantised blocks in RAM (QuantResidentExperts) and whose router is the plain
+softmax → top-k routes in the same call (native/moe_route.h): in Python the router, the top-k and the
+grouping of the pairs were ~12% of a 2-thread decode token of Qwen3-30B-A3B's widths, serial while the
+other thread waited. Other MoE layers end their call at the FFN's input and the executor runs their
+experts. The embedding, the final norm and the head run as modules.
 
 It is the CPU's counterpart of the CUDA decode graphs (engine/runtime/decode_graph.py) and sits in the
 generator's same place: `step` returns the logits, or None for a step it does not take (a prompt
@@ -25,7 +28,15 @@ import torch
 
 from engine.kernels import native
 from engine.kv.resident import ResidentKV
-from engine.models.common import Attention, Decoder, FeedForward, MoEFeedForward
+from engine.models.common import (
+    Attention,
+    Decoder,
+    FeedForward,
+    MoEFeedForward,
+    SoftmaxTopK,
+)
+from engine.quant.experts import QuantResidentExperts
+from engine.quant.matmul import NATIVE_MAX_TOKENS
 from engine.quant.modules import QuantLinear
 
 
@@ -69,6 +80,27 @@ def _cpu_blocks(m) -> bool:
     return isinstance(m, QuantLinear) and m.qweight.blocks.device.type == "cpu" and m.bias is None
 
 
+def routed_experts(mlp: MoEFeedForward) -> dict | None:
+    """`DecodeLayer.set_routed`'s arguments for a MoE layer whose step can route in the native call
+    (plain softmax → top-k, no shared experts, distinct quantised experts of one layout in RAM), else None."""
+    ex, layer, gate = mlp.experts, mlp.expert_layer, mlp.gate
+    if not isinstance(ex, QuantResidentExperts) or ex.tables[layer] is None or layer in ex.forms:
+        return None
+    if len(ex.unique[layer]) == 1:  # copies of one FFN: the executor computes it once per token
+        return None
+    if not isinstance(mlp.route, SoftmaxTopK) or mlp.route_options or mlp.shared_experts is not None or gate.bias is not None:
+        return None
+    w = gate.weight
+    if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+        return None
+    blocks, (gate_type, up_type, down_type) = ex.tables[layer]
+    return dict(router=w.data_ptr(), n_experts=w.shape[0], top_k=mlp.top_k,
+                renormalise=mlp.route.renormalises(bool(mlp.renormalise)),
+                group=ex.groups[layer].numpy().astype(np.int64), blocks=np.ascontiguousarray(blocks, dtype=np.int64),
+                gate_type=gate_type, up_type=up_type, down_type=down_type, inter=ex.gate_up[layer].shape[1] // 2,
+                max_tokens=NATIVE_MAX_TOKENS)
+
+
 class CPUDecodeSteps:
     """Native layer plans over a model's weights and a ResidentKV's cache: they hold the tensors'
     addresses, so they are rebuilt whenever weights or the KV are (the backend does, as for graphs)."""
@@ -78,7 +110,7 @@ class CPUDecodeSteps:
         self.model, self.kv = model, kv
         self.x = torch.empty(1, a.dim)  # (B, H) the residual stream of the step's tokens, grown to B
         self.normed = torch.empty(1, a.dim)  # (B, H) norm₂ of it: a MoE layer's expert input
-        self.plans, self.moe = [], []
+        self.plans, self.moe, self.routed = [], [], []  # routed: the layer's call adds its experts itself
         rotary = a.rotary_dim or a.head_dim
         empty = np.zeros((0, 4), dtype=np.int64)  # no matrices: a MoE layer's FFN half
         for i, layer in enumerate(model.model.layers):
@@ -98,7 +130,11 @@ class CPUDecodeSteps:
                 gate_up=mlp.gate_up_blocks.native_parts if dense else empty,
                 down=mlp.down_proj.qweight.native_parts if dense else empty,
                 k_cache=kv.k[i].data_ptr(), v_cache=kv.v[i].data_ptr(), kv_dtype=native.DTYPE_CODES[kv.k.dtype]))
+            routed = None if dense else routed_experts(mlp)
+            if routed is not None:
+                self.plans[-1].set_routed(**routed)
             self.moe.append(None if dense else mlp)
+            self.routed.append(routed is not None)
         self.steps = self.eager_steps = 0
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
@@ -118,14 +154,17 @@ class CPUDecodeSteps:
         cos, sin = m.rope_cos[pos], m.rope_sin[pos]  # (B, rotary), gathered rows
         pointers, threads = (x.data_ptr(), normed.data_ptr(), cos.data_ptr(), sin.data_ptr()), native.threads()
         for plan, moe in zip(self.plans, self.moe):
-            plan.step(*pointers, writes, runs, offsets, threads)
-            if moe is not None:  # the routed experts of norm₂(x), added to x
+            if plan.step(*pointers, writes, runs, offsets, threads):
+                if moe is not None:  # routed in the call: the executor's count of routed tokens
+                    moe.experts.tokens_routed += B * moe.top_k
+            elif moe is not None:  # the routed experts of norm₂(x), added to x
                 x += moe(normed.view(B, 1, -1)).view(B, -1)
         self.steps += 1
         return m.lm_head(m.model.norm(x)).float()  # (B, V)
 
     def telemetry(self) -> dict:
-        return {"layers": len(self.plans), "native_steps": self.steps, "module_steps": self.eager_steps}
+        return {"layers": len(self.plans), "routed_layers": sum(self.routed), "native_steps": self.steps,
+                "module_steps": self.eager_steps}
 
     def close(self) -> None:
-        self.plans = self.moe = []
+        self.plans = self.moe = self.routed = []

@@ -80,8 +80,64 @@ def test_a_qwen3_moe_with_qk_norms_and_routed_experts(tmp_path):
 
     with closing(engine_for(write_quantised(tmp_path, "qwen3_moe", "Q4_K_M"))) as engine:
         assert engine.info()["cpu_decode"]["layers"] == 2
+        assert engine.info()["cpu_decode"]["routed_layers"] == 2  # router and experts inside the layer's call
+        experts = engine.backend.parts.model.model.layers[0].mlp.experts
+        routed = experts.tokens_routed
         native_rows, module_rows = native_and_module_logits(engine, IDS, prefill=5)
+        steps = len(IDS) - 5
+        # the prompt's tokens by the modules, then each step's token in the native call and in the modules:
+        # the executor (one for both layers) counts all of them
+        top_k = engine.backend.parts.model.args.top_k
+        assert experts.tokens_routed - routed == (5 + 2 * steps) * top_k * 2
     torch.testing.assert_close(native_rows, module_rows, rtol=1e-4, atol=1e-4)
+
+
+def moe_batch_step(engine, max_tokens: int | None = None):
+    """Two chats of unequal pasts in one native step of a MoE model, then the same by the modules:
+    (native logits (2, V), module logits (2, V)). max_tokens: the routed layers' bound on their tokens,
+    else the engine's."""
+    from engine.runtime.cpu_decode import routed_experts
+
+    parts, steps = engine.backend.parts, engine.backend.generator.graphs
+    kv, model = parts.kv, parts.model
+    if max_tokens is not None:
+        for plan, mlp in zip(steps.plans, steps.moe):
+            plan.set_routed(**{**routed_experts(mlp), "max_tokens": max_tokens})
+    a, b = kv.new_sequence(), kv.new_sequence()
+    with torch.inference_mode():
+        for seq, chunk in ((a, IDS[:7]), (b, IDS[:3])):
+            positions = kv.begin_step([seq], len(chunk))
+            model(torch.tensor([chunk]), positions, kv)
+            kv.end_step()
+        tokens = torch.tensor([[5], [9]])
+        positions = kv.begin_step([a, b], 1)
+        by_native = steps.step(tokens, positions)
+        kv.end_step()
+        kv.crop(a, 7), kv.crop(b, 3)
+        positions = kv.begin_step([a, b], 1)
+        by_modules = model(tokens, positions, kv)
+        kv.end_step()
+    return by_native, by_modules
+
+
+@pytest.mark.parametrize("max_tokens", [None, 1])  # 1: a batch of two leaves the experts to the executor
+def test_a_batch_of_moe_chats_routes_each_token_on_its_own(tmp_path, max_tokens):
+    pytest.importorskip("llama_cpp")
+    from test_quant_experts_gguf import write_quantised
+
+    path = write_quantised(tmp_path, "qwen3_moe", "Q4_K_M")
+    config = EngineConfig(model=str(path), backend="tandem", device="cpu", max_batch=2, block_size=4)
+    with closing(Engine(config)) as engine:
+        experts = engine.backend.parts.model.model.layers[1].mlp.experts
+        calls = []
+        run = experts.run
+        experts.run = lambda *a: calls.append(a[2].shape) or run(*a)  # the executor's own runs
+        by_native, by_modules = moe_batch_step(engine, max_tokens)
+    # the executor (one for both layers) sees the batch's (2, k) choices from the modules' step, and from
+    # the native step only where it left the experts to it
+    assert calls.count((2, 2)) == (4 if max_tokens == 1 else 2)
+    torch.testing.assert_close(by_native, by_modules, rtol=1e-3, atol=1e-3)
+    assert by_native.abs().max() > 0.1
 
 
 def test_generation_takes_the_native_steps_and_answers_alike(tmp_path):
@@ -122,7 +178,7 @@ def test_a_batch_of_chats_steps_natively_as_the_modules(tmp_path):
             positions = kv.begin_step([a, b], 1)
             by_modules = model(tokens, positions, kv)
             kv.end_step()
-        assert steps.telemetry() == {"layers": 2, "native_steps": 1, "module_steps": 2}
+        assert steps.telemetry() == {"layers": 2, "routed_layers": 0, "native_steps": 1, "module_steps": 2}
     assert by_native.shape == (2, 96)
     # the modules attend over the padded batch with torch's SDPA, the native call with its own kernel
     torch.testing.assert_close(by_native, by_modules, rtol=1e-3, atol=1e-3)
@@ -132,6 +188,28 @@ def test_float_weights_keep_the_modules_and_say_why(tmp_path):
     with closing(engine_for(write_quantised_llama(tmp_path / "q.gguf"), dtype="float32")) as engine:
         assert engine.info()["cpu_decode"] == {"off": "attention weights not all in blocks on the CPU"}
         assert engine.backend.generator.graphs is None
+
+
+def test_the_native_router_checks_its_experts():
+    q8 = torch.zeros(128, 68, dtype=torch.uint8)  # Q8_0 rows of 64 weights
+    o = np.array([[q8.data_ptr(), 8, 64, 68]], dtype=np.int64)
+    qkv = np.array([[q8.data_ptr(), 8, 128, 68]], dtype=np.int64)
+    norm, cache, router = torch.ones(64), torch.zeros(8, 2, 16), torch.zeros(4, 64)
+    none = np.zeros((0, 4), dtype=np.int64)
+    layer = NAT.DecodeLayer(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, rotary=16, ffn=0, kv_slots=8, norm_eps=1e-5,
+                            qk_norm_eps=0.0, scale=0.25, norm1=norm.data_ptr(), norm2=norm.data_ptr(), q_norm=0, k_norm=0,
+                            qkv=qkv, qkv_bias=0, o=o, gate_up=none, down=none, k_cache=cache.data_ptr(),
+                            v_cache=cache.data_ptr(), kv_dtype=0)
+    blocks = np.full((2, 3), q8.data_ptr(), dtype=np.int64)
+    good = dict(router=router.data_ptr(), n_experts=4, top_k=2, renormalise=True, group=np.array([0, 1, 0, 1]),
+                blocks=blocks, gate_type=8, up_type=8, down_type=8, inter=64, max_tokens=4)
+    layer.set_routed(**good)
+    for bad, message in [(dict(top_k=5), "k ≤ E"), (dict(group=np.array([0, 1, 2, 1])), "out of range"),
+                         (dict(group=np.array([0, 1])), r"group must be int64 \(E,\)"),
+                         (dict(gate_type=11), "unknown quantised block type 11"),
+                         (dict(inter=48), "multiple of the type's block"), (dict(router=0), "router")]:
+        with pytest.raises(ValueError, match=message):
+            layer.set_routed(**{**good, **bad})
 
 
 def test_the_native_layer_checks_its_shapes_and_rows():
