@@ -50,16 +50,16 @@ class EngineConfig:
 
 def choose_backend(config: EngineConfig) -> str:
     """`auto`: llama.cpp for GGUF files on machines without CUDA when llama-cpp-python is installed,
-    except MoE files on a CPU where Tandem's kernels lead; else Tandem. What the rule follows
+    except MoE files on a CPU where Tandem's kernels lead (AVX2 or AVX-512); else Tandem. What the rule follows
     (benchmarks/RESULTS.md, two 2-core machines, decode tok/s in the same run):
 
     - MoE files whose routed experts Tandem keeps in blocks (models/loader.EXPERT_BLOCK_FAMILIES) run
-      on Tandem where its quantised kernels have AVX-512: a Q4_K_M Qwen3-30B-A3B cut to 8 layers
-      decoded at 38.7 tok/s against llama.cpp's 31.8 (Zen 4, benchmarks/suite/cpu-moe-q4km-L8.json).
-      With AVX2 only, llama.cpp is still ahead on two threads: 43.6 against 49.5 (Zen 3,
-      benchmarks/dev-2core-avx2/ab-cpu-moe-q4km-L8-d846984.json), though one thread's CPU time a
-      token is lower (31.5–34.8 ms against 34.5–39.0, cpu-time-moe-q4km-L8-a82014b-run*.json), so
-      those files go to llama.cpp.
+      on Tandem where its quantised kernels have AVX2 or AVX-512. A Q4_K_M Qwen3-30B-A3B cut to 8
+      layers decoded at 56.3 tok/s against llama.cpp's 50.7 with AVX2 on two threads (Zen 3, the
+      router inside the native layer step: benchmarks/dev-2core-avx2/ab-cpu-moe-q4km-L8-3f1d7ab.json)
+      and at 38.7 against 31.8 with AVX-512 (Zen 4, benchmarks/suite/cpu-moe-q4km-L8.json). A CPU
+      without AVX2 runs the portable kernels, which nothing has measured beside llama.cpp: those
+      files go to llama.cpp.
     - Dense files go to llama.cpp, which runs every dense architecture (Tandem the few its families
       name). On the built-in Q4_1 file Tandem's CPU decode step, one native call a layer, is ahead on
       Zen 3 (113 tok/s against 98.3, benchmarks/dev-2core-avx2/ab-cpu-builtin-81bbb66.json); on Zen 4
@@ -86,12 +86,13 @@ def choose_backend(config: EngineConfig) -> str:
 
 
 def _quant_kernels_lead() -> bool:
-    """Whether this CPU runs Tandem's quantised-block kernels with AVX-512, where its MoE decode was
-    measured ahead of llama.cpp's (choose_backend)."""
+    """Whether this CPU runs Tandem's quantised-block kernels with AVX2 or AVX-512, where its MoE decode
+    was measured ahead of llama.cpp's (choose_backend)."""
     from engine.kernels import native
 
     nat = native.module()
-    return nat is not None and hasattr(nat, "supported_quant_isas") and "avx512" in nat.supported_quant_isas()
+    return nat is not None and hasattr(nat, "supported_quant_isas") and \
+        bool({"avx2", "avx512"} & set(nat.supported_quant_isas()))
 
 
 def _moe_in_blocks(path: str) -> bool:

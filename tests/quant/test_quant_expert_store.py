@@ -180,19 +180,29 @@ def test_offloaded_mxfp4_experts_with_their_form_follow_the_dequantised_file(tmp
         ref.close()
 
 
-@pytest.mark.parametrize("avx512", [True, False])
-def test_backend_auto_follows_which_engine_decodes_a_gguf_faster(files, tmp_path, monkeypatch, avx512):
+@pytest.mark.parametrize("lead", [True, False])
+def test_backend_auto_follows_which_engine_decodes_a_gguf_faster(files, tmp_path, monkeypatch, lead):
     """On a machine without a GPU: MoE files whose experts stay in blocks decode faster on Tandem where
-    its quantised kernels have AVX-512 (benchmarks/suite/cpu-moe-q4km-L8.json) and on llama.cpp with
-    AVX2 only (benchmarks/dev-2core-avx2/); dense files on llama.cpp (engine/api.py choose_backend)."""
+    its quantised kernels have AVX2 or AVX-512 (benchmarks/dev-2core-avx2/, benchmarks/suite/) and go to
+    llama.cpp on a CPU with neither; dense files go to llama.cpp (engine/api.py choose_backend)."""
     from engine import api
     from engine.api import EngineConfig, choose_backend
     from engine.models import builtin
 
-    monkeypatch.setattr(api, "_quant_kernels_lead", lambda: avx512)
-    want = "tandem" if avx512 else "llamacpp"
+    monkeypatch.setattr(api, "_quant_kernels_lead", lambda: lead)
+    want = "tandem" if lead else "llamacpp"
     assert choose_backend(EngineConfig(model=str(files["Q4_K_M"]), device="cpu")) == want
     dense, _ = builtin.resolve("builtin:smollm2-135m")  # the built-in dense GGUF, by its path
     assert choose_backend(EngineConfig(model=str(dense), device="cpu")) == "llamacpp"
     assert choose_backend(EngineConfig(model=str(tmp_path / "missing.gguf"), device="cpu")) == "llamacpp"
     assert choose_backend(EngineConfig(model="builtin:smollm2-135m-moe", device="cpu")) == "tandem"
+
+
+@pytest.mark.parametrize("isas, lead", [(["avx512", "avx2", "scalar"], True), (["avx2", "scalar"], True),
+                                        (["scalar"], False)])
+def test_the_kernels_lead_with_avx2_or_avx512(monkeypatch, isas, lead):
+    from engine import api
+    from engine.kernels import native
+
+    monkeypatch.setattr(native.module(), "supported_quant_isas", lambda: isas)  # what this CPU would offer
+    assert api._quant_kernels_lead() is lead
