@@ -24,6 +24,8 @@
 // take int8 all the same (the K-quants: kquant_kernels.h).
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -124,13 +126,35 @@ extern const QuantKernelTable kQuantTableAvx2;
 extern const QuantKernelTable kQuantTableAvx512;
 #endif
 
+// A parallel region's rows handed out in chunks from one shared counter: a thread that is free takes
+// the next chunk. With a fixed share each, a thread that started late or was interrupted kept the
+// others waiting at the region's barrier: on 2 AVX2 cores the decode step's main thread spun there for
+// ~37% of a token (py-spy). A row's sums do not depend on which thread or chunk computes it.
+class RowChunks {
+ public:
+  // About 8 chunks a thread, each whole multiples of 16 rows (a product's L1/L2 row chunk).
+  RowChunks(int64_t total, int threads) : total_(total) {
+    chunk_ = std::max<int64_t>(16, (total / (int64_t(std::max(threads, 1)) * 8) + 15) / 16 * 16);
+  }
+  // The next chunk [begin, end) of the rows, false once none is left.
+  bool next(int64_t& begin, int64_t& end) {
+    begin = next_.fetch_add(chunk_, std::memory_order_relaxed);
+    end = std::min(total_, begin + chunk_);
+    return begin < total_;
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  int64_t total_, chunk_;
+};
+
 // quant_dispatch.cpp
 const QuantKernelTable& active_quant_table();
 bool select_quant_isa(const char* name);  // "auto" or one of supported_quant_isas()
 int supported_quant_isas(const char** names, int capacity);
 // Several products of one x (a layer's q, k and v, or gate and up): parts[i] shares x, n_tokens,
 // x_stride and k with parts[0]. The activations are quantised once, and the parts' rows, taken as one
-// matrix, are cut into one range per thread, so one call costs one team wake-up.
+// matrix, are shared out in chunks (RowChunks), so one call costs one team wake-up.
 void quant_matmul(const QuantMatmulProblem* parts, int n_parts, int n_threads);
 // Rows of W as fp32 (bf16 with out_bf16): rows [row_begin, row_end), or, when ids is not null, rows
 // ids[0 … n_ids) in turn (an embedding lookup); out row i at out + i·out_stride elements.

@@ -129,24 +129,21 @@ void quant_matmul(const QuantMatmulProblem* parts, int n_parts, int n_threads) {
   acts.reserve(K, P.n_tokens, P.k, k_quants, others);
   const QuantActs A = acts.at(0);
   const bool parallel = nt > 1 && total_rows >= kMinParallelRows;
+  RowChunks rows(total_rows, parallel ? nt : 1);
 
 #pragma omp parallel num_threads(nt) if (parallel)
   {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < P.n_tokens; ++t) acts.quantize(K, t, P.x + t * P.x_stride);
-#if defined(_OPENMP)
-    const int n_teams = omp_get_num_threads(), me = omp_get_thread_num();
-#else
-    const int n_teams = 1, me = 0;
-#endif
-    // after the implicit barrier of the loop above: every token is quantised. This thread's rows of
-    // the parts stacked [r0, r1), then each part's share of them.
-    const int64_t r0 = total_rows * me / n_teams, r1 = total_rows * (me + 1) / n_teams;
-    int64_t first = 0;  // the stacked index of this part's row 0
-    for (int i = 0; i < n_parts; ++i) {
-      const int64_t lo = std::max(r0, first) - first, hi = std::min(r1, first + parts[i].n_rows) - first;
-      if (hi > lo) K.matmul_rows(parts[i], A, lo, hi);
-      first += parts[i].n_rows;
+    // after the implicit barrier of the loop above: every token is quantised. Chunks of the parts'
+    // rows stacked, each cut at the parts' edges.
+    for (int64_t r0, r1; rows.next(r0, r1);) {
+      int64_t first = 0;  // the stacked index of this part's row 0
+      for (int i = 0; i < n_parts; ++i) {
+        const int64_t lo = std::max(r0, first) - first, hi = std::min(r1, first + parts[i].n_rows) - first;
+        if (hi > lo) K.matmul_rows(parts[i], A, lo, hi);
+        first += parts[i].n_rows;
+      }
     }
   }
 }

@@ -77,17 +77,16 @@ inline void check_quant_moe(const QuantMoeProblem& p) {
     require(p.tokens[i] >= 0 && p.tokens[i] < p.n_rows, "a token row is out of range");
 }
 
-// Calls f(segment, r0, r1) for this thread's share of n_segments × seg_rows rows laid end to end:
-// a static split of the whole layer's rows, so every thread streams its own part of the blocks and
-// no expert waits for another's barrier.
+// Calls f(segment, r0, r1) over the chunks this thread takes of n_segments × seg_rows rows laid end to
+// end: the whole layer's rows shared out at once, so no expert waits for another's barrier.
 template <class F>
-inline void for_rows_of_part(int64_t n_segments, int64_t seg_rows, int part, int parts, F&& f) {
-  const int64_t total = n_segments * seg_rows, g1 = total * (part + 1) / parts;
-  for (int64_t g = total * part / parts; g < g1;) {
-    const int64_t seg = g / seg_rows, r0 = g % seg_rows, r1 = std::min(seg_rows, r0 + (g1 - g));
-    f(seg, r0, r1);
-    g += r1 - r0;
-  }
+inline void for_row_chunks(RowChunks& chunks, int64_t seg_rows, F&& f) {
+  for (int64_t g0, g1; chunks.next(g0, g1);)
+    for (int64_t g = g0; g < g1;) {
+      const int64_t seg = g / seg_rows, r0 = g % seg_rows, r1 = std::min(seg_rows, r0 + (g1 - g));
+      f(seg, r0, r1);
+      g += r1 - r0;
+    }
 }
 
 // A set's scratch, kept by the calling thread (the native worker) between calls.
@@ -123,6 +122,7 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
   ah.reserve(K, pairs, I, is_kquant(p.down_type), !is_kquant(p.down_type));
   const int64_t J = int64_t(active.size());
   const int nt = n_threads > 0 ? n_threads : default_threads();
+  RowChunks gate_up_rows(2 * J * I, nt), down_rows(J * H, nt);
 
   // One fork of the team for the whole set and four barriers. With a fork per product (3J of them), 8
   // experts of one token took 2.35 ms on the GPU machine's 16 threads and no less on 4, against 0.89 ms
@@ -140,7 +140,7 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
       ax.quantize(K, i, p.x + p.tokens[i] * p.x_stride);
 
     // 2. gate and up: segment 2a is expert a's gate (I rows), 2a+1 its up
-    for_rows_of_part(2 * J, I, part, parts, [&](int64_t seg, int64_t r0, int64_t r1) {
+    for_row_chunks(gate_up_rows, I, [&](int64_t seg, int64_t r0, int64_t r1) {
       const QuantMoeExpert& e = p.experts[active[size_t(seg / 2)]];
       const int64_t f = first[size_t(seg / 2)], n = e.n_pairs;
       const bool is_up = seg % 2;
@@ -173,7 +173,7 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
     }
 
     // 4. down: segment a is expert a's down (H rows)
-    for_rows_of_part(J, H, part, parts, [&](int64_t a, int64_t r0, int64_t r1) {
+    for_row_chunks(down_rows, H, [&](int64_t a, int64_t r0, int64_t r1) {
       const QuantMoeExpert& e = p.experts[active[size_t(a)]];
       const int64_t f = first[size_t(a)];
       const QuantMatmulProblem P{e.down, p.down_type, H, I, quant_row_bytes(p.down_type, I), nullptr, e.n_pairs, I,
