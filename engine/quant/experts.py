@@ -25,7 +25,7 @@ from engine.experts.gpu_quant_resident import GpuQuantResidentExperts
 from engine.kernels.experts_torch import ClampedSwiGLU, swiglu
 from engine.quant.blocks import QuantStack
 from engine.quant import moe as quant_moe
-from engine.quant.matmul import NATIVE_MAX_TOKENS, expert_tiles, implementation, quant_linear
+from engine.quant.matmul import expert_tiles, implementation, native_max_tokens, quant_linear
 
 
 class QuantResidentExperts(ResidentExperts):
@@ -76,17 +76,22 @@ class QuantResidentExperts(ResidentExperts):
             gate_up, down = pairs[0]  # by its k weights' sum
             return swiglu_blocks(x, gate_up, down) * weights.sum(-1, keepdim=True).to(x.dtype)
         group = self.groups[layer][ids]  # (N, k): distinct expert of each choice (the expert, with a form)
+        out, heavy = None, torch.unique(group).tolist()  # heavy: the experts the loop below computes
         table = self.tables[layer]
-        if table is not None and x.shape[0] <= NATIVE_MAX_TOKENS:  # a decode step: one native call
+        if table is not None:  # experts of few pairs (all of them in a decode step): one native call
             addresses, types = table
             g = group.numpy()
-            chosen, counts, rows, w = quant_moe.group_pairs(g, weights, np.unique(g).tolist(), len(pairs))
-            prepared = quant_moe.prepare(x, np.concatenate([addresses[chosen], counts[:, None]], axis=1), rows, w,
-                                         types, self.gate_up[layer].shape[1] // 2, form=form, chosen=chosen)
+            chosen, counts, rows, w = quant_moe.group_pairs(g, weights, heavy, len(pairs))
+            light = counts <= native_max_tokens(types, expert_tiles())  # the kernel leads at so few pairs
+            on = np.repeat(light, counts)  # (P,) the light experts' pairs
+            prepared = quant_moe.prepare(x, np.concatenate([addresses[chosen[light]], counts[light, None]], axis=1),
+                                         rows[on], np.ascontiguousarray(w[on]), types,
+                                         self.gate_up[layer].shape[1] // 2, form=form, chosen=chosen[light])
             if prepared is not None:
-                return prepared().to(x.dtype)
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        for j in torch.unique(group).tolist():
+                out, heavy = prepared(), chosen[~light].tolist()
+        if out is None:
+            out = torch.zeros(x.shape, dtype=torch.float32)
+        for j in heavy:
             w = (weights.float() * (group == j)).sum(-1)  # (N,): the token's weight on expert j
             rows = torch.nonzero(w, as_tuple=True)[0]
             gate_up, down = pairs[j]

@@ -1,6 +1,6 @@
 """Products over quantised blocks on the CPU: y = x · Wᵀ with W a `QuantTensor`, and row lookups.
 
-Decode sizes (≤ NATIVE_MAX_TOKENS tokens) go to the native kernel (native/quant_kernels.h): the
+Decode sizes (≤ NATIVE_MAX_TOKENS tokens; K-quants on AVX2 more: `native_max_tokens`) go to the native kernel (native/quant_kernels.h): the
 activations quantised per 32-block to int16, integer dot products with the weight blocks (AVX-512 or
 AVX2 vpmaddwd; why not int8 is said there), the weights read once per call at their quantised size.
 A K-quant super-block is read as 8 sub-blocks of 32 against the same activation blocks.
@@ -33,6 +33,12 @@ from engine.quant.blocks import QuantRows, QuantTensor, dequantize_blocks_torch
 # 576×1536 Q4_K, Q6_K at 12 tokens 490, 490, 508 / 702, 752, 703; at 16 666, 685, 656 / 607, 627, 594;
 # Q4_1 there 486 / 705, 643 / 580).
 NATIVE_MAX_TOKENS = 16
+# Where the K-quants take int8 activations (AVX2: native/kquant_kernels.h) the integer kernel stays ahead
+# of fp32 tiles + GEMM much longer. One thread, 2-core Zen 3, µs, kernel / tiles + GEMM: 768×2048
+# Q4_K at 16 tokens 757 / 1837, 32: 1561 / 2557, 64: 2943 / 3849, 96: 4212 / 5642; 2048×768 Q6_K at
+# 32 1424 / 2343, 64: 2306 / 3398, 96: 4901 / 4459. A prefill's experts hold ~32 tokens each at 512.
+KQUANT_INT8_MAX_TOKENS = 64
+KQUANT_CODES = frozenset({12, 13, 14})  # Q4_K, Q5_K, Q6_K
 # Rows per dequantised tile in the prefill path: 2048 rows of 576 fp32 are 4.7 MB, within L2+L3 of a
 # desktop CPU, so the GEMM reads the tile warm.
 TILE_ROWS = 2048
@@ -44,6 +50,18 @@ def implementation(n_tokens: int = 1) -> str:
     if nat is None or not hasattr(nat, "quant_matmul"):
         return "torch"
     return f"native-{nat.quant_isa()}" if n_tokens <= NATIVE_MAX_TOKENS else "dequant-tiles"
+
+
+def native_max_tokens(codes, tiles: torch.dtype = torch.float32) -> int:
+    """Most tokens a product over blocks of these type codes takes in the integer kernel before
+    dequantised `tiles` and a GEMM are faster. bf16 tiles (a CPU that multiplies bf16 in hardware)
+    were measured against the kernel at decode sizes only: NATIVE_MAX_TOKENS there."""
+    nat = _native()
+    if nat is None:
+        return 0
+    if tiles == torch.float32 and nat.quant_isa() == "avx2" and KQUANT_CODES.issuperset(codes):
+        return KQUANT_INT8_MAX_TOKENS
+    return NATIVE_MAX_TOKENS
 
 
 def _native():
@@ -100,7 +118,7 @@ def quant_linear(x: torch.Tensor, w: QuantTensor | QuantRows, bias: torch.Tensor
     """x (…, K) float on the CPU, W (N, K) blocks → (…, N) in x's dtype (+ bias). W may be a QuantRows,
     several matrices' rows one after another (a layer's q, k and v): one kernel call then multiplies
     them all, the activations quantised once. tiles: the dtype of the dequantised tiles (and of x in
-    their GEMM) above NATIVE_MAX_TOKENS tokens, fp32 or bf16."""
+    their GEMM) above native_max_tokens' count, fp32 or bf16."""
     n_rows, cols = w.shape
     parts = w.parts if isinstance(w, QuantRows) else (w,)
     if not parts[0].blocks.is_cpu:  # blocks placed on a GPU: its kernels
@@ -115,7 +133,7 @@ def quant_linear(x: torch.Tensor, w: QuantTensor | QuantRows, bias: torch.Tensor
                                f"{tuple(x.shape)} on {x.device}")
     n = x.numel() // cols
     nat = _native()
-    if nat is not None and n <= NATIVE_MAX_TOKENS:
+    if nat is not None and (n <= NATIVE_MAX_TOKENS or n <= native_max_tokens([p.qtype.code for p in parts], tiles)):
         # the decode step's call: a few µs of Python around the kernel matter at 100+ calls a token
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         y = torch.empty(*x.shape[:-1], n_rows)

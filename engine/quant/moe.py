@@ -3,8 +3,9 @@
 The experts' gate, up and down products over their blocks, SiLU(gate)·up and the weighted sum, for
 every (token, choice) pair the set holds, without Python between the products: the per-expert loop
 (engine/quant/experts.py `swiglu_blocks`) spends ~60 µs of Python an expert around the same native
-products. Decode sizes only (≤ NATIVE_MAX_TOKENS tokens): larger sets run the loop, whose products
-switch to dequantised tiles and a GEMM there. gpt-oss's form (experts_torch.ClampedSwiGLU: fp32 biases
+products. Experts of at most `native_max_tokens` pairs each (every expert of a decode step; a
+prefill's too where the kernel leads that far, K-quants on AVX2); experts of more pairs run the
+loop, whose products switch to dequantised tiles and a GEMM. gpt-oss's form (experts_torch.ClampedSwiGLU: fp32 biases
 on the host, the clamped SwiGLU) is two more columns of the table and three arguments.
 
 The table gives each expert's three block addresses (rows contiguous, a layer's types fixed):
@@ -22,7 +23,7 @@ import torch
 
 from engine.kernels import native
 from engine.quant.blocks import QuantRows, QuantTensor
-from engine.quant.matmul import NATIVE_MAX_TOKENS
+from engine.quant.matmul import expert_tiles, native_max_tokens
 
 
 def available() -> bool:
@@ -89,10 +90,12 @@ def prepare(x: torch.Tensor, table: np.ndarray, tokens: np.ndarray, weights: np.
             ) -> QuantMoe | None:
     """x (N, H) on the host, any float dtype; table (J, 4) int64 as the module docstring says; out
     (N, H) fp32 or None; form: a ClampedSwiGLU with the experts `chosen` (the table's rows) → a
-    QuantMoe, or None where the native set does not take it (no extension, more than NATIVE_MAX_TOKENS
-    tokens, biases that are not fp32 rows on the host)."""
-    if not available() or x.shape[0] > NATIVE_MAX_TOKENS or not len(table):
+    QuantMoe, or None where the native set does not take it (no extension, an expert of more pairs than
+    `native_max_tokens`, biases that are not fp32 rows on the host)."""
+    if not available() or not len(table):
         return None
+    if int(table[:, 3].max()) > native_max_tokens(types, expert_tiles()):
+        return None  # an expert of more pairs than the kernel leads at
     if form is not None:
         biases = [form.gate_up_bias, form.down_bias]  # (E, 2I), (E, H)
         if any(b.dtype != torch.float32 or b.device.type != "cpu" or b.stride(-1) != 1 for b in biases):

@@ -6,8 +6,9 @@ Logit tolerance, as in test_mixed_types_model.py: every product over blocks roun
 int16 per 32-block (at most 2^-16 of the block's largest value, about 1.5e-5 of Σ|w||x| per output);
 through two layers of attention, two expert products in sequence and the head that compounds to some
 1e-4 of the logits' scale; held to 1e-3 of max |logit| (4e-2 where AVX2's K-quant products read
-int8 activations: helpers.quant_logit_tolerance says why; greedy_follows for the generations). Prefill of more than 16 tokens runs dequantised
-tiles (exact up to summation order), the decode steps the integer kernels.
+int8 activations: helpers.quant_logit_tolerance says why; greedy_follows for the generations). Prefill of more
+than 16 tokens runs dense products as dequantised tiles (exact up to summation order), experts of few
+pairs and the decode steps the integer kernels.
 """
 
 from __future__ import annotations

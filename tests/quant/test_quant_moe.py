@@ -21,6 +21,7 @@ from engine.kernels import experts_cpu
 from engine.quant import moe as quant_moe
 from engine.quant.blocks import QuantRows, QuantStack, QuantTensor
 from engine.quant.experts import QuantResidentExperts, swiglu_blocks
+from engine.quant.matmul import expert_tiles, native_max_tokens
 
 pytestmark = pytest.mark.skipif(not quant_moe.available(), reason="the native extension is not built")
 
@@ -120,7 +121,7 @@ def test_a_subset_of_experts_and_the_native_worker(experts):
     assert float((here - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
-def test_decode_steps_of_the_resident_executor_take_it(experts, monkeypatch):
+def test_the_resident_executor_takes_it_for_experts_of_few_pairs(experts, monkeypatch):
     gate_up, down = experts
     executor = QuantResidentExperts([gate_up], [down])
     x, ids, w = routing(2, seed=3)
@@ -129,10 +130,17 @@ def test_decode_steps_of_the_resident_executor_take_it(experts, monkeypatch):
                         lambda self, f=quant_moe.QuantMoe.__call__: calls.append(1) or f(self))
     got = executor.run(0, x, ids, w)
     assert calls and float((got - loop(x, ids, w, gate_up, down)).abs().max()) <= 1e-5 * float(got.abs().max())
-    x, ids, w = routing(20, seed=4)  # past NATIVE_MAX_TOKENS: the loop (dequantised tiles)
-    calls.clear()
-    executor.run(0, x, ids, w)
-    assert not calls
+    # a prefill chunk: the experts of at most native_max_tokens pairs take it too, the others run the loop
+    # (dequantised tiles); 400 tokens over 6 experts give each more pairs than any kernel's lead
+    limit = native_max_tokens(executor.tables[0][1], expert_tiles())
+    for n, native in ((400, False), (limit + 1, True)):
+        x, ids, w = routing(n, seed=4)
+        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        assert bool((counts <= limit).any()) == native
+        calls.clear()
+        got = executor.run(0, x, ids, w)
+        assert bool(calls) == native
+        assert float((got - loop(x, ids, w, gate_up, down)).abs().max()) <= 2e-2 * float(got.abs().max())
 
 
 def test_bad_tables_are_refused_before_any_output(experts):
