@@ -92,10 +92,10 @@ def test_a_qwen3_moe_with_qk_norms_and_routed_experts(tmp_path):
     torch.testing.assert_close(native_rows, module_rows, rtol=1e-4, atol=1e-4)
 
 
-def moe_batch_step(engine, max_tokens: int | None = None):
-    """Two chats of unequal pasts in one native step of a MoE model, then the same by the modules:
-    (native logits (2, V), module logits (2, V)). max_tokens: the routed layers' bound on their tokens,
-    else the engine's."""
+def two_chats_step(engine, max_tokens: int | None = None):
+    """Two chats of unequal pasts in one native step, then the same by the modules: (native logits (2, V),
+    module logits (2, V)); each chat's prompt chunk runs the modules. max_tokens: a MoE model's routed
+    layers' bound on their tokens, else the engine's."""
     from engine.runtime.cpu_decode import routed_experts
 
     parts, steps = engine.backend.parts, engine.backend.generator.graphs
@@ -107,6 +107,7 @@ def moe_batch_step(engine, max_tokens: int | None = None):
     with torch.inference_mode():
         for seq, chunk in ((a, IDS[:7]), (b, IDS[:3])):
             positions = kv.begin_step([seq], len(chunk))
+            assert steps.step(torch.tensor([chunk]), positions) is None  # a prompt chunk
             model(torch.tensor([chunk]), positions, kv)
             kv.end_step()
         tokens = torch.tensor([[5], [9]])
@@ -132,7 +133,7 @@ def test_a_batch_of_moe_chats_routes_each_token_on_its_own(tmp_path, max_tokens)
         calls = []
         run = experts.run
         experts.run = lambda *a: calls.append(a[2].shape) or run(*a)  # the executor's own runs
-        by_native, by_modules = moe_batch_step(engine, max_tokens)
+        by_native, by_modules = two_chats_step(engine, max_tokens)
     # the executor (one for both layers) sees the batch's (2, k) choices from the modules' step, and from
     # the native step only where it left the experts to it
     assert calls.count((2, 2)) == (4 if max_tokens == 1 else 2)
@@ -161,23 +162,8 @@ def test_a_batch_of_chats_steps_natively_as_the_modules(tmp_path):
     config = EngineConfig(model=str(write_quantised_llama(tmp_path / "q.gguf")), backend="tandem", device="cpu",
                           max_batch=2, block_size=4)
     with closing(Engine(config)) as engine:
-        parts, steps = engine.backend.parts, engine.backend.generator.graphs
-        kv, model = parts.kv, parts.model
-        a, b = kv.new_sequence(), kv.new_sequence()
-        with torch.inference_mode():
-            for seq, chunk in ((a, IDS[:7]), (b, IDS[:3])):
-                positions = kv.begin_step([seq], len(chunk))
-                assert steps.step(torch.tensor([chunk]), positions) is None  # a prompt chunk
-                model(torch.tensor([chunk]), positions, kv)
-                kv.end_step()
-            tokens = torch.tensor([[5], [9]])
-            positions = kv.begin_step([a, b], 1)
-            by_native = steps.step(tokens, positions)
-            kv.end_step()
-            kv.crop(a, 7), kv.crop(b, 3)
-            positions = kv.begin_step([a, b], 1)
-            by_modules = model(tokens, positions, kv)
-            kv.end_step()
+        by_native, by_modules = two_chats_step(engine)
+        steps = engine.backend.generator.graphs
         assert steps.telemetry() == {"layers": 2, "routed_layers": 0, "native_steps": 1, "module_steps": 2}
     assert by_native.shape == (2, 96)
     # the modules attend over the padded batch with torch's SDPA, the native call with its own kernel
