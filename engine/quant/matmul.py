@@ -23,7 +23,7 @@ import torch
 
 from engine.errors import KernelInputError
 from engine.kernels import native
-from engine.quant.blocks import QuantRows, QuantTensor, dequantize_blocks_torch
+from engine.quant.blocks import BLOCK, QTYPES, QuantRows, QuantTensor, dequantize_blocks_torch
 
 # Most tokens per call that the integer kernel takes; above it dequantised tiles + torch GEMM. One
 # thread each, busy 2-core Zen 4 (load 7), the built-in model's shapes, µs, kernel / tiles + GEMM:
@@ -38,7 +38,7 @@ NATIVE_MAX_TOKENS = 16
 # Q4_K at 16 tokens 757 / 1837, 32: 1561 / 2557, 64: 2943 / 3849, 96: 4212 / 5642; 2048×768 Q6_K at
 # 32 1424 / 2343, 64: 2306 / 3398, 96: 4901 / 4459. A prefill's experts hold ~32 tokens each at 512.
 KQUANT_INT8_MAX_TOKENS = 64
-KQUANT_CODES = frozenset({12, 13, 14})  # Q4_K, Q5_K, Q6_K
+KQUANT_CODES = frozenset(t.code for t in QTYPES.values() if t.block_weights > BLOCK)  # super-blocks of 256
 # Rows per dequantised tile in the prefill path: 2048 rows of 576 fp32 are 4.7 MB, within L2+L3 of a
 # desktop CPU, so the GEMM reads the tile warm.
 TILE_ROWS = 2048
