@@ -36,7 +36,7 @@ from engine.models.common import (
     SoftmaxTopK,
 )
 from engine.quant.experts import QuantResidentExperts
-from engine.quant.matmul import NATIVE_MAX_TOKENS
+from engine.quant.matmul import expert_tiles, native_max_tokens
 from engine.quant.modules import QuantLinear
 
 
@@ -93,12 +93,13 @@ def routed_experts(mlp: MoEFeedForward) -> dict | None:
     w = gate.weight
     if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
         return None
-    blocks, (gate_type, up_type, down_type) = ex.tables[layer]
+    blocks, types = ex.tables[layer]
+    gate_type, up_type, down_type = types
     return dict(router=w.data_ptr(), n_experts=w.shape[0], top_k=mlp.top_k,
                 renormalise=mlp.route.renormalises(bool(mlp.renormalise)),
                 group=ex.groups[layer].numpy().astype(np.int64), blocks=np.ascontiguousarray(blocks, dtype=np.int64),
                 gate_type=gate_type, up_type=up_type, down_type=down_type, inter=ex.gate_up[layer].shape[1] // 2,
-                max_tokens=NATIVE_MAX_TOKENS)
+                max_tokens=native_max_tokens(types, expert_tiles()))  # the executor's own bound on its native set
 
 
 class CPUDecodeSteps:
