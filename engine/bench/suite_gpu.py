@@ -85,6 +85,10 @@ def cells(Cell) -> list:
              "VRAM budget, default plan vs best fitting -ncmoe", "cuda", "decode ≥ llama.cpp",
              lambda ctx: one_load_decode_cell(ctx, QWEN3_5, 8.0, (2048, 32768), file_for=quantised_for),
              routed=True),
+        Cell("gpu-qwen3.5-L16-q4km-24gb", "Qwen3.5-35B-A3B (16 layers, the same Q4_K_M file for both) under a 24 GB "
+             "VRAM budget, default plan vs best fitting -ncmoe", "cuda", "decode ≥ llama.cpp",
+             lambda ctx: one_load_decode_cell(ctx, QWEN3_5, 24.0, (2048, 32768), file_for=quantised_for),
+             routed=True),
         Cell("gpu-deepseek-v2-lite-24gb", "DeepSeek-V2-Lite (BF16) under a 24 GB VRAM budget, default plan vs best "
              "fitting -ncmoe", "cuda", "decode ≥ llama.cpp",
              lambda ctx: one_load_decode_cell(ctx, DEEPSEEK_V2_LITE, 24.0, (2048, 32768)), routed=True),

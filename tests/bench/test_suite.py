@@ -71,7 +71,7 @@ def test_quick_selects_the_cpu_cells_and_every_gpu_cell_is_defined():
     assert {"gpu-resident-L16", "gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-prefill-32k", "gpu-kv-spill"} <= ids
     assert all(c.routed for c in cells if c.id in ("gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-kv-spill"))
     assert {"gpu-gpt-oss-20b-24gb", "gpu-gpt-oss-20b-8gb", "gpu-gpt-oss-20b-mxfp4-24gb", "gpu-gpt-oss-20b-mxfp4-8gb",
-            "gpu-qwen3.5-L16-q4km-8gb"} <= ids
+            "gpu-qwen3.5-L16-q4km-8gb", "gpu-qwen3.5-L16-q4km-24gb"} <= ids
     with pytest.raises(ValueError, match="unknown cells"):
         suite.run(cell_ids=["no-such-cell"])
 

@@ -2,8 +2,13 @@
 installed, else the torch delta rule on the GPU) against the CPU's fp32 forward of the same folder,
 and the published width cut to four layers. Needs no transformers class (the GPU machine's
 transformers may predate the family): the weights come from the preset's recipe, written as a folder.
-Tolerances: fp32 on both sides, other kernels and summation orders: 1e-3 absolute on O(1) logits
-(observed differences are rounding); bf16 is checked by behaviour (tokens, turns), not by values.
+Tolerances: fp32 on both sides, other kernels and summation orders. This baby model amplifies rounding
+where its periodic prompt repeats a token (the delta rule's v − Sᵀk cancels): the CPU against itself,
+the same 700 tokens prefilled as 350 + 350 instead of one step, differs by 3.3e-3 at position 388
+(logits' std 2.0). On an H100 CUDA differed from the CPU by at most 1.1e-2 there, with 0.5% of the
+logits more than 1e-3 apart and no expert choice changed. So: at most 3e-2 anywhere, and at most 2% of
+the logits more than 1e-3 apart (a lost state or a wrong chunk moves most of them). bf16 is checked by
+behaviour (tokens, turns), not by values.
 """
 
 import json
@@ -45,7 +50,9 @@ def test_cuda_matches_the_cpu(tmp_path, monkeypatch):
     ids = [(13 * i + 7) % 128 for i in range(708)]
     theirs = engine_logits(cpu, ids, prefill=700)
     ours = engine_logits(gpu, ids, prefill=700)
-    torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=0)
+    torch.testing.assert_close(ours, theirs, atol=3e-2, rtol=0)
+    apart = ((ours - theirs).abs() > 1e-3).float().mean().item()
+    assert apart <= 0.02, f"{apart:.1%} of the logits more than 1e-3 from the CPU's"
 
 
 @pytest.mark.cuda
