@@ -130,13 +130,16 @@ inline void pv_group_split(float* o, const float* p, const float* alpha, const u
   for (; c < hs; c += 2 * Simd::W) pv_block_split<kScale, G, 1>(o, p, alpha, vrow, n, hs, c);
 }
 
+// A row of the split form takes two accumulators (even and odd dims), so a group holds half as many
+// rows as pv_rows' (AVX2: 4 rows, 8 of the 16 ymm registers; 8 rows there would spill to the stack).
 template <bool kScale>
 inline void pv_rows_split(float* o, const float* p, const float* alpha, const uint16_t* const* vrow, int n,
                           int64_t hs, int rows) {
   constexpr int W = Simd::W;
   int r = 0;
-  for (; r + 8 <= rows; r += 8) pv_group_split<kScale, 8>(o + r * hs, p + r * W, alpha + r, vrow, n, hs);
-  if (rows - r >= 4) { pv_group_split<kScale, 4>(o + r * hs, p + r * W, alpha + r, vrow, n, hs); r += 4; }
+  if constexpr (Simd::kMaxGroup >= 16)
+    for (; r + 8 <= rows; r += 8) pv_group_split<kScale, 8>(o + r * hs, p + r * W, alpha + r, vrow, n, hs);
+  for (; r + 4 <= rows; r += 4) pv_group_split<kScale, 4>(o + r * hs, p + r * W, alpha + r, vrow, n, hs);
   if (rows - r >= 2) { pv_group_split<kScale, 2>(o + r * hs, p + r * W, alpha + r, vrow, n, hs); r += 2; }
   if (rows - r >= 1) pv_group_split<kScale, 1>(o + r * hs, p + r * W, alpha + r, vrow, n, hs);
 }
@@ -163,15 +166,16 @@ inline void pv_rows(float* o, const float* p, const float* alpha, const KvElem<K
   if (rows - r >= 1) pv_group<KV, kScale, 1>(o + r * hs, p + r * W, alpha + r, vrow, n, hs);
 }
 
-// Scores (unscaled q·k) of one fp32 query row against the W fp32 rows of a tile. Rows are read
-// one after another, so addresses only ascend (the hardware prefetchers' favourite pattern); the W
-// accumulator chains are independent.
+// Scores (unscaled q·k) of one fp32 query row against the W fp32 rows of a tile (in L1: the K tile
+// converted, or fp32 rows already fetched). A chunk of q is loaded once for the W rows, and the W
+// accumulator chains advance side by side, so the FMA latency is hidden; each dot product still sums
+// its chunks in order.
 TANDEM_ALWAYS_INLINE Simd::V tile_scores_f32(const float* q, const float* const* krow, int64_t hs) {
   Simd::V acc[Simd::W];
-  for (int t = 0; t < Simd::W; ++t) {
-    Simd::V a = Simd::zero();
-    for (int64_t c = 0; c < hs; c += Simd::W) a = Simd::fma(Simd::load(krow[t] + c), Simd::load(q + c), a);
-    acc[t] = a;
+  for (int t = 0; t < Simd::W; ++t) acc[t] = Simd::zero();
+  for (int64_t c = 0; c < hs; c += Simd::W) {
+    const Simd::V qc = Simd::load(q + c);
+    for (int t = 0; t < Simd::W; ++t) acc[t] = Simd::fma(Simd::load(krow[t] + c), qc, acc[t]);
   }
   return Simd::transpose_reduce(acc);
 }
