@@ -30,7 +30,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL  # builtin:…, synthetic:…, a model folder, or a .gguf path
     backend: str = "auto"  # auto | tandem | llamacpp | remote (auto: see choose_backend)
     device: str = "auto"  # auto | cuda | cpu
-    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
+    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on GPU; fp32 on CPU with an fp16 KV cache)
     vram_budget_gb: float | None = None
     # auto: the placement plan chooses (runtime/planning.py); the others are for comparisons
     kv_policy: str = "auto"  # auto | resident | writescope | gpu-centric | cpu-centric | fixed:<r> | monolithic

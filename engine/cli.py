@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", default=None, metavar="PATH", help="also write the profile JSON here")
     k.add_argument("--profile-path", default=None, help="profile file (default: the user data dir)")
     k.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: a CPU-only profile)")
-    k.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: bf16 with CUDA, fp32 without)")
+    k.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: bf16 with CUDA; without, fp32 with an fp16 KV cache)")
     k.add_argument("--cpu-threads", type=int, default=None, help="threads for the CPU kernels (torch's and the native ones)")
     k.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     k.set_defaults(func=cmd_calibrate)

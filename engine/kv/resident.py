@@ -30,7 +30,9 @@ class ResidentKV(KVBackend):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int,
                  max_batch: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  sliding_window: int | None = None, paged_decode: bool | None = None):
-        """paged_decode: None picks the paged kernel wherever it runs (CUDA with Triton)."""
+        """dtype: the rows' (the CPU's default cache holds fp16 rows beside fp32 compute:
+        engine/runtime/kv_setup.py `kv_dtype`); paged_decode: None picks the paged kernel wherever it
+        runs (CUDA with Triton)."""
         self.max_context, self.block_size, self.device = max_context, block_size, device
         self.n_kv_heads = n_kv_heads
         if paged_decode is None:  # the kernel tiles head dims that are powers of two, ≥ 16
@@ -165,9 +167,9 @@ class ResidentKV(KVBackend):
         window = self.window if window == "model" else window
         seqs, n_new, write, read = self._step
         B, _, T, hs = q.shape
-        if k is not None:  # None: the projection stored them (decode_store)
-            self.k[layer][write] = k.transpose(1, 2).reshape(B * T, self.n_kv_heads, hs)
-            self.v[layer][write] = v.transpose(1, 2).reshape(B * T, self.n_kv_heads, hs)
+        if k is not None:  # None: the projection stored them (decode_store); rounded to the cache's dtype
+            self.k[layer][write] = k.transpose(1, 2).reshape(B * T, self.n_kv_heads, hs).to(self.k.dtype)
+            self.v[layer][write] = v.transpose(1, 2).reshape(B * T, self.n_kv_heads, hs).to(self.v.dtype)
         if self._paged_step is not None:
             table, keys = self._paged_step
             splits, scratch = self._scratch[B]
@@ -192,8 +194,8 @@ class ResidentKV(KVBackend):
         if read is None:
             keys, values = k, v  # (B, n_kv, T, hs): prefill from empty
         else:
-            keys = read_rows(self.k[layer], read).transpose(1, 2)  # (B, n_kv, S, hs)
-            values = read_rows(self.v[layer], read).transpose(1, 2)
+            keys = read_rows(self.k[layer], read).transpose(1, 2).to(q.dtype)  # (B, n_kv, S, hs)
+            values = read_rows(self.v[layer], read).transpose(1, 2).to(q.dtype)
         if sinks is not None:
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
         return attention_gpu.sdpa(q, keys, values, mask, causal=mask is None and T > 1)

@@ -119,13 +119,24 @@ def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dt
     return RecurrentKV(kv, n_recurrent, rows, device, max_rows=config.max_batch)
 
 
+def kv_dtype(config, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The resident cache's rows: fp16 on the CPU under dtype auto (fp32 compute), as llama.cpp's default
+    cache. A decode step reads every row of its chat, so at long contexts the KV's bytes are most of a CPU
+    step: fp16 halves them and the RAM they take, and the attention still sums in fp32. An explicit
+    float32 keeps fp32 rows (the reference the parity tests hold to transformers); GPUs keep `dtype`."""
+    if device.type == "cpu" and config.dtype == "auto" and dtype == torch.float32:
+        return torch.float16
+    return dtype
+
+
 def _build_attention_kv(config, args, model, experts, device: torch.device, dtype: torch.dtype, max_context: int,
                         *, sliding_window: int | None, profile) -> KVBackend:
     n_layers = len(args.kv_layer_ids())
     shape = dict(n_layers=n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
-    resident_bytes = resident_kv_bytes(n_layers, args.n_kv_heads, args.head_dim, max_context,
-                                       config.max_batch, config.block_size, dtype)
     mla = getattr(args, "mla", None)
+    rows = dtype if mla is not None else kv_dtype(config, device, dtype)  # the latent cache keeps the model's
+    resident_bytes = resident_kv_bytes(n_layers, args.n_kv_heads, args.head_dim, max_context,
+                                       config.max_batch, config.block_size, rows)
     if mla is not None:
         resident_bytes //= 2  # K-only rows: the values are the latent columns of the keys
     check_weights_fit(config, device, device_weights_bytes(model, experts, device))
@@ -137,7 +148,7 @@ def _build_attention_kv(config, args, model, experts, device: torch.device, dtyp
     windows = split_windows(args, max_context)
     if policy == "resident" or (windows is not None and None not in windows):  # every layer windowed: small KV
         return ResidentKV(n_layers, args.n_kv_heads, args.head_dim, max_context=max_context,
-                          max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=dtype,
+                          max_batch=config.max_batch, block_size=config.block_size, device=device, dtype=rows,
                           sliding_window=sliding_window)
     _check_hybrid_device(config, policy, device)
     window_kv = None

@@ -28,7 +28,7 @@ from engine.models.shape import model_args
 from engine.models.sizes import model_parts, recurrent_state_bytes
 from engine.runtime.expert_placement import costs_from_profile
 from engine.runtime.generator import PREFILL_CHUNK
-from engine.runtime.kv_setup import roofline_from_profile
+from engine.runtime.kv_setup import kv_dtype, roofline_from_profile
 from engine.sched.expert_cost import ExpertCostModel
 from engine.sched.placement import Plan, plan
 from engine.sched.placement_speed import DEFAULT_CPU_TFLOPS, DEFAULT_DRAM_GBPS, GiB, MachineCosts
@@ -111,6 +111,9 @@ def placement_plan(config, profile=None) -> Plan:
                can_offload_experts=args.expert_act in ("silu", "clamped"), resident_kv_layers=resident_layers)
     parts = replace(model_parts(args, dev_bytes, config.model), **can)
     gguf_auto = config.dtype == "auto" and config.model.lower().endswith(".gguf")
+    if not gpu and getattr(args, "mla", None) is None:  # the CPU cache's rows (runtime/kv_setup.py kv_dtype)
+        rows = kv_dtype(config, torch.device("cpu"), torch.float32 if cpu_bytes == 4 else torch.bfloat16)
+        parts = replace(parts, kv_bytes_per_token=parts.kv_bytes_per_token * rows.itemsize // cpu_bytes)
     if not gpu and gguf_auto:
         parts = _in_blocks(parts, config.model, args, cpu_bytes)  # what the CPU load holds (runtime/loading.py)
     elif gguf_auto and not simulated and quant_linear_gpu.works(_cuda(config)):
