@@ -17,8 +17,9 @@ MODEL = "synthetic:qwen3-30b-a3b-L8"
 QUANT = "Q4_K_M"
 
 
-# The long chat's prompt: its KV (8 layers · 4 heads · 128 · K and V · bf16 = 16 KiB a token, 64 MiB
-# at 4K) is read every decode step beside ~0.15 GB of the file, so decode attention weighs in
+# The long chat's prompt: its KV (8 layers · 4 heads · 128 · K and V · fp16, both engines' CPU cache =
+# 16 KiB a token, 64 MiB at 4K) is read every decode step beside ~0.2 GB of the file's weights, so decode
+# attention weighs in
 LONG_PROMPT = 4096
 
 
@@ -61,9 +62,9 @@ def moe_file(ctx) -> Path:
     return out
 
 
-def _both(ctx, spec: dict, max_context: int) -> tuple[Path, dict, str]:
-    """Tandem's trees and llama.cpp on the file, taking turns: (the file, each system's probe results,
-    the rows' condition)."""
+def _both(ctx, spec: dict, max_context: int) -> tuple[dict, str]:
+    """Tandem's trees and llama.cpp on the file, taking turns: (each system's probe results, the rows'
+    condition)."""
     from engine.bench.suite import alternate, probe
 
     path = moe_file(ctx)
@@ -75,7 +76,7 @@ def _both(ctx, spec: dict, max_context: int) -> tuple[Path, dict, str]:
                for name in ctx.tandem_names()}
     systems["llama.cpp"] = lambda: probe(ctx.trees[0].path, {**spec, "config": llama})
     cond = f"{path.name}, {f'{ctx.threads} threads' if ctx.threads else 'default threads'}, greedy, EOS ignored"
-    return path, alternate(ctx, systems), cond
+    return alternate(ctx, systems), cond
 
 
 def cell_cpu_moe(ctx) -> list[dict]:
@@ -83,7 +84,7 @@ def cell_cpu_moe(ctx) -> list[dict]:
 
     spec = {"prefill": 64 if ctx.quick else 512, "decode_prompt": 32, "new_tokens": 24 if ctx.quick else 64,
             "seed": 0, "warmup": True, "warmup_tokens": 4}
-    _, res, cond = _both(ctx, spec, 2048)
+    res, cond = _both(ctx, spec, 2048)
     info = {name: rs[-1].get("info") for name, rs in res.items()}
     return [row(ctx, "decode tok/s", f"{spec['new_tokens']} tokens after a {spec['decode_prompt']}-token prompt, "
                 f"{cond}", {n: [r["decode_tok_s"] for r in rs] for n, rs in res.items()}, "llama.cpp", info=info),
@@ -99,7 +100,7 @@ def cell_cpu_moe_long(ctx) -> list[dict]:
     n = LONG_PROMPT
     spec = {"decode_prompts": [n], "new_tokens": 16 if ctx.quick else 32, "seed": 0, "warmup": True,
             "warmup_tokens": 4}
-    _, res, cond = _both(ctx, spec, n + 64)
+    res, cond = _both(ctx, spec, n + 64)
     info = {name: rs[-1].get("info") for name, rs in res.items()}
     return [row(ctx, "decode tok/s", f"{spec['new_tokens']} tokens after a {n}-token prompt, {cond}",
                 {k: [r["decode_tok_s_by_prompt"][str(n)] for r in rs] for k, rs in res.items()}, "llama.cpp",

@@ -7,8 +7,8 @@ where its periodic prompt repeats a token (the delta rule's v − Sᵀk cancels)
 the same 700 tokens prefilled as 350 + 350 instead of one step, differs by 3.3e-3 at position 388
 (logits' std 2.0). On an H100 CUDA differed from the CPU by at most 1.1e-2 there, with 0.5% of the
 logits more than 1e-3 apart and no expert choice changed. So: at most 3e-2 anywhere, and at most 2% of
-the logits more than 1e-3 apart (a lost state or a wrong chunk moves most of them). bf16 is checked by
-behaviour (tokens, turns), not by values.
+the logits more than 1e-3 apart. A real fault lands far outside: on the CPU a decode step that loses 1%
+of the recurrent state moved a logit by 0.39. bf16 is checked by behaviour (tokens, turns), not by values.
 """
 
 import json
