@@ -23,13 +23,13 @@ fi
 if [ -n "${KERNEL_TESTS_ONLY:-}" ]; then  # a short lease: the CUDA tests of the GEMVs over blocks alone
   step CUDA kernel tests
   python3 -m pytest -q -p no:cacheprovider -m cuda tests/kernels/test_quant_moe_gpu.py \
-    tests/kernels/test_quant_linear_gpu.py 2>&1 | tail -30 >"$res/pytest-cuda.log"
+    tests/kernels/test_quant_moe_gemm_gpu.py tests/kernels/test_quant_linear_gpu.py 2>&1 | tail -30 >"$res/pytest-cuda.log"
   tail -1 "$res/pytest-cuda.log" >>"$log"
 else
   step CUDA tests
   python3 -m pytest -q -p no:cacheprovider -m cuda -k "not builtin" tests/quant tests/experts \
-    tests/kernels/test_quant_moe_gpu.py tests/kernels/test_quant_linear_gpu.py tests/kernels/test_dequant_gpu.py \
-    tests/kernels/test_moe_decode_gpu.py 2>&1 \
+    tests/kernels/test_quant_moe_gpu.py tests/kernels/test_quant_moe_gemm_gpu.py tests/kernels/test_quant_linear_gpu.py \
+    tests/kernels/test_dequant_gpu.py tests/kernels/test_moe_decode_gpu.py 2>&1 \
     | tail -30 >"$res/pytest-cuda.log"
   tail -1 "$res/pytest-cuda.log" >>"$log"
   step CPU kernel tests  # every ISA of this host's CPU (AVX-512, AMX): a machine without them skips those

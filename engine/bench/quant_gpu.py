@@ -10,6 +10,9 @@ Rows, each the median of `--reps` CUDA-graph replays (no launch cost in the figu
   - dense products at one token by `quant_linear_gpu.linear`: q_proj 4096×2048 Q4_K, o_proj 2048×4096
     Q4_K and the output head 151936×2048 Q6_K at each tile setting of its sweep, beside `F.linear` over
     the same weights in BF16;
+  - a prefill chunk's routed experts (512 tokens, 128 experts of Q4_K/Q4_K/Q6_K) by
+    `quant_moe_gemm_gpu.moe_prefill_quant` at each tile setting of its sweep, beside torch's grouped
+    GEMM over the same experts in BF16;
   - the device's copy bandwidth (a 1 GiB tensor copied: read + write), the bound a GEMV can reach.
 GB/s counts the bytes the kernel must read (quantised blocks, or BF16 weights). The blocks are random
 bytes with small fp16 factors: the kernels' work does not depend on the values.
@@ -25,12 +28,17 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import quant_moe_gemm_gpu
+
 H, I, TOP_K, SLOTS = 2048, 768, 8, 256  # Qwen3-30B-A3B's expert shapes, a decode step's routing
 # The kernels' tile settings swept. A program's loop waits on memory once an iteration: 8 experts of one
 # token took 42–44 µs whether a weight cost 14 PTX instructions or 6 (benchmarks/h200/2026-12-05-int16-dot-h100),
 # so the sweep varies the iterations a program makes (CHUNK sub-blocks of a row a step) and the warps.
 SWEEP = {"ROWS_GATE_UP": (4, 8), "ROWS_DOWN": (8, 16), "CHUNK": (8, 16, 32), "WARPS": (4, 8)}
 LINEAR_SWEEP = {"ROWS": (4, 8, 16), "CHUNK": (8, 16, 32), "WARPS": (4, 8)}  # quant_linear_gpu's tile at one token
+# A prefill chunk (runtime/generator.py PREFILL_CHUNK) over a layer's experts: quant_moe_gemm_gpu's tile
+PREFILL_TOKENS, EXPERTS = 512, 128
+PREFILL_SWEEP = {"BM": (16, 32, 64), "BN": (64, 128), "SUB": (2, 4), "WARPS": (4, 8)}
 
 
 def random_blocks(n_rows: int, cols: int, code: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -139,9 +147,50 @@ def run(reps: int = 200, sweep: bool = True) -> dict:
         dense = torch.randn(n_out, n_in, device=dev, dtype=torch.bfloat16)
         rows.append({"what": f"{name.rsplit(' ', 1)[0]} BF16 (F.linear), 1 token",
                      **timed(lambda: F.linear(xin, dense), reps, dense.numel() * 2)})
+    rows += prefill_rows(reps, sweep, gen, dev)
     return {"rows": rows, "device_copy_GBps": round(copy_gbps(reps), 1),
             "defaults": {**{k: getattr(quant_moe_gpu, k) for k in SWEEP},
-                         **{f"linear {k}": getattr(quant_linear_gpu, k) for k in LINEAR_SWEEP}}}
+                         **{f"linear {k}": getattr(quant_linear_gpu, k) for k in LINEAR_SWEEP},
+                         **{f"prefill {k}": getattr(quant_moe_gemm_gpu, k) for k in PREFILL_SWEEP}}}
+
+
+def prefill_rows(reps: int, sweep: bool, gen: torch.Generator, dev) -> list[dict]:
+    """A prefill chunk's routed experts: PREFILL_TOKENS tokens over EXPERTS experts of Q4_K/Q4_K/Q6_K
+    blocks (one pool row each, the resident form) by `quant_moe_gemm_gpu.moe_prefill_quant` at each tile
+    of its sweep, beside torch's grouped GEMM over the same experts in BF16 (3.5× the bytes)."""
+    from engine.experts.store import QuantLayout
+    from engine.kernels import experts_gpu
+
+    layout = QuantLayout((12, 12, 14), H, I)
+    pool = torch.cat([random_blocks(EXPERTS * rows, cols, code, gen, dev).view(EXPERTS, -1)
+                      for code, rows, cols, _, _ in layout.parts], dim=1)  # (E, B)
+    x = torch.randn(PREFILL_TOKENS, H, device=dev, dtype=torch.bfloat16)
+    ids = torch.rand(PREFILL_TOKENS, EXPERTS, generator=gen).topk(TOP_K, dim=1).indices.to(dev)  # (N, k)
+    w = torch.softmax(torch.randn(PREFILL_TOKENS, TOP_K, generator=gen), -1).to(dev, torch.bfloat16)
+    row_of = torch.arange(EXPERTS, device=dev)
+    flops = 2 * PREFILL_TOKENS * TOP_K * 3 * H * I
+    what = f"{PREFILL_TOKENS} tokens over {EXPERTS} experts, Q4_K/Q4_K/Q6_K blocks"
+    rows = []
+    settings = list(itertools.product(*PREFILL_SWEEP.values())) if sweep else [
+        tuple(getattr(quant_moe_gemm_gpu, k) for k in PREFILL_SWEEP)]
+    default = {k: getattr(quant_moe_gemm_gpu, k) for k in PREFILL_SWEEP}
+    try:
+        for values in settings:
+            for k, v in zip(PREFILL_SWEEP, values):
+                setattr(quant_moe_gemm_gpu, k, v)
+            row = timed(lambda: quant_moe_gemm_gpu.moe_prefill_quant(x, ids, w, pool, layout.kernel_parts, I, row_of),
+                        reps, EXPERTS * layout.nbytes)
+            rows.append({"what": what, **dict(zip(PREFILL_SWEEP, values)), **row,
+                         **({"TFLOPs": round(flops / row["us"] / 1e6, 1)} if "us" in row else {})})
+    finally:
+        for k, v in default.items():
+            setattr(quant_moe_gemm_gpu, k, v)
+    bf16 = torch.randn(EXPERTS, 3 * H * I, device=dev, dtype=torch.bfloat16) * 0.02
+    gate_up, down = bf16[:, :2 * I * H].unflatten(1, (2 * I, H)), bf16[:, 2 * I * H:].unflatten(1, (H, I))
+    row = timed(lambda: experts_gpu.moe_experts_grouped(x, ids, w, gate_up, down), reps, bf16.numel() * 2)
+    rows.append({"what": f"{PREFILL_TOKENS} tokens over {EXPERTS} experts, BF16 (torch grouped GEMM)", **row,
+                 **({"TFLOPs": round(flops / row["us"] / 1e6, 1)} if "us" in row else {})})
+    return rows
 
 
 def main(argv=None) -> None:

@@ -6,8 +6,8 @@ cost the file's bytes in VRAM, not 3.5× them in BF16, and a decode step reads t
 
     a few tokens    the matrix-vector kernels over the rows in place (engine/kernels/quant_moe_gpu.py),
                     no host sync: a decode graph captures them
-    more tokens     the experts the batch routes to dequantised into tiles, a window at a time, then
-                    the grouped GEMM (engine/experts/grouped_pairs.py); one host sync for the groups
+    more tokens     GEMM kernels that decode the blocks a tile at a time in registers and feed the
+                    tensor cores (engine/kernels/quant_moe_gemm_gpu.py); no host sync
 
 gpt-oss's experts (`set_form`: biases and the clamped SwiGLU) run both ways with the form's biases on
 the device, looked up by expert id.
@@ -15,14 +15,12 @@ the device, looked up by expert id.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from engine.experts.executor import ResidentExperts
-from engine.experts.grouped_pairs import QuantTiles
+from engine.experts.grouped_pairs import quant_pairs
 from engine.experts.store import ExpertStore, QuantLayout
 from engine.kernels import moe_decode_gpu, quant_moe_gpu
-from engine.kernels.experts_gpu import uses_grouped_mm
 from engine.quant.blocks import QuantStack
 
 
@@ -38,18 +36,16 @@ class GpuQuantResidentExperts(ResidentExperts):
                       for gu, dn in zip(gate_up, down))
         n_rows = sum(len({(id(g), id(d)) for g, d in zip(gu.experts, dn.experts)}) for gu, dn in zip(gate_up, down))
         self.pool = torch.zeros((n_rows, longest), dtype=torch.uint8, device=device)  # (L·E, B)
-        self.layouts, self.rows_np = [], []  # per layer: its QuantLayout, (E,) int64 pool row of each expert
+        self.layouts, self.rows = [], []  # per layer: its QuantLayout, (E,) int64 pool row of each expert
         at = 0
         for gu, dn in zip(gate_up, down):  # a layer at a time through a host store of its blocks
             store = ExpertStore.from_quant_layers([gu], [dn], dtype=dtype)
             n = store.blocks.shape[0]
             self.pool[at:at + n, :store.block_bytes].copy_(store.blocks)
-            self.rows_np.append(store.block_of[0] + at)
+            self.rows.append(torch.from_numpy(store.block_of[0] + at).to(device))
             self.layouts.append(store.layouts[0])
             at += n
             store.close()
-        self.rows = [torch.from_numpy(r).to(device) for r in self.rows_np]  # the same on the device
-        self.tiles = QuantTiles(H, self.expert_ffn, E, dtype, device, uses_grouped_mm(device, dtype))
 
     def set_form(self, layer: int, form) -> None:
         """The layer's experts add biases and take the clamped SwiGLU (gpt-oss): the form's biases (E, 2I)
@@ -69,15 +65,12 @@ class GpuQuantResidentExperts(ResidentExperts):
             return quant_moe_gpu.moe_decode_quant(x, self.rows[layer][ids], weights, self.pool,
                                                   self.layouts[layer].kernel_parts, self.expert_ffn, form=form,
                                                   experts=ids)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.n_experts).cpu().numpy()  # the groups, on the host
-        experts = np.flatnonzero(counts)
-        y = self.tiles.ffn(x, ids, weights, self.pool, self.layouts[layer], experts.tolist(),
-                           self.rows_np[layer][experts].tolist(), counts[experts], self.n_experts, form)
-        return y.to(x.dtype)
+        return quant_pairs(x, ids, weights, self.pool, self.layouts[layer], self.rows[layer], form).to(x.dtype)
 
     def capture_problem(self, device: torch.device, max_batch: int) -> str | None:
         if max_batch > moe_decode_gpu.MAX_TOKENS:
-            return f"max_batch above {moe_decode_gpu.MAX_TOKENS} dequantises resident expert blocks with a host sync"
+            return (f"max_batch above {moe_decode_gpu.MAX_TOKENS} runs the GEMM kernels over the expert blocks, "
+                    "not yet captured in a graph")
         return None
 
     def block_types(self) -> list[str]:
@@ -89,5 +82,5 @@ class GpuQuantResidentExperts(ResidentExperts):
     def telemetry(self) -> dict:
         return {"policy": self.policy, "bytes": self.nbytes(),
                 "kernel": f"{'/'.join(self.block_types())} blocks on the GPU: decode in place (quant_moe_gpu), "
-                          "prefill over dequantised tiles"}
+                          "prefill by GEMM kernels over the blocks (quant_moe_gemm_gpu)"}
 

@@ -7,8 +7,9 @@ device; the CPU set's experts map to a sentinel slot past the pool). The device 
     a few tokens (moe_decode_gpu,   matrix-vector products over the slots in place, one launch a step
     quant_moe_gpu)                  of the product: a quantised slot's blocks are dequantised in registers
     more tokens, or biased experts  rows sorted by slot, one grouped GEMM over the slot pool
-                                    (engine/kernels/experts_gpu.py), summed back per token; quantised
-                                    slots are first dequantised into tiles, a window of experts at a time
+                                    (engine/kernels/experts_gpu.py), summed back per token; over
+                                    quantised slots, GEMM kernels that decode the blocks in registers
+                                    (engine/kernels/quant_moe_gemm_gpu.py)
 
 Both read only the published map on the device, so a decode graph piece can capture the first (`side`).
 """
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from engine.experts.cache import ExpertCache
-from engine.experts.grouped_pairs import QuantTiles, grouped_pairs
+from engine.experts.grouped_pairs import grouped_pairs, quant_pairs
 from engine.kernels import moe_decode_gpu, quant_linear_gpu, quant_moe_gpu
 from engine.kernels.experts_gpu import uses_grouped_mm
 from engine.kernels.experts_torch import ClampedSwiGLU
@@ -39,11 +40,9 @@ class GpuSet:
         self.map_dev = torch.empty_like(self.map_host, device=device) if on_gpu else self.map_host
         grouped_mm = uses_grouped_mm(device, dtype)  # else: a loop over the host-known groups
         self._group_ends = torch.arange(1, n_slots + 1, device=device) if grouped_mm else None  # (S,)
-        self.tiles = None  # a quantised pool's experts dequantised for a batch of many tokens
-        self._blocks_in_place = False  # the matrix-vector kernels over a quantised pool run on this device
-        if cache is not None and cache.quantised:
-            self.tiles = QuantTiles(cache.hidden, cache.expert_ffn, n_experts, dtype, device, grouped_mm)
-            self._blocks_in_place = on_gpu and quant_linear_gpu.works(device)
+        self.quantised = cache is not None and cache.quantised  # the pool holds GGUF blocks
+        # the matrix-vector kernels over a quantised pool run on this device
+        self._blocks_in_place = self.quantised and on_gpu and quant_linear_gpu.works(device)
 
     def publish(self, experts: list[int], slots: list[int], stream=None) -> None:
         """This layer's expert → slot map on the device (the sentinel for the rest), and the compute
@@ -57,7 +56,7 @@ class GpuSet:
 
     def in_place_ok(self, x: torch.Tensor) -> bool:
         """Whether the matrix-vector kernels take these tokens over the slots in place (a few, on CUDA)."""
-        if self.tiles is not None:
+        if self.quantised:
             return self._blocks_in_place and x.shape[0] <= moe_decode_gpu.MAX_TOKENS
         return moe_decode_gpu.available(x)
 
@@ -69,7 +68,7 @@ class GpuSet:
         if self.cache is None:
             return None
         slot_ids = self.map_dev[ids]  # (N, k) slot, or the sentinel (past the pool: skipped) for CPU pairs
-        if self.tiles is not None:
+        if self.quantised:
             return quant_moe_gpu.moe_decode_quant(x, slot_ids, weights, self.cache.pool,
                                                   self.layouts[layer].kernel_parts, self.cache.expert_ffn, out=out,
                                                   form=form, experts=ids)
@@ -81,11 +80,10 @@ class GpuSet:
         """Σ over the experts in `slots` (pairs_per_expert: (token, choice) pairs of each) → (N, H) in
         x's dtype. form: the layer's experts' biases and clamped SwiGLU (gpt-oss), or None for plain SwiGLU."""
         self.publish(experts, slots, stream)
-        if self.in_place_ok(x) and (form is None or self.tiles is not None):  # (the BF16 kernels know no form)
+        if self.in_place_ok(x) and (form is None or self.quantised):  # (the BF16 kernels know no form)
             return self.side(layer, x, ids, weights, out=out, form=form)
-        if self.tiles is not None:
-            y = self.tiles.ffn(x, ids, weights, self.cache.pool, self.layouts[layer], experts, slots,
-                               pairs_per_expert, len(self.map_np), form)
+        if self.quantised:
+            y = quant_pairs(x, ids, weights, self.cache.pool, self.layouts[layer], self.map_dev, form)
         else:
             y = grouped_pairs(x, ids, weights, self.map_dev, self.cache.gate_up, self.cache.down, slots,
                               pairs_per_expert, form, self._group_ends)

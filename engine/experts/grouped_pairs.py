@@ -3,22 +3,22 @@
 Shared by the cache slots (engine/experts/gpu_set.py) and quantised experts resident on the GPU
 (engine/experts/gpu_quant_resident.py): the pairs are sorted by the pool row their expert sits in,
 one grouped GEMM pair runs over the pool (engine/kernels/experts_gpu.py), and the weighted rows are
-summed back per token. A quantised pool holds blocks, not tensors: `QuantTiles` dequantises the rows a
-batch uses into tiles of the engine dtype, a window of experts at a time, and runs the same
-computation over the tiles, each window over its own rows of the pairs sorted once.
+summed back per token. A quantised pool holds blocks, not tensors: `quant_pairs` runs GEMM kernels
+that decode the blocks in registers (engine/kernels/quant_moe_gemm_gpu.py).
 """
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
+from engine.kernels import quant_moe_gemm_gpu
 from engine.kernels.experts_gpu import grouped_expert_ffn
+from engine.kernels.experts_torch import ClampedSwiGLU, moe_experts
 
-# Dequantised tiles of a quantised pool's experts for a batch of many tokens, in bytes: a window of
-# experts at a time (Qwen3-30B-A3B bf16: 27 experts of 9.4 MB; gpt-oss-20b: 5 of 50 MB), small beside
-# the planner's device reserve (engine/runtime/expert_placement.py RESERVE_BYTES).
-TILE_BYTES = 256 << 20
+log = logging.getLogger("tandem")
 
 
 def grouped_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor,
@@ -49,62 +49,39 @@ def grouped_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row
     return pairs.view(N, k, -1).sum(1)  # (N, H) fp32
 
 
-class QuantTiles:
-    """Tiles (W, 3·I·H) of the engine dtype on the device, for a batch over a quantised pool."""
+def quant_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, layout,
+                row_of: torch.Tensor, form=None) -> torch.Tensor:
+    """x (N, H); ids, weights (N, k); pool (S, B) uint8: expert blocks laid out by `layout`, a
+    QuantLayout; row_of (E,) int64 on x's device: each expert's pool row, one outside [0, S) for the
+    experts computed elsewhere (their pairs add nothing) → (N, H) fp32.
 
-    def __init__(self, hidden: int, expert_ffn: int, n_experts: int, dtype: torch.dtype, device: torch.device,
-                 grouped_mm: bool):
-        self.hidden, self.expert_ffn = hidden, expert_ffn
-        P = 3 * hidden * expert_ffn
-        window = max(1, min(n_experts, TILE_BYTES // (P * torch.empty((), dtype=dtype).element_size())))
-        self.tiles = torch.empty((window, P), dtype=dtype, device=device)
-        split = 2 * expert_ffn * hidden
-        self.gate_up = self.tiles[:, :split].unflatten(1, (2 * expert_ffn, hidden))  # (W, 2I, H)
-        self.down = self.tiles[:, split:].unflatten(1, (hidden, expert_ffn))  # (W, H, I)
-        self.grouped_mm = grouped_mm  # torch's grouped GEMM runs here (else the host-known groups' loop)
+    The GEMM kernels over the blocks (engine/kernels/quant_moe_gemm_gpu.py): no dequantised copy, no
+    host sync. Where they cannot run (no Triton, or a kernel that does not compile here) the pairs'
+    experts are dequantised by torch ops and the reference computes them, slower but the same reply."""
+    global _gemm_failed
+    if quant_moe_gemm_gpu.available(x) and _gemm_failed is None:
+        try:
+            return quant_moe_gemm_gpu.moe_prefill_quant(x, ids, weights, pool, layout.kernel_parts, layout.expert_ffn,
+                                                        row_of, form)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # a Triton or driver version that cannot build the kernels: say so once, go on
+            _gemm_failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            log.warning("quantised experts of many tokens run dequantised by torch ops from now on: the GEMM "
+                        "kernels over the blocks failed (%s)", _gemm_failed)
+    flat = ids.reshape(-1)
+    rows = row_of[flat]  # (N·k,)
+    inside = (rows >= 0) & (rows < pool.shape[0])
+    used = torch.unique(flat[inside])  # (n,) the experts in the pool (a host sync)
+    values = layout.dequantize(pool[row_of[used]]).to(x.dtype)  # (n, 3·I·H)
+    H, I = layout.hidden, layout.expert_ffn
+    gate_up, down = values[:, :2 * I * H].unflatten(1, (2 * I, H)), values[:, 2 * I * H:].unflatten(1, (H, I))
+    place = torch.zeros_like(row_of)
+    place[used] = torch.arange(used.numel(), device=x.device)  # expert → its place in `used`
+    if form is not None:
+        form = ClampedSwiGLU(form.gate_up_bias[used], form.down_bias[used], form.alpha, form.limit)
+    w = weights * inside.view_as(weights)  # the pairs computed elsewhere add zero
+    return moe_experts(x, place[ids], w, gate_up, down, form).float()
 
-    @property
-    def window(self) -> int:
-        return self.tiles.shape[0]
 
-    def ffn(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, layout,
-            experts: list[int], pool_rows: list[int], pairs_per_expert: np.ndarray, n_experts: int,
-            form=None) -> torch.Tensor:
-        """The pairs of `experts` (pool_rows: where each one's blocks sit in pool (S, B) uint8, laid out
-        by `layout`, a QuantLayout) → (N, H) fp32; the other pairs add nothing.
-
-        The pairs are sorted once, by each one's expert's place in `experts` (the others last), so a
-        window's pairs are one contiguous range of rows whose bounds the host knows: each window
-        dequantises its experts into the tiles and runs the grouped GEMM over its own rows only."""
-        N, k = ids.shape
-        n = len(experts)
-        if n == 0:
-            return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        ends = np.cumsum(pairs_per_expert)  # (n,) end of each expert's rows in the sorted order
-        # the experts, their pool rows and their rows' ends reach the device in one copy
-        index = torch.from_numpy(np.array([experts, pool_rows, ends], dtype=np.int64).reshape(3, -1)).to(x.device)
-        rank = torch.full((n_experts,), n, dtype=torch.int64, device=x.device)  # (E,) place in `experts`, else n
-        rank[index[0]] = torch.arange(n, device=x.device)
-        flat = ids.reshape(-1)
-        _, perm = torch.sort(rank[flat], stable=True)  # (N·k,) pairs by place, tokens in order within one
-        M = int(ends[-1])  # the pairs of `experts`: rows 0 … M − 1 of the sorted order
-        perm = perm[:M]
-        xs = x[perm // k]  # (M, H) grouped by expert
-        rows = flat[perm] if form is not None else None  # (M,) each row's expert id: its biases
-        ends_dev = index[2].to(torch.int32)  # (n,)
-        order = torch.arange(self.window, device=x.device)  # (W,) tile rows
-        y = torch.empty((M, self.hidden), dtype=x.dtype, device=x.device)
-        for a in range(0, n, self.window):
-            b = min(n, a + self.window)
-            r0, r1 = int(ends[a] - pairs_per_expert[a]), int(ends[b - 1])
-            if r1 == r0:
-                continue
-            layout.dequantize_into(self.tiles, order[:b - a], pool[index[1, a:b]])  # (b − a, B) gathered blocks
-            groups = [(g, int(ends[a + g] - pairs_per_expert[a + g]) - r0, int(ends[a + g]) - r0) for g in range(b - a)]
-            offs = ends_dev[a:b] - r0 if self.grouped_mm else None  # (b − a,) int32 group ends
-            y[r0:r1] = grouped_expert_ffn(xs[r0:r1], self.gate_up[:b - a], self.down[:b - a], offs, groups, form=form,
-                                          rows=None if rows is None else rows[r0:r1])
-        w = weights.reshape(-1)[perm].unsqueeze(1).float()  # (M, 1)
-        pairs = torch.zeros((N * k, self.hidden), dtype=torch.float32, device=x.device)
-        pairs.index_copy_(0, perm, y.float() * w)  # back to (token, choice) order; the other pairs stay 0
-        return pairs.view(N, k, -1).sum(1)  # (N, H) fp32
+_gemm_failed: str | None = None  # why the GEMM kernels over blocks could not run here, once they failed

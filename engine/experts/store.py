@@ -20,8 +20,7 @@ bytes as the file has them, [gate rows | up rows | down rows] (uint8; a layer's 
 of different types, `QuantLayout`), so the host holds the file's size, not 3.5× it in BF16, a fill
 moves the quantised bytes over PCIe, and the CPU computes over them in place (engine/quant's kernels).
 GPU slots hold the same bytes: decode reads them in place (engine/kernels/quant_moe_gpu.py), larger
-batches dequantise the slots they use into tiles first (`QuantLayout.dequantize_into`: a Triton kernel
-per part, torch ops where Triton is absent).
+batches run GEMM kernels that decode them in registers (engine/kernels/quant_moe_gemm_gpu.py).
 Blocks are as long as the longest layer's (Q4_K_M files give some layers' down rows Q6_K): a few % of
 padding instead of a table of offsets.
 """
@@ -36,12 +35,9 @@ import torch
 
 from engine.errors import ModelFileError
 from engine.hw.hostmem import HUGE_PAGE, huge_page_eligible, large_host_tensor
-from engine.kernels import dequant_gpu
 from engine.quant.blocks import QuantRows, QuantStack, QuantTensor, dequantize_blocks_torch, qtype
 
 log = logging.getLogger("tandem")
-_said_torch_fills = False  # the torch fallback for GPU tiles is reported once a process
-_kernels_failed: str | None = None  # why the Triton dequantisation kernels stopped being used in this process
 
 
 class QuantLayout:
@@ -49,6 +45,7 @@ class QuantLayout:
     each (type code, rows, cols) at a byte offset, one after another."""
 
     def __init__(self, types: tuple[int, int, int], hidden: int, expert_ffn: int):
+        self.hidden, self.expert_ffn = hidden, expert_ffn
         self.parts = []  # (type code, rows, cols, byte offset, bytes)
         offset = 0
         for code, (rows, cols) in zip(types, ((expert_ffn, hidden), (expert_ffn, hidden), (hidden, expert_ffn))):
@@ -93,30 +90,6 @@ class QuantLayout:
                 values = dequantize_blocks_torch(part, code)
             out.append(values.reshape(n, rows * cols))
         return torch.cat(out, dim=1)
-
-    def dequantize_into(self, pool: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Blocks (n, ≥ nbytes) uint8 on the pool's device → pool[slots[i]] (pool (S, P), slots (n,) int64
-        on its device) in the layout [gate_up (2I·H) | down (H·I)] and the pool's dtype, on the current
-        stream: one Triton kernel per part (engine/kernels/dequant_gpu.py), else `dequantize` and an
-        `index_copy_`. The tiles a batch of many tokens multiplies (engine/experts/gpu_set.py)."""
-        global _kernels_failed
-        if dequant_gpu.available(pool.device) and _kernels_failed is None:
-            try:
-                weight = 0  # where the part starts in a slot, in weights
-                for code, rows, cols, at, nbytes in self.parts:
-                    dequant_gpu.dequantize_into(pool, slots, blocks[:, at:at + nbytes], code, weight)
-                    weight += rows * cols
-                return
-            except Exception as e:  # a kernel that does not compile here (a Triton or driver version): the
-                # fills go on with torch ops, which write every part again, rather than stop the reply
-                _kernels_failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                log.warning("quantised expert tiles dequantise with torch ops from now on: the Triton kernels "
-                            "failed (%s)", _kernels_failed)
-        global _said_torch_fills
-        if not _said_torch_fills and _kernels_failed is None:
-            _said_torch_fills = True
-            log.info("quantised expert tiles dequantise with torch ops on %s: Triton is not available", pool.device)
-        pool.index_copy_(0, slots, self.dequantize(blocks).to(pool.dtype))
 
 
 def _unregister(ptr: int, keepalive: torch.Tensor) -> None:

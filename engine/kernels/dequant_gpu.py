@@ -144,6 +144,17 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _sub_blocks(rows, kb, row_ok, l, ok, QT: tl.constexpr, BB: tl.constexpr):
+        """(R,) start pointers of matrix rows of type QT (ggml's code, BB bytes a block) and the sub-block
+        kb (R,) of 32 weights to take from each → those weights (R, 32) in fp32; masks and l as
+        `_values32`'s. A K-quant's sub-block kb is sub-block kb % 8 of super-block kb // 8."""
+        if QT == 12 or QT == 13 or QT == 14:
+            w = _values_k(rows + (kb // 8) * BB, kb % 8, row_ok, l, ok, QT)
+        else:
+            w = _values32(rows + kb * BB, row_ok, l, ok, QT, BB)
+        return w
+
+    @triton.jit
     def _dequant32_kernel(blocks_ptr, slots_ptr, out_ptr, stride_blocks, stride_out, offset, n_rows,
                           QT: tl.constexpr, BB: tl.constexpr, BF16_BITS: tl.constexpr, ROWS: tl.constexpr):
         """Program (tile, block row i): ROWS blocks of type QT (ggml's code; BB bytes, 32 weights each)

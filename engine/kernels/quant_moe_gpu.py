@@ -40,7 +40,7 @@ try:
     import triton
     import triton.language as tl
 
-    from engine.kernels.dequant_gpu import _values32, _values_k
+    from engine.kernels.dequant_gpu import _sub_blocks
 except ImportError:
     triton = None
 
@@ -78,10 +78,7 @@ if triton is not None:
             kb = k0 + c  # (ROWS·C,) sub-block along the row
             ok_v = row_ok & (kb < n_sub)
             ok = ok_v[:, None] & (l[None, :] < 32)  # (ROWS·C, 32)
-            if QT == 12 or QT == 13 or QT == 14:  # sub-block kb % 8 of super-block kb // 8
-                w = _values_k(rows + (kb // 8) * BB, kb % 8, ok_v, l, ok, QT)  # (ROWS·C, 32)
-            else:
-                w = _values32(rows + kb * BB, ok_v, l, ok, QT, BB)  # (ROWS·C, 32)
+            w = _sub_blocks(rows, kb, ok_v, l, ok, QT, BB)  # (ROWS·C, 32)
             v = tl.load(vec + kb[:, None] * 32 + l[None, :], mask=ok, other=0.0).to(tl.float32)  # (ROWS·C, 32)
             acc += tl.sum(w * v, 1)
         return tl.sum(tl.reshape(acc, (ROWS, C)), 1)  # (ROWS,): row-major, so slot v is row v // C

@@ -14,33 +14,36 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from engine.kernels import dequant_gpu, quant_linear_gpu, quant_moe_gpu  # noqa: E402
+from engine.kernels import dequant_gpu, quant_linear_gpu, quant_moe_gemm_gpu, quant_moe_gpu  # noqa: E402
 from engine.quant.blocks import QTYPES, qtype  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100/H200: the GPU machine's
 POINTERS = {"slots_ptr": "*i64", "ids_ptr": "*i64", "offs_ptr": "*i64", "spare_ptr": "*i64", "experts_ptr": "*i64",
-            "blocks_ptr": "*u8", "pool_ptr": "*u8", "w_ptr": "*u8"}  # the rest: the activations' bf16
+            "blocks_ptr": "*u8", "pool_ptr": "*u8", "w_ptr": "*u8",
+            "row_of_ptr": "*i64", "pair_ptr": "*i64", "block_expert_ptr": "*i64", "n_rows_ptr": "*i64",
+            "pairs_ptr": "*fp32"}  # the rest: the activations' bf16
 FLOATS = ("alpha", "limit")
 
 
-def compiled(fn, divisible: bool = False, **constexprs):
+def compiled(fn, divisible: bool = False, types: dict | None = None, **constexprs):
     """fn compiled for TARGET with these constexprs (other arguments: pointers per POINTERS, fp32 or
     i32 scalars) → Triton's compiled kernel (its PTX in .asm["ptx"]). divisible: every pointer and
     integer argument marked a multiple of 16, as Triton's launcher marks the ones that are (the row
-    lengths and offsets of the GGUF shapes here are)."""
+    lengths and offsets of the GGUF shapes here are); types: arguments' types that differ from those."""
     names = [p.name for p in fn.params]
     signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "*bf16") if n.endswith("_ptr")
                  else "fp32" if n in FLOATS else "i32" for n in names}
+    signature.update({n: t for n, t in (types or {}).items() if n in signature})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if divisible and (signature[n] == "i32" or signature[n].startswith("*"))}
     return triton.compile(ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs),
                           target=TARGET)
 
 
-def compile_kernel(fn, **constexprs) -> str | None:
+def compile_kernel(fn, types: dict | None = None, **constexprs) -> str | None:
     """fn compiled for TARGET (`compiled`) → None, or the error's first lines."""
     try:
-        compiled(fn, **constexprs)
+        compiled(fn, types=types, **constexprs)
     except Exception as e:
         return f"{type(e).__name__}: {' | '.join(str(e).strip().splitlines()[:6])}"
     return None
@@ -68,6 +71,18 @@ def failures():
                                                     **flags)
             yield f"down {form}", compile_kernel(quant_moe_gpu._down_kernel, QD=code, BD=qt.block_bytes,
                                                  ROWS=quant_moe_gpu.ROWS_DOWN, **flags)
+        # the prefill GEMMs over blocks, bf16 activations on the tensor cores for every type; gpt-oss's form
+        # and fp32 activations (full fp32 products) on one type each: the decoding is the same code
+        forms = [(False, False)] + [(True, False)] * (qt.name == "MXFP4") + [(False, True)] * (qt.name == "Q4_K")
+        for clamped, ieee in forms:
+            tile = dict(CLAMPED=clamped, IEEE=ieee, BM=quant_moe_gemm_gpu.BM, BN=quant_moe_gemm_gpu.BN,
+                        SUB=quant_moe_gemm_gpu.SUB)
+            form = f"{qt.name} clamped={clamped} ieee={ieee}"
+            types = {n: "*fp32" for n in ("x_ptr", "act_ptr", "wts_ptr")} if ieee else None
+            yield f"gate_up GEMM {form}", compile_kernel(quant_moe_gemm_gpu._gate_up_gemm, types, QG=code,
+                                                         BG=qt.block_bytes, QU=code, BU=qt.block_bytes, **tile)
+            yield f"down GEMM {form}", compile_kernel(quant_moe_gemm_gpu._down_gemm, types, QD=code,
+                                                      BD=qt.block_bytes, **tile)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The Triton dequantisation of GGUF blocks into expert slots (engine/kernels/dequant_gpu.py) against
 gguf's own, bit for bit: every kept type, bf16/fp16/fp32 pools, slots out of order, a part at an offset
 inside the slot. Interpreted on CPU tensors here (tests/conftest.py sets TRITON_INTERPRET=1 without
-CUDA); compiled on CUDA with `-m cuda`, where a prefill over quantised cache slots also goes through
-them end to end (tests/quant/test_quant_fills.py's CUDA rows).
+CUDA); compiled on CUDA with `-m cuda`. The dense products over blocks (engine/kernels/quant_linear_gpu.py)
+dequantise a batch's weights through them.
 
 The blocks are random bytes (every nibble, high bit and packed scale pattern) with finite fp16 factors
 from 2^-20 (fp16 subnormals) to 1 of either sign; MXFP4's exponent byte takes all 256 values (its
@@ -10,8 +10,6 @@ subnormal scales, and ±inf past fp32's range as gguf gives them).
 """
 
 from __future__ import annotations
-
-import logging
 
 import numpy as np
 import pytest
@@ -21,8 +19,6 @@ from gguf.quants import dequantize
 
 pytest.importorskip("triton")
 
-from engine.experts import store as store_module  # noqa: E402
-from engine.experts.store import QuantLayout  # noqa: E402
 from engine.kernels import dequant_gpu  # noqa: E402
 from engine.quant.blocks import QTYPES  # noqa: E402
 
@@ -80,73 +76,6 @@ def test_an_fp16_pool(qtype, device):
     dequant_gpu.dequantize_into(pool, torch.tensor([1, 0], device=device),
                                 torch.from_numpy(data.reshape(2, -1).copy()).to(device), int(qtype), 0)
     assert torch.equal(pool.cpu(), want.to(torch.float16)[[1, 0]])
-
-
-def layout_blocks(types, H: int, I: int, n: int, row_bytes: int, seed: int):
-    """A QuantLayout of gate, up, down in `types` and n blocks of it in staging rows of row_bytes
-    (≥ the layout's bytes; the tail is junk the kernels must not read) → (layout, rows uint8 (n, row_bytes))."""
-    layout = QuantLayout(tuple(int(t) for t in types), H, I)
-    rows = torch.randint(0, 256, (n, row_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-    for p, (code, r, c, at, nbytes) in enumerate(layout.parts):
-        part = random_blocks(n * r, c, T(code), seed=seed + p)  # (n·r, row bytes of the part)
-        rows[:, at:at + nbytes] = torch.from_numpy(part.reshape(n, -1))
-    return layout, rows
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.MXFP4, T.Q5_0, T.Q8_0)],
-                         ids=lambda ts: "-".join(t.name for t in ts))
-def test_a_layout_writes_its_slots_like_the_torch_path(types, device):
-    """QuantLayout.dequantize_into (a fill batch: a kernel per part at the part's offset in the slot)
-    against QuantLayout.dequantize + index_copy_ on the CPU."""
-    device = on(device)
-    H, I, n = 256, 256, 3  # whole super-blocks
-    nbytes = QuantLayout(tuple(int(t) for t in types), H, I).nbytes
-    layout, rows = layout_blocks(types, H, I, n, row_bytes=nbytes + 37, seed=3)  # staging longer than the blocks
-    pool = torch.full((5, 3 * H * I), -1.0, dtype=torch.bfloat16, device=device)
-    slots = [2, 4, 0]
-    layout.dequantize_into(pool, torch.tensor(slots, device=device), rows.to(device))
-    want = torch.full((5, 3 * H * I), -1.0, dtype=torch.bfloat16)
-    want.index_copy_(0, torch.tensor(slots), layout.dequantize(rows).to(torch.bfloat16))  # the CPU's kernels
-    assert torch.equal(pool.cpu(), want)
-
-
-def fill_twice(caplog):
-    """Two experts' K-quant blocks filled into slots 2 and 0 of a 3-slot pool, twice, the log captured
-    → (layout, the blocks, the pool)."""
-    layout, rows = layout_blocks((T.Q4_K, T.Q5_K, T.Q6_K), 256, 256, 2, QuantLayout((12, 13, 14), 256, 256).nbytes, 4)
-    pool = torch.zeros(3, 3 * 256 * 256)
-    with caplog.at_level(logging.INFO, logger="tandem"):
-        for _ in range(2):
-            layout.dequantize_into(pool, torch.tensor([2, 0]), rows)
-    return layout, rows, pool
-
-
-def test_without_the_kernels_the_torch_path_fills_and_says_so_once(monkeypatch, caplog):
-    monkeypatch.setattr(dequant_gpu, "available", lambda device: False)
-    monkeypatch.setattr(store_module, "_said_torch_fills", False)
-    layout, rows, pool = fill_twice(caplog)
-    assert [r.getMessage() for r in caplog.records].count(
-        "quantised expert tiles dequantise with torch ops on cpu: Triton is not available") == 1
-    assert torch.equal(pool[[2, 0]], layout.dequantize(rows)) and (pool[1] == 0).all()
-
-
-def test_kernels_that_fail_give_way_to_the_torch_path_for_good(monkeypatch, caplog):
-    """A Triton kernel that does not compile on the machine (never run on a GPU here) must not stop the
-    reply: the fill is done with torch ops, and so is every later one."""
-    calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("PTX JIT compilation failed\nmore")
-
-    monkeypatch.setattr(dequant_gpu, "available", lambda device: True)
-    monkeypatch.setattr(dequant_gpu, "dequantize_into", broken)
-    monkeypatch.setattr(store_module, "_kernels_failed", None)
-    layout, rows, pool = fill_twice(caplog)
-    assert len(calls) == 1 and store_module._kernels_failed == "RuntimeError: PTX JIT compilation failed"
-    assert sum("failed (RuntimeError: PTX JIT compilation failed)" in r.getMessage() for r in caplog.records) == 1
-    assert torch.equal(pool[[2, 0]], layout.dequantize(rows)) and (pool[1] == 0).all()
 
 
 def test_misshapen_arguments_are_refused():

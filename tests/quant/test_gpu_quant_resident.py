@@ -1,6 +1,6 @@
 """Routed experts resident on the GPU in their GGUF blocks (engine/experts/gpu_quant_resident.py):
-decode sizes through the matrix-vector kernels over the blocks in place, prefill sizes through
-dequantised tiles a window of experts at a time, both against the dequantised experts in fp32. The
+decode sizes through the matrix-vector kernels over the blocks in place, prefill sizes through the
+GEMM kernels over them, both against the dequantised experts in fp32. The
 device pool holds the file's bytes. Triton's interpreter runs the kernels on CPU tensors here
 (tests/conftest.py); `-m cuda` compiles them on a GPU.
 """
@@ -14,10 +14,9 @@ from test_block_types import random_blocks
 
 pytest.importorskip("triton")
 
-from engine.experts import grouped_pairs  # noqa: E402
 from engine.experts.executor import ResidentExperts  # noqa: E402
 from engine.experts.gpu_quant_resident import GpuQuantResidentExperts  # noqa: E402
-from engine.kernels import dequant_gpu  # noqa: E402
+from engine.kernels import dequant_gpu, quant_moe_gemm_gpu  # noqa: E402
 from engine.kernels.experts_torch import moe_experts  # noqa: E402
 from engine.quant.blocks import QuantRows, QuantStack, QuantTensor  # noqa: E402
 
@@ -55,19 +54,18 @@ def on(device: str) -> torch.device:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shared_last", [False, True])
-def test_decode_and_prefill_follow_the_dequantised_experts(device, shared_last, monkeypatch):
+def test_decode_and_prefill_follow_the_dequantised_experts(device, shared_last):
     device = on(device)
-    monkeypatch.setattr(grouped_pairs, "TILE_BYTES", 4 * 3 * H * I * 4)  # tiles of 4 experts: two windows
     gate_up, down = layers(shared_last)
     ex = GpuQuantResidentExperts(gate_up, down, device, torch.float32)
     distinct = len(LAYER_TYPES) * E - (E - 1 if shared_last else 0)
     assert ex.pool.shape[0] == distinct and ex.pool.dtype == torch.uint8 and ex.pool.device.type == device.type
     assert ex.nbytes() == ex.pool.numel() < 3 * H * I * distinct  # under a byte a weight: blocks, not floats
-    assert ex.tiles.window == 4 and ex.capture_problem(device, 8) is None
+    assert ex.capture_problem(device, 8) is None
     g = torch.Generator().manual_seed(0)
     for layer in range(len(LAYER_TYPES)):
         gu, dn = gate_up[layer].dequantize(), down[layer].dequantize()  # (E, 2I, H), (E, H, I) fp32
-        for n in (1, 3, 24):  # decode sizes in place; prefill over tiles
+        for n in (1, 3, 24):  # decode sizes in place; prefill by the GEMM kernels
             x = torch.randn(n, H, generator=g)
             ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(n)])  # (n, 3)
             w = torch.softmax(torch.randn(n, 3, generator=g), -1)
@@ -80,11 +78,11 @@ def test_decode_and_prefill_follow_the_dequantised_experts(device, shared_last, 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gpt_oss_form_runs_over_the_blocks(device, monkeypatch):
-    """Biases by expert id and the clamped SwiGLU, at decode sizes in place and prefill sizes over tiles."""
+    """Biases by expert id and the clamped SwiGLU, at decode sizes in place and prefill sizes by the GEMM
+    kernels, and by the torch path that stands in where they cannot run."""
     from engine.kernels.experts_torch import ClampedSwiGLU
 
     device = on(device)
-    monkeypatch.setattr(grouped_pairs, "TILE_BYTES", 4 * 3 * H * I * 4)
     gate_up, down = layers()
     ex = GpuQuantResidentExperts(gate_up, down, device, torch.float32)
     g = torch.Generator().manual_seed(4)
@@ -98,6 +96,9 @@ def test_gpt_oss_form_runs_over_the_blocks(device, monkeypatch):
         got = ex.run(1, x.to(device), ids.to(device), w.to(device)).cpu()
         want = moe_experts(x, ids, w, gu, dn, form)
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), n
+    monkeypatch.setattr(quant_moe_gemm_gpu, "available", lambda x: False)
+    got = ex.run(1, x.to(device), ids.to(device), w.to(device)).cpu()
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
 def test_experts_in_blocks_stay_blocks_and_tensors_are_placed():
@@ -127,6 +128,38 @@ def test_larger_decode_batches_are_not_captured_and_misshapen_forms_are_refused(
     if not dequant_gpu.interpreted():
         pytest.skip("CPU tensors need Triton's interpreter")
     ex = GpuQuantResidentExperts(*layers(), torch.device("cpu"), torch.float32)
-    assert "host sync" in ex.capture_problem(torch.device("cpu"), 16)
+    assert "not yet captured" in ex.capture_problem(torch.device("cpu"), 16)
     with pytest.raises(ValueError, match="do not fit"):
         ex.set_form(0, ClampedSwiGLU(torch.zeros(E, I), torch.zeros(E, H)))
+
+
+def test_gemm_kernels_that_fail_give_way_to_the_torch_path_for_good(monkeypatch, caplog):
+    """A GEMM kernel that does not build on the machine (a Triton or driver version) must not stop the
+    reply: that prefill and every later one run dequantised by torch ops, and the log says so once."""
+    import logging
+
+    from engine.experts import grouped_pairs
+
+    if not dequant_gpu.interpreted():
+        pytest.skip("CPU tensors need Triton's interpreter")
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("PTX JIT compilation failed\nmore")
+
+    monkeypatch.setattr(quant_moe_gemm_gpu, "moe_prefill_quant", broken)
+    monkeypatch.setattr(grouped_pairs, "_gemm_failed", None)
+    gate_up, down = layers()
+    ex = GpuQuantResidentExperts(gate_up, down, torch.device("cpu"), torch.float32)
+    gu, dn = gate_up[0].dequantize(), down[0].dequantize()
+    g = torch.Generator().manual_seed(2)
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        for _ in range(2):
+            x = torch.randn(12, H, generator=g)
+            ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(12)])
+            w = torch.softmax(torch.randn(12, 3, generator=g), -1)
+            want = moe_experts(x, ids, w, gu, dn)
+            assert (ex.run(0, x, ids, w) - want).abs().max() <= 1e-4 * want.abs().max()
+    assert len(calls) == 1 and grouped_pairs._gemm_failed == "RuntimeError: PTX JIT compilation failed"
+    assert sum("failed (RuntimeError: PTX JIT compilation failed)" in r.getMessage() for r in caplog.records) == 1
