@@ -38,6 +38,7 @@ try:
     import triton.language as tl
 
     from engine.kernels.dequant_gpu import _sub_blocks
+    from engine.kernels.quant_moe_gpu import _activation
 except ImportError:
     triton = None
 
@@ -109,17 +110,13 @@ if triton is not None:
                 acc_u = tl.dot(xk, wu, acc_u)
         n = tl.program_id(1) * BN + tl.arange(0, BN)  # (BN,)
         n_ok = n < I
-        if CLAMPED:  # gpt-oss: the expert's biases, then (clamp(u, ±limit) + 1) · g'·σ(alpha·g'), g' = min(g, limit)
+        if CLAMPED:  # the block's expert's (2I,) gate_up bias
             bias = bias_ptr + e * 2 * I
-            gate = (acc_g + tl.load(bias + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-            up = (acc_u + tl.load(bias + I + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-            g = tl.minimum(gate, limit)
-            u = tl.minimum(tl.maximum(up, -limit), limit)
-            act = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+            gate_bias = tl.load(bias + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            up_bias = tl.load(bias + I + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         else:
-            gate = acc_g.to(dtype).to(tl.float32)  # F.linear's rounding
-            up = acc_u.to(dtype).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+            gate_bias, up_bias = 0.0, 0.0
+        act = _activation(acc_g, acc_u, gate_bias, up_bias, alpha, limit, dtype, CLAMPED)  # (BM, BN) fp32
         m = tl.program_id(0) * BM + tl.arange(0, BM)
         tl.store(act_ptr + m.to(tl.int64)[:, None] * I + n[None, :], act.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 

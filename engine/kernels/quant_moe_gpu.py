@@ -84,6 +84,23 @@ if triton is not None:
         return tl.sum(tl.reshape(acc, (ROWS, C)), 1)  # (ROWS,): row-major, so slot v is row v // C
 
     @triton.jit
+    def _activation(gate, up, gate_bias, up_bias, alpha, limit, dtype: tl.constexpr, CLAMPED: tl.constexpr):
+        """fp32 sums of the gate and up rows (and with CLAMPED their fp32 biases) → the down projection's
+        input in fp32, rounded where F.linear and the reference round: SiLU(gate) · up, or gpt-oss's
+        (clamp(u, ±limit) + 1) · g'·σ(alpha·g') with g' = min(g, limit)."""
+        if CLAMPED:
+            gate = (gate + gate_bias).to(dtype).to(tl.float32)
+            up = (up + up_bias).to(dtype).to(tl.float32)
+            g = tl.minimum(gate, limit)
+            u = tl.minimum(tl.maximum(up, -limit), limit)
+            act = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+        else:
+            gate = gate.to(dtype).to(tl.float32)  # F.linear's rounding
+            up = up.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+        return act
+
+    @triton.jit
     def _part_rows(pool_ptr, ids_ptr, offs_ptr, spare_ptr, E, stride_slot, n, offset, row_bytes,
                    HAS_OFFS: tl.constexpr, HAS_SPARE: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
                    COPY: tl.constexpr):
@@ -129,20 +146,16 @@ if triton is not None:
         gate = _gemv(x_row, gate_rows, ok, H // 32, QG, BG, ROWS, C)  # (ROWS,) fp32
         up = _gemv(x_row, up_rows, ok, H // 32, QU, BU, ROWS, C)
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
-        if CLAMPED:  # gpt-oss: the expert's biases, then (clamp(u, ±limit) + 1) · g'·σ(alpha·g'), g' = min(g, limit)
+        if CLAMPED:  # the pair's expert's (2I,) gate_up bias
             e = tl.load(ids_ptr + p)
             valid = (e >= 0) & (e < E)  # a skipped pair's expert id may be anything: no bias is read for it
-            bias = bias_ptr + tl.where(valid, tl.load(experts_ptr + p), 0) * 2 * I  # its expert's (2I,) gate_up bias
+            bias = bias_ptr + tl.where(valid, tl.load(experts_ptr + p), 0) * 2 * I
             b_ok = rows < tl.where(valid, I, 0)
-            gate = (gate + tl.load(bias + rows, mask=b_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-            up = (up + tl.load(bias + I + rows, mask=b_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-            g = tl.minimum(gate, limit)
-            u = tl.minimum(tl.maximum(up, -limit), limit)
-            act = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+            gate_bias = tl.load(bias + rows, mask=b_ok, other=0.0).to(tl.float32)
+            up_bias = tl.load(bias + I + rows, mask=b_ok, other=0.0).to(tl.float32)
         else:
-            gate = gate.to(dtype).to(tl.float32)  # F.linear's rounding
-            up = up.to(dtype).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+            gate_bias, up_bias = 0.0, 0.0
+        act = _activation(gate, up, gate_bias, up_bias, alpha, limit, dtype, CLAMPED)
         tl.store(act_ptr + p * I + rows, act.to(dtype), mask=rows < I)
 
     @triton.jit
