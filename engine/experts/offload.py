@@ -392,10 +392,9 @@ class OffloadedExperts(ExpertExecutor):
         return sorted({t for layout in self.store.layouts.values() for t in layout.types})
 
     def _gpu_kernel(self) -> str:
-        grouped = grouped_impl(self.device, self.store.dtype)
         if not self.store.quantised:
-            return grouped
-        return f"decode over the blocks in place (quant_moe_gpu), else {grouped} over dequantised tiles"
+            return grouped_impl(self.device, self.store.dtype)
+        return "decode over the blocks in place (quant_moe_gpu), else GEMMs over them (quant_moe_gemm_gpu)"
 
     def close(self, release_store: bool = True) -> None:
         if self.cache is not None:

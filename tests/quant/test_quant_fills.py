@@ -1,8 +1,8 @@
 """A quantised expert store's slots on a GPU: a fill copies the expert's blocks into a slot as they are
 (the slot then holds the file's bytes, not 3.5× them in BF16); an offloaded layer over those slots and
 the CPU share matches the float experts, at decode sizes (the blocks read in place:
-engine/kernels/quant_moe_gpu.py) and at prefill sizes (dequantised tiles, a window of experts at a
-time). Needs no llama.cpp (random blocks), so it runs on the GPU machine (`-m cuda`); the CPU rows run
+engine/kernels/quant_moe_gpu.py) and at prefill sizes (GEMMs over the blocks:
+engine/kernels/quant_moe_gemm_gpu.py, and the torch path where they cannot run). Needs no llama.cpp (random blocks), so it runs on the GPU machine (`-m cuda`); the CPU rows run
 the same checks on the simulated hybrid path.
 """
 
