@@ -44,7 +44,7 @@ except ImportError:
 
 # A program's tile: BM rows of one expert's pairs (a 512-token chunk of Qwen3-30B-A3B gives an expert
 # 32 pairs on average) × BN output rows, SUB sub-blocks of 32 weights a K step. WARPS: Triton's default.
-BM, BN, SUB, WARPS = 32, 64, 2, 4
+BM, BN, SUB, WARPS = 64, 64, 2, 4
 # Triton's interpreter runs programs one after another and pays per operation: taller and wider tiles
 # keep the CPU tests fast.
 BN_INTERPRETED, SUB_INTERPRETED = 128, 8
