@@ -17,13 +17,16 @@ attention is the same fp32-accurate kernel the CPU side uses.
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias
 
 from engine.kernels import attention_cpu
 
+log = logging.getLogger("tandem")
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 # SDPA's backends for prefill, cuDNN left out: it builds an execution plan for every new (queries, keys)
 # shape, and a chat's prompts and chunks are new shapes nearly every turn. On an H100 (torch 2.11) one
@@ -32,13 +35,29 @@ _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias | None = None,
          causal: bool = False, scale: float | None = None) -> torch.Tensor:
-    """q (B, nh, T, hs), k, v (B, n_kv, S, hs), mask (·, ·, T, S) bool (True: visible) or None → (B, nh, T, hs)."""
+    """q (B, nh, T, hs), k, v (B, n_kv, S, hs), mask (·, ·, T, S) bool (True: visible), torch's causal
+    bias (`causal_lower_right`: a chunk after earlier ones), or None → (B, nh, T, hs)."""
+    global _bias_failed
+    if isinstance(mask, CausalBias) and _bias_failed is not None:
+        mask = mask._materialize(q.device)
     # (the CPU has no cuDNN, and a CPU decode step calls this every layer: no backend context there)
     with sdpa_kernel(_SDPA_BACKENDS) if q.is_cuda else nullcontext():
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                                scale=scale, enable_gqa=True)
+        try:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                                    scale=scale, enable_gqa=True)
+        except RuntimeError as e:  # a torch whose kernels refuse the bias here: the boolean mask, from now on
+            if not isinstance(mask, CausalBias):
+                raise
+            _bias_failed = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            log.warning("chunked prefill attends with a boolean mask from now on: SDPA refused the causal "
+                        "bias (%s)", _bias_failed)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask._materialize(q.device),
+                                                                    scale=scale, enable_gqa=True)
+
+
+_bias_failed: str | None = None  # why SDPA refused the bottom-right causal bias in this process
 
 
 def _flash_ok(q: torch.Tensor) -> bool:

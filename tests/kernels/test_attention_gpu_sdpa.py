@@ -48,3 +48,51 @@ def test_sdpa_on_the_cpu_sets_no_backend_context(monkeypatch):
     monkeypatch.setattr(module, "sdpa_kernel", None)  # calling it would fail
     q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16)
     assert attention_gpu.sdpa(q, k, k).shape == (1, 4, 1, 16)
+
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu"),
+                                          pytest.param("cuda", torch.bfloat16, marks=CUDA, id="cuda-bf16")])
+@pytest.mark.parametrize("T,S", [(7, 19), (512, 2048)])
+def test_a_chunk_after_earlier_ones_attends_bottom_right(T, S, device, dtype):
+    """A prefill chunk of T queries after S − T cached keys (grouped-query heads): torch's bottom-right
+    causal bias (flash on CUDA) gives what the boolean mask gives (the math backend)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 8, T, 64, generator=g).to(device, dtype)
+    k, v = (torch.randn(1, 2, S, 64, generator=g).to(device, dtype) for _ in range(2))
+    visible = (torch.arange(S)[None, :] <= (S - T + torch.arange(T))[:, None])[None, None].to(device)  # (1, 1, T, S)
+    got = attention_gpu.sdpa(q, k, v, causal_lower_right(T, S)).float()
+    want = attention_gpu.sdpa(q, k, v, visible).float()
+    assert (got - want).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_a_bias_the_kernels_refuse_falls_back_to_the_boolean_mask_for_good(monkeypatch, caplog):
+    import logging
+
+    from torch.nn.attention.bias import causal_lower_right
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def refusing(q, k, v, attn_mask=None, **kwargs):
+        calls.append(type(attn_mask).__name__)
+        if attn_mask is not None and type(attn_mask).__name__ == "CausalBias":
+            raise RuntimeError("No available kernel. Aborting execution.\nmore")
+        return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", refusing)
+    monkeypatch.setattr(attention_gpu, "_bias_failed", None)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 4, 3, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g), torch.randn(1, 2, 8, 16)
+    visible = (torch.arange(8)[None, :] <= (5 + torch.arange(3))[:, None])[None, None]
+    want = real(q, k, v, attn_mask=visible, enable_gqa=True)
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        for _ in range(2):
+            assert torch.allclose(attention_gpu.sdpa(q, k, v, causal_lower_right(3, 8)), want, atol=1e-6)
+    assert calls == ["CausalBias", "Tensor", "Tensor"]  # refused once, then the mask straight away
+    assert attention_gpu._bias_failed == "No available kernel. Aborting execution."
+    assert sum("refused the causal bias" in r.getMessage() for r in caplog.records) == 1
