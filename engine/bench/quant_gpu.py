@@ -86,6 +86,23 @@ def timed(fn, reps: int, nbytes: int) -> dict:
     return {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1)}
 
 
+def swept(module, settings: dict, sweep: bool, measure) -> list[dict]:
+    """measure() → a row, at each combination of the values `settings` gives module's tile constants
+    (sweep=False: their current values only), each row led by its setting; the constants restored."""
+    combos = list(itertools.product(*settings.values())) if sweep else [tuple(getattr(module, k) for k in settings)]
+    default = {k: getattr(module, k) for k in settings}
+    rows = []
+    try:
+        for values in combos:
+            for k, v in zip(settings, values):
+                setattr(module, k, v)
+            rows.append({**dict(zip(settings, values)), **measure()})
+    finally:
+        for k, v in default.items():
+            setattr(module, k, v)
+    return rows
+
+
 def copy_gbps(reps: int) -> float:
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -109,41 +126,22 @@ def run(reps: int = 200, sweep: bool = True) -> dict:
     ids = torch.randperm(SLOTS, generator=gen)[:TOP_K].view(1, TOP_K).to(dev)
     w = torch.softmax(torch.randn(1, TOP_K, generator=gen), -1).to(dev, torch.bfloat16)
     expert_bytes = TOP_K * layout.nbytes
-    rows = []
-    settings = list(itertools.product(*SWEEP.values())) if sweep else [
-        tuple(getattr(quant_moe_gpu, k) for k in SWEEP)]
-    default = {k: getattr(quant_moe_gpu, k) for k in SWEEP}
-    try:
-        for values in settings:
-            for k, v in zip(SWEEP, values):
-                setattr(quant_moe_gpu, k, v)
-            rows.append({"what": "8 experts, 1 token, Q4_K/Q4_K/Q6_K blocks", **dict(zip(SWEEP, values)),
-                         **timed(lambda: quant_moe_gpu.moe_decode_quant(x, ids, w, pool, layout.kernel_parts, I),
-                                 reps, expert_bytes)})
-    finally:
-        for k, v in default.items():
-            setattr(quant_moe_gpu, k, v)
+    rows = [{"what": "8 experts, 1 token, Q4_K/Q4_K/Q6_K blocks", **row} for row in swept(
+        quant_moe_gpu, SWEEP, sweep,
+        lambda: timed(lambda: quant_moe_gpu.moe_decode_quant(x, ids, w, pool, layout.kernel_parts, I), reps,
+                      expert_bytes))]
     bf16 = torch.randn(SLOTS, 3 * H * I, device=dev, dtype=torch.bfloat16) * 0.02
     gate_up, down = bf16[:, :2 * I * H].unflatten(1, (2 * I, H)), bf16[:, 2 * I * H:].unflatten(1, (H, I))
     rows.append({"what": "8 experts, 1 token, BF16 (moe_decode)",
                  **timed(lambda: moe_decode_gpu.moe_decode(x, ids, w, gate_up, down), reps, TOP_K * 3 * H * I * 2)})
-    linear_settings = list(itertools.product(*LINEAR_SWEEP.values())) if sweep else [
-        tuple(getattr(quant_linear_gpu, k) for k in LINEAR_SWEEP)]
-    linear_default = {k: getattr(quant_linear_gpu, k) for k in LINEAR_SWEEP}
     for name, code, n_out, n_in in (("q_proj 4096×2048 Q4_K", 12, 4096, H), ("o_proj 2048×4096 Q4_K", 12, H, 4096),
                                     ("output head 151936×2048 Q6_K", 14, 151936, H)):
         blocks = random_blocks(n_out, n_in, code, gen, dev)
         qw = QuantTensor(blocks, code, (n_out, n_in), name)
         xin = torch.randn(1, n_in, device=dev, dtype=torch.bfloat16)
-        try:
-            for values in linear_settings:
-                for k, v in zip(LINEAR_SWEEP, values):
-                    setattr(quant_linear_gpu, k, v)
-                rows.append({"what": f"{name}, 1 token", **dict(zip(LINEAR_SWEEP, values)),
-                             **timed(lambda: quant_linear_gpu.linear(xin, qw), reps, blocks.numel())})
-        finally:
-            for k, v in linear_default.items():
-                setattr(quant_linear_gpu, k, v)
+        rows += [{"what": f"{name}, 1 token", **row} for row in swept(
+            quant_linear_gpu, LINEAR_SWEEP, sweep, lambda: timed(lambda: quant_linear_gpu.linear(xin, qw), reps,
+                                                                 blocks.numel()))]
         dense = torch.randn(n_out, n_in, device=dev, dtype=torch.bfloat16)
         rows.append({"what": f"{name.rsplit(' ', 1)[0]} BF16 (F.linear), 1 token",
                      **timed(lambda: F.linear(xin, dense), reps, dense.numel() * 2)})
@@ -170,21 +168,12 @@ def prefill_rows(reps: int, sweep: bool, gen: torch.Generator, dev) -> list[dict
     row_of = torch.arange(EXPERTS, device=dev)
     flops = 2 * PREFILL_TOKENS * TOP_K * 3 * H * I
     what = f"{PREFILL_TOKENS} tokens over {EXPERTS} experts, Q4_K/Q4_K/Q6_K blocks"
-    rows = []
-    settings = list(itertools.product(*PREFILL_SWEEP.values())) if sweep else [
-        tuple(getattr(quant_moe_gemm_gpu, k) for k in PREFILL_SWEEP)]
-    default = {k: getattr(quant_moe_gemm_gpu, k) for k in PREFILL_SWEEP}
-    try:
-        for values in settings:
-            for k, v in zip(PREFILL_SWEEP, values):
-                setattr(quant_moe_gemm_gpu, k, v)
-            row = timed(lambda: quant_moe_gemm_gpu.moe_prefill_quant(x, ids, w, pool, layout.kernel_parts, I, row_of),
-                        reps, EXPERTS * layout.nbytes)
-            rows.append({"what": what, **dict(zip(PREFILL_SWEEP, values)), **row,
-                         **({"TFLOPs": round(flops / row["us"] / 1e6, 1)} if "us" in row else {})})
-    finally:
-        for k, v in default.items():
-            setattr(quant_moe_gemm_gpu, k, v)
+    def measure() -> dict:
+        row = timed(lambda: quant_moe_gemm_gpu.moe_prefill_quant(x, ids, w, pool, layout.kernel_parts, I, row_of),
+                    reps, EXPERTS * layout.nbytes)
+        return {**row, **({"TFLOPs": round(flops / row["us"] / 1e6, 1)} if "us" in row else {})}
+
+    rows = [{"what": what, **row} for row in swept(quant_moe_gemm_gpu, PREFILL_SWEEP, sweep, measure)]
     bf16 = torch.randn(EXPERTS, 3 * H * I, device=dev, dtype=torch.bfloat16) * 0.02
     gate_up, down = bf16[:, :2 * I * H].unflatten(1, (2 * I, H)), bf16[:, 2 * I * H:].unflatten(1, (H, I))
     row = timed(lambda: experts_gpu.moe_experts_grouped(x, ids, w, gate_up, down), reps, bf16.numel() * 2)
