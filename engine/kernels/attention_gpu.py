@@ -22,7 +22,6 @@ from contextlib import nullcontext
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import CausalBias
 
 from engine.kernels import attention_cpu
 
@@ -35,20 +34,31 @@ _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias | None = None,
+def is_causal_bias(mask) -> bool:
+    """Whether mask is torch's causal bias (torch.nn.attention.bias.CausalBias). A plain tensor or None is
+    told apart without importing that module, which imports torch._dynamo (~1.6 s of a model's load)."""
+    if mask is None or type(mask) is torch.Tensor:
+        return False
+    from torch.nn.attention.bias import CausalBias
+
+    return isinstance(mask, CausalBias)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
          causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """q (B, nh, T, hs), k, v (B, n_kv, S, hs), mask (·, ·, T, S) bool (True: visible), torch's causal
     bias (`causal_lower_right`: a chunk after earlier ones), or None → (B, nh, T, hs)."""
     global _bias_failed
-    if isinstance(mask, CausalBias) and _bias_failed is not None:
-        mask = mask._materialize(q.device)
+    bias = is_causal_bias(mask)
+    if bias and _bias_failed is not None:
+        mask, bias = mask._materialize(q.device), False
     # (the CPU has no cuDNN, and a CPU decode step calls this every layer: no backend context there)
     with sdpa_kernel(_SDPA_BACKENDS) if q.is_cuda else nullcontext():
         try:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                                     scale=scale, enable_gqa=True)
         except RuntimeError as e:  # a torch whose kernels refuse the bias here: the boolean mask, from now on
-            if not isinstance(mask, CausalBias):
+            if not bias:
                 raise
             _bias_failed = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             log.warning("chunked prefill attends with a boolean mask from now on: SDPA refused the causal "

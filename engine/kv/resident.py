@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from engine.errors import ContextOverflowError, OutOfMemoryError
 from engine.kernels import attention_gpu, attention_native, paged_attention_gpu
@@ -117,9 +116,9 @@ class ResidentKV(KVBackend):
         self._step = (seqs, n_new, write, read)
         return positions
 
-    def _step_mask(self, window: int | None) -> torch.Tensor | CausalBias | None:
+    def _step_mask(self, window: int | None) -> torch.Tensor | None:
         """The begun step's mask under `window`: None when plain causal (or no) masking does, SDPA's
-        bottom-right causal bias for a chunk after earlier ones, else a boolean (B, 1, T, S)."""
+        bottom-right causal bias for a chunk after earlier ones on CUDA, else a boolean (B, 1, T, S)."""
         fresh, lengths, n_new, total = self._mask_args
         if fresh:
             if window is None or n_new <= window:
@@ -130,10 +129,14 @@ class ResidentKV(KVBackend):
         if len(set(lengths)) == 1 and (window is None or total <= window):  # no padding, no window cut
             if n_new == 1:
                 return None  # one query a sequence: every key visible
-            # a chunk after earlier ones: query i sees keys ≤ S − T + i, causal aligned at the bottom right,
-            # which SDPA's flash kernel takes as such (with GQA); a boolean (T, S) mask would send it to the
-            # math backend's fp32 scores, (nh, T, S) floats a layer
-            return causal_lower_right(n_new, total)
+            if self.device.type == "cuda":
+                # a chunk after earlier ones: query i sees keys ≤ S − T + i, causal aligned at the bottom
+                # right, which SDPA's flash kernel takes as such (with GQA); a boolean (T, S) mask would send
+                # it to the math backend's fp32 scores, (nh, T, S) floats a layer. (Imported here: the module
+                # imports torch._dynamo, ~1.6 s, which a model's load and the CPU need not pay.)
+                from torch.nn.attention.bias import causal_lower_right
+
+                return causal_lower_right(n_new, total)
         key_pos = torch.arange(total)  # (S,)
         query_pos = torch.tensor(lengths)[:, None] + torch.arange(n_new)  # (B, T)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (B, T, S)
@@ -204,7 +207,7 @@ class ResidentKV(KVBackend):
             keys = read_rows(self.k[layer], read).transpose(1, 2).to(q.dtype)  # (B, n_kv, S, hs)
             values = read_rows(self.v[layer], read).transpose(1, 2).to(q.dtype)
         if sinks is not None:  # the sink is a key of its own: a plain boolean mask
-            mask = mask._materialize(q.device)[None, None] if isinstance(mask, CausalBias) else mask
+            mask = mask._materialize(q.device)[None, None] if attention_gpu.is_causal_bias(mask) else mask
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
         return attention_gpu.sdpa(q, keys, values, mask, causal=mask is None and T > 1)
 
