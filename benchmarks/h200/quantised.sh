@@ -9,8 +9,8 @@
 # CELLS (default: the four below) names the suite cells; CELLS= runs the tests and kernel benches only.
 # PREFILL_PROFILE=1 adds the profile of a resident 2,048-token prefill (2 layers, host and device time);
 # DECODE_PROFILE=1 that of a resident decode step (4 layers: kernels a token, their time against the wall's).
-# KERNEL_TESTS_ONLY=1 runs only the CUDA tests of the products over blocks and of the experts that run
-# them, and no CPU tests or CPU kernel bench (a short lease).
+# KERNEL_TESTS_ONLY=1 runs only the CUDA tests of the products over blocks, of the experts that run
+# them and of the attention and KV cache, and no CPU tests or CPU kernel bench (a short lease).
 source benchmarks/h200/lease_start.sh  # folders, log, wheels, native build, machine header
 CELLS=${CELLS-gpu-q4km-L16-resident gpu-q4km-L16-8gb gpu-q4km-prefill-32k gpu-q4km-L16-cpu-experts}
 
@@ -25,7 +25,8 @@ if [ -n "${KERNEL_TESTS_ONLY:-}" ]; then  # a short lease: the CUDA tests of the
   step CUDA kernel tests  # (and of the experts resident or cached as blocks, which run them)
   python3 -m pytest -q -p no:cacheprovider -m cuda tests/kernels/test_quant_moe_gpu.py \
     tests/kernels/test_quant_moe_gemm_gpu.py tests/kernels/test_quant_linear_gpu.py \
-    tests/quant/test_gpu_quant_resident.py tests/quant/test_quant_fills.py 2>&1 | tail -30 >"$res/pytest-cuda.log"
+    tests/quant/test_gpu_quant_resident.py tests/quant/test_quant_fills.py \
+    tests/kernels/test_attention_gpu_sdpa.py tests/kv 2>&1 | tail -30 >"$res/pytest-cuda.log"
   tail -1 "$res/pytest-cuda.log" >>"$log"
 else
   step CUDA tests

@@ -12,8 +12,8 @@ tokens of the timed prefill; 0: none), decode_prompt (prompt tokens before the t
 decode_prompts (several such lengths, decoded in turn by the one loaded engine: `decode_tok_s_by_prompt`,
 and `prefill_tok_s_by_prompt` of the prompts before them),
 new_tokens, batch (chats decoded together), seed, warmup and warmup_tokens (an untimed short
-generation first: kernel compiles, allocator growth, graph capture; its prompt as long as a timed
-prefill's, up to 512 tokens: `warmup_prompt`). The result carries the engine's
+generation first: kernel compiles, allocator growth, graph capture; its prompt as long as the longest
+timed one, as llama-bench's warm-up run is: `warmup_prompt`). The result carries the engine's
 expert, PCIe and kernel counters after the last generation (`stats`).
 Prompts are fixed pseudo-random token ids (seeded; the same for every engine and round), as
 `tandem generate --random-prompt` makes them. Prints one JSON object on its last line of stdout.
@@ -28,7 +28,6 @@ import sys
 import time
 
 VOCAB_FLOOR = 32_000  # ids drawn below this by default: the suite's models all have larger vocabularies
-PREFILL_WARMUP = 512  # warm-up prompt tokens before a timed prefill: past every decode-sized path (≤ 64 tokens)
 
 
 def prompt(n: int, seed: int, vocab: int = VOCAB_FLOOR) -> list[int]:
@@ -88,11 +87,12 @@ def measure(spec: dict) -> dict:
 
 
 def warmup_prompt(spec: dict) -> int:
-    """Prompt tokens of the untimed warm-up: 16, or where a longer prompt is timed, up to PREFILL_WARMUP of
-    it, so that the prefill paths (larger GEMM shapes, the per-expert loop, their kernels' compiles) are
-    warm before the timed prefill as llama-bench's own warm-up run makes llama.cpp's."""
+    """Prompt tokens of the untimed warm-up: at least 16, and as long as the longest timed prompt, so that
+    every path the timed prompt takes (its GEMM shapes and kernel compiles, the caching allocator's largest
+    buffers, the KV pages) is warm, as llama-bench's warm-up run (the timed prompt itself) makes llama.cpp's.
+    The first long prompt after a load is slower; that is a separate measure, not this cell's."""
     timed = max([int(spec.get("prefill") or 0), *map(int, spec.get("decode_prompts") or [0])])
-    return max(16, min(timed, PREFILL_WARMUP))
+    return max(16, timed)
 
 
 def _stats(engine) -> dict:

@@ -324,9 +324,9 @@ def test_the_cpu_moe_cell_runs_both_engines_at_the_threads_asked(tmp_path, monke
 
 
 def test_warm_up_prompt_reaches_the_timed_prefills_paths():
-    from engine.bench.suite_probe import PREFILL_WARMUP, warmup_prompt
+    from engine.bench.suite_probe import warmup_prompt
 
     assert warmup_prompt({"decode_prompt": 32, "new_tokens": 24}) == 16  # decode only: a short warm-up
-    assert warmup_prompt({"prefill": 64}) == 64  # never longer than the prompt the cell times
-    assert warmup_prompt({"decode_prompts": [2048, 32768]}) == PREFILL_WARMUP
-    assert PREFILL_WARMUP > 64  # past the decode-sized (grouped) expert path, into the prefill one
+    assert warmup_prompt({"prefill": 64}) == 64  # the prompt the cell times, as llama-bench warms up
+    assert warmup_prompt({"decode_prompts": [2048, 32768]}) == 32768  # the longest of them
+    assert warmup_prompt({"prefill": 32768, "decode_prompt": 32}) == 32768
