@@ -58,6 +58,7 @@ class Generator:
         self.sessions = SessionPool(max_sessions)  # chats that keep their KV (engine/runtime/sessions.py)
         self.graphs = None  # DecodeGraphs where decode steps can be replayed (engine/runtime/decode_graph.py); CPUDecodeSteps on a CPU
         self.threads = None  # ThreadChooser where the CPU's thread count is measured (engine/runtime/thread_chooser.py)
+        self.prefill_chunk = PREFILL_CHUNK  # tokens per prefill forward of a sequence read alone
         self.live: list[SeqRun] = []  # admitted and not ended, in order of admission
         self._pending: _Launched | None = None
         self.timer: GenerationTimer | None = None  # counts since the batch was last idle
@@ -173,7 +174,8 @@ class Generator:
         # Others in the batch (decoding, or waiting to be read too): share the step, shortest prompt first,
         # so a long prompt read whole does not hold up a short question that came beside it.
         shared = any(r.decoding and not r.ended for r in self.live) or len(waiting) > 1
-        timer, budget = self.timer, PREFILL_BUDGET if shared else PREFILL_CHUNK
+        per_forward = self.prefill_chunk
+        timer, budget = self.timer, PREFILL_BUDGET if shared else per_forward
         if shared:
             waiting.sort(key=lambda r: len(r.prompt) - r.next_pos)
         for r in waiting:
@@ -185,7 +187,7 @@ class Generator:
             try:
                 logits = None
                 while r.next_pos < len(r.prompt) and budget > 0:
-                    size = PREFILL_CHUNK if not shared else min(PREFILL_CHUNK, budget)
+                    size = per_forward if not shared else min(per_forward, budget)
                     left = len(r.prompt) - r.next_pos
                     if self.keeps_recurrent_state and 1 < left <= size:
                         # the prompt's last token in a step of its own, the state before it kept: a
