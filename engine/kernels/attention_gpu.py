@@ -70,9 +70,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 _bias_failed: str | None = None  # why SDPA refused the bottom-right causal bias in this process
 
 
+def flash_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether SDPA's flash kernel takes queries of this device, dtype and head width."""
+    return device.type == "cuda" and dtype in _FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
+
+
 def _flash_ok(q: torch.Tensor) -> bool:
-    hs = q.shape[-1]
-    return q.is_cuda and q.dtype in _FLASH_DTYPES and hs % 8 == 0 and hs <= 256
+    return flash_supports(q.device, q.dtype, q.shape[-1])
 
 
 def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

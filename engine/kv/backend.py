@@ -22,6 +22,12 @@ import torch
 class KVBackend(ABC):
     policy: str = "?"
 
+    @property
+    def flash_prefill(self) -> bool:
+        """Whether a prefill chunk of plain causal attention (no sinks, no sliding window) attends here
+        without materialising (nh, T, S) scores, so that a chunk's size is not bounded by them."""
+        return False
+
     @abstractmethod
     def new_sequence(self) -> int:
         """Reserve a sequence slot; returns its id."""

@@ -56,6 +56,7 @@ class LatentResidentKV(ResidentKV):
     policy = "resident"
     supports_sliding_window = False
     supports_sinks = False
+    flash_prefill = False  # MLA's prefill attends over the latents in its own form (models/mla.py)
 
     def __init__(self, n_layers: int, row_width: int, value_dim: int, *, max_context: int, max_batch: int,
                  block_size: int, device: torch.device, dtype: torch.dtype, fixed_decode: bool | None = None):

@@ -27,6 +27,10 @@ class ResidentKV(KVBackend):
     supports_sliding_window = True
     supports_sinks = True  # and a window per layer (attend's sinks, window)
 
+    @property
+    def flash_prefill(self) -> bool:  # SDPA's flash kernel, causal or with the bottom-right bias (`_step_mask`)
+        return attention_gpu.flash_supports(self.device, self.k.dtype, self.k.shape[-1])
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int,
                  max_batch: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  sliding_window: int | None = None, paged_decode: bool | None = None):

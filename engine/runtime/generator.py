@@ -38,13 +38,27 @@ from engine.runtime.sequences import SeqRun, Session, _AnyOf, _Launched
 from engine.runtime.sessions import SessionPool
 from engine.runtime.telemetry import GenerationTimer, Telemetry
 
-__all__ = ["Generator", "SeqRun", "Session", "PREFILL_CHUNK", "PREFILL_BUDGET"]
+__all__ = ["Generator", "SeqRun", "Session", "PREFILL_CHUNK", "FLASH_PREFILL_CHUNK", "PREFILL_BUDGET", "prefill_chunk"]
 
 log = logging.getLogger("tandem")
 
-PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory on long prompts
+PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the (nh, T, S) fp32 scores where attention makes them
+# Where no layer's attention makes scores (flash on CUDA), larger forwards pay the host's launches and the
+# grouped expert GEMMs' part-filled tiles over fewer tokens: 16 layers of Qwen3-30B-A3B as Q4_K_M on an
+# H100 prefilled 2K prompts at 20.7K tok/s in forwards of 512, 43.5K in 2,048; 32K prompts at 17.4K, 29.6K
+# (4,096: 43.4K and 32.5K; benchmarks/h200/2026-12-06-flash-chunks-h100). Activations stay small: ~0.2 GB
+# of expert rows a forward of 2,048 tokens at that width.
+FLASH_PREFILL_CHUNK = 2048
 PREFILL_BUDGET = 128  # prompt tokens per step while other sequences decode: how long joining prompts may
 # hold up their next token (512 tokens of prefill took ~2 s on the 2-core machine, a dozen decode steps)
+
+
+def prefill_chunk(args, kv: KVBackend) -> int:
+    """Tokens per prefill forward: FLASH_PREFILL_CHUNK where every attention layer is plain causal (no
+    sinks, no sliding window, no recurrent layers) over a KV that attends without scores, else PREFILL_CHUNK."""
+    plain = (args is not None and not args.attn_sinks and args.sliding_window is None
+             and not any(args.layer_windows or []) and args.attention_layers is None)
+    return FLASH_PREFILL_CHUNK if plain and kv.flash_prefill else PREFILL_CHUNK
 
 
 class Generator:
@@ -58,7 +72,7 @@ class Generator:
         self.sessions = SessionPool(max_sessions)  # chats that keep their KV (engine/runtime/sessions.py)
         self.graphs = None  # DecodeGraphs where decode steps can be replayed (engine/runtime/decode_graph.py); CPUDecodeSteps on a CPU
         self.threads = None  # ThreadChooser where the CPU's thread count is measured (engine/runtime/thread_chooser.py)
-        self.prefill_chunk = PREFILL_CHUNK  # tokens per prefill forward of a sequence read alone
+        self.prefill_chunk = prefill_chunk(getattr(model, "args", None), kv)  # tokens a forward, one sequence alone
         self.live: list[SeqRun] = []  # admitted and not ended, in order of admission
         self._pending: _Launched | None = None
         self.timer: GenerationTimer | None = None  # counts since the batch was last idle

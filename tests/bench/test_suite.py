@@ -229,11 +229,14 @@ def test_the_prefill_cell_keeps_the_rows_of_the_model_whose_export_fits(monkeypa
     monkeypatch.setattr(suite_gpu, "gguf_for", gguf_for)
     monkeypatch.setattr(suite_gpu, "gguf_sizes", lambda p: {"expert_bytes": [1] * 16, "other_bytes": 0,
                                                             "kv_bytes_per_token": 0})
-    monkeypatch.setattr(suite_gpu, "probe", lambda tree, spec: {"prefill_tok_s": 300.0})
+    specs = []
+    monkeypatch.setattr(suite_gpu, "probe", lambda tree, spec: specs.append(spec) or {"prefill_tok_s": 300.0})
     monkeypatch.setattr(suite_gpu, "llama_prefill", lambda *a: 100.0)
     rows = suite_gpu.prefill_cell(ctx)
     assert len(rows) == 1 and "qwen3-30b-a3b-L16" in rows[0]["condition"]
     assert rows[0]["ratio"]["tandem"]["median"] == 3.0
+    # one chat's KV, as llama-bench's one sequence: the default max_batch would plan for four 32K chats
+    assert [s["config"]["max_batch"] for s in specs] == [1]
 
 
 def test_the_gpt_oss_preset_is_exportable_with_llamacpps_names():
