@@ -1,7 +1,7 @@
 """Diagnostic: prefill under 8 GB with the default four chats (the plan caches the experts), by tokens a
 forward and expert policy, Tandem alone, one Q4_K_M file; each prompt once untimed first.
 
-    PYTHONPATH=TREE python3 offload_prefill.py FILE.gguf [TOKENS]"""
+    PYTHONPATH=TREE python3 offload_prefill.py MODEL [TOKENS]   (a .gguf file or a synthetic: preset)"""
 import json
 import sys
 
