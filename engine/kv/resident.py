@@ -208,12 +208,22 @@ class ResidentKV(KVBackend):
         if read is None:
             keys, values = k, v  # (B, n_kv, T, hs): prefill from empty
         else:
+            cut = self._window_cut(window, B, T)
+            if cut:  # keys older than every query's window: left unread, not masked
+                read, mask = _rows_from(read, cut), mask[..., cut:]
             keys = read_rows(self.k[layer], read).transpose(1, 2).to(q.dtype)  # (B, n_kv, S, hs)
             values = read_rows(self.v[layer], read).transpose(1, 2).to(q.dtype)
-        if sinks is not None:  # the sink is a key of its own: a plain boolean mask
-            mask = mask._materialize(q.device)[None, None] if attention_gpu.is_causal_bias(mask) else mask
+        if sinks is not None:  # the sink is a key of its own (causal: still bottom-right aligned)
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
         return attention_gpu.sdpa(q, keys, values, mask, causal=mask is None and T > 1)
+
+    def _window_cut(self, window: int | None, B: int, T: int) -> int:
+        """Keys at the front of one sequence's step that no query of its T sees under `window` (the first
+        query, at position S − T, sees keys from S − T − window + 1 on): 0 where nothing is cut."""
+        if window is None or B != 1:
+            return 0
+        total = self._mask_args[3]
+        return max(0, total - T - window + 1)
 
     def decode_store(self, layer: int):
         """A paged decode step's rows (the step buffer's write slots, fixed addresses for a graph)."""
@@ -267,6 +277,11 @@ def read_rows(cache: torch.Tensor, read: torch.Tensor | slice) -> torch.Tensor:
     """A layer's cache (slots, …) → the step's past rows (B, S, …): gathered (a copy) through (B, S)
     slot indices, or in place (a view, B = 1) through a slice."""
     return cache[read].unsqueeze(0) if isinstance(read, slice) else cache[read]
+
+
+def _rows_from(read: torch.Tensor | slice, cut: int) -> torch.Tensor | slice:
+    """The step's rows (a slice, or (B, S) slot indices) without their first `cut`."""
+    return slice(read.start + cut, read.stop) if isinstance(read, slice) else read[:, cut:]
 
 
 def _contiguous(slots: torch.Tensor) -> slice | None:

@@ -96,3 +96,28 @@ def test_a_bias_the_kernels_refuse_falls_back_to_the_boolean_mask_for_good(monke
     assert calls == ["CausalBias", "Tensor", "Tensor"]  # refused once, then the mask straight away
     assert attention_gpu._bias_failed == "No available kernel. Aborting execution."
     assert sum("refused the causal bias" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu"),
+                                          pytest.param("cuda", torch.bfloat16, marks=CUDA, id="cuda-bf16")])
+@pytest.mark.parametrize("T,S", [(7, 7), (7, 19), (512, 2048)])
+@pytest.mark.parametrize("form", ["none", "bias"])
+def test_sinks_under_causal_attention_keep_bottom_right_alignment(T, S, form, device, dtype):
+    """With the sink key in front, causal attention (None, or the bottom-right bias a chunk after earlier
+    ones gets) passes SDPA the bias over 1 + S keys on CUDA (flash, no scores): the same as the boolean
+    mask, and as the softmax with e^s in its denominator written out."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, T, 64, generator=g).to(device, dtype)
+    k, v = (torch.randn(1, 2, S, 64, generator=g).to(device, dtype) for _ in range(2))
+    sinks = torch.randn(8, generator=g).to(device)
+    visible = (torch.arange(S)[None, :] <= (S - T + torch.arange(T))[:, None])[None, None].to(device)  # (1, 1, T, S)
+    got = attention_gpu.sdpa_with_sinks(q, k, v, sinks, None if form == "none" else causal_lower_right(T, S)).float()
+    want = attention_gpu.sdpa_with_sinks(q, k, v, sinks, visible).float()
+    assert (got - want).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+    scores = q.float() @ k.float().repeat_interleave(4, dim=1).transpose(-1, -2) * 64 ** -0.5  # (1, 8, T, S)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    both = torch.cat((sinks.float()[None, :, None, None].expand(1, 8, T, 1), scores), dim=-1).softmax(-1)
+    reference = both[..., 1:] @ v.float().repeat_interleave(4, dim=1)
+    assert (got - reference).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
