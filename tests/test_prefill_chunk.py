@@ -69,7 +69,7 @@ def test_a_cuda_engine_reads_long_prompts_in_flash_sized_forwards():
     through in two (the second attends over the first's keys with the bottom-right causal bias)."""
     from engine.api import Engine, EngineConfig, GenerationRequest
 
-    engine = Engine(EngineConfig(model="builtin:smollm2-135m-moe", backend="tandem", device="cuda",
+    engine = Engine(EngineConfig(model="synthetic:qwen3-30b-a3b-L1", backend="tandem", device="cuda",
                                  dtype="bfloat16", max_context=4096, max_batch=1))
     try:
         assert engine.backend.generator.prefill_chunk == FLASH_PREFILL_CHUNK
