@@ -144,10 +144,10 @@ def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: to
     untouched.
 
     q (B, nh, T, hs); k, v (B, n_kv, S, hs); sinks (nh,); mask (B|1, 1, T, S) bool, True = visible,
-    or None or torch's bottom-right causal bias for causal (query i sees keys ≤ S − T + i) → (B, nh, T, hs).
-    With the sink at the front, causal stays bottom-right aligned over the 1 + S keys: query i sees keys
-    ≤ 1 + S − T + i, the sink and the same real keys. On CUDA that is the bias SDPA's flash kernel takes,
-    so no (nh, T, 1 + S) scores are made; elsewhere the mask is built.
+    or None or torch's bottom-right causal bias for causal (query i sees keys ≤ S − T + i): the boolean
+    mask is built → (B, nh, T, hs). (Passing SDPA the bias over the sink and the keys instead read 2K prompts
+    of gpt-oss slower on an H100, benchmarks/h200/2026-12-06-flash-chunks-h100: v is narrower than q and
+    k here, and torch's flash kernel takes only one head width for all three.)
     """
     B, nh, T, hs = q.shape
     n_kv, S = k.shape[1], k.shape[2]
@@ -163,10 +163,6 @@ def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: to
     q2 = torch.cat((q, q_extra), dim=-1)  # (B, nh, T, hs + pad)
     k2 = torch.cat((sink_key, torch.cat((k, k.new_zeros((B, n_kv, S, SINK_PAD))), dim=-1)), dim=2)  # (B, n_kv, 1+S, ·)
     v2 = torch.cat((v.new_zeros((B, n_kv, 1, hs)), v), dim=2)  # (B, n_kv, 1+S, hs)
-    if (mask is None or is_causal_bias(mask)) and flash_supports(q.device, q.dtype, hs + SINK_PAD):
-        from torch.nn.attention.bias import causal_lower_right  # (imports torch._dynamo: only here)
-
-        return sdpa(q2, k2, v2, causal_lower_right(T, 1 + S), scale=scale)
     if mask is None or is_causal_bias(mask):
         i = torch.arange(T, device=q.device)[:, None]
         j = torch.arange(S, device=q.device)[None, :]

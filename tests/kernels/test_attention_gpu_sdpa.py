@@ -103,9 +103,8 @@ def test_a_bias_the_kernels_refuse_falls_back_to_the_boolean_mask_for_good(monke
 @pytest.mark.parametrize("T,S", [(7, 7), (7, 19), (512, 2048)])
 @pytest.mark.parametrize("form", ["none", "bias"])
 def test_sinks_under_causal_attention_keep_bottom_right_alignment(T, S, form, device, dtype):
-    """With the sink key in front, causal attention (None, or the bottom-right bias a chunk after earlier
-    ones gets) passes SDPA the bias over 1 + S keys on CUDA (flash, no scores): the same as the boolean
-    mask, and as the softmax with e^s in its denominator written out."""
+    """Causal attention with sinks, given as None or as the bottom-right bias a chunk after earlier ones
+    gets on CUDA: the same as the boolean mask, and as the softmax with e^s in its denominator written out."""
     from torch.nn.attention.bias import causal_lower_right
 
     g = torch.Generator().manual_seed(3)
