@@ -14,10 +14,12 @@ from engine.errors import TandemError
 from engine.server.cli import add_serve_parser, serve_command
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field as a --flag (model's default: the built-in MoE model)."""
+def _add_engine_flags(p: argparse.ArgumentParser, helps: dict[str, str] | None = None) -> None:
+    """Every EngineConfig field as a --flag (model's default: the built-in MoE model). helps: a field's
+    help where the command sets its default itself (the flag's default is then None)."""
     from engine.api import EngineConfig
 
+    helps = helps or {}
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool) and f.default:  # on by default: the flag turns it off
@@ -26,12 +28,24 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="store_true", default=f.default)
         else:
             kind = {"int | None": int, "int": int, "float | None": float}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default})")
+            own = f.name in helps
+            p.add_argument(flag, type=kind, default=None if own else f.default,
+                           help=helps[f.name] if own else f"(default: {f.default})")
+
+
+# max_batch's help where a command runs its own sequences: generate's --batch, chat's one conversation
+RUN_SEQUENCES = {"max_batch": "sequences whose KV is held (default: the sequences this command runs)"}
 
 
 def _config(args):
+    """The flags as an EngineConfig. A command that runs its own sequences (generate, chat) holds their KV,
+    not four chats': under a VRAM budget, KV planned for chats that never come takes the place of resident
+    experts (16 layers of Qwen3-30B-A3B as Q4_K_M, 8 GB, 32K: every expert resident for one chat, cached
+    for four)."""
     from engine.api import EngineConfig
 
+    if getattr(args, "max_batch", 0) is None:
+        args.max_batch = getattr(args, "batch", 1)
     return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
 
 
@@ -274,13 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, default=1, metavar="B",
                    help="decode B sequences together (needs max_batch ≥ B); prints one line each")
     _add_sampling_flags(g)
-    _add_engine_flags(g)
+    _add_engine_flags(g, RUN_SEQUENCES)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="chat in the terminal")
     c.add_argument("--system", default=None, help="system prompt")
     _add_sampling_flags(c)
-    _add_engine_flags(c)
+    _add_engine_flags(c, RUN_SEQUENCES)
     c.set_defaults(func=cmd_chat)
 
     sub.add_parser("models", help="list the built-in models").set_defaults(func=cmd_models)

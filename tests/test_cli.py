@@ -30,3 +30,18 @@ def test_bad_model_gives_clear_error_without_traceback(tmp_path):
     assert p.returncode == 2
     assert "model not found" in p.stderr and "what to do" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_generate_and_chat_hold_the_kv_of_their_own_sequences():
+    """A one-shot command plans the KV of the sequences it runs, not of four chats (which, under a VRAM
+    budget, can push experts out of VRAM); --max-batch still says otherwise; other commands keep 4."""
+    from engine.cli import _config, build_parser
+
+    parser = build_parser()
+    assert _config(parser.parse_args(["generate", "--prompt", "x"])).max_batch == 1
+    assert _config(parser.parse_args(["generate", "--random-prompt", "8", "--batch", "3"])).max_batch == 3
+    assert _config(parser.parse_args(["generate", "--prompt", "x", "--max-batch", "6"])).max_batch == 6
+    assert _config(parser.parse_args(["chat"])).max_batch == 1
+    assert _config(parser.parse_args(["plan"])).max_batch == 4  # as the app and the server hold chats
+    usage = parser._subparsers._group_actions[0].choices["generate"].format_help()
+    assert "the sequences this command runs" in " ".join(usage.split())
