@@ -45,9 +45,10 @@ def _config(args):
     benchmarks/h200/2026-12-06-flash-chunks-h100)."""
     from engine.api import EngineConfig
 
-    if getattr(args, "max_batch", 0) is None:
-        args.max_batch = getattr(args, "batch", 1)
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+    if values["max_batch"] is None:
+        values["max_batch"] = getattr(args, "batch", 1)
+    return EngineConfig(**values)
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -122,7 +122,8 @@ class ResidentKV(KVBackend):
 
     def _step_mask(self, window: int | None) -> torch.Tensor | None:
         """The begun step's mask under `window`: None when plain causal (or no) masking does, SDPA's
-        bottom-right causal bias for a chunk after earlier ones on CUDA, else a boolean (B, 1, T, S)."""
+        bottom-right causal bias for a chunk after earlier ones on CUDA, else a boolean (B, 1, T, S − cut)
+        over the keys from `_step_cut(window)` on."""
         fresh, lengths, n_new, total = self._mask_args
         if fresh:
             if window is None or n_new <= window:
@@ -141,12 +142,21 @@ class ResidentKV(KVBackend):
                 from torch.nn.attention.bias import causal_lower_right
 
                 return causal_lower_right(n_new, total)
-        key_pos = torch.arange(total)  # (S,)
+        key_pos = torch.arange(self._step_cut(window), total)  # (S − cut,)
         query_pos = torch.tensor(lengths)[:, None] + torch.arange(n_new)  # (B, T)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (B, T, S)
         if window is not None:
             mask &= key_pos[None, None, :] > query_pos[:, :, None] - window
-        return mask.unsqueeze(1).to(self.device)  # (B, 1, T, S)
+        return mask.unsqueeze(1).to(self.device)  # (B, 1, T, S − cut)
+
+    def _step_cut(self, window: int | None) -> int:
+        """Keys at the front of one sequence's begun step that no query sees under `window` (the first
+        query, at position S − T, sees keys from S − T − window + 1 on): left unread, not masked. 0
+        where nothing is cut, and for a batch (its rows are padded to one length)."""
+        fresh, lengths, n_new, total = self._mask_args
+        if window is None or fresh or len(lengths) != 1:
+            return 0
+        return max(0, total - n_new - window + 1)
 
     def _begin_paged_decode(self, seqs: list[SequenceBlocks]) -> torch.Tensor:
         """Fill the step buffer and hand out views of it: the same addresses every step of a batch size."""
@@ -208,22 +218,14 @@ class ResidentKV(KVBackend):
         if read is None:
             keys, values = k, v  # (B, n_kv, T, hs): prefill from empty
         else:
-            cut = self._window_cut(window, B, T)
-            if cut:  # keys older than every query's window: left unread, not masked
-                read, mask = _rows_from(read, cut), mask[..., cut:]
+            cut = self._step_cut(window)
+            if cut:  # keys older than every query's window (the mask starts after them too)
+                read = _rows_from(read, cut)
             keys = read_rows(self.k[layer], read).transpose(1, 2).to(q.dtype)  # (B, n_kv, S, hs)
             values = read_rows(self.v[layer], read).transpose(1, 2).to(q.dtype)
         if sinks is not None:  # the sink is a key of its own (causal: still bottom-right aligned)
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
         return attention_gpu.sdpa(q, keys, values, mask, causal=mask is None and T > 1)
-
-    def _window_cut(self, window: int | None, B: int, T: int) -> int:
-        """Keys at the front of one sequence's step that no query of its T sees under `window` (the first
-        query, at position S − T, sees keys from S − T − window + 1 on): 0 where nothing is cut."""
-        if window is None or B != 1:
-            return 0
-        total = self._mask_args[3]
-        return max(0, total - T - window + 1)
 
     def decode_store(self, layer: int):
         """A paged decode step's rows (the step buffer's write slots, fixed addresses for a graph)."""

@@ -46,8 +46,8 @@ PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the (nh, T, S) fp32 sc
 # Where no layer's attention makes scores (flash on CUDA), larger forwards pay the host's launches and the
 # grouped expert GEMMs' part-filled tiles over fewer tokens: 16 layers of Qwen3-30B-A3B as Q4_K_M on an
 # H100 prefilled 2K prompts at 20.7K tok/s in forwards of 512, 43.5K in 2,048; 32K prompts at 17.4K, 29.6K
-# (4,096: 43.4K and 32.5K; benchmarks/h200/2026-12-06-flash-chunks-h100). Activations stay small: ~0.2 GB
-# of expert rows a forward of 2,048 tokens at that width.
+# (4,096: 43.4K and 32.5K; benchmarks/h200/2026-12-06-flash-chunks-h100). Activations stay small: a forward
+# of 2,048 tokens routes 16K pairs, whose expert inputs and gate/up outputs at that width are ~0.12 GB of bf16.
 FLASH_PREFILL_CHUNK = 2048
 PREFILL_BUDGET = 128  # prompt tokens per step while other sequences decode: how long joining prompts may
 # hold up their next token (512 tokens of prefill took ~2 s on the 2-core machine, a dozen decode steps)
