@@ -12,7 +12,7 @@ worker thread. Errors meant for the user are `engine.errors.TandemError`s.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from engine.errors import ConfigError, TandemError
@@ -38,7 +38,7 @@ class EngineConfig:
     d_window: int = 256  # tokens of newest decode KV kept on the GPU (hybrid KV policies)
     block_size: int = 64  # tokens per KV block
     max_context: int | None = None  # None: the model's own context length
-    max_batch: int = 4  # sequences (chats) whose KV is held at once
+    max_batch: int | None = None  # sequences (chats) whose KV is held at once; None: the plan's (≤ 4)
     cpu_threads: int | None = None  # None: torch's default
     profile_path: str | None = None  # calibration profile; None: the default location
     simulate_hybrid: bool = False  # run hybrid paths with the "GPU side" on the CPU (tests)
@@ -114,7 +114,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, progress: Callable[[str, float], None] | None = None):
         self.config = config or EngineConfig()
-        if self.config.max_batch < 1:
+        if self.config.max_batch is not None and self.config.max_batch < 1:
             raise ConfigError(f"max_batch must be at least 1 (got {self.config.max_batch})", "set max_batch ≥ 1")
         self._lock = threading.Lock()
         kind = choose_backend(self.config)
@@ -129,6 +129,11 @@ class Engine:
             self.backend = RemoteBackend(self.config, progress)
         else:
             raise ConfigError(f"unknown backend '{self.config.backend}'", "use auto, tandem, llamacpp or remote")
+        if self.config.max_batch is None:  # Tandem's plan chose it; the other backends hold llama-server's slots
+            from engine.sched.placement import AUTO_CHATS
+
+            held = getattr(self.backend, "config", self.config).max_batch
+            self.config = replace(self.config, max_batch=held or AUTO_CHATS)
 
     @property
     def tokenizer(self):

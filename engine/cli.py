@@ -35,18 +35,19 @@ def _add_engine_flags(p: argparse.ArgumentParser, helps: dict[str, str] | None =
 
 # max_batch's help where a command runs its own sequences: generate's --batch, chat's one conversation
 RUN_SEQUENCES = {"max_batch": "sequences whose KV is held (default: the sequences this command runs)"}
+# … and where it serves chats as they come (plan shows what serve and the app would hold)
+HELD_CHATS = {"max_batch": "chats whose KV is held (default: as many as the plan holds without slowing "
+                           "the chat in use, up to 4)"}
 
 
 def _config(args):
-    """The flags as an EngineConfig. A command that runs its own sequences (generate, chat) holds their KV,
-    not four chats': under a VRAM budget, KV planned for chats that never come takes VRAM the experts
-    need (16 layers of Qwen3-30B-A3B as Q4_K_M, 8 GB, 32K context: one chat's plan kept the experts and
-    the KV on the GPU and read a 32K prompt at 17,788 tok/s, four chats' at 1,054 on the same H100;
-    benchmarks/h200/2026-12-06-flash-chunks-h100)."""
+    """The flags as an EngineConfig. A command that runs its own sequences (generate, chat) holds their KV
+    and no more: KV held for chats that never come takes memory the chat in use could be read from.
+    The others leave max_batch to the plan (sched/placement.py held_chats)."""
     from engine.api import EngineConfig
 
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
-    if values["max_batch"] is None:
+    if values["max_batch"] is None and getattr(args, "runs_own_sequences", False):
         values["max_batch"] = getattr(args, "batch", 1)
     return EngineConfig(**values)
 
@@ -165,6 +166,8 @@ def cmd_plan(args) -> int:
           + (f" · {p['expert_cache_slots']} expert slots" if p["expert_cache_slots"] is not None else "")
           + (f" · D-window {p['d_window']}, r {p['r_start']:.2f} at the full context" if p["r_start"] is not None else ""))
     print(f"context    {p['max_context']:,} tokens × {p['max_batch']} chats; KV on the GPU: {p['kv_gpu_tokens']:,} tokens a chat")
+    if p["chats_reason"]:
+        print(f"chats      {p['chats_reason']}")
     print()
     print(f"{'part':<44} {'where':<5} {'size':>12}")
     for row in p["rows"]:
@@ -291,19 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode B sequences together (needs max_batch ≥ B); prints one line each")
     _add_sampling_flags(g)
     _add_engine_flags(g, RUN_SEQUENCES)
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, runs_own_sequences=True)
 
     c = sub.add_parser("chat", help="chat in the terminal")
     c.add_argument("--system", default=None, help="system prompt")
     _add_sampling_flags(c)
     _add_engine_flags(c, RUN_SEQUENCES)
-    c.set_defaults(func=cmd_chat)
+    c.set_defaults(func=cmd_chat, runs_own_sequences=True)
 
     sub.add_parser("models", help="list the built-in models").set_defaults(func=cmd_models)
 
     pl = sub.add_parser("plan", help="show where a model would live on this machine and how fast it would run "
                                      "(reads headers only; exit 1 when it cannot fit)")
-    _add_engine_flags(pl)
+    _add_engine_flags(pl, HELD_CHATS)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=cmd_plan)
 
@@ -327,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     s = add_serve_parser(sub)
-    _add_engine_flags(s)
+    _add_engine_flags(s, HELD_CHATS)
     s.set_defaults(func=cmd_serve)
 
     x = sub.add_parser("export-gguf", help="write a model as a GGUF file for llama.cpp (same weights, BF16)")

@@ -34,7 +34,8 @@ def test_bad_model_gives_clear_error_without_traceback(tmp_path):
 
 def test_generate_and_chat_hold_the_kv_of_their_own_sequences():
     """A one-shot command plans the KV of the sequences it runs, not of four chats (which, under a VRAM
-    budget, can push experts out of VRAM); --max-batch still says otherwise; other commands keep 4."""
+    budget, can push experts out of VRAM); --max-batch still says otherwise; plan and serve leave it to the
+    plan (None)."""
     from engine.cli import _config, build_parser
 
     parser = build_parser()
@@ -42,6 +43,8 @@ def test_generate_and_chat_hold_the_kv_of_their_own_sequences():
     assert _config(parser.parse_args(["generate", "--random-prompt", "8", "--batch", "3"])).max_batch == 3
     assert _config(parser.parse_args(["generate", "--prompt", "x", "--max-batch", "6"])).max_batch == 6
     assert _config(parser.parse_args(["chat"])).max_batch == 1
-    assert _config(parser.parse_args(["plan"])).max_batch == 4  # as the app and the server hold chats
+    assert _config(parser.parse_args(["plan"])).max_batch is None  # the plan chooses, as for the app
+    assert _config(parser.parse_args(["serve"])).max_batch is None
+    assert _config(parser.parse_args(["serve", "--max-batch", "2"])).max_batch == 2
     usage = parser._subparsers._group_actions[0].choices["generate"].format_help()
     assert "the sequences this command runs" in " ".join(usage.split())

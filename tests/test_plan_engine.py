@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -43,6 +44,28 @@ def test_experts_beyond_the_budget_are_offloaded_by_default_and_the_answer_stays
                                                 greedy=True))
         assert "Paris" in res.text
         assert engine.stats().to_dict()["experts"]["misses"] > 0
+    finally:
+        engine.close()
+
+
+def test_the_engine_holds_the_chats_its_plan_chose_and_a_chat_evicted_is_reread():
+    """Under 3.4 GB the simulated GPU holds the built-in model's experts beside one 8K chat's KV, not
+    beside four: by default the engine holds one chat and keeps its experts resident. A second chat
+    evicts the first, whose next turn re-reads its history and still answers."""
+    config = EngineConfig(model=MOE, simulate_hybrid=True, vram_budget_gb=3.4, max_context=8192)
+    assert plan_placement(replace(config, max_batch=4))["expert_policy"] == "adaptive"
+    engine = Engine(config)
+    try:
+        plan = engine.info()["plan"]
+        assert engine.config.max_batch == plan["max_batch"] == 1 and engine.backend.config.max_batch == 1
+        assert engine.info()["expert_policy"] == "resident" and "one chat's KV held" in plan["summary"]
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        first = engine.generate(GenerationRequest(messages=chat, max_new_tokens=8, greedy=True, session_id="a"))
+        engine.generate(GenerationRequest(prompt="Hello", max_new_tokens=2, greedy=True, session_id="b"))
+        again = chat + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Italy?"}]
+        res = engine.generate(GenerationRequest(messages=again, max_new_tokens=8, greedy=True, session_id="a"))
+        assert "Paris" in first.text and res.prefilled_tokens == res.prompt_tokens  # a's KV went to b
+        assert list(engine.backend.generator.sessions) == ["a"]
     finally:
         engine.close()
 

@@ -30,7 +30,7 @@ from engine.runtime.expert_placement import costs_from_profile
 from engine.runtime.generator import PREFILL_CHUNK
 from engine.runtime.kv_setup import kv_dtype, roofline_from_profile
 from engine.sched.expert_cost import ExpertCostModel
-from engine.sched.placement import Plan, plan
+from engine.sched.placement import AUTO_CHATS, Plan, held_chats, plan
 from engine.sched.placement_speed import DEFAULT_CPU_TFLOPS, DEFAULT_DRAM_GBPS, GiB, MachineCosts
 
 log = logging.getLogger("tandem")
@@ -96,7 +96,17 @@ def machine_costs(config, args: ModelArgs, profile, dtype_bytes: int,
 
 
 def placement_plan(config, profile=None) -> Plan:
-    """The plan for `config` on this machine (reads the model's headers only)."""
+    """The plan for `config` on this machine (reads the model's headers only). With max_batch None
+    the plan also chooses how many chats' KV to hold: the most, up to AUTO_CHATS, that do not slow
+    the chat in use (`held_chats`)."""
+    plan_for = _planner(config, profile)
+    if config.max_batch is not None:
+        return plan_for(config.max_batch)
+    return held_chats(plan_for)
+
+
+def _planner(config, profile):
+    """chats → the plan of `config` holding that many chats' KV (the model's headers read once)."""
     args = model_args(config.model)
     max_context = min(config.max_context or args.max_position, args.max_position)
     gpu, simulated = _gpu_side(config)
@@ -132,11 +142,16 @@ def placement_plan(config, profile=None) -> Plan:
         if gguf_auto:
             cpu_parts = _in_blocks(cpu_parts, config.model, args, cpu_bytes)
     per_weight = parts.slot_bytes / (3 * args.dim * args.expert_ffn_dim) if parts.n_experts else None  # store's bytes
-    costs = machine_costs(config, args, profile, dev_bytes, per_weight)
-    return plan(parts, costs, max_context=max_context, max_batch=config.max_batch,
-                spill_device_bytes=spill_device_bytes(config, args, dev_bytes, max_context, gpu and not simulated),
-                prefill_chunk=PREFILL_CHUNK,
-                d_window=config.d_window, block_size=config.block_size, cpu_parts=cpu_parts)
+
+    def plan_for(chats: int) -> Plan:
+        held = replace(config, max_batch=chats)
+        return plan(parts, machine_costs(held, args, profile, dev_bytes, per_weight), max_context=max_context,
+                    max_batch=chats,
+                    spill_device_bytes=spill_device_bytes(held, args, dev_bytes, max_context, gpu and not simulated),
+                    prefill_chunk=PREFILL_CHUNK,
+                    d_window=config.d_window, block_size=config.block_size, cpu_parts=cpu_parts)
+
+    return plan_for
 
 
 def _cuda(config) -> torch.device:
@@ -169,10 +184,12 @@ def spill_device_bytes(config, args: ModelArgs, dtype_bytes: int, max_context: i
 
 
 def apply_plan(config, p: Plan | None):
-    """The config that runs: `auto` policies (and the device and slots they imply) from the plan.
-    Refuses a model that fits nowhere, with the sizes and what would make it fit. Without a plan,
+    """The config that runs: `auto` policies (and the device and slots they imply) and the chats held
+    (max_batch None) from the plan. Refuses a model that fits nowhere, with the sizes and what would make it fit. Without a plan,
     `auto` is `resident` (whose KV still turns writescope when it does not fit: runtime/kv_setup.py)."""
     auto_kv, auto_experts = config.kv_policy == "auto", config.expert_policy == "auto"
+    if config.max_batch is None:  # the chats the plan holds (without a plan: AUTO_CHATS)
+        config = replace(config, max_batch=p.max_batch if p is not None else AUTO_CHATS)
     if not (auto_kv or auto_experts):
         return config
     if p is None:

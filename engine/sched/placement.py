@@ -11,6 +11,10 @@ Pure arithmetic over bytes and milliseconds, no tensors. Three steps:
 3. Keep the fastest. VRAM is thereby shared between KV and experts by value per byte: a byte of KV
    on the GPU is read at every step, an expert slot only when its expert is routed (top-k of E), so
    a long context or many chats hand the budget to the KV, a short one to the expert cache.
+
+Where the caller leaves the number of chats to it, `held_chats` plans again for 4 … 1 chats and
+holds the most whose KV does not slow the chat in use: KV of chats not in use is read by none of
+its steps, so it never outbids the experts or the KV of the chat in use for VRAM.
 """
 
 from __future__ import annotations
@@ -21,6 +25,14 @@ from engine.sched.placement_speed import GiB, MachineCosts, ModelParts, Placemen
 
 DEVICE_RESERVE_BYTES = 1 << 30  # activations, grouped-GEMM intermediates, allocator slack (at most 10% of the budget)
 HOST_RESERVE_BYTES = 2 << 30  # the process itself: torch, the tokenizer, the loader's transient copies
+# Chats whose KV is held when max_batch is left to the plan: llama-server's default slots. Fewer where
+# their KV would take VRAM that the chat in use reads from (experts pushed off the GPU, its KV spilled):
+# 16 layers of Qwen3-30B-A3B as Q4_K_M under 8 GB, 32K context, read a 32K prompt at 1,054 tok/s
+# with four chats' KV planned and 17,788 with one (one H100, benchmarks/h200/2026-12-06-flash-chunks-h100).
+AUTO_CHATS = 4
+# What one more held chat may cost the chat in use, as a share of its predicted decode step: above the
+# rounding of the prediction (a spilled KV's D-windows move a few expert slots), far below a placement change.
+HELD_CHAT_COST = 0.02
 
 
 @dataclass
@@ -48,7 +60,8 @@ class Plan:
     vram_available: int = 0
     ram_available: int = 0
     max_context: int = 0
-    max_batch: int = 1
+    max_batch: int = 1  # chats whose KV is held
+    chats_reason: str = ""  # why that many, where the plan chose it (runtime/planning.py held_chats)
     decode_tok_s: float | None = None  # one chat at the full context
     decode_tok_s_short: float | None = None  # one chat at the start of a chat
     decode_tok_s_all: float | None = None  # all max_batch chats together at the full context
@@ -87,7 +100,8 @@ class Plan:
                 parts.append(f"KV on the GPU up to {self.kv_gpu_tokens:,} tokens")
             where = "fits: " + "; ".join(parts)
         speed = f"about {self.decode_tok_s:.0f} tok/s" if self.decode_tok_s else ""
-        return ", ".join(s for s in (where, speed) if s)
+        chats = f"the KV of {self.max_batch} chats held" if self.max_batch > 1 else "one chat's KV held"
+        return ", ".join(s for s in (where, speed) if s) + ("; " + chats if self.chats_reason else "")
 
 
 def _candidates(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, max_context: int, max_batch: int,
@@ -202,6 +216,34 @@ def plan(m: ModelParts, c: MachineCosts, *, max_context: int, max_batch: int, sp
         costs_source=c.costs_source, simulated=c.simulated, candidates=considered)
 
 
+def held_chats(plan_for) -> Plan:
+    """The plan of the most chats, up to AUTO_CHATS, whose KV leaves one chat's predicted decode step
+    within HELD_CHAT_COST of the one-chat plan's; `chats_reason` says why that many.
+    plan_for: chats → Plan."""
+    one = plan_for(1)
+    if not one.fits:
+        return one
+    plans = {n: plan_for(n) for n in range(AUTO_CHATS, 1, -1)}
+    n = next((n for n, p in plans.items() if p.fits and p.device == one.device
+              and _step_ms(p) <= _step_ms(one) * (1 + HELD_CHAT_COST)), 1)
+    chosen, more = plans.get(n, one), plans[AUTO_CHATS]
+    if n == AUTO_CHATS:
+        chosen.chats_reason = f"the KV of {n} chats fits beside the chat in use without slowing it"
+    else:
+        chosen.chats_reason = (
+            f"the KV of {AUTO_CHATS} chats does not fit" if not more.fits else
+            f"the KV of {AUTO_CHATS} chats would slow the chat in use to about {more.decode_tok_s:.0f} tok/s "
+            f"from {one.decode_tok_s:.0f}") + \
+            f"; {n} {'chats are' if n > 1 else 'chat is'} held, and a chat reopened after others re-reads its history"
+    return chosen
+
+
+def _step_ms(p: Plan) -> float:
+    """A chat's predicted decode step over its life (the mean of its start and full context), ms: what
+    `plan` ranks placements by."""
+    return (1000.0 / p.decode_tok_s + 1000.0 / p.decode_tok_s_short) / 2
+
+
 def _reason(p: Placement, m: ModelParts, c: MachineCosts) -> str:
     if not c.gpu:
         return "no GPU: every part runs on the CPU from RAM"
@@ -252,4 +294,4 @@ def _refusal(m: ModelParts, cpu_m: ModelParts, c: MachineCosts, max_context: int
                 costs_source=c.costs_source, candidates=considered)
 
 
-__all__ = ["GiB", "MachineCosts", "ModelParts", "Plan", "PlanRow", "plan"]
+__all__ = ["AUTO_CHATS", "GiB", "MachineCosts", "ModelParts", "Plan", "PlanRow", "held_chats", "plan"]

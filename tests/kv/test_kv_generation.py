@@ -156,7 +156,7 @@ def test_writescope_is_the_default_when_the_kv_does_not_fit_the_budget():
 
 def test_hybrid_policies_need_a_gpu_or_simulation(dense_engine):
     parts = dense_engine.parts
-    config = EngineConfig(model="builtin:smollm2-135m", device="cpu", kv_policy="writescope")
+    config = EngineConfig(model="builtin:smollm2-135m", device="cpu", kv_policy="writescope", max_batch=4)
     with pytest.raises(ConfigError, match="simulate_hybrid"):
         build_kv(config, parts.args, parts.model, None, parts.device, parts.dtype, 256)
     config.simulate_hybrid = True

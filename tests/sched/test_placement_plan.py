@@ -164,3 +164,35 @@ def test_what_the_hybrid_paths_cannot_run_is_never_planned():
     assert p.fits and (p.device, p.kv_policy, p.expert_policy) == ("cpu", "resident", "resident")
     roomy = plan(fixed, machine(48), max_context=2048, max_batch=1)
     assert (roomy.device, roomy.kv_policy, roomy.expert_policy) == ("gpu", "resident", "resident")
+
+
+def held(c: MachineCosts, max_context: int) -> placement.Plan:
+    return placement.held_chats(lambda n: plan(L16, c, max_context=max_context, max_batch=n))
+
+
+def test_the_plan_holds_four_chats_where_their_kv_costs_the_chat_in_use_nothing():
+    p = held(machine(48), 32768)  # 18 GiB of experts and four 32K chats' KV (4 GiB) fit
+    assert p.max_batch == placement.AUTO_CHATS and p.expert_policy == "resident"
+    assert "without slowing it" in p.chats_reason and "KV of 4 chats held" in p.summary()
+
+
+def test_the_plan_holds_fewer_chats_where_their_kv_would_push_experts_off_the_gpu():
+    four = plan(L16, machine(22), max_context=32768, max_batch=4)
+    assert four.expert_policy == "adaptive"  # the KV of four 32K chats takes slots from the experts
+    p = held(machine(22), 32768)
+    assert p.max_batch < 4 and p.expert_policy == "resident" and p.kv_policy == "resident"
+    assert p.decode_tok_s > 1.2 * four.decode_tok_s
+    assert f"to about {four.decode_tok_s:.0f} tok/s" in p.chats_reason and "re-reads its history" in p.chats_reason
+    # whatever it holds costs the chat in use no more than HELD_CHAT_COST of its step
+    one = plan(L16, machine(22), max_context=32768, max_batch=1)
+    assert 1 / p.decode_tok_s <= (1 + placement.HELD_CHAT_COST) / one.decode_tok_s
+
+
+def test_a_machine_whose_ram_holds_one_long_chat_runs_it_instead_of_refusing_four():
+    cpu = machine(0, ram_gb=24, gpu=False)  # 18 GiB of experts + 1 GiB a 32K chat: one fits, four do not
+    assert not plan(L16, cpu, max_context=32768, max_batch=4).fits
+    p = held(cpu, 32768)
+    assert p.fits and p.max_batch in (1, 2) and "does not fit" in p.chats_reason
+    # nothing fits at all: the refusal is the one-chat plan's, whose remedy does not ask for fewer chats
+    none = held(machine(0, ram_gb=8, gpu=False), 32768)
+    assert not none.fits and none.max_batch == 1 and "max_batch" not in none.remedy

@@ -12,7 +12,7 @@ ids = lambda k, s: [100 + (i * 7 + s) % 20000 for i in range(k)]  # noqa: E731
 req = lambda p: GenerationRequest(prompt_ids=p, max_new_tokens=1, greedy=True, ignore_eos=True)  # noqa: E731
 for policy in ("auto", "on-demand"):
     e = Engine(EngineConfig(model=sys.argv[1], backend="tandem", max_context=32768 + 64, vram_budget_gb=8.0,
-                            expert_policy=policy))
+                            max_batch=4, expert_policy=policy))
     plan = e.info().get("plan") or {}
     print(policy, json.dumps({k: plan.get(k) for k in ("kv_policy", "expert_policy", "expert_cache_slots",
                                                         "predicted_prefill_tok_s")}), flush=True)
