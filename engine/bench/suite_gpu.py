@@ -403,7 +403,7 @@ def prefill_cell(ctx: Ctx, setups=((L16, 8.0), (L48, 24.0)), file_for=None) -> l
                 skipped.append(str(e))
                 continue
             ncmoe = fitting_ncmoe(gguf_sizes(gguf), budget, n)
-            # one chat of 32K, as llama-bench's one sequence (without max_batch the plan holds 4 chats' KV)
+            # one chat of 32K, as llama-bench's one sequence (one sequence's KV, whatever the plan would hold)
             spec = {"config": {"model": str(gguf), "backend": "tandem", "vram_budget_gb": budget,
                                "max_context": n + 64, "max_batch": 1}, "prefill": n}
             systems = {name: (lambda t=ctx.tree_of(name): probe(t.path, spec)) for name in ctx.tandem_names()}
