@@ -145,10 +145,14 @@ def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: to
 
     q (B, nh, T, hs); k, v (B, n_kv, S, hs); sinks (nh,); mask (B|1, 1, T, S) bool, True = visible,
     or None or torch's bottom-right causal bias for causal (query i sees keys ≤ S − T + i): the boolean
-    mask is built → (B, nh, T, hs). (Passing SDPA the bias over the sink and the keys instead read 2K prompts
-    of gpt-oss slower on an H100, benchmarks/h200/2026-12-06-flash-chunks-h100: v is narrower than q and
-    k here, and torch's flash kernel takes only one head width for all three.)
+    mask is built, except on CUDA where flash takes q: there flash attends over the real keys, causal
+    aligned bottom-right, and its LSE puts the sink in after the fact (`sink_scale`), with no (nh, T, S)
+    scores and no copy of the keys → (B, nh, T, hs).
     """
+    if (mask is None or is_causal_bias(mask)) and _flash_ok(q) and k.dtype == q.dtype and k.shape[2] > 0:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, q.shape[2] > 1, False,
+                                                                     scale=q.shape[-1] ** -0.5)[:2]  # lse (B, nh, T)
+        return o * sink_scale(lse.transpose(1, 2), sinks).transpose(1, 2).unsqueeze(-1).to(o.dtype)
     B, nh, T, hs = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     scale = hs ** -0.5
