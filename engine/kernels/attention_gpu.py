@@ -13,6 +13,7 @@ attention is the same fp32-accurate kernel the CPU side uses.
 
     sdpa(q, k, v, mask, causal, scale)       torch's SDPA (GQA), never its cuDNN backend: the KV
                                              caches' prefill and chunked-prefill attention
+    flash_window(q, k, v, window, sinks)     causal within a sliding window through flash (CUDA)
 """
 
 from __future__ import annotations
@@ -77,6 +78,22 @@ def flash_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> b
 
 def _flash_ok(q: torch.Tensor) -> bool:
     return flash_supports(q.device, q.dtype, q.shape[-1])
+
+
+def flash_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention within a sliding window, aligned at the bottom right, through flash (FA2's window,
+    which torch's flash forward takes since before 2.11; queries `flash_supports` takes): query i of T
+    (position S − T + i) sees keys S − T + i − window + 1 … S − T + i, as transformers' sliding window,
+    with no (nh, T, S) scores and no mask; sinks (nh,) join through the LSE (`sink_scale`).
+    q (B, nh, T, hs); k, v (B, n_kv, S, hs) in q's dtype, last dim contiguous → (B, nh, T, hs)."""
+    T, S, hs = q.shape[2], k.shape[2], q.shape[3]
+    o, lse = torch.ops.aten._flash_attention_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, T, S, 0.0, True, False,
+        scale=hs ** -0.5, window_size_left=window - 1, window_size_right=0)[:2]  # o (B, T, nh, hs), lse (B, nh, T)
+    if sinks is not None:
+        o = o * sink_scale(lse.transpose(1, 2), sinks).unsqueeze(-1).to(o.dtype)
+    return o.transpose(1, 2)
 
 
 def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -24,8 +24,8 @@ class KVBackend(ABC):
 
     @property
     def flash_prefill(self) -> bool:
-        """Whether a prefill chunk of plain causal attention (no sinks, no sliding window) attends here
-        without materialising (nh, T, S) scores, so that a chunk's size is not bounded by them."""
+        """Whether one sequence's prefill chunk attends here without materialising (nh, T, S) scores —
+        causal, with attention sinks or within a sliding window — so that its size is not bounded by them."""
         return False
 
     @abstractmethod

@@ -28,7 +28,9 @@ class ResidentKV(KVBackend):
     supports_sinks = True  # and a window per layer (attend's sinks, window)
 
     @property
-    def flash_prefill(self) -> bool:  # SDPA's flash kernel, causal or with the bottom-right bias (`_step_mask`)
+    def flash_prefill(self) -> bool:
+        # flash: SDPA's, causal or with the bottom-right bias (`_step_mask`); a window's, `flash_window`;
+        # the sinks through its LSE (`sdpa_with_sinks`, `flash_window`)
         return attention_gpu.flash_supports(self.device, self.k.dtype, self.k.shape[-1])
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int,
@@ -207,6 +209,9 @@ class ResidentKV(KVBackend):
             if sinks is not None:  # (B, nh, hs) · σ(lse − s)
                 o = o * attention_gpu.sink_scale(lse, sinks).unsqueeze(-1).to(o.dtype)
             return o.unsqueeze(2)  # (B, nh, 1, hs)
+        if window is not None and T > 1 and B == 1 and self.flash_prefill and q.dtype == self.k.dtype:
+            keys, values = self._read(layer, k, v, read, window, q.dtype)  # one sequence: no padding
+            return attention_gpu.flash_window(q, keys, values, window, sinks)
         if window not in self._masks:
             self._masks[window] = self._step_mask(window)
         mask = self._masks[window]
@@ -215,17 +220,21 @@ class ResidentKV(KVBackend):
             out = attention_native.attend_rows(q, self.k[layer], self.v[layer], read, hs ** -0.5)
             if out is not None:
                 return out
-        if read is None:
-            keys, values = k, v  # (B, n_kv, T, hs): prefill from empty
-        else:
-            cut = self._step_cut(window)
-            if cut:  # keys older than every query's window (the mask starts after them too)
-                read = _rows_from(read, cut)
-            keys = read_rows(self.k[layer], read).transpose(1, 2).to(q.dtype)  # (B, n_kv, S, hs)
-            values = read_rows(self.v[layer], read).transpose(1, 2).to(q.dtype)
+        keys, values = self._read(layer, k, v, read, window, q.dtype)
         if sinks is not None:  # the sink is a key of its own (causal: still bottom-right aligned)
             return attention_gpu.sdpa_with_sinks(q, keys, values, sinks, mask)
         return attention_gpu.sdpa(q, keys, values, mask, causal=mask is None and T > 1)
+
+    def _read(self, layer: int, k, v, read, window: int | None, dtype: torch.dtype):
+        """The keys and values the begun step attends over: this step's own (prefill from empty) or the
+        cache's rows from `_step_cut(window)` on → (B, n_kv, S, hs) each, in `dtype`."""
+        if read is None:
+            return k, v  # (B, n_kv, T, hs): prefill from empty
+        cut = self._step_cut(window)
+        if cut:  # keys older than every query's window (the mask starts after them too)
+            read = _rows_from(read, cut)
+        return (read_rows(self.k[layer], read).transpose(1, 2).to(dtype),  # (B, n_kv, S, hs)
+                read_rows(self.v[layer], read).transpose(1, 2).to(dtype))
 
     def decode_store(self, layer: int):
         """A paged decode step's rows (the step buffer's write slots, fixed addresses for a graph)."""

@@ -54,11 +54,10 @@ PREFILL_BUDGET = 128  # prompt tokens per step while other sequences decode: how
 
 
 def prefill_chunk(args, kv: KVBackend) -> int:
-    """Tokens per prefill forward: FLASH_PREFILL_CHUNK where every attention layer is plain causal (no
-    sinks, no sliding window, no recurrent layers) over a KV that attends without scores, else PREFILL_CHUNK."""
-    plain = (args is not None and not args.attn_sinks and args.sliding_window is None
-             and not any(args.layer_windows or []) and args.attention_layers is None)
-    return FLASH_PREFILL_CHUNK if plain and kv.flash_prefill else PREFILL_CHUNK
+    """Tokens per prefill forward: FLASH_PREFILL_CHUNK where every layer attends (no recurrent layers)
+    over a KV that attends without scores (sinks and sliding windows included), else PREFILL_CHUNK."""
+    attends = args is not None and args.attention_layers is None
+    return FLASH_PREFILL_CHUNK if attends and kv.flash_prefill else PREFILL_CHUNK
 
 
 class Generator:
