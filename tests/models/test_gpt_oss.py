@@ -254,3 +254,38 @@ def test_offloaded_experts_with_biases_decode_through_cuda_graphs(tmp_path):
                             expert_cache_slots=5, max_context=64)
     assert offloaded.generate_ids(PROMPT, 8) == expected
     assert offloaded.parts.experts.zero_copy is None
+
+
+@torch.inference_mode()
+def _chunked_logits(engine, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits (T, V) of every position, the prompt read through the KV cache in forwards of `chunk`."""
+    p, kv = engine.parts, engine.parts.kv
+    sid = kv.new_sequence()
+    rows = []
+    try:
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            positions = kv.begin_step([sid], len(part))
+            rows.append(p.model(torch.tensor([part], device=p.device), positions, kv, last_only=False)[0])
+            kv.end_step()
+    finally:
+        kv.free(sid)
+    return torch.cat(rows).float().cpu()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_windows_and_sinks_through_flash_read_a_long_prompt_as_the_cpu_does(tmp_path):
+    """bf16 on CUDA: sinks and 16-token windows go through flash (no mask), in one forward and in
+    forwards after earlier ones, and every position's logits follow the fp32 CPU's masked softmax;
+    a window off by a token or ignored moves them by far more than bf16's rounding."""
+    folder = saved(tmp_path, tiny(seed=5, sliding_window=16))
+    ids = [(i * 37 + 11) % 96 for i in range(300)]
+    cpu = _chunked_logits(tiny_engine(folder, max_context=512), ids, 300)
+    gpu = tiny_engine(folder, device="cuda", dtype="bfloat16", max_context=512)
+    assert gpu.parts.kv.flash_prefill and gpu.backend.generator.prefill_chunk == 2048
+    scale = cpu.abs().max()
+    for chunk in (300, 64):
+        got = _chunked_logits(gpu, ids, chunk)
+        assert (got - cpu).abs().max() <= 0.08 * scale
+        assert (got.argmax(-1) == cpu.argmax(-1)).float().mean() >= 0.9
