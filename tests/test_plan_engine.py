@@ -102,10 +102,12 @@ def _plan_cli(*args):
 def test_tandem_plan_prints_the_table_and_json():
     table = _plan_cli("--model", MOE, "--simulate-hybrid", "--vram-budget-gb", "0.5", "--max-context", "512")
     assert table.returncode == 0, table.stderr
-    for words in ("routed experts (cache)", "GPU", "RAM", "predicted", "bottleneck", "expert_policy adaptive"):
+    for words in ("routed experts (cache)", "GPU", "RAM", "predicted", "bottleneck", "expert_policy adaptive",
+                  "chats      the KV of 4 chats"):  # how many chats' KV it holds, and why
         assert words in table.stdout
     js = _plan_cli("--model", MOE, "--device", "cpu", "--json")
     assert js.returncode == 0 and json.loads(js.stdout)["device"] == "cpu"
+    assert json.loads(js.stdout)["max_batch"] == 4 and json.loads(js.stdout)["chats_reason"]
 
 
 @fits_nowhere_here

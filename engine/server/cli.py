@@ -62,8 +62,11 @@ def serve_command(args, config, progress) -> int:
 
     def ready(server) -> None:
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
-        print(f"Tandem serving {settings.model_id} at http://{shown}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
-              flush=True)
+        at_once = engine.config.max_batch if engine.live_batch() is not None else 1
+        why = (engine.info().get("plan") or {}).get("chats_reason")  # where the plan chose how many
+        print(f"Tandem serving {settings.model_id} at http://{shown}:{port}/v1, {at_once} "
+              f"{'request' if at_once == 1 else 'requests'} at once{f' ({why})' if why else ''} (Ctrl-C stops)",
+              file=sys.stderr, flush=True)
 
     try:
         serve(engine, settings, host=args.host, port=args.port, log_level=args.log_level, ready=ready)

@@ -43,6 +43,7 @@ def test_models_and_health(tandem_server):
     assert data["object"] == "list"
     assert [m["id"] for m in data["data"]] == ["builtin:smollm2-135m"]
     assert data["data"][0]["max_context"] > 0
+    assert "4 requests at once (Ctrl-C stops)" in tandem_server.log_tail()  # --max-batch 4: no plan's reason
 
 
 def test_chat_completion_greedy_stream_matches_whole(tandem_server):
