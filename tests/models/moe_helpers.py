@@ -64,15 +64,19 @@ def tiny_engine(path, device: str = "cpu", dtype: str = "float32", **kw) -> Engi
 
 
 @torch.inference_mode()
-def engine_logits(engine: Engine, ids: list[int], prefill: int | None = None) -> torch.Tensor:
+def engine_logits(engine: Engine, ids: list[int], prefill: int | None = None, forward: int | None = None) -> torch.Tensor:
     """Logits (T, V) of every position: `prefill` tokens in one step (all of them by default),
-    then the rest one decode step at a time through the KV cache."""
+    then the rest one decode step at a time through the KV cache; or, given `forward`, every token
+    read in forwards of that many."""
     p, kv = engine.parts, engine.parts.kv
     prefill = len(ids) if prefill is None else prefill
     sid = kv.new_sequence()
     rows = []
     try:
-        chunks = [ids[:prefill]] + [[t] for t in ids[prefill:]]
+        if forward is not None:
+            chunks = [ids[i:i + forward] for i in range(0, len(ids), forward)]
+        else:
+            chunks = [ids[:prefill]] + [[t] for t in ids[prefill:]]
         for chunk in chunks:
             positions = kv.begin_step([sid], len(chunk))
             rows.append(p.model(torch.tensor([chunk], device=p.device), positions, kv, last_only=False)[0])

@@ -256,23 +256,6 @@ def test_offloaded_experts_with_biases_decode_through_cuda_graphs(tmp_path):
     assert offloaded.parts.experts.zero_copy is None
 
 
-@torch.inference_mode()
-def _chunked_logits(engine, ids: list[int], chunk: int) -> torch.Tensor:
-    """Logits (T, V) of every position, the prompt read through the KV cache in forwards of `chunk`."""
-    p, kv = engine.parts, engine.parts.kv
-    sid = kv.new_sequence()
-    rows = []
-    try:
-        for start in range(0, len(ids), chunk):
-            part = ids[start:start + chunk]
-            positions = kv.begin_step([sid], len(part))
-            rows.append(p.model(torch.tensor([part], device=p.device), positions, kv, last_only=False)[0])
-            kv.end_step()
-    finally:
-        kv.free(sid)
-    return torch.cat(rows).float().cpu()
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_windows_and_sinks_through_flash_read_a_long_prompt_as_the_masked_path_does(tmp_path, monkeypatch):
@@ -285,12 +268,12 @@ def test_windows_and_sinks_through_flash_read_a_long_prompt_as_the_masked_path_d
 
     folder = saved(tmp_path, tiny(seed=5, sliding_window=16, max_position_embeddings=512))
     ids = [(i * 37 + 11) % 96 for i in range(300)]
-    cpu = _chunked_logits(tiny_engine(folder, max_context=512), ids, 300)
+    cpu = engine_logits(tiny_engine(folder, max_context=512), ids, forward=300)
     gpu = tiny_engine(folder, device="cuda", dtype="bfloat16", max_context=512)
     assert gpu.parts.kv.flash_prefill and gpu.backend.generator.prefill_chunk == 2048
-    flash = {chunk: _chunked_logits(gpu, ids, chunk) for chunk in (300, 64)}
+    flash = {chunk: engine_logits(gpu, ids, forward=chunk) for chunk in (300, 64)}
     monkeypatch.setattr(ResidentKV, "flash_prefill", property(lambda self: False))  # the boolean mask's path
-    masked = _chunked_logits(gpu, ids, 300)
+    masked = engine_logits(gpu, ids, forward=300)
     error = lambda x: (x - cpu).abs().max(-1).values.median()  # noqa: E731 - per position, then the median
     for got in flash.values():
         assert error(got) <= 1.5 * error(masked) + 1e-2

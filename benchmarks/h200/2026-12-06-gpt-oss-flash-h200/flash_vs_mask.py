@@ -4,22 +4,22 @@ boolean mask, each against the fp32 CPU; per-position max |logit error|, positio
     PYTHONPATH=TREE python3 flash_vs_mask.py   (from the repository root)"""
 import sys, torch
 sys.path.insert(0, "tests/models"); sys.path.insert(0, "tests")
-from test_gpt_oss import tiny, saved, _chunked_logits
-from moe_helpers import tiny_engine
+from test_gpt_oss import tiny, saved
+from moe_helpers import engine_logits, tiny_engine
 from engine.kv.resident import ResidentKV
 import pathlib, tempfile
 tmp = pathlib.Path(tempfile.mkdtemp())
 folder = saved(tmp, tiny(seed=5, sliding_window=16, max_position_embeddings=512))
 ids = [(i * 37 + 11) % 96 for i in range(300)]
-cpu = _chunked_logits(tiny_engine(folder, max_context=512), ids, 300)
+cpu = engine_logits(tiny_engine(folder, max_context=512), ids, forward=300)
 gpu = tiny_engine(folder, device="cuda", dtype="bfloat16", max_context=512)
 res = {}
 for chunk in (300, 64):
-    res[("flash", chunk)] = _chunked_logits(gpu, ids, chunk)
+    res[("flash", chunk)] = engine_logits(gpu, ids, forward=chunk)
 orig = ResidentKV.flash_prefill
 ResidentKV.flash_prefill = property(lambda self: False)
 for chunk in (300, 64):
-    res[("mask", chunk)] = _chunked_logits(gpu, ids, chunk)
+    res[("mask", chunk)] = engine_logits(gpu, ids, forward=chunk)
 ResidentKV.flash_prefill = orig
 for k, v in res.items():
     d = (v - cpu).abs().max(-1).values  # per position
