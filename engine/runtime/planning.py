@@ -185,10 +185,11 @@ def spill_device_bytes(config, args: ModelArgs, dtype_bytes: int, max_context: i
 
 def apply_plan(config, p: Plan | None):
     """The config that runs: `auto` policies (and the device and slots they imply) and the chats held
-    (max_batch None) from the plan. Refuses a model that fits nowhere, with the sizes and what would make it fit. Without a plan,
-    `auto` is `resident` (whose KV still turns writescope when it does not fit: runtime/kv_setup.py)."""
+    (max_batch None) from the plan. Refuses a model that fits nowhere, with the sizes and what would
+    make it fit. Without a plan, `auto` is `resident` (whose KV still turns writescope when it does not
+    fit: runtime/kv_setup.py) and AUTO_CHATS chats are held."""
     auto_kv, auto_experts = config.kv_policy == "auto", config.expert_policy == "auto"
-    if config.max_batch is None:  # the chats the plan holds (without a plan: AUTO_CHATS)
+    if config.max_batch is None:
         config = replace(config, max_batch=p.max_batch if p is not None else AUTO_CHATS)
     if not (auto_kv or auto_experts):
         return config

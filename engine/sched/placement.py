@@ -27,8 +27,9 @@ DEVICE_RESERVE_BYTES = 1 << 30  # activations, grouped-GEMM intermediates, alloc
 HOST_RESERVE_BYTES = 2 << 30  # the process itself: torch, the tokenizer, the loader's transient copies
 # Chats whose KV is held when max_batch is left to the plan: llama-server's default slots. Fewer where
 # their KV would take VRAM that the chat in use reads from (experts pushed off the GPU, its KV spilled):
-# 16 layers of Qwen3-30B-A3B as Q4_K_M under 8 GB, 32K context, read a 32K prompt at 1,054 tok/s
-# with four chats' KV planned and 17,788 with one (one H100, benchmarks/h200/2026-12-06-flash-chunks-h100).
+# 16 layers of Qwen3-30B-A3B as Q4_K_M under 8 GB, 32K context, read a 32K prompt at 6,677 tok/s and
+# decoded 175 with four chats' KV planned, 29,262 and 489 with the one chat this rule holds there
+# (one H100, benchmarks/h200/2026-12-06-held-chats-h100).
 AUTO_CHATS = 4
 # What one more held chat may cost the chat in use, as a share of its predicted decode step: above the
 # rounding of the prediction (a spilled KV's D-windows move a few expert slots), far below a placement change.
@@ -61,7 +62,7 @@ class Plan:
     ram_available: int = 0
     max_context: int = 0
     max_batch: int = 1  # chats whose KV is held
-    chats_reason: str = ""  # why that many, where the plan chose it (runtime/planning.py held_chats)
+    chats_reason: str = ""  # why that many, where the plan chose it (`held_chats`)
     decode_tok_s: float | None = None  # one chat at the full context
     decode_tok_s_short: float | None = None  # one chat at the start of a chat
     decode_tok_s_all: float | None = None  # all max_batch chats together at the full context
