@@ -64,7 +64,8 @@ def serve_command(args, config, progress) -> int:
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
         at_once = engine.config.max_batch if engine.live_batch() is not None else 1
         why = (engine.info().get("plan") or {}).get("chats_reason")  # where the plan chose how many
-        print(f"Tandem serving {settings.model_id} at http://{shown}:{port}/v1, {at_once} "
+        # "Tandem serving MODEL at URL " is what the app's server control reads (app/server_control.py READY)
+        print(f"Tandem serving {settings.model_id} at http://{shown}:{port}/v1 · {at_once} "
               f"{'request' if at_once == 1 else 'requests'} at once{f' ({why})' if why else ''} (Ctrl-C stops)",
               file=sys.stderr, flush=True)
 
