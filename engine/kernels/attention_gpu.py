@@ -13,7 +13,8 @@ attention is the same fp32-accurate kernel the CPU side uses.
 
     sdpa(q, k, v, mask, causal, scale)       torch's SDPA (GQA), never its cuDNN backend: the KV
                                              caches' prefill and chunked-prefill attention
-    flash_window(q, k, v, window, sinks)     causal within a sliding window through flash (CUDA)
+    flash_causal(q, k, v, window, sinks)     causal, bottom-right, optionally within a sliding window and
+                                             with sinks, through flash (CUDA)
 """
 
 from __future__ import annotations
@@ -80,17 +81,18 @@ def _flash_ok(q: torch.Tensor) -> bool:
     return flash_supports(q.device, q.dtype, q.shape[-1])
 
 
-def flash_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+def flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention within a sliding window, aligned at the bottom right, through flash (FA2's window,
-    which torch's flash forward takes since before 2.11; queries `flash_supports` takes): query i of T
-    (position S − T + i) sees keys S − T + i − window + 1 … S − T + i, as transformers' sliding window,
-    with no (nh, T, S) scores and no mask; sinks (nh,) join through the LSE (`sink_scale`).
+    """Causal attention aligned at the bottom right through torch's flash forward (queries that
+    `flash_supports` takes): query i of T, at position S − T + i, sees the keys up to its own, and
+    within `window` only the last `window` of them (FA2's sliding window, as transformers'), with no
+    (nh, T, S) scores and no mask; sinks (nh,) join the softmax through its LSE (`sink_scale`).
     q (B, nh, T, hs); k, v (B, n_kv, S, hs) in q's dtype, last dim contiguous → (B, nh, T, hs)."""
     T, S, hs = q.shape[2], k.shape[2], q.shape[3]
     o, lse = torch.ops.aten._flash_attention_forward(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, T, S, 0.0, True, False,
-        scale=hs ** -0.5, window_size_left=window - 1, window_size_right=0)[:2]  # o (B, T, nh, hs), lse (B, nh, T)
+        scale=hs ** -0.5, window_size_left=None if window is None else window - 1,
+        window_size_right=None if window is None else 0)[:2]  # o (B, T, nh, hs), lse (B, nh, T)
     if sinks is not None:
         o = o * sink_scale(lse.transpose(1, 2), sinks).unsqueeze(-1).to(o.dtype)
     return o.transpose(1, 2)
@@ -162,14 +164,12 @@ def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: to
 
     q (B, nh, T, hs); k, v (B, n_kv, S, hs); sinks (nh,); mask (B|1, 1, T, S) bool, True = visible,
     or None or torch's bottom-right causal bias for causal (query i sees keys ≤ S − T + i): the boolean
-    mask is built, except on CUDA where flash takes q: there flash attends over the real keys, causal
-    aligned bottom-right, and its LSE puts the sink in after the fact (`sink_scale`), with no (nh, T, S)
-    scores and no copy of the keys → (B, nh, T, hs).
+    mask is built, except on CUDA where flash takes q: there `flash_causal` attends over the real keys
+    and its LSE puts the sink in after the fact, with no (nh, T, S) scores and no copy of the keys
+    → (B, nh, T, hs).
     """
     if (mask is None or is_causal_bias(mask)) and _flash_ok(q) and k.dtype == q.dtype and k.shape[2] > 0:
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, q.shape[2] > 1, False,
-                                                                     scale=q.shape[-1] ** -0.5)[:2]  # lse (B, nh, T)
-        return o * sink_scale(lse.transpose(1, 2), sinks).transpose(1, 2).unsqueeze(-1).to(o.dtype)
+        return flash_causal(q, k, v, sinks=sinks)
     B, nh, T, hs = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     scale = hs ** -0.5

@@ -29,8 +29,8 @@ class ResidentKV(KVBackend):
 
     @property
     def flash_prefill(self) -> bool:
-        # flash: SDPA's, causal or with the bottom-right bias (`_step_mask`); a window's, `flash_window`;
-        # the sinks through its LSE (`sdpa_with_sinks`, `flash_window`)
+        # flash: SDPA's, causal or with the bottom-right bias (`_step_mask`); with a window or sinks,
+        # `attention_gpu.flash_causal` (sinks through its LSE)
         return attention_gpu.flash_supports(self.device, self.k.dtype, self.k.shape[-1])
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, max_context: int,
@@ -211,7 +211,7 @@ class ResidentKV(KVBackend):
             return o.unsqueeze(2)  # (B, nh, 1, hs)
         if window is not None and T > 1 and B == 1 and self.flash_prefill and q.dtype == self.k.dtype:
             keys, values = self._read(layer, k, v, read, window, q.dtype)  # one sequence: no padding
-            return attention_gpu.flash_window(q, keys, values, window, sinks)
+            return attention_gpu.flash_causal(q, keys, values, window, sinks)
         if window not in self._masks:
             self._masks[window] = self._step_mask(window)
         mask = self._masks[window]

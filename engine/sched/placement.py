@@ -20,6 +20,7 @@ its steps, so it never outbids the experts or the KV of the chat in use for VRAM
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from itertools import chain
 
 from engine.sched.placement_speed import GiB, MachineCosts, ModelParts, Placement, decode_ms, prefill_ms
 
@@ -224,10 +225,10 @@ def held_chats(plan_for) -> Plan:
     one = plan_for(1)
     if not one.fits:
         return one
-    plans = {n: plan_for(n) for n in range(AUTO_CHATS, 1, -1)}
-    n = next((n for n, p in plans.items() if p.fits and p.device == one.device
-              and _step_ms(p) <= _step_ms(one) * (1 + HELD_CHAT_COST)), 1)
-    chosen, more = plans.get(n, one), plans[AUTO_CHATS]
+    more = plan_for(AUTO_CHATS)  # fewer chats are planned only when this many would cost something
+    chosen = next((p for p in chain([more], map(plan_for, range(AUTO_CHATS - 1, 1, -1)))
+                   if p.fits and p.device == one.device and _step_ms(p) <= _step_ms(one) * (1 + HELD_CHAT_COST)), one)
+    n = chosen.max_batch
     if n == AUTO_CHATS:
         chosen.chats_reason = f"the KV of {n} chats fits beside the chat in use without slowing it"
     else:

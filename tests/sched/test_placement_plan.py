@@ -174,6 +174,9 @@ def test_the_plan_holds_four_chats_where_their_kv_costs_the_chat_in_use_nothing(
     p = held(machine(48), 32768)  # 18 GiB of experts and four 32K chats' KV (4 GiB) fit
     assert p.max_batch == placement.AUTO_CHATS and p.expert_policy == "resident"
     assert "without slowing it" in p.chats_reason and "KV of 4 chats held" in p.summary()
+    asked = []
+    placement.held_chats(lambda n: asked.append(n) or plan(L16, machine(48), max_context=32768, max_batch=n))
+    assert asked == [1, 4]  # fewer chats are planned only when four would cost something
 
 
 def test_the_plan_holds_fewer_chats_where_their_kv_would_push_experts_off_the_gpu():
