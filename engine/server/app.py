@@ -346,7 +346,8 @@ async def sse(job: Job, first, shape: ChunkShape, include_usage: bool):
 
 def serve(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "warning", ready=None) -> None:
-    """Run the server until interrupted (Ctrl-C / SIGTERM), then stop the engine's work and return."""
+    """Run the server until interrupted (Ctrl-C / SIGTERM), then stop the engine's work and return.
+    ready(server, requests at once): called once it listens."""
     import uvicorn
 
     tandem_log = logging.getLogger("tandem")
@@ -364,7 +365,7 @@ def serve(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", por
         async def startup(sockets=None):
             await original(sockets)
             if server.started:
-                ready(server)
+                ready(server, app.state.queue.batch_size)
 
         server.startup = startup
     try:

@@ -60,9 +60,8 @@ def serve_command(args, config, progress) -> int:
                               body_timeout_s=args.body_timeout, max_connections_per_address=args.max_connections)
     shown = f"[{args.host}]" if ":" in args.host else args.host
 
-    def ready(server) -> None:
+    def ready(server, at_once: int) -> None:
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
-        at_once = engine.config.max_batch if engine.live_batch() is not None else 1
         why = (engine.info().get("plan") or {}).get("chats_reason")  # where the plan chose how many
         # "Tandem serving MODEL at URL " is what the app's server control reads (app/server_control.py READY)
         print(f"Tandem serving {settings.model_id} at http://{shown}:{port}/v1 · {at_once} "
