@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -31,6 +30,7 @@ from engine.experts.cpu_mailbox import default_share
 from engine.experts.cpu_set import CpuSetRunner, cpu_set_kernel, per_expert_moe, prepare_cpu_set
 from engine.experts.executor import ExpertExecutor
 from engine.experts.gpu_set import GpuSet
+from engine.experts.measured_costs import MeasuredCosts
 from engine.experts.planner import PLANNED_POLICIES, MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
@@ -48,9 +48,6 @@ OFFLOAD_POLICIES = PLANNED_POLICIES  # each offload policy is a way the planner 
 # CPU set) the result's return and merge.
 HOST_PARTS = ("lookup", "plan", "cpu_set", "fill", "gpu_set", "prefetch", "bookkeeping", "merge")
 log = logging.getLogger("tandem")
-# CPU sets whose measured / modelled ratio the correction is the median of: under one decode step of
-# a 48-layer model, so it follows a change within a step, and a stray slow set does not move it.
-CPU_CORRECTION_WINDOW = 32
 
 
 class OffloadedExperts(ExpertExecutor):
@@ -84,10 +81,10 @@ class OffloadedExperts(ExpertExecutor):
         self.host_split = dict.fromkeys(HOST_PARTS, 0.0)
         self._cpu_out: dict[int, torch.Tensor] = {}  # N → (N, H) fp32 pinned result buffer of the CPU set
         self._rate_mark = (time.perf_counter(), 0)
-        # The CPU correction is tracked per phase: decode sets stream weights through the native
-        # kernel, prefill sets are compute-bound (often torch's kernel), so their errors differ.
-        self._phase_costs = {"decode": self.costs, "prefill": self.costs}
-        self._cpu_ratios = {phase: deque(maxlen=CPU_CORRECTION_WINDOW) for phase in self._phase_costs}
+        self.measured = MeasuredCosts(self.costs)  # the model as this machine's CPU sets and layer steps correct it
+        self._next_layer = dict(zip(store.layers, store.layers[1:]))
+        # the last layer step, until the next layer's sync ends it: (layer, phase, split, modelled ms, sync time)
+        self._open_step: tuple[int, str, bool, float, float] | None = None
         self.forms: dict[int, ClampedSwiGLU] = {}  # layers whose experts are not plain SwiGLU (gpt-oss)
         self._cpu_forms: dict[int, ClampedSwiGLU] = {}  # the same with host copies of the biases
         self.zero_copy: ZeroCopyDecode | None = None  # the whole-step graph's device table (adaptive, CUDA)
@@ -212,6 +209,7 @@ class OffloadedExperts(ExpertExecutor):
             stream.synchronize()
             self.device_wait_s += time.perf_counter() - t0
         marks = [time.perf_counter()]  # host work after the sync, per part (see `host_split`)
+        self._close_step(layer, marks[0])
         host = host_t.numpy()
         ids_h = host[:N]
         counts = np.bincount(ids_h.ravel(), minlength=self.store.n_experts)  # tokens per expert
@@ -225,9 +223,12 @@ class OffloadedExperts(ExpertExecutor):
         capacity = self.cache.n_slots - len(hits) if self.cache is not None else 0
         marks.append(time.perf_counter())
         phase = self.planner.phase(N)
-        self.planner.costs = self._phase_costs[phase]
+        self.planner.costs = self.measured.model(phase)
+        split_ratios = (self.measured.step_ratio(phase, True), self.measured.step_ratio(phase, False))
         plan = self.planner.plan(N, misses, counts[misses].tolist(), len(hits), int(counts[hits].sum()),
-                                 capacity, self.predictor.hit_rate() if self.predictor else None)
+                                 capacity, self.predictor.hit_rate() if self.predictor else None, split_ratios)
+        self._open_step = (layer, phase, bool(plan.cpu),
+                           max(plan.t_gpu_ms, plan.t_cpu_ms) + self.planner.costs.attn_ms, marks[0])
         marks.append(time.perf_counter())
         # The CPU set is the longest part of a bs=4 layer step: it is prepared here and
         # handed over before the fills are issued and before any bookkeeping, so it starts as early as
@@ -269,7 +270,7 @@ class OffloadedExperts(ExpertExecutor):
             self.cpu_s += seconds
             merged_from = time.perf_counter()
             self.cpu_wait_s += merged_from - marks[-1]  # the wait is not host work
-            self._observe_cpu(phase, plan.t_cpu_ms, 1e3 * seconds)
+            self.measured.observe_cpu(phase, plan.t_cpu_ms, 1e3 * seconds)
             # from pinned pages (the worker wrote there): an async copy, no wait for the device here
             if cpu_buf is not None:
                 cpu_buf.copy_(cpu_out, non_blocking=True)
@@ -287,19 +288,14 @@ class OffloadedExperts(ExpertExecutor):
         self.run_s += end - t_start
         return result
 
-    def _observe_cpu(self, phase: str, modelled_ms: float, measured_ms: float) -> None:
-        """Track measured / modelled CPU-set time per phase and hand the median of the last window
-        to that phase's cost model, so the split follows what the CPU really does here (threads,
-        contention, kernel). `self.costs`, the calibrated model, stays as it was given."""
-        costs = self._phase_costs[phase]
-        base = modelled_ms / costs.cpu_correction  # the model's time without the correction
-        if base <= 0:
-            return
-        ratios = self._cpu_ratios[phase]
-        ratios.append(min(max(measured_ms / base, 0.1), 20.0))
-        if len(ratios) == ratios.maxlen:
-            self._phase_costs[phase] = replace(costs, cpu_correction=float(np.median(ratios)))
-            ratios.clear()
+    def _close_step(self, layer: int, synced: float) -> None:
+        """The previous layer's step ends at this layer's sync (its device side and the CPU set's
+        merge are done, and this layer's attention and router ran): measured against its model when
+        this layer follows it in the same forward and phase."""
+        step, self._open_step = self._open_step, None
+        if step is not None and self._next_layer.get(step[0]) == layer:
+            _, phase, split, modelled_ms, started = step
+            self.measured.observe_step(phase, split, modelled_ms, 1e3 * (synced - started))
 
     def _fill(self, layer: int, experts: list[int]) -> list[int]:
         """Admit the experts into slots and copy them in (copy stream) → their slots."""
@@ -381,7 +377,7 @@ class OffloadedExperts(ExpertExecutor):
             "h2d_bytes": h2d, "h2d_gbps": (h2d - b0) / (now - t0) / 1e9 if now > t0 else None,
             "cpu_expert_s": self.cpu_s, "cpu_queue_s": self.cpu_queue_s, "cpu_wait_s": self.cpu_wait_s,
             "hot_table": self.hot_source,
-            "cpu_correction": {phase: c.cpu_correction for phase, c in self._phase_costs.items()},
+            **self.measured.telemetry(),
             "device_wait_s": self.device_wait_s, "run_s": self.run_s,
             "host_split_s": dict(self.host_split),
             "predictor": self.predictor.accuracy() if self.predictor is not None else None,

@@ -7,7 +7,9 @@ monotonicity: if an expert is worth loading, so is every hotter one), then split
   (fills + grouped compute) and the CPU side (in place, on the residual DRAM bandwidth) finish
   together (seed 004). In prefill that sends token-heavy experts to the GPU and cold ones to the
   CPU; in decode a fill is taken only while it does not lengthen the layer, so no transfer is made
-  that cannot pay back before it is needed. The link's idle time after the fills (plus the next
+  that cannot pay back before it is needed. Where every miss could fill instead, the split must also
+  win on measured steps: each option's modelled step times what steps of its kind have measured here
+  against their model (experts/measured_costs.py), since a split costs more than its CPU compute. The link's idle time after the fills (plus the next
   layer's attention) sets the prefetch depth: hidden prefetches always, the partial one by the
   predictor's confidence in decode and always in prefill.
 - `on-demand`: every miss fills (Fate style); when a tiny cache cannot hold the layer's misses
@@ -57,9 +59,11 @@ class MissPlanner:
         return "prefill" if n_tokens > self.max_decode_tokens else "decode"
 
     def plan(self, n_tokens: int, misses: list[int], miss_tokens: list[int], n_hits: int, hit_tokens: int,
-             capacity: int, predictor_hit_rate: float | None = None) -> LayerPlan:
+             capacity: int, predictor_hit_rate: float | None = None,
+             step_ratios: tuple[float, float] = (1.0, 1.0)) -> LayerPlan:
         """misses / miss_tokens: missed experts and their routed tokens; capacity: slots fills may
-        take without evicting this layer's hits."""
+        take without evicting this layer's hits; step_ratios: measured / modelled layer steps with a
+        CPU set and without one (MeasuredCosts.step_ratio), 1 where unmeasured."""
         phase = self.phase(n_tokens)
         order = sorted(range(len(misses)), key=lambda i: (-miss_tokens[i], misses[i]))
         ranked = [misses[i] for i in order]
@@ -67,6 +71,12 @@ class MissPlanner:
         capacity = max(0, capacity)
         if self.policy == "adaptive":
             q, t_gpu, t_cpu = self.costs.best_split(ranked_tokens, n_hits, hit_tokens, capacity)
+            if q < len(ranked) <= capacity:  # filling every miss is the other choice: compare measured steps
+                g_all, _ = self.costs.layer_ms(n_hits, hit_tokens, ranked_tokens, [])
+                split_ratio, whole_ratio = step_ratios
+                attn = self.costs.attn_ms
+                if (g_all + attn) * whole_ratio <= (max(t_gpu, t_cpu) + attn) * split_ratio:
+                    q, t_gpu, t_cpu = len(ranked), g_all, 0.0
         else:
             q = min(len(ranked), capacity) if self.policy == "on-demand" else 0
             t_gpu, t_cpu = self.costs.layer_ms(n_hits, hit_tokens, ranked_tokens[:q], ranked_tokens[q:])

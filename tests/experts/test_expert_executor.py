@@ -5,11 +5,13 @@ Runs in simulated mode (the "GPU" is the CPU) here and on the GPU where CUDA exi
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
+from engine.experts import measured_costs
 from engine.experts import offload as offload_mod
 from engine.experts.offload import OFFLOAD_POLICIES, OffloadedExperts
 from engine.experts.predictor import GateLookahead, even_spread
@@ -225,26 +227,68 @@ def test_resident_grouped_experts_match_the_reference_loop():
 
 
 def test_cpu_correction_follows_measured_cpu_sets_per_phase(model):
-    """The executor hands the median of measured / modelled CPU-set times to the phase's cost model
-    once a window is full; the planner then sees that phase's CPU sets that much dearer (or cheaper),
-    the other phase and the calibrated model are untouched."""
+    """The median of measured / modelled CPU-set times goes to the phase's cost model once a window
+    is full; the planner then sees that phase's CPU sets that much dearer (or cheaper), the other
+    phase and the calibrated model are untouched."""
     ex = make("adaptive", model, 7)
     base = ex.costs
     modelled = base.cpu_ms(3, 3)
-    ratios = [2.0] * (offload_mod.CPU_CORRECTION_WINDOW - 3) + [50.0, 0.01, 3.0]  # outliers are clamped, median holds
+    ratios = [2.0] * (measured_costs.CPU_CORRECTION_WINDOW - 3) + [50.0, 0.01, 3.0]  # outliers are clamped, median holds
     for r in ratios:
-        ex._observe_cpu("decode", modelled, r * modelled)
-    decode = ex._phase_costs["decode"]
+        ex.measured.observe_cpu("decode", modelled, r * modelled)
+    decode = ex.measured.model("decode")
     assert decode.cpu_correction == pytest.approx(2.0) and decode.cpu_ms(3, 3) == pytest.approx(2.0 * modelled)
-    assert ex._phase_costs["prefill"] is base and ex.costs is base and base.cpu_correction == 1.0
+    assert ex.measured.model("prefill") is base and ex.costs is base and base.cpu_correction == 1.0
     again = decode.cpu_ms(3, 3)  # the next window measures against the corrected model
-    for _ in range(offload_mod.CPU_CORRECTION_WINDOW):
-        ex._observe_cpu("decode", again, 0.5 * again)
+    for _ in range(measured_costs.CPU_CORRECTION_WINDOW):
+        ex.measured.observe_cpu("decode", again, 0.5 * again)
     assert ex.telemetry()["cpu_correction"] == {"decode": pytest.approx(1.0), "prefill": 1.0}
     x = torch.randn(2, H)  # a decode step plans with the decode model
     w, ids = softmax_topk(x @ model[2][0].T, K, True)
     ex.run(0, x, ids, w)
-    assert ex.planner.costs is ex._phase_costs["decode"]
+    assert ex.planner.costs is ex.measured.model("decode")
+    ex.close()
+
+
+def test_layer_steps_are_measured_sync_to_sync_by_kind(model):
+    """Each layer step, from its sync to the next layer's in the same forward, is measured against its
+    modelled step under its kind (split: a CPU set ran) and phase; the step into the next forward is not."""
+    ex = make("adaptive", model, 7)
+    seen = []
+    real = ex.measured.observe_step
+    ex.measured.observe_step = lambda *a: (seen.append(a), real(*a))  # noqa: E731
+    forward_passes(ex, model, "cpu", n_passes=2, n_tokens=24, seed=6)
+    assert len(seen) == 2 * (L - 1)  # L − 1 steps a forward end inside it
+    assert all(phase == "prefill" and modelled > 0 and measured > 0 for phase, _, modelled, measured in seen)
+    tel = ex.telemetry()["step_ratio"]
+    assert set(tel) == {"decode", "prefill"} and tel["decode"] == {"split": 1.0, "whole": 1.0}
+    ex.close()
+
+
+def test_a_split_measured_dearer_than_filling_gives_way_to_fills(model):
+    """Where every miss could fill, the split is taken only while its measured step (its model times
+    what split steps measured) beats filling them all: split steps measured at twice their model
+    send the layer's misses to the link, and the outputs still equal resident."""
+    ex = make("adaptive", model, L * E, warm=False)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(24, H, generator=g)
+    w, ids = softmax_topk(x @ model[2][0].T, K, True)
+    n_active = len(torch.unique(ids))
+    # a model of a link so slow that the split sends misses to the CPU
+    ex.measured = measured_costs.MeasuredCosts(replace(QWEN3_COSTS, pcie_gbps=20.0))
+    plan = lambda ratios: ex.planner.plan(24, list(range(n_active)), [8] * n_active, 0, 0, L * E,  # noqa: E731
+                                          step_ratios=ratios)
+    ex.planner.costs = ex.measured.model("prefill")
+    assert plan((1.0, 1.0)).cpu  # the model alone splits
+    assert plan((2.0, 1.0)).cpu  # filling all would still take longer than the split measured twice its model
+    assert not plan((3.0, 1.0)).cpu and len(plan((3.0, 1.0)).fill) == n_active
+    for _ in range(measured_costs.STEP_MIN_SAMPLES):
+        ex.measured.observe_step("prefill", True, 1.0, 3.0)
+    assert ex.measured.step_ratio("prefill", True) == pytest.approx(3.0)
+    before = ex.telemetry()["cpu_executed"]
+    out = ex.run(0, x, ids, w)
+    assert ex.telemetry()["cpu_executed"] == before  # no CPU set: every miss filled
+    torch.testing.assert_close(out, moe_experts(x, ids, w, model[0][0], model[1][0]), atol=2e-5, rtol=1e-5)
     ex.close()
 
 
