@@ -90,7 +90,7 @@ class Telemetry:
         experts = dict.fromkeys(("policy", "hits", "misses", "fills", "cpu_executed", "evictions",
                                  "prefetch_used", "prefetch_wasted", "hit_rate",
                                  "prefetch_issued", "slots", "cpu_expert_s", "cpu_wait_s", "device_wait_s",
-                                 "run_s", "cpu_queue_s", "host_split_s", "cpu_correction",
+                                 "run_s", "cpu_queue_s", "host_split_s", "cpu_correction", "step_ratio",
                                  "predictor", "zero_copy"))
         experts.update({k: v for k, v in (experts_tel or {}).items() if k in experts})
         pcie = dict.fromkeys(("h2d_bytes", "d2h_bytes", "h2d_gbps", "d2h_gbps"))
