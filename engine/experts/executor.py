@@ -32,6 +32,42 @@ class ExpertExecutor(ABC):
         """The GGUF block types the experts are held in (none: tensors)."""
         return []
 
+    # -- decode graphs ----------------------------------------------------------------------------
+    # engine/runtime/decode_graph.py captures decode steps and replays them through these hooks,
+    # knowing nothing of where the experts are. The defaults: an executor that cannot be captured.
+    cut_at_layers = False  # True: the step is captured in pieces, the host running each MoE layer between them
+
+    def capture_problem(self, device: torch.device, max_batch: int) -> str | None:
+        """Why decode steps of up to max_batch tokens cannot be captured as CUDA graphs here, or None."""
+        return f"the {self.policy} expert policy cannot be captured"
+
+    def graph_form(self, B: int) -> str:
+        """The captured form a decode step of B tokens replays: "graph" (one graph), "pieces" (cut at
+        the MoE layers), or another whole-step form of the executor's own."""
+        return "pieces" if self.cut_at_layers else "graph"
+
+    def forms_captured_with(self, B: int, form: str) -> tuple[str, ...]:
+        """Forms to capture as soon as `form` is."""
+        return ()
+
+    def stand_in(self, form: str) -> ExpertExecutor | None:
+        """What runs the MoE layers while a step of `form` is warmed up and captured; None: the
+        executor itself (cut executors: the runtime's cut at each layer)."""
+        return None
+
+    def before_replay(self, B: int, form: str) -> None:
+        """Host work before a captured step of B tokens replays."""
+
+    def after_replay(self, B: int, form: str, pairs: int) -> None:
+        """Host work after it; pairs: the (token, expert) pairs the step routed."""
+
+    def capture_ran(self) -> None:
+        """A capture, with its eager warm-up, ran since the last step began."""
+
+    def graph_telemetry(self) -> dict:
+        """What the executor adds to the decode graphs' stats."""
+        return {}
+
 
 # Tokens per layer call up to which the grouped GEMM path runs: every decode batch (one token per
 # chat), while prefill chunks, where the per-expert loop is twice as fast, stay above it.
@@ -72,7 +108,6 @@ class ResidentExperts(ExpertExecutor):
         return moe_experts(x, ids, weights, gate_up=gate_up, down=down)
 
     def capture_problem(self, device: torch.device, max_batch: int) -> str | None:
-        """Why decode steps of up to max_batch tokens cannot be captured as CUDA graphs here, or None."""
         if max_batch > GROUPED_MAX_TOKENS:
             return f"max_batch above {GROUPED_MAX_TOKENS} takes the per-expert path, which syncs with the host"
         if self.gate_up:
@@ -80,6 +115,9 @@ class ResidentExperts(ExpertExecutor):
             if self.gate_up[0].shape[0] > MAX_GROUPS or not uses_grouped_mm(device, dtype):
                 return "the grouped expert GEMM does not run here"
         return None
+
+    def after_replay(self, B: int, form: str, pairs: int) -> None:
+        self.tokens_routed += pairs  # the counter `run` would have bumped
 
     def nbytes(self) -> int:
         # Views that share storage (identical upcycled experts on the host) count once.

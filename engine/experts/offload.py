@@ -30,7 +30,9 @@ from engine.experts.cpu_mailbox import default_share
 from engine.experts.cpu_set import CpuSetRunner, cpu_set_kernel, per_expert_moe, prepare_cpu_set
 from engine.experts.executor import ExpertExecutor
 from engine.experts.gpu_set import GpuSet
+from engine.experts.graph_forms import GraphForms
 from engine.experts.measured_costs import MeasuredCosts
+from engine.experts.mode_chooser import ModeChooser
 from engine.experts.planner import PLANNED_POLICIES, MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
@@ -50,7 +52,7 @@ HOST_PARTS = ("lookup", "plan", "cpu_set", "fill", "gpu_set", "prefetch", "bookk
 log = logging.getLogger("tandem")
 
 
-class OffloadedExperts(ExpertExecutor):
+class OffloadedExperts(GraphForms, ExpertExecutor):  # GraphForms: its captured decode steps
     def __init__(self, policy: str, store: ExpertStore, *, device: torch.device, n_slots: int | None = None,
                  costs: ExpertCostModel | None = None, max_decode_tokens: int = 4, cpu_ffn=None,
                  cpu_kernel: str | None = None, window: int = 256):
@@ -89,6 +91,7 @@ class OffloadedExperts(ExpertExecutor):
         self._cpu_forms: dict[int, ClampedSwiGLU] = {}  # the same with host copies of the biases
         self.zero_copy: ZeroCopyDecode | None = None  # the whole-step graph's device table (adaptive, CUDA)
         self.zero_copy_off: str | None = None  # why there is none
+        self.chooser = ModeChooser()  # with a device table: the one graph or pieces, per batch size (graph_forms.py)
         self._opened = False
         if n_slots is not None:
             self.open_cache(n_slots)
@@ -396,7 +399,8 @@ class OffloadedExperts(ExpertExecutor):
         if self.cache is not None:
             self.cache.synchronize()  # no copy may still read the store
         if self.zero_copy is not None:  # nor a kernel reading it in place
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             self.zero_copy.close()  # its CPU worker reads the store too
         self._cpu_runner.close()
         if release_store:

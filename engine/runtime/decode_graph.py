@@ -20,10 +20,11 @@ small graph of its own, so the device computes the cached experts while the CPU 
 and writes the CPU set's sum into a fixed buffer, which the next piece adds (up to 8 tokens; larger
 batches run the executor whole between pieces, writing a fixed output buffer).
 
-Offloaded experts with a device table (`adaptive` on a GPU, engine/experts/zero_copy.py) can also
-run the whole step as one graph: each layer's kernel finds its experts in cache slots or reads them
-in place from the pinned host store, and the host manages the cache between steps. A chooser keeps,
-per batch size, whichever form (one graph or pieces) measured faster.
+Offloaded experts with a device table (`adaptive` on a GPU) can also run the whole step as one graph:
+each layer's kernel finds its experts in cache slots or reads them in place from the pinned host store,
+and the host manages the cache between steps. Which form a step replays, what stands in for the experts
+while a form is captured and the host work around a replay are the executor's hooks (ExpertExecutor;
+engine/experts/graph_forms.py for offloaded experts): this module knows nothing of placement.
 
 The first step of a batch size runs eagerly on a side stream (Triton compiles, cuBLAS picks its
 algorithms), then is captured and replayed: K, V of that step are written twice with the same values
@@ -38,9 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.experts.executor import GROUPED_MAX_TOKENS, ExpertExecutor, ResidentExperts
-from engine.experts.offload import OffloadedExperts
-from engine.experts.mode_chooser import ModeChooser
+from engine.experts.executor import GROUPED_MAX_TOKENS, ExpertExecutor
 from engine.kernels.cuda_capture import GeneratorState
 from engine.kv.resident import ResidentKV
 
@@ -55,10 +54,6 @@ def unsupported_reason(kv, experts, device: torch.device, max_batch: int) -> str
         return "graphs need CUDA"
     if not kv.paged:
         return "the paged decode kernel does not take this model's head dim (powers of two ≥ 16 only)"
-    if isinstance(experts, OffloadedExperts):
-        return None if experts.device.type == "cuda" else "the offloaded experts' GPU side is simulated on the CPU"
-    if experts is not None and not isinstance(experts, ResidentExperts):
-        return f"the {experts.policy} expert policy cannot be captured"
     if experts is not None:
         return experts.capture_problem(device, max_batch)
     if max_batch > GROUPED_MAX_TOKENS:
@@ -90,7 +85,7 @@ class _Cut(ExpertExecutor):
     policy = "capture-cut"
     stands_in = True  # the MoE layers' expert forms stay with the executor it stands in for
 
-    def __init__(self, pool, home: torch.cuda.Stream, experts: OffloadedExperts | None = None):
+    def __init__(self, pool, home: torch.cuda.Stream, experts: ExpertExecutor | None = None):
         self.pool, self.home, self.experts = pool, home, experts  # home: the stream replays run on
         self.pieces, self.graph = [], None
 
@@ -139,23 +134,6 @@ class _Cut(ExpertExecutor):
         return {}
 
 
-class _InGraph(ExpertExecutor):
-    """Stands in for offloaded experts while a whole-step graph is warmed up and captured: device
-    work only, through the expert table."""
-
-    policy = "in-graph"
-    stands_in = True
-
-    def __init__(self, zero_copy):
-        self.zero_copy = zero_copy
-
-    def run(self, layer, x, ids, weights):
-        return self.zero_copy.run(layer, x, ids, weights)
-
-    def telemetry(self) -> dict:
-        return {}
-
-
 class DecodeGraphs:
     """Captured decode forwards per batch size: one graph, or pieces cut at offloaded experts."""
 
@@ -170,11 +148,9 @@ class DecodeGraphs:
         self.launch_s = 0.0  # host seconds in the step's replay calls (the pieces' launches; the layers'
         # GPU-side graphs are launched inside the executor's host half and timed there)
         self.recurrent = getattr(kv, "recurrent", False)  # states in fixed buffers around each replay
-        self.cut = isinstance(experts, OffloadedExperts)
+        self.cut = experts is not None and experts.cut_at_layers
         self._moe = [layer.mlp for layer in model.model.layers if getattr(layer.mlp, "experts", None) is experts] \
             if self.cut else []
-        self.zero_copy = getattr(experts, "zero_copy", None) if self.cut else None
-        self.chooser = ModeChooser() if self.zero_copy is not None else None
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """tokens (B, 1) on the host, positions (B, 1) from kv.begin_step → logits (B, V) fp32, or None
@@ -183,38 +159,27 @@ class DecodeGraphs:
             return None
         B = tokens.shape[0]
         self.tokens[:B].copy_(tokens, non_blocking=True)
-        form = "graph" if not self.cut else "pieces"
-        if self.chooser is not None and B <= self.zero_copy.max_tokens:
-            form = self.chooser.form(B)
-        graph_form = form  # which captured graph runs: the one graph comes with and without the CPU mailbox
-        if form == "graph" and self.zero_copy is not None and self.zero_copy.cpu_wanted():
-            graph_form = "graph+cpu"
+        experts = self.experts
+        form = experts.graph_form(B) if experts is not None else "graph"
         if self.recurrent:
             self.kv.fix_states(B)
-        entry = self.steps.get((B, graph_form))
+        entry = self.steps.get((B, form))
         if entry is None:
-            entry = self._capture(B, positions, graph_form)
-            # Where the mailbox is open (after the first warm-up) the other one graph is captured at
-            # once too: the gate opening later would otherwise compile and capture in mid-decode, a
-            # stall of most of a second that a user sees as a pause in the reply.
-            other = {"graph": "graph+cpu", "graph+cpu": "graph"}.get(graph_form)
-            if entry is not None and other and self.zero_copy is not None and self.zero_copy.mailbox is not None \
-                    and (B, other) not in self.steps:
-                entry = self._capture(B, positions, other) and entry
+            entry = self._capture(B, positions, form)
+            for other in experts.forms_captured_with(B, form) if experts is not None and entry is not None else ():
+                if (B, other) not in self.steps:
+                    entry = self._capture(B, positions, other) and entry
             if entry is None:
                 if self.recurrent:
                     self.kv.unfix_states()
                 return None
             if self.recurrent:  # the captures' warm-ups moved the states on: this step's again
                 self.kv.fix_states(B)
-            if self.chooser is not None:
-                self.chooser.discard()  # the capture's time is not a step's
-        if self.chooser is not None:
-            self.chooser.started(B, form)
+            if experts is not None:
+                experts.capture_ran()
+        if experts is not None:
+            experts.before_replay(B, form)
         pieces, logits = entry
-        if self.zero_copy is not None and form == "graph":
-            # (a pieces step's host halves settle the table themselves: leave)
-            self.zero_copy.before_step(cpu=graph_form == "graph+cpu")
         for piece in pieces:
             t0 = time.perf_counter()
             piece.graph.replay()
@@ -223,22 +188,18 @@ class DecodeGraphs:
                 self.experts.run(piece.layer, piece.x, piece.ids, piece.weights, piece.routed, out=piece.out,
                                  cpu_buf=piece.cpu_buf,
                                  between=piece.gpu_graph.replay if piece.gpu_graph is not None else None)
-        if self.zero_copy is not None and form == "graph":
-            self.zero_copy.after_step(B)
+        if experts is not None:
+            experts.after_replay(B, form, B * self.model.args.top_k)
         if self.recurrent:
             self.kv.replayed_step()
         self.replays += 1
-        if isinstance(self.experts, ResidentExperts):  # the counter Python would have bumped
-            self.experts.tokens_routed += B * self.model.args.top_k
         return logits.clone()  # the graph's output buffer is overwritten by the next replay
 
     def _capture(self, B: int, positions: torch.Tensor, form: str):
-        """form: "graph" (one graph; offloaded experts through the device table), "graph+cpu" (the
-        same, with the CPU mailbox's kernels: zero_copy.py) or "pieces" (cut at each offloaded MoE layer)."""
+        """form: the executor's `graph_form`: "graph" (one graph), "pieces" (cut at each offloaded MoE
+        layer) or another whole-step form, whose stand-in runs the MoE layers while it is captured."""
         tokens = self.tokens[:B]
-        in_graph = _InGraph(self.zero_copy) if self.cut and form != "pieces" else None
-        if in_graph is not None:
-            self.zero_copy.before_step(cpu=form == "graph+cpu")  # a valid table for the warm-up
+        in_graph = self.experts.stand_in(form) if self.cut else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         try:
@@ -292,7 +253,7 @@ class DecodeGraphs:
         return {"captured_batches": sorted(forms), "captured_forms": forms, "replays": self.replays,
                 "launch_host_s": round(self.launch_s, 4),
                 "failed": self.failed, **({"pieces_per_step": pieces} if self.cut else {}),
-                **(self.chooser.telemetry() if self.chooser is not None else {})}
+                **(self.experts.graph_telemetry() if self.experts is not None else {})}
 
     def close(self) -> None:
         self.steps.clear()
