@@ -166,3 +166,74 @@ def test_offloaded_experts_replay_in_pieces(policy, slots, tmp_path):
         assert "off" in experts["zero_copy"]
     assert got == expected
     graphed.close()
+
+
+def test_a_step_replays_the_form_the_executor_names_and_calls_its_hooks_around_it():
+    """DecodeGraphs.step on the CPU with the captures stood in for (graphs need CUDA): the form comes
+    from the executor, a new form is captured with the forms the executor names beside it, and the
+    executor hears of the capture and of each replay (before, after, with the pairs routed) in order."""
+    from types import SimpleNamespace
+
+    from engine.experts.executor import ExpertExecutor
+    from engine.runtime.decode_graph import DecodeGraphs, _Piece
+
+    calls = []
+
+    class Recording(ExpertExecutor):
+        policy = "recording"
+
+        def __init__(self):
+            self.forms = iter(["graph+cpu", "graph+cpu", "graph"])
+
+        def run(self, layer, x, ids, weights):
+            raise AssertionError("a replay with no cut runs no layer on the host")
+
+        def telemetry(self):
+            return {}
+
+        def graph_form(self, B):
+            return next(self.forms)
+
+        def forms_captured_with(self, B, form):
+            return ("graph",) if form == "graph+cpu" else ()
+
+        def capture_ran(self):
+            calls.append("capture_ran")
+
+        def before_replay(self, B, form):
+            calls.append(("before", B, form))
+
+        def after_replay(self, B, form, pairs):
+            calls.append(("after", B, form, pairs))
+
+    class Replay:
+        def __init__(self, form):
+            self.form = form
+
+        def replay(self):
+            calls.append(("replay", self.form))
+
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.model = SimpleNamespace(args=SimpleNamespace(top_k=8))
+    graphs.kv = SimpleNamespace(replayable_step=lambda: True)
+    graphs.experts, graphs.cut, graphs.recurrent = Recording(), False, False
+    graphs.tokens = torch.zeros((4, 1), dtype=torch.int64)
+    graphs.steps, graphs.failed, graphs.replays, graphs.launch_s = {}, None, 0, 0.0
+
+    def capture(B, positions, form):
+        calls.append(("capture", form))
+        graphs.steps[(B, form)] = ([_Piece(Replay(form))], torch.full((B, 5), float(len(form))))
+        return graphs.steps[(B, form)]
+
+    graphs._capture = capture
+    tokens, positions = torch.ones((2, 1), dtype=torch.int64), torch.zeros((2, 1), dtype=torch.int64)
+    first = graphs.step(tokens, positions)
+    assert calls == [("capture", "graph+cpu"), ("capture", "graph"), "capture_ran", ("before", 2, "graph+cpu"),
+                     ("replay", "graph+cpu"), ("after", 2, "graph+cpu", 16)]
+    assert first.shape == (2, 5) and first[0, 0] == len("graph+cpu")
+    calls.clear()
+    graphs.step(tokens, positions)  # captured already: replayed, no capture
+    graphs.step(tokens, positions)  # the companion captured beside it: replayed at once
+    assert calls == [("before", 2, "graph+cpu"), ("replay", "graph+cpu"), ("after", 2, "graph+cpu", 16),
+                     ("before", 2, "graph"), ("replay", "graph"), ("after", 2, "graph", 16)]
+    assert graphs.replays == 3
