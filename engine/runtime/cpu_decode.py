@@ -82,11 +82,10 @@ def _cpu_blocks(m) -> bool:
 
 def routed_experts(mlp: MoEFeedForward) -> dict | None:
     """`DecodeLayer.set_routed`'s arguments for a MoE layer whose step can route in the native call
-    (plain softmax → top-k, no shared experts, distinct quantised experts of one layout in RAM), else None."""
+    (plain softmax → top-k, no shared experts, quantised experts of one layout in RAM; copies of one FFN
+    are computed once per token there, as the executor computes them), else None."""
     ex, layer, gate = mlp.experts, mlp.expert_layer, mlp.gate
     if not isinstance(ex, QuantResidentExperts) or ex.tables[layer] is None or layer in ex.forms:
-        return None
-    if len(ex.unique[layer]) == 1:  # copies of one FFN: the executor computes it once per token
         return None
     if not isinstance(mlp.route, SoftmaxTopK) or mlp.route_options or mlp.shared_experts is not None or gate.bias is not None:
         return None
