@@ -67,7 +67,7 @@ def test_the_record_names_machine_commit_command_and_every_cell(monkeypatch):
 def test_quick_selects_the_cpu_cells_and_every_gpu_cell_is_defined():
     cells = suite.cells()
     ids = {c.id for c in cells}
-    assert {"cpu-builtin", "cpu-kernels", "cpu-busy-core", "cpu-moe-q4km-L8", "cpu-moe-q4km-L8-4k"} <= ids
+    assert {"cpu-builtin", "cpu-builtin-moe", "cpu-kernels", "cpu-busy-core", "cpu-moe-q4km-L8", "cpu-moe-q4km-L8-4k"} <= ids
     assert {"gpu-resident-L16", "gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-prefill-32k", "gpu-kv-spill"} <= ids
     assert all(c.routed for c in cells if c.id in ("gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-kv-spill"))
     assert {"gpu-gpt-oss-20b-24gb", "gpu-gpt-oss-20b-8gb", "gpu-gpt-oss-20b-mxfp4-24gb", "gpu-gpt-oss-20b-mxfp4-8gb",
