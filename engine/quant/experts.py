@@ -73,8 +73,8 @@ class QuantResidentExperts(ResidentExperts):
         form = self.forms.get(layer)
         pairs = self.unique[layer]
         if len(pairs) == 1 and form is None:  # every expert the same blocks: one SwiGLU, each token weighted
-            gate_up, down = pairs[0]  # by its k weights' sum
-            return swiglu_blocks(x, gate_up, down) * weights.sum(-1, keepdim=True).to(x.dtype)
+            gate_up, down = pairs[0]  # by its k weights' sum; one dense FFN, so its tiles are a dense layer's
+            return swiglu_blocks(x, gate_up, down, torch.float32) * weights.sum(-1, keepdim=True).to(x.dtype)
         group = self.groups[layer][ids]  # (N, k): distinct expert of each choice (the expert, with a form)
         out, heavy = None, torch.unique(group).tolist()  # heavy: the experts the loop below computes
         table = self.tables[layer]
@@ -122,9 +122,10 @@ class QuantResidentExperts(ResidentExperts):
         return {"policy": self.policy, "bytes": self.nbytes(), "kernel": kernel, "cpu_kernel": kernel}
 
 
-def swiglu_blocks(x: torch.Tensor, gate_up, down) -> torch.Tensor:
-    """x (n, H) → (n, H); gate_up a QuantTensor (2I, H) or a QuantRows of its gate and up (I, H) each."""
-    tiles = expert_tiles()
+def swiglu_blocks(x: torch.Tensor, gate_up, down, tiles: torch.dtype | None = None) -> torch.Tensor:
+    """x (n, H) → (n, H); gate_up a QuantTensor (2I, H) or a QuantRows of its gate and up (I, H) each;
+    tiles: quant_linear's prefill tiles, routed experts' (expert_tiles) unless given."""
+    tiles = tiles or expert_tiles()
     h = quant_linear(x, gate_up, tiles=tiles)  # (n, 2I): one call over gate and up, whatever their types
     return quant_linear(swiglu(h), down, tiles=tiles)  # (n, H)
 
