@@ -45,10 +45,10 @@ class MeasuredCosts:
     """Per phase: the cost model with its CPU correction, and the split / whole step ratios."""
 
     def __init__(self, costs: ExpertCostModel):
-        self.calibrated = costs  # stays as it was given
         self._models = dict.fromkeys(PHASES, costs)
         self._cpu_ratios = {phase: deque(maxlen=CPU_CORRECTION_WINDOW) for phase in PHASES}
         self._steps = {(phase, split): deque(maxlen=STEP_WINDOW) for phase in PHASES for split in (True, False)}
+        self._step_ratios = dict.fromkeys(self._steps, 1.0)  # the medians, kept as steps come: read every layer
 
     def model(self, phase: str) -> ExpertCostModel:
         return self._models[phase]
@@ -68,13 +68,16 @@ class MeasuredCosts:
 
     def observe_step(self, phase: str, split: bool, modelled_ms: float, measured_ms: float) -> None:
         """One layer step (sync to the next layer's sync, ms) and what the model said it would take."""
-        if modelled_ms > 0:
-            self._steps[(phase, split)].append(_clamp(measured_ms / modelled_ms))
+        if modelled_ms <= 0:
+            return
+        steps = self._steps[(phase, split)]
+        steps.append(_clamp(measured_ms / modelled_ms))
+        if len(steps) >= STEP_MIN_SAMPLES:
+            self._step_ratios[(phase, split)] = float(median(steps))
 
     def step_ratio(self, phase: str, split: bool) -> float:
         """Measured / modelled step time of that kind: the rolling median, 1 until measured."""
-        steps = self._steps[(phase, split)]
-        return float(median(steps)) if len(steps) >= STEP_MIN_SAMPLES else 1.0
+        return self._step_ratios[(phase, split)]
 
     def telemetry(self) -> dict:
         return {"cpu_correction": {phase: self._models[phase].cpu_correction for phase in PHASES},

@@ -9,9 +9,10 @@ monotonicity: if an expert is worth loading, so is every hotter one), then split
   CPU; in decode a fill is taken only while it does not lengthen the layer, so no transfer is made
   that cannot pay back before it is needed. Where every miss could fill instead, the split must also
   win on measured steps: each option's modelled step times what steps of its kind have measured here
-  against their model (experts/measured_costs.py), since a split costs more than its CPU compute. The link's idle time after the fills (plus the next
-  layer's attention) sets the prefetch depth: hidden prefetches always, the partial one by the
-  predictor's confidence in decode and always in prefill.
+  against their model (experts/measured_costs.py), since a split costs more than its CPU compute.
+  The link's idle time after the fills (plus the next layer's attention) sets the prefetch depth:
+  hidden prefetches always, the partial one by the predictor's confidence in decode and always in
+  prefill.
 - `on-demand`: every miss fills (Fate style); when a tiny cache cannot hold the layer's misses
   beside its hits, the overflow runs on the CPU.
 - `static`, `cpu-only`: misses never fill; they run on the CPU (KTransformers, llama.cpp --cpu-moe).
