@@ -91,6 +91,15 @@ class ChurnGate:
         return {"cpu_gated": self.gated, "missed_per_step": round(self.missed_avg, 1)}
 
 
+def worker_threads() -> int:
+    """The worker's team: every core the native kernels use but one. While a graph step runs, the
+    driving thread waits for it in the CUDA runtime, spinning (the runtime's default where cores
+    outnumber contexts), so it holds a core for the whole step. A team that counted that core would
+    share it with the spinner, and a region split statically between its threads waits for the one
+    that lost its core: a scheduler time slice, milliseconds, where a layer's answer takes ~0.5."""
+    return max(1, native.threads() - 1)
+
+
 def _words(n_bytes: int) -> int:
     """int64 words for n_bytes, rounded up to whole 64-byte lines."""
     return math.ceil(n_bytes / 64) * 8
@@ -100,8 +109,8 @@ class CpuMailbox:
     def __init__(self, store, device: torch.device, max_rows: int, top_k: int, share: float,
                  threads: int | None = None, max_polls: int = MAX_POLLS):
         """store: the ExpertStore the CPU computes from; max_rows: tokens a step carries; share: of
-        each layer's missed experts, the part the CPU computes. Raises RuntimeError without the
-        native extension."""
+        each layer's missed experts, the part the CPU computes; threads: the worker's team
+        (worker_threads() by default). Raises RuntimeError without the native extension."""
         nat = native.module()
         if nat is None or not hasattr(nat, "CpuMailbox"):
             raise RuntimeError(f"the CPU mailbox needs the native extension ({native.load_error() or 'too old'})")
@@ -133,6 +142,7 @@ class CpuMailbox:
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         self.error_host = torch.zeros(1, dtype=torch.int32, pin_memory=on_gpu)
         self.share_value = float(share)
+        self.threads = threads or worker_threads()
         code = native.DTYPE_CODES
         if store.quantised:  # the worker reads the blocks: each expert's three addresses, each layer's types
             L, E = store.n_layers, store.n_experts
@@ -147,7 +157,7 @@ class CpuMailbox:
         self._worker = nat.CpuMailbox(self.to_cpu.data_ptr(), self.to_gpu.data_ptr(),
                                       [ids_w, marks_w, weights_w, x_w, HEADER_WORDS], max_rows, top_k, H,
                                       store.expert_ffn, code[store.dtype], code[store.dtype], rows,
-                                      threads or native.threads(), **tables)
+                                      self.threads, **tables)
 
     # -- inside the graph -------------------------------------------------------------------------
     def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
@@ -186,7 +196,7 @@ class CpuMailbox:
         w = self._worker
         if w is None:  # closed: its last counts
             return dict(self._final, share=self.share_value)
-        return {"share": self.share_value, "posts": w.answered, "experts": w.experts, "cpu_s": round(w.compute_s, 6)}
+        return {"share": self.share_value, "threads": self.threads, "posts": w.answered, "experts": w.experts, "cpu_s": round(w.compute_s, 6)}
 
     def close(self) -> None:
         """Synchronise the device (no wait kernel may still read), stop the worker, keep the memory

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.experts.cache import ExpertCache  # noqa: E402
-from engine.experts.cpu_mailbox import CPU_CHURN_SHARE, GRAPH_CPU_SHARE, CpuMailbox, default_share  # noqa: E402
+from engine.experts.cpu_mailbox import CPU_CHURN_SHARE, GRAPH_CPU_SHARE, CpuMailbox, default_share, worker_threads  # noqa: E402
 from engine.experts.store import ExpertStore  # noqa: E402
 from engine.experts.zero_copy import ZeroCopyDecode  # noqa: E402
 from engine.kernels import native  # noqa: E402
@@ -234,3 +234,23 @@ def test_a_post_the_worker_cannot_read_is_answered_with_an_error():
             box.check()
     finally:
         box.close()
+
+
+@pytest.mark.parametrize("cores, team", [(16, 15), (2, 1), (1, 1)])
+def test_the_worker_leaves_the_driving_thread_a_core(cores, team):
+    """The driving thread spins in the CUDA runtime while a graph step runs: the worker's team is
+    every core the native kernels use but that one (never fewer than one thread)."""
+    before = native.threads_setting()
+    native.set_threads(cores)
+    try:
+        assert worker_threads() == team
+        box = CpuMailbox(_store()[0], torch.device(DEVICE), max_rows=4, top_k=K, share=0.5)
+        try:
+            assert box.telemetry()["threads"] == team
+        finally:
+            box.close()
+        box = CpuMailbox(_store()[0], torch.device(DEVICE), max_rows=4, top_k=K, share=0.5, threads=3)
+        assert box.telemetry()["threads"] == 3  # a caller's team is kept as given
+        box.close()
+    finally:
+        native.set_threads(before)
