@@ -52,7 +52,8 @@ native = Pybind11Extension(
                                      "amx_experts.h", "moe_worker.h", "routed_set.h", "cpu_mailbox.h", "quant_moe.h",
                                      "quant_blocks.h", "quant_kernels.h", "quant_vectors.h",
                                      "kquant_blocks.h", "kquant_kernels.h", "attention_mla.h", "attention_mla_kernel.h",
-                                     "attention_split.h", "lse_merge.h", "bindings.h", "layer_ops.h")],
+                                     "attention_split.h", "lse_merge.h", "bindings.h", "layer_ops.h", "decode_layer.h",
+                                     "interleaved16.h", "moe_route.h")],
     cxx_std=17,
     optional=True,
 )

@@ -4,10 +4,12 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "bindings.h"
+#include "interleaved16.h"
 #include "quant_blocks.h"
 
 namespace tandem {
@@ -27,8 +29,8 @@ namespace {
 
 // parts (P, 4) int64, a row per matrix: its blocks' address, type, rows and row bytes. Every part
 // multiplies the same x (n_tokens, k); part i writes y's columns after those of the parts before it.
-void quant_matmul_py(const py::array_t<int64_t, py::array::c_style>& parts, int64_t k, uintptr_t x,
-                     int64_t n_tokens, int64_t x_stride, uintptr_t y, int64_t y_stride, int threads) {
+int quant_matmul_py(const py::array_t<int64_t, py::array::c_style>& parts, int64_t k, uintptr_t x,
+                    int64_t n_tokens, int64_t x_stride, uintptr_t y, int64_t y_stride, int threads, bool interleave) {
   require(parts.ndim() == 2 && parts.shape(1) == 4, "parts must be an int64 table (P, 4): address, type, rows, row bytes");
   require(n_tokens >= 0 && x_stride >= k, "sizes and strides");
   const int64_t n_parts = parts.shape(0);
@@ -46,10 +48,19 @@ void quant_matmul_py(const py::array_t<int64_t, py::array::c_style>& parts, int6
     columns += r[2];
   }
   require(y_stride >= columns, "y_stride must cover every part's rows");
-  if (problems.empty() || n_tokens == 0) return;
+  std::vector<std::unique_ptr<InterleavedCopy>> copies;  // made for this call (tests, benchmarks)
+  for (QuantMatmulProblem& p : problems) {
+    if (!interleave || !active_quant_table().interleaved_rows) break;
+    copies.push_back(std::make_unique<InterleavedCopy>(p.w, p.type, p.n_rows, k, p.w_row_bytes));
+    p.interleaved = copies.back()->view();
+  }
+  int n_interleaved = 0;
+  for (const QuantMatmulProblem& p : problems) n_interleaved += p.interleaved != nullptr;
+  if (problems.empty() || n_tokens == 0) return n_interleaved;
   require(x && y, "null pointer");
   py::gil_scoped_release release;
   quant_matmul(problems.data(), int(problems.size()), threads);
+  return n_interleaved;
 }
 
 void quant_dequantize_py(uintptr_t w, int type, int64_t k, int64_t w_row_bytes, int64_t n_rows, int64_t row_begin,
@@ -89,9 +100,12 @@ void bind_quant(py::module_& m) {
         py::arg("name"), "Use one ISA's quantised-block kernels ('auto': the best); False if unsupported.");
   m.def("quant_matmul", &quant_matmul_py, py::arg("parts").noconvert(), py::arg("k"), py::arg("x"),
         py::arg("n_tokens"), py::arg("x_stride"), py::arg("y"), py::arg("y_stride"), py::arg("threads"),
+        py::arg("interleave") = false,
         "y (n_tokens, ΣN) fp32 = x (n_tokens, k) fp32 · [W₁; W₂; …]ᵀ, each W (N, k) in GGUF blocks (Q4_0/1, "
         "Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4), one row of `parts` each; the activations are quantised to "
-        "int16 per 32-block once for all of them.");
+        "int16 per 32-block once for all of them. interleave: the Q4_0/Q4_1 parts are first copied 16 rows at "
+        "a time, as a decode layer's are, and one-token calls read the copies where the ISA has their kernel. "
+        "Returns the parts read from such a copy.");
   m.def("quant_dequantize", &quant_dequantize_py, py::arg("w"), py::arg("type"), py::arg("k"),
         py::arg("w_row_bytes"), py::arg("n_rows"), py::arg("row_begin"), py::arg("row_end"), py::arg("ids"),
         py::arg("out"), py::arg("out_stride"), py::arg("threads"), py::arg("bf16") = false,

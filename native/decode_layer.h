@@ -14,9 +14,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "common.h"
+#include "interleaved16.h"
 #include "moe_route.h"
 #include "quant_blocks.h"
 
@@ -27,6 +29,7 @@ struct BlockMatrix {
   const uint8_t* w;
   QType type;
   int64_t rows, row_bytes;
+  const Interleaved16* interleaved = nullptr;  // its rows re-laid for one-token products (interleaved16.h), or null
 };
 
 struct DecodeLayerShape {
@@ -84,6 +87,7 @@ class DecodeLayer {
   RoutedExperts routed_;                                    // n_experts 0: the caller's
   MoeRoute route_;
   std::vector<KVBlock> blocks_;                             // the step's runs as the attention's blocks
+  std::vector<std::unique_ptr<InterleavedCopy>> copies_;    // the products' interleaved copies (w_'s views)
 };
 
 }  // namespace tandem

@@ -27,7 +27,7 @@ namespace {
 }  // namespace
 
 const QuantKernelTable kQuantTableAvx2 = {"avx2", &quantize_acts, &quantize_acts8, &matmul_rows, &dequantize_row,
-                                           &dequantize_row_bf16};
+                                           &dequantize_row_bf16, nullptr};
 }  // namespace tandem
 
 #if defined(__clang__)

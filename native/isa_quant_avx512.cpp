@@ -28,7 +28,7 @@ namespace {
 }  // namespace
 
 const QuantKernelTable kQuantTableAvx512 = {"avx512", &quantize_acts, nullptr, &matmul_rows, &dequantize_row,
-                                           &dequantize_row_bf16};
+                                           &dequantize_row_bf16, &interleaved_rows};
 }  // namespace tandem
 
 #if defined(__clang__)

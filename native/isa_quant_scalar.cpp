@@ -15,5 +15,5 @@ namespace {
 }  // namespace
 
 const QuantKernelTable kQuantTableScalar = {"scalar", &quantize_acts, nullptr, &matmul_rows, &dequantize_row,
-                                           &dequantize_row_bf16};
+                                           &dequantize_row_bf16, nullptr};
 }  // namespace tandem

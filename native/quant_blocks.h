@@ -61,6 +61,17 @@ constexpr int64_t qblock_weights(int type) {
   return type == int(QType::q4_k) || type == int(QType::q5_k) || type == int(QType::q6_k) ? kQKBlock : kQBlock;
 }
 
+// A Q4_0 / Q4_1 matrix's rows re-laid 16 at a time for one-token products (interleaved16.h builds it;
+// quant_kernels.h's interleaved_rows reads it). Per group of 16 rows and per 32-weight block: pair j
+// of the block (weights 2j, 2j+1) of each of the 16 rows as one byte (low nibble, high nibble), 16
+// bytes a pair, 256 a block; then the 16 rows' scales and offsets as floats (w = q·scale + offset).
+struct Interleaved16 {
+  const uint8_t* pairs;  // (groups, k/32, 16 pairs, 16 rows)
+  const float* scale;    // (groups, k/32, 16 rows)
+  const float* offset;   // (groups, k/32, 16 rows)
+  int64_t groups;        // rows [0, 16·groups); the rest stay with the row kernel
+};
+
 // y (n_tokens, n_rows) fp32 = x (n_tokens, k) fp32 · Wᵀ, W (n_rows, k) as rows of k/qblock_weights blocks.
 struct QuantMatmulProblem {
   const uint8_t* w;     // row r at w + r·w_row_bytes
@@ -70,6 +81,7 @@ struct QuantMatmulProblem {
   int64_t n_tokens, x_stride;
   float* y;             // (n_tokens, n_rows), row stride y_stride (floats)
   int64_t y_stride;
+  const Interleaved16* interleaved = nullptr;  // the same rows re-laid, read by one-token products; or null
 };
 
 constexpr bool is_kquant(QType t) { return t == QType::q4_k || t == QType::q5_k || t == QType::q6_k; }
@@ -118,6 +130,8 @@ struct QuantKernelTable {
   void (*matmul_rows)(const QuantMatmulProblem&, const QuantActs&, int64_t row_begin, int64_t row_end);
   void (*dequantize_row)(const uint8_t* w, QType type, int64_t k, float* out);  // k floats
   void (*dequantize_row_bf16)(const uint8_t* w, QType type, int64_t k, uint16_t* out);  // k bf16, nearest even
+  // One token's rows [16·group_begin, 16·group_end) of y from P.interleaved; null where this ISA has none.
+  void (*interleaved_rows)(const QuantMatmulProblem& P, const QuantActs& A, int64_t group_begin, int64_t group_end);
 };
 
 extern const QuantKernelTable kQuantTableScalar;

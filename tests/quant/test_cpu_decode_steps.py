@@ -51,7 +51,11 @@ def test_a_llama_in_mixed_block_types_steps_natively_as_its_modules(tmp_path):
     # q, k and v of three types (Q4_0, Q4_1, Q8_0 in turn): the fused product's parts differ
     with closing(engine_for(write_quantised_llama(tmp_path / "q.gguf"))) as engine:
         native_rows, module_rows = native_and_module_logits(engine, IDS, prefill=5)
-    torch.testing.assert_close(native_rows, module_rows, rtol=1e-4, atol=1e-4)
+    # Where the ISA has the interleaved one-token kernel (AVX-512), the call's Q4_0/Q4_1 products read
+    # 16-row copies: the same int32 block sums in another fp32 order, which this random model's layers
+    # grow to ~4e-4 of its logits (|logit| ≤ 6), a tenth of either path's distance from the same
+    # model dequantised to fp32 (4e-3: the activations' int16 rounding). Elsewhere they agree to 1e-6.
+    torch.testing.assert_close(native_rows, module_rows, rtol=1e-3, atol=1e-3)
     assert native_rows.abs().max() > 0.1  # logits, not a buffer left at zero
 
 

@@ -168,3 +168,49 @@ def test_routed_experts_take_bf16_tiles_where_the_cpu_multiplies_bf16(monkeypatc
     down, _ = _blocks(96, 32, T.Q8_0)
     qe.swiglu_blocks(torch.randn(20, 96), gate_up, down)
     assert seen == [qm.expert_tiles()] * 2
+
+
+INTERLEAVED = NAT is not None and "avx512" in ISAS
+
+
+@pytest.mark.skipif(not INTERLEAVED, reason="the interleaved one-token kernel is AVX-512's")
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("parts,cols", [((16,), 32), ((960,), 576), ((77,), 320), ((40, 24, 203), 96), ((15,), 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_interleaved_rows_match_the_row_kernel_and_gguf(qtype, parts, cols, threads):
+    """A decode layer's Q4_0 / Q4_1 products read 16 rows at a time from an interleaved copy at one
+    token: the same int16 activations and exact int32 block sums as the row kernel, so the two agree to
+    fp32 summation order (1e-6 of Σ|w||x|), and both stay within the activation-rounding bound of
+    gguf's dequantised weights. Stacked parts whose rows are no multiple of 16 (40, 24, 203) put the
+    threads' chunks across groups: their edge rows take the row kernel. Under 16 rows: no copy."""
+    assert NAT.select_quant_isa("avx512")
+    try:
+        mats = [_blocks(rows, cols, qtype, seed=rows + i) for i, rows in enumerate(parts)]
+        table = np.array([[w.blocks.data_ptr(), int(qtype), w.shape[0], w.row_bytes] for w, _ in mats], dtype=np.int64)
+        ref_w = np.concatenate([r for _, r in mats])
+        x = torch.randn(1, cols, generator=torch.Generator().manual_seed(cols)) * 3
+        n = ref_w.shape[0]
+        by_rows, by_groups = torch.empty(1, n), torch.empty(1, n)
+        assert NAT.quant_matmul(table, cols, x.data_ptr(), 1, cols, by_rows.data_ptr(), n, threads) == 0
+        made = NAT.quant_matmul(table, cols, x.data_ptr(), 1, cols, by_groups.data_ptr(), n, threads, interleave=True)
+        assert made == sum(rows >= 16 for rows in parts)
+        scale = x.abs() @ torch.from_numpy(np.abs(ref_w)).t()
+        assert ((by_groups - by_rows).abs() <= 1e-6 * scale + 1e-7).all(), float((by_groups - by_rows).abs().max())
+        ref = x @ torch.from_numpy(ref_w).t()
+        assert ((by_groups - ref).abs() <= _bound(x, ref_w)).all()
+    finally:
+        NAT.select_quant_isa("auto")
+
+
+@pytest.mark.skipif(not INTERLEAVED, reason="the interleaved one-token kernel is AVX-512's")
+def test_interleaved_copies_are_for_one_token_and_q4_only():
+    """More tokens than one read the row kernel (the copy is there but unread); a Q8_0 matrix gets no
+    copy. Both give the row kernel's result bit for bit."""
+    for qtype, n_tokens, made in [(T.Q4_1, 3, 1), (T.Q8_0, 1, 0)]:
+        w, _ = _blocks(64, 128, qtype)
+        table = np.array([[w.blocks.data_ptr(), int(qtype), 64, w.row_bytes]], dtype=np.int64)
+        x = torch.randn(n_tokens, 128, generator=torch.Generator().manual_seed(1))
+        a, b = torch.empty(n_tokens, 64), torch.empty(n_tokens, 64)
+        NAT.quant_matmul(table, 128, x.data_ptr(), n_tokens, 128, a.data_ptr(), 64, 1)
+        assert NAT.quant_matmul(table, 128, x.data_ptr(), n_tokens, 128, b.data_ptr(), 64, 1, interleave=True) == made
+        assert torch.equal(a, b)
