@@ -120,6 +120,19 @@ void DecodeLayer::set_routed(RoutedExperts routed) {
   for (int64_t g : routed.group)
     if (g < 0 || g >= int64_t(routed.blocks.size())) throw std::invalid_argument("an expert's group is out of range");
   routed_ = std::move(routed);
+  if (!active_quant_table().interleaved_rows) return;
+  const int64_t H = shape_.dim, I = routed_.inter;
+  auto copy = [this](const uint8_t* w, QType type, int64_t rows, int64_t k) -> const Interleaved16* {
+    auto c = std::make_unique<InterleavedCopy>(w, type, rows, k, quant_row_bytes(type, k));
+    const Interleaved16* view = c->view();
+    if (view) copies_.push_back(std::move(c));
+    return view;
+  };
+  for (QuantMoeExpert& e : routed_.blocks) {  // a decode step's experts mostly have one pair each
+    e.gate_rows = copy(e.gate, routed_.gate_type, I, H);
+    e.up_rows = copy(e.up, routed_.up_type, I, H);
+    e.down_rows = copy(e.down, routed_.down_type, H, I);
+  }
 }
 
 bool DecodeLayer::step(float* x, float* normed, const float* cos, const float* sin, int64_t B,

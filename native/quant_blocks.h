@@ -164,6 +164,9 @@ class RowChunks {
 
 // quant_dispatch.cpp
 const QuantKernelTable& active_quant_table();
+// Rows [lo, hi) of one product by K: whole groups of 16 from P.interleaved where it has a copy and the
+// call is one token, the rest (and every other product) by the row kernel.
+void quant_rows(const QuantKernelTable& K, const QuantMatmulProblem& P, const QuantActs& A, int64_t lo, int64_t hi);
 bool select_quant_isa(const char* name);  // "auto" or one of supported_quant_isas()
 int supported_quant_isas(const char** names, int capacity);
 // Several products of one x (a layer's q, k and v, or gate and up): parts[i] shares x, n_tokens,

@@ -64,22 +64,6 @@ std::atomic<const QuantKernelTable*> g_quant_table{nullptr};
 // of streaming, about what waking the team costs.
 constexpr int64_t kMinParallelRows = 64;
 
-// Rows [lo, hi) of one product: the whole groups of 16 rows from its interleaved copy where it has
-// one and the call is one token (the rows of a chunk cut at another product's edge come before and
-// after them), the rest by the row kernel.
-void rows_of(const QuantKernelTable& K, const QuantMatmulProblem& P, const QuantActs& A, int64_t lo, int64_t hi) {
-  if (P.interleaved && P.n_tokens == 1 && K.interleaved_rows) {
-    const int64_t g0 = (lo + 15) / 16, g1 = std::min(hi / 16, P.interleaved->groups);
-    if (g0 < g1) {
-      if (lo < 16 * g0) K.matmul_rows(P, A, lo, 16 * g0);
-      K.interleaved_rows(P, A, g0, g1);
-      if (16 * g1 < hi) K.matmul_rows(P, A, 16 * g1, hi);
-      return;
-    }
-  }
-  K.matmul_rows(P, A, lo, hi);
-}
-
 }  // namespace
 
 const QuantKernelTable& active_quant_table() {
@@ -96,6 +80,22 @@ bool select_quant_isa(const char* name) {
   if (!t || !quant_cpu_supports(t)) return false;
   g_quant_table.store(t, std::memory_order_release);
   return true;
+}
+
+// Rows [lo, hi) of one product: the whole groups of 16 rows from its interleaved copy where it has
+// one and the call is one token (the rows of a chunk cut at another product's edge come before and
+// after them), the rest by the row kernel.
+void quant_rows(const QuantKernelTable& K, const QuantMatmulProblem& P, const QuantActs& A, int64_t lo, int64_t hi) {
+  if (P.interleaved && P.n_tokens == 1 && K.interleaved_rows) {
+    const int64_t g0 = (lo + 15) / 16, g1 = std::min(hi / 16, P.interleaved->groups);
+    if (g0 < g1) {
+      if (lo < 16 * g0) K.matmul_rows(P, A, lo, 16 * g0);
+      K.interleaved_rows(P, A, g0, g1);
+      if (16 * g1 < hi) K.matmul_rows(P, A, 16 * g1, hi);
+      return;
+    }
+  }
+  K.matmul_rows(P, A, lo, hi);
 }
 
 int supported_quant_isas(const char** names, int capacity) {
@@ -157,7 +157,7 @@ void quant_matmul(const QuantMatmulProblem* parts, int n_parts, int n_threads) {
       int64_t first = 0;  // the stacked index of this part's row 0
       for (int i = 0; i < n_parts; ++i) {
         const int64_t lo = std::max(r0, first) - first, hi = std::min(r1, first + parts[i].n_rows) - first;
-        if (hi > lo) rows_of(K, parts[i], A, lo, hi);
+        if (hi > lo) quant_rows(K, parts[i], A, lo, hi);
         first += parts[i].n_rows;
       }
     }

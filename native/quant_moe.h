@@ -35,6 +35,10 @@ struct QuantMoeExpert {
   int64_t n_pairs;
   const float* gate_up_bias = nullptr;  // (2·inter,) fp32, gate half first, or null: none
   const float* down_bias = nullptr;     // (hidden,) fp32, or null: none
+  // the three matrices' 16-row interleaved copies (interleaved16.h), read where the expert has one pair
+  const Interleaved16* gate_rows = nullptr;
+  const Interleaved16* up_rows = nullptr;
+  const Interleaved16* down_rows = nullptr;
 };
 
 struct QuantMoeProblem {
@@ -146,8 +150,9 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
       const bool is_up = seg % 2;
       const QType type = is_up ? p.up_type : p.gate_type;
       float* out = (is_up ? up : gate).data() + f * I;
-      const QuantMatmulProblem P{is_up ? e.up : e.gate, type, I, H, quant_row_bytes(type, H), nullptr, n, H, out, I};
-      K.matmul_rows(P, ax.at(f), r0, r1);
+      const QuantMatmulProblem P{is_up ? e.up : e.gate, type, I, H, quant_row_bytes(type, H), nullptr, n, H, out, I,
+                                 is_up ? e.up_rows : e.gate_rows};
+      quant_rows(K, P, ax.at(f), r0, r1);
     });
 #pragma omp barrier
 
@@ -177,8 +182,8 @@ inline void quant_moe(const QuantMoeProblem& p, int n_threads) {
       const QuantMoeExpert& e = p.experts[active[size_t(a)]];
       const int64_t f = first[size_t(a)];
       const QuantMatmulProblem P{e.down, p.down_type, H, I, quant_row_bytes(p.down_type, I), nullptr, e.n_pairs, I,
-                                 y.data() + f * H, H};
-      K.matmul_rows(P, ah.at(f), r0, r1);
+                                 y.data() + f * H, H, e.down_rows};
+      quant_rows(K, P, ah.at(f), r0, r1);
     });
 #pragma omp barrier
 
