@@ -2,8 +2,8 @@
 // products read where the ISA has interleaved_rows (AVX-512): their row kernel spends most of a
 // decode step unpacking each row's blocks one at a time, and the copy lets 16 rows share that work.
 // The copy is owned by whoever holds the matrix's plan (a DecodeLayer) and costs the matrix's bytes
-// again in RAM (~1.2×: the scales become floats), so a process makes copies only up to
-// kInterleavedBudget; the matrices past it keep the row kernel.
+// again in RAM (1.2× for Q4_1, 1.33× for Q4_0: the scales become floats), so a process makes copies
+// only up to kInterleavedBudget; the matrices past it keep the row kernel.
 #pragma once
 
 #include <atomic>
@@ -18,7 +18,7 @@ namespace tandem {
 
 // RAM for interleaved copies a process may hold: the memory target of a quantised model is 1.15 × its
 // file + KV + 1 GiB, and a copy is extra heap, so the copies take at most half of that GiB. The
-// built-in model's 30 layers take 80 MB; a 7B Q4_0 model's first ~150 of its matrices.
+// built-in model's 30 layers take 80 MB; a 7B Q4_0 model's (~150 MB a layer) its first three.
 constexpr int64_t kInterleavedBudget = int64_t(512) << 20;
 
 inline std::atomic<int64_t>& interleaved_bytes() {
