@@ -41,15 +41,18 @@ DecodeLayer::DecodeLayer(const DecodeLayerShape& shape, DecodeLayerWeights weigh
     if (w->size() > kMaxParts) throw std::invalid_argument("a product has at most 4 matrices");
   if (!w_.norm1 || !w_.norm2 || !w_.k_cache || !w_.v_cache) throw std::invalid_argument("null pointer");
   if (bool(w_.q_norm) != bool(w_.k_norm)) throw std::invalid_argument("q_norm and k_norm come together");
-  if (active_quant_table().interleaved_rows) {  // one-token steps read 16 rows at a time where the ISA can
-    auto interleave = [this](std::vector<BlockMatrix>& w, int64_t k) {
-      for (BlockMatrix& m : w) {
-        auto copy = std::make_unique<InterleavedCopy>(m.w, m.type, m.rows, k, m.row_bytes);
-        if (copy->view()) m.interleaved = copy->view(), copies_.push_back(std::move(copy));
-      }
-    };
-    interleave(w_.qkv, s.dim), interleave(w_.o, q_width), interleave(w_.gate_up, s.dim), interleave(w_.down, s.ffn);
-  }
+  auto interleave = [this](std::vector<BlockMatrix>& w, int64_t k) {
+    for (BlockMatrix& m : w) m.interleaved = keep_copy(m.w, m.type, m.rows, k, m.row_bytes);
+  };
+  interleave(w_.qkv, s.dim), interleave(w_.o, q_width), interleave(w_.gate_up, s.dim), interleave(w_.down, s.ffn);
+}
+
+const Interleaved16* DecodeLayer::keep_copy(const uint8_t* w, QType type, int64_t rows, int64_t k, int64_t row_bytes) {
+  if (!active_quant_table().interleaved_rows) return nullptr;  // this ISA's one-token products read rows
+  auto copy = std::make_unique<InterleavedCopy>(w, type, rows, k, row_bytes);
+  const Interleaved16* view = copy->view();
+  if (view) copies_.push_back(std::move(copy));
+  return view;
 }
 
 void DecodeLayer::reserve(int64_t B) {
@@ -120,18 +123,12 @@ void DecodeLayer::set_routed(RoutedExperts routed) {
   for (int64_t g : routed.group)
     if (g < 0 || g >= int64_t(routed.blocks.size())) throw std::invalid_argument("an expert's group is out of range");
   routed_ = std::move(routed);
-  if (!active_quant_table().interleaved_rows) return;
   const int64_t H = shape_.dim, I = routed_.inter;
-  auto copy = [this](const uint8_t* w, QType type, int64_t rows, int64_t k) -> const Interleaved16* {
-    auto c = std::make_unique<InterleavedCopy>(w, type, rows, k, quant_row_bytes(type, k));
-    const Interleaved16* view = c->view();
-    if (view) copies_.push_back(std::move(c));
-    return view;
-  };
+  const QType gt = routed_.gate_type, ut = routed_.up_type, dt = routed_.down_type;
   for (QuantMoeExpert& e : routed_.blocks) {  // a decode step's experts mostly have one pair each
-    e.gate_rows = copy(e.gate, routed_.gate_type, I, H);
-    e.up_rows = copy(e.up, routed_.up_type, I, H);
-    e.down_rows = copy(e.down, routed_.down_type, H, I);
+    e.gate_rows = keep_copy(e.gate, gt, I, H, quant_row_bytes(gt, H));
+    e.up_rows = keep_copy(e.up, ut, I, H, quant_row_bytes(ut, H));
+    e.down_rows = keep_copy(e.down, dt, H, I, quant_row_bytes(dt, I));
   }
 }
 

@@ -80,6 +80,9 @@ class DecodeLayer {
   void attention(const float* cos, const float* sin, int64_t B, const int64_t* write_rows, const int64_t* runs,
                  const int64_t* offsets, int n_threads);
   void reserve(int64_t B);
+  // A Q4_0/Q4_1 matrix's interleaved copy, kept for this layer's one-token products where the ISA reads
+  // them and the process's budget has room (interleaved16.h); else null.
+  const Interleaved16* keep_copy(const uint8_t* w, QType type, int64_t rows, int64_t k, int64_t row_bytes);
 
   DecodeLayerShape shape_;
   DecodeLayerWeights w_;
