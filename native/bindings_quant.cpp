@@ -49,13 +49,13 @@ int quant_matmul_py(const py::array_t<int64_t, py::array::c_style>& parts, int64
   }
   require(y_stride >= columns, "y_stride must cover every part's rows");
   std::vector<std::unique_ptr<InterleavedCopy>> copies;  // made for this call (tests, benchmarks)
-  for (QuantMatmulProblem& p : problems) {
-    if (!interleave || !active_quant_table().interleaved_rows) break;
-    copies.push_back(std::make_unique<InterleavedCopy>(p.w, p.type, p.n_rows, k, p.w_row_bytes));
-    p.interleaved = copies.back()->view();
-  }
   int n_interleaved = 0;
-  for (const QuantMatmulProblem& p : problems) n_interleaved += p.interleaved != nullptr;
+  if (interleave && active_quant_table().interleaved_rows)
+    for (QuantMatmulProblem& p : problems) {
+      copies.push_back(std::make_unique<InterleavedCopy>(p.w, p.type, p.n_rows, k, p.w_row_bytes));
+      p.interleaved = copies.back()->view();
+      n_interleaved += p.interleaved != nullptr;
+    }
   if (problems.empty() || n_tokens == 0) return n_interleaved;
   require(x && y, "null pointer");
   py::gil_scoped_release release;
