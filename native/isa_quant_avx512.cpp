@@ -27,7 +27,7 @@ namespace {
 #include "quant_kernels.h"
 }  // namespace
 
-const QuantKernelTable kQuantTableAvx512 = {"avx512", &quantize_acts, nullptr, &matmul_rows, &dequantize_row,
+const QuantKernelTable kQuantTableAvx512 = {"avx512", &quantize_acts, &quantize_acts8, &matmul_rows, &dequantize_row,
                                            &dequantize_row_bf16, &interleaved_rows};
 }  // namespace tandem
 

@@ -5,11 +5,12 @@
 //                          from shared loads (two Q4_K sub-blocks are one 32-byte load's two nibbles).
 // In the tile loop sub-block j's offset term, c_j·a_d·Σa over its activation block, becomes one 8-lane
 // FMA a super-block, c·(a_d·Σa) for all 8 at once, summed across lanes at the end of the row.
-// AVX2 has a third form (scales8 / scale8 / each_sub8 / finish8, ksuper_tile_i8 at the end): the
-// weights as u8 against int8 activations, integer sums over the whole super-block.
+// AVX2 and AVX-512 have a third form (scales8 / finish8 and, per ISA, scale8 / each_sub8 or
+// scale_pair / each_pair8; ksuper_tile_i8 at the end): the weights as u8 against int8 activations,
+// integer sums over the whole super-block. AVX2 takes a sub-block at a time, AVX-512 two.
 // Included by quant_kernels.h after the vector operations (quant_vectors.h) and the Decode template.
 
-#if defined(TANDEM_QUANT_AVX2)
+#if defined(TANDEM_QUANT_INT8)
 // The int8 form (ksuper_tile_i8 below) of Q4_K/Q5_K's scales: sc the 8 scales as words in both 128-bit
 // lanes (pick_words broadcasts one), mn the 8 mins as words, each twice (words 2j, 2j+1 = m_j: one
 // vpmaddwd against the 16 activation sums of 16 values gives m_j·Σa over sub-block j).
@@ -19,10 +20,27 @@ TANDEM_ALWAYS_INLINE KScales8 kscales_int(const uint8_t* scales) {
   return {_mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(both)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(both, both))};
 }
 // acc + d·a_d·Σ sc_j·q·a − dmin·a_d·Σ_j m_j·Σa_j: the super-block's two integer sums, one FMA each.
-TANDEM_ALWAYS_INLINE FVec kfinish_min(float d, float dmin, const KScales8& S, I32x8 sum, const int16_t* bs, float ad,
-                                      FVec acc) {
+TANDEM_ALWAYS_INLINE F8 kfinish_min(float d, float dmin, const KScales8& S, I32x8 sum, const int16_t* bs, float ad,
+                                    F8 acc) {
   const I32x8 mins = _mm256_madd_epi16(S.mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
   return fmadd_i32(mins, -(dmin * ad), fmadd_i32(sum, d * ad, acc));
+}
+#endif
+
+#if defined(TANDEM_QUANT_AVX512)
+// Pair p's scale word for each of its 32 maddubs words (pick_words2): words_per_scale 16 where a
+// sub-block has one scale (Q4_K, Q5_K: words 0–15 scale 2p, 16–31 scale 2p + 1), 8 where it has two
+// (Q6_K: scales 4p … 4p + 3, eight words each).
+struct PairIndex { alignas(64) int16_t w[4][32]; };
+constexpr PairIndex pair_index(int words_per_scale) {
+  PairIndex x{};
+  for (int p = 0; p < 4; ++p)
+    for (int i = 0; i < 32; ++i) x.w[p][i] = int16_t((32 * p + i) / words_per_scale);
+  return x;
+}
+constexpr PairIndex kOneScalePairs = pair_index(16), kTwoScalePairs = pair_index(8);
+TANDEM_ALWAYS_INLINE __m512i pair_scales(__m256i words, const PairIndex& index, int p) {
+  return pick_words2(words, _mm512_load_si512(index.w[p]));
 }
 #endif
 
@@ -50,9 +68,15 @@ template <> struct Decode<QType::q4_k> {
       f(2 * p + 1, hi);
     }
   }
-#if defined(TANDEM_QUANT_AVX2)
+#if defined(TANDEM_QUANT_INT8)
   using Scales8 = KScales8;
   static TANDEM_ALWAYS_INLINE Scales8 scales8(const uint8_t* b) { return kscales_int(b + kQ4kScales); }
+  static TANDEM_ALWAYS_INLINE F8 finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
+                                         F8 acc) {
+    return kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc);
+  }
+#endif
+#if defined(TANDEM_QUANT_AVX2)
   static TANDEM_ALWAYS_INLINE __m256i scale8(const Scales8& S, int j) { return pick_words(S.sc, j, j); }
   template <class F> static TANDEM_ALWAYS_INLINE void each_sub8(const uint8_t* b, F&& f) {
     for (int p = 0; p < 4; ++p) {
@@ -61,9 +85,11 @@ template <> struct Decode<QType::q4_k> {
       f(2 * p + 1, field(raw, 4, 0x0f));
     }
   }
-  static TANDEM_ALWAYS_INLINE FVec finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
-                                           FVec acc) {
-    return kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc);
+#elif defined(TANDEM_QUANT_AVX512)
+  static TANDEM_ALWAYS_INLINE __m512i scale_pair(const Scales8& S, int p) { return pair_scales(S.sc, kOneScalePairs, p); }
+  // Pair p (sub-blocks 2p, 2p + 1) is one 32-byte row: its low nibbles, then its high ones.
+  template <class F> static TANDEM_ALWAYS_INLINE void each_pair8(const uint8_t* b, F&& f) {
+    for (int p = 0; p < 4; ++p) f(p, halves(both_halves(b + kQ4kQs + 32 * p), 0, 4, 0x0f));
   }
 #endif
 };
@@ -92,9 +118,15 @@ template <> struct Decode<QType::q5_k> {
       f(2 * p + 1, or_masked(hi, shift16(qh, 3 - 2 * p), 0x10));
     }
   }
-#if defined(TANDEM_QUANT_AVX2)
+#if defined(TANDEM_QUANT_INT8)
   using Scales8 = KScales8;
   static TANDEM_ALWAYS_INLINE Scales8 scales8(const uint8_t* b) { return kscales_int(b + kQ5kScales); }
+  static TANDEM_ALWAYS_INLINE F8 finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
+                                         F8 acc) {
+    return kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc);
+  }
+#endif
+#if defined(TANDEM_QUANT_AVX2)
   static TANDEM_ALWAYS_INLINE __m256i scale8(const Scales8& S, int j) { return pick_words(S.sc, j, j); }
   template <class F> static TANDEM_ALWAYS_INLINE void each_sub8(const uint8_t* b, F&& f) {
     const Bytes qh = load_bytes(b + kQ5kQh);  // bit j: sub-block j's fifth bit, moved to bit 4
@@ -104,9 +136,13 @@ template <> struct Decode<QType::q5_k> {
       f(2 * p + 1, or_shifted(field(raw, 4, 0x0f), qh, 3 - 2 * p, 0x10));
     }
   }
-  static TANDEM_ALWAYS_INLINE FVec finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
-                                           FVec acc) {
-    return kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc);
+#elif defined(TANDEM_QUANT_AVX512)
+  static TANDEM_ALWAYS_INLINE __m512i scale_pair(const Scales8& S, int p) { return pair_scales(S.sc, kOneScalePairs, p); }
+  // As Q4_K's pairs, with bit 2p (low half) or 2p + 1 (high half) of qh as the fifth bit.
+  template <class F> static TANDEM_ALWAYS_INLINE void each_pair8(const uint8_t* b, F&& f) {
+    const __m512i qh = both_halves(b + kQ5kQh);
+    for (int p = 0; p < 4; ++p)
+      f(p, or_high2(halves(both_halves(b + kQ5kQs + 32 * p), 0, 4, 0x0f), halves(qh, 2 * p, 2 * p + 1, 1)));
   }
 #endif
 };
@@ -140,14 +176,23 @@ template <> struct Decode<QType::q6_k> {
       }
     }
   }
-#if defined(TANDEM_QUANT_AVX2)
-  // The 16 int8 scales as words: all (for the centring term) and each 128-bit half in both lanes
-  // (sub-block j's pair, words 2j and 2j+1, picked from one of them).
+#if defined(TANDEM_QUANT_INT8)
+  // The 16 int8 scales as words: all (for the centring term and AVX-512's pairs) and, for AVX2, each
+  // 128-bit half in both lanes (sub-block j's pair, words 2j and 2j+1, picked from one of them).
   struct Scales8 { __m256i all, low, high; };
   static TANDEM_ALWAYS_INLINE Scales8 scales8(const uint8_t* b) {
     const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQ6kSc)));
     return {all, _mm256_permute2x128_si256(all, all, 0x00), _mm256_permute2x128_si256(all, all, 0x11)};
   }
+  // Σ sc·(q − 32)·a = Σ sc·q·a − 32·Σ_i sc_i·bsum_i (i over the 16 scales, bsum over their 16 values):
+  // exact in int32 (|Σ sc·q·a| ≤ 256·128·63·127 < 2^29), one conversion, d·a_d.
+  static TANDEM_ALWAYS_INLINE F8 finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
+                                         F8 acc) {
+    const __m256i centre = _mm256_madd_epi16(S.all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
+    return fmadd_i32(_mm256_sub_epi32(sum, _mm256_slli_epi32(centre, 5)), load_half(b + kQ6kD) * ad, acc);
+  }
+#endif
+#if defined(TANDEM_QUANT_AVX2)
   static TANDEM_ALWAYS_INLINE __m256i scale8(const Scales8& S, int j) {
     return j < 4 ? pick_words(S.low, 2 * j, 2 * j + 1) : pick_words(S.high, 2 * j - 8, 2 * j - 7);
   }
@@ -159,12 +204,17 @@ template <> struct Decode<QType::q6_k> {
       for (int p = 0; p < 4; ++p) f(4 * h + p, or_shifted(field(ql[p & 1], p >= 2 ? 4 : 0, 0x0f), qh, 4 - 2 * p, 0x30));
     }
   }
-  // Σ sc·(q − 32)·a = Σ sc·q·a − 32·Σ_i sc_i·bsum_i (i over the 16 scales, bsum over their 16 values):
-  // exact in int32 (|Σ sc·q·a| ≤ 256·128·63·127 < 2^29), one conversion, d·a_d.
-  static TANDEM_ALWAYS_INLINE FVec finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
-                                           FVec acc) {
-    const __m256i centre = _mm256_madd_epi16(S.all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
-    return fmadd_i32(_mm256_sub_epi32(sum, _mm256_slli_epi32(centre, 5)), load_half(b + kQ6kD) * ad, acc);
+#elif defined(TANDEM_QUANT_AVX512)
+  static TANDEM_ALWAYS_INLINE __m512i scale_pair(const Scales8& S, int p) { return pair_scales(S.all, kTwoScalePairs, p); }
+  // Per half h, ql's two 32-byte rows are one 64-byte load: its low nibbles are the pair (4h, 4h + 1),
+  // its high ones (4h + 2, 4h + 3); qh's row gives their top bits (bits 2p, 2p + 1 of sub-block 4h + p).
+  // q (0…63) as u8; the −32 comes back in finish8.
+  template <class F> static TANDEM_ALWAYS_INLINE void each_pair8(const uint8_t* b, F&& f) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(b + kQ6kQl + 64 * h);
+      const __m512i qh = both_halves(b + kQ6kQh + 32 * h);
+      for (int n = 0; n < 2; ++n) f(2 * h + n, or_high2(halves(ql, 4 * n, 4 * n, 0x0f), halves(qh, 4 * n, 4 * n + 2, 3)));
+    }
   }
 #endif
 };
@@ -213,15 +263,17 @@ TANDEM_ALWAYS_INLINE void ksuper_tile(const QuantMatmulProblem& P, const QuantAc
     for (int t = 0; t < NT; ++t) P.y[(t0 + t) * P.y_stride + r + i] = hsum(acc[i][t]) + f8_hsum(offset[i][t]);
 }
 
-#if defined(TANDEM_QUANT_AVX2)
-// ksuper_tile over the int8 form (AVX2): a super-block's weights stay u8 and meet the int8 activations
-// in vpmaddubsw, each sub-block's integer scale is applied by vpmaddwd, and the 8 sub-blocks add up
-// in int32; per (row, super-block, token) the weight-independent terms (mins, Q6_K's centring) come
-// from the activations' 16-value sums, and one or two conversions and FMAs turn the lot into floats.
-// Per sub-block and token that is a load, vpmaddubsw, vpmaddwd and an add, where the int16 form takes
-// two vpmaddwd, an add, a conversion and an FMA after widening the weights to words (which the int8
-// form skips altogether): on a CPU without AVX-512 these products are bound by instructions, not by
-// memory. The price is the activations' int8 rounding, max|x|/254 over each 256 values at most.
+#if defined(TANDEM_QUANT_INT8)
+// ksuper_tile over the int8 form (AVX2, AVX-512): a super-block's weights stay u8 and meet the int8
+// activations in vpmaddubsw, each sub-block's integer scale is applied by vpmaddwd, and the 8
+// sub-blocks add up in int32; per (row, super-block, token) the weight-independent terms (mins, Q6_K's
+// centring) come from the activations' 16-value sums, and one or two conversions and FMAs turn the lot
+// into floats. Per sub-block and token that is a load, vpmaddubsw, vpmaddwd and an add (AVX-512: the
+// same for two sub-blocks at once), where the int16 form takes a vpmaddwd, a conversion and an FMA
+// per sub-block after widening the weights to words. These products are bound by instructions, not
+// by memory: one AVX-512 core took 979 µs for a 768×2048 Q4_K expert matrix at 32 tokens in this form
+// against 1438 in the int16 one (2048×768 Q6_K: 1057 against 1974). The price is the activations'
+// int8 rounding, max|x|/254 over each 256 values at most.
 template <QType TY, int NT, int R>
 TANDEM_ALWAYS_INLINE void ksuper_tile_i8(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int64_t r) {
   using D = Decode<TY>;
@@ -232,9 +284,9 @@ TANDEM_ALWAYS_INLINE void ksuper_tile_i8(const QuantMatmulProblem& P, const Quan
   const float* ad = A.d8 + t0 * ns;
   const int16_t* bs = A.b8 + t0 * ns * kSums;
   const uint8_t* row = P.w + r * P.w_row_bytes;
-  FVec acc[R][NT];
+  F8 acc[R][NT];
   for (int i = 0; i < R; ++i)
-    for (int t = 0; t < NT; ++t) acc[i][t] = fzero();
+    for (int t = 0; t < NT; ++t) acc[i][t] = f8_set1(0.0f);
   for (int64_t sb = 0; sb < ns; ++sb) {
     for (int i = 0; i < R; ++i) {
       const uint8_t* blk = row + i * P.w_row_bytes + sb * bytes;
@@ -242,16 +294,27 @@ TANDEM_ALWAYS_INLINE void ksuper_tile_i8(const QuantMatmulProblem& P, const Quan
         _mm_prefetch(reinterpret_cast<const char*>(blk + R * P.w_row_bytes + at), _MM_HINT_T0);
       const typename D::Scales8 S = D::scales8(blk);
       I32x8 sum[NT];
+#if defined(TANDEM_QUANT_AVX512)
+      __m512i pairs[NT];  // two sub-blocks' lanes at a time, folded into 8 at the end
+      for (int t = 0; t < NT; ++t) pairs[t] = _mm512_setzero_si512();
+      D::each_pair8(blk, [&](int p, Pair q) {
+        const __m512i sc = D::scale_pair(S, p);
+        for (int t = 0; t < NT; ++t)
+          pairs[t] = _mm512_add_epi32(pairs[t], dot2_u8s8(q, a + t * P.k + sb * kQKBlock + 64 * p, sc));
+      });
+      for (int t = 0; t < NT; ++t) sum[t] = fold_i32(pairs[t]);
+#else
       for (int t = 0; t < NT; ++t) sum[t] = i32_zero();
       D::each_sub8(blk, [&](int j, Bytes q) {
         const __m256i sc = D::scale8(S, j);
         for (int t = 0; t < NT; ++t) sum[t] = i32_add(sum[t], dot_u8s8(q, a + t * P.k + sb * kQKBlock + 32 * j, sc));
       });
+#endif
       for (int t = 0; t < NT; ++t)
         acc[i][t] = D::finish8(blk, S, sum[t], bs + (t * ns + sb) * kSums, ad[t * ns + sb], acc[i][t]);
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int t = 0; t < NT; ++t) P.y[(t0 + t) * P.y_stride + r + i] = hsum(acc[i][t]);
+    for (int t = 0; t < NT; ++t) P.y[(t0 + t) * P.y_stride + r + i] = f8_hsum(acc[i][t]);
 }
 #endif

@@ -88,7 +88,7 @@ constexpr bool is_kquant(QType t) { return t == QType::q4_k || t == QType::q5_k 
 
 // The activations of one call quantised per block: q (n_tokens, k) int16 contiguous; d and s
 // (n_tokens, k/32): each block's scale and d·Σq (the offset term's factor).
-// The int8 form, which a table with quantize_acts8 (AVX2) reads for the K-quants instead: q8
+// The int8 form, which a table with quantize_acts8 (AVX2, AVX-512) reads for the K-quants instead: q8
 // (n_tokens, k) int8, d8 (n_tokens, k/256) one scale a super-block (max|x|/127), b8 (n_tokens, k/16)
 // Σq8 over each 16 values (the mins' and Q6_K's centring terms). Null where no product reads it.
 struct QuantActs {

@@ -11,8 +11,8 @@
 // question changed ("L'Étoile, la Marseillaise …" instead of "The capital of France is Paris."),
 // and vpmaddwd takes a block in one 512-bit instruction all the same. Each block's int32 sums become
 // float and are scaled by d·a_d into the token's float lanes (one convert, one FMA per block and
-// token). The exception: AVX2's K-quant products read the activations as int8, one scale per 256
-// values (quantize_acts8, kquant_kernels.h's ksuper_tile_i8 says why), as llama.cpp's do. Tokens run in groups (kGroup) over a chunk of rows, so a row's blocks are unpacked once per
+// token). The exception: AVX2's and AVX-512's K-quant products read the activations as int8, one scale
+// per 256 values (quantize_acts8, kquant_kernels.h's ksuper_tile_i8 says why), as llama.cpp's do. Tokens run in groups (kGroup) over a chunk of rows, so a row's blocks are unpacked once per
 // group and re-read from L1 by the next group.
 //
 // Every type is read through a decoder, Decode<TY>::at(block, j, s, c): sub-block j's 32 small integers q
@@ -53,8 +53,9 @@ void quantize_acts(const float* x, int64_t k, int16_t* q, float* d, float* s) {
   }
 }
 
-#if defined(TANDEM_QUANT_AVX2)
-// One token's activations → the int8 form the AVX2 K-quant products read (QuantActs' q8, d8, b8):
+#if defined(TANDEM_QUANT_AVX2) || defined(TANDEM_QUANT_AVX512)
+#define TANDEM_QUANT_INT8 1  // the K-quant products read int8 activations (kquant_kernels.h's ksuper_tile_i8)
+// One token's activations → the int8 form the K-quant products read (QuantActs' q8, d8, b8):
 // d = max|x|/127 per 256 values (0 for an all-zero one), q = x/d rounded to nearest even (vcvtps2dq
 // under the default rounding mode), and Σq over each 16 values.
 void quantize_acts8(const float* x, int64_t k, int8_t* q, float* d, int16_t* bsum) {
@@ -193,7 +194,7 @@ template <QType TY, int NT, int R>
 TANDEM_ALWAYS_INLINE void rows_tile(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int64_t r) {
   using D = Decode<TY>;
   if constexpr (D::kSub == kKSub) {
-#if defined(TANDEM_QUANT_AVX2)
+#if defined(TANDEM_QUANT_INT8)
     ksuper_tile_i8<TY, NT, R>(P, A, t0, r);  // the int8 form (kquant_kernels.h)
 #else
     ksuper_tile<TY, NT, R>(P, A, t0, r);

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.quant.matmul import INT8_KQUANT_ISAS
+
 TINY = dict(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=48, ctx=256)
 
 
@@ -107,13 +109,13 @@ def stepped_logits(engine, ids: list[int], prefill: int):
 
 # Logits of a model over GGUF blocks against the same file dequantised to float32, as a fraction of
 # max |logit|. The int16 form of the activations (per 32 values, at most 2^-16 of the block's largest
-# value) compounds to some 1e-4 over a tiny model's layers (observed 4e-5): held to 1e-3. AVX2's
-# K-quant products read them as int8 per 256 values (native/kquant_kernels.h: at most max|x_b|/254 a
+# value) compounds to some 1e-4 over a tiny model's layers (observed 4e-5): held to 1e-3. AVX2's and
+# AVX-512's K-quant products read them as int8 per 256 values (native/kquant_kernels.h: at most max|x_b|/254 a
 # value, llama.cpp's Q8_K), 2^8 times coarser and over 8 times as many values a scale: observed up to
 # 1.1e-2 of max |logit| on the tiny test models and 2.0e-2 on one random MoE layer: held to 4e-2.
 INT16_LOGIT_TOL, INT8_LOGIT_TOL = 1e-3, 4e-2
 # The native kernel tables whose K-quant products read the activations as int8 (quantize_acts8)
-INT8_ISAS = {"avx2"}
+INT8_ISAS = set(INT8_KQUANT_ISAS)
 
 
 def quant_logit_tolerance() -> float:

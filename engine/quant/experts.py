@@ -82,7 +82,7 @@ class QuantResidentExperts(ResidentExperts):
             addresses, types = table
             g = group.numpy()
             chosen, counts, rows, w = quant_moe.group_pairs(g, weights, heavy, len(pairs))
-            light = counts <= native_max_tokens(types, expert_tiles())  # the kernel leads at so few pairs
+            light = counts <= native_max_tokens(types)  # the kernel leads at so few pairs
             on = np.repeat(light, counts)  # (P,) the light experts' pairs
             prepared = quant_moe.prepare(x, np.concatenate([addresses[chosen[light]], counts[light, None]], axis=1),
                                          rows[on], np.ascontiguousarray(w[on]), types,

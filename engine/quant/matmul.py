@@ -33,11 +33,17 @@ from engine.quant.blocks import BLOCK, QTYPES, QuantRows, QuantTensor, dequantiz
 # 576×1536 Q4_K, Q6_K at 12 tokens 490, 490, 508 / 702, 752, 703; at 16 666, 685, 656 / 607, 627, 594;
 # Q4_1 there 486 / 705, 643 / 580).
 NATIVE_MAX_TOKENS = 16
-# Where the K-quants take int8 activations (AVX2: native/kquant_kernels.h) the integer kernel stays ahead
-# of fp32 tiles + GEMM much longer. One thread, 2-core Zen 3, µs, kernel / tiles + GEMM: 768×2048
-# Q4_K at 16 tokens 757 / 1837, 32: 1561 / 2557, 64: 2943 / 3849, 96: 4212 / 5642; 2048×768 Q6_K at
-# 32 1424 / 2343, 64: 2306 / 3398, 96: 4901 / 4459. A prefill's experts hold ~32 tokens each at 512.
+# Where the K-quants take int8 activations (native/kquant_kernels.h) the integer kernel stays ahead
+# of dequantised tiles + GEMM much longer. One thread, µs, kernel / tiles + GEMM:
+# - AVX2 (2-core Zen 3, fp32 tiles): 768×2048 Q4_K at 16 tokens 757 / 1837, 32: 1561 / 2557, 64:
+#   2943 / 3849, 96: 4212 / 5642; 2048×768 Q6_K at 32 1424 / 2343, 64: 2306 / 3398, 96: 4901 / 4459.
+# - AVX-512 (2-core Xeon with AVX-512 BF16, no AMX; routed experts' bf16 tiles), a Q4_K_M file's
+#   experts: 768×2048 Q4_K at 32 979 / 1739, 64: 1927 / 2857, 128: 4321 / 5436; 2048×768 Q6_K at 64
+#   1998 / 3094. Its dense Q4_K 4096×2048 against fp32 tiles: 32: 5929 / 7705, 128: 21789 / 17626.
+# A prefill's experts hold ~32 tokens each at 512. With AMX the tiles' GEMM runs on the matrix units
+# and nothing has measured the crossover there: such CPUs keep NATIVE_MAX_TOKENS.
 KQUANT_INT8_MAX_TOKENS = 64
+INT8_KQUANT_ISAS = frozenset({"avx2", "avx512"})  # the native tables whose K-quants read int8 (quantize_acts8)
 KQUANT_CODES = frozenset(t.code for t in QTYPES.values() if t.block_weights > BLOCK)  # super-blocks of 256
 # Rows per dequantised tile in the prefill path: 2048 rows of 576 fp32 are 4.7 MB, within L2+L3 of a
 # desktop CPU, so the GEMM reads the tile warm.
@@ -52,16 +58,19 @@ def implementation(n_tokens: int = 1) -> str:
     return f"native-{nat.quant_isa()}" if n_tokens <= NATIVE_MAX_TOKENS else "dequant-tiles"
 
 
-def native_max_tokens(codes, tiles: torch.dtype = torch.float32) -> int:
+def native_max_tokens(codes) -> int:
     """Most tokens a product over blocks of these type codes takes in the integer kernel before
-    dequantised `tiles` and a GEMM are faster. bf16 tiles (a CPU that multiplies bf16 in hardware)
-    were measured against the kernel at decode sizes only: NATIVE_MAX_TOKENS there."""
+    dequantised tiles and a GEMM are faster."""
     nat = _native()
     if nat is None:
         return 0
-    if tiles == torch.float32 and nat.quant_isa() == "avx2" and KQUANT_CODES.issuperset(codes):
+    if nat.quant_isa() in INT8_KQUANT_ISAS and KQUANT_CODES.issuperset(codes) and not _amx(nat):
         return KQUANT_INT8_MAX_TOKENS
     return NATIVE_MAX_TOKENS
+
+
+def _amx(nat) -> bool:
+    return "amx-bf16" in nat.supported_isas()
 
 
 def _native():
@@ -133,7 +142,7 @@ def quant_linear(x: torch.Tensor, w: QuantTensor | QuantRows, bias: torch.Tensor
                                f"{tuple(x.shape)} on {x.device}")
     n = x.numel() // cols
     nat = _native()
-    if nat is not None and (n <= NATIVE_MAX_TOKENS or n <= native_max_tokens([p.qtype.code for p in parts], tiles)):
+    if nat is not None and (n <= NATIVE_MAX_TOKENS or n <= native_max_tokens([p.qtype.code for p in parts])):
         # the decode step's call: a few µs of Python around the kernel matter at 100+ calls a token
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         y = torch.empty(*x.shape[:-1], n_rows)

@@ -23,7 +23,7 @@ import torch
 
 from engine.kernels import native
 from engine.quant.blocks import QuantRows, QuantTensor
-from engine.quant.matmul import expert_tiles, native_max_tokens
+from engine.quant.matmul import native_max_tokens
 
 
 def available() -> bool:
@@ -94,7 +94,7 @@ def prepare(x: torch.Tensor, table: np.ndarray, tokens: np.ndarray, weights: np.
     `native_max_tokens`, biases that are not fp32 rows on the host)."""
     if not available() or not len(table):
         return None
-    if int(table[:, 3].max()) > native_max_tokens(types, expert_tiles()):
+    if int(table[:, 3].max()) > native_max_tokens(types):
         return None  # an expert of more pairs than the kernel leads at
     if form is not None:
         biases = [form.gate_up_bias, form.down_bias]  # (E, 2I), (E, H)

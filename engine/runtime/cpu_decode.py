@@ -36,7 +36,7 @@ from engine.models.common import (
     SoftmaxTopK,
 )
 from engine.quant.experts import QuantResidentExperts
-from engine.quant.matmul import expert_tiles, native_max_tokens
+from engine.quant.matmul import native_max_tokens
 from engine.quant.modules import QuantLinear
 
 
@@ -98,7 +98,7 @@ def routed_experts(mlp: MoEFeedForward) -> dict | None:
                 renormalise=mlp.route.renormalises(bool(mlp.renormalise)),
                 group=ex.groups[layer].numpy().astype(np.int64), blocks=np.ascontiguousarray(blocks, dtype=np.int64),
                 gate_type=gate_type, up_type=up_type, down_type=down_type, inter=ex.gate_up[layer].shape[1] // 2,
-                max_tokens=native_max_tokens(types, expert_tiles()))  # the executor's own bound on its native set
+                max_tokens=native_max_tokens(types))  # the executor's own bound on its native set
 
 
 class CPUDecodeSteps:

@@ -21,7 +21,7 @@ from engine.kernels import experts_cpu
 from engine.quant import moe as quant_moe
 from engine.quant.blocks import QuantRows, QuantStack, QuantTensor
 from engine.quant.experts import QuantResidentExperts, swiglu_blocks
-from engine.quant.matmul import expert_tiles, native_max_tokens
+from engine.quant.matmul import native_max_tokens
 
 pytestmark = pytest.mark.skipif(not quant_moe.available(), reason="the native extension is not built")
 
@@ -132,7 +132,7 @@ def test_the_resident_executor_takes_it_for_experts_of_few_pairs(experts, monkey
     assert calls and float((got - loop(x, ids, w, gate_up, down)).abs().max()) <= 1e-5 * float(got.abs().max())
     # a prefill chunk: the experts of at most native_max_tokens pairs take it too, the others run the loop
     # (dequantised tiles); 400 tokens over 6 experts give each more pairs than any kernel's lead
-    limit = native_max_tokens(executor.tables[0][1], expert_tiles())
+    limit = native_max_tokens(executor.tables[0][1])
     for n, native in ((400, False), (limit + 1, True)):
         x, ids, w = routing(n, seed=4)
         counts = torch.bincount(ids.reshape(-1), minlength=E)
