@@ -19,11 +19,13 @@ TANDEM_ALWAYS_INLINE KScales8 kscales_int(const uint8_t* scales) {
   const __m128i both = kscale_bytes(scales);
   return {_mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(both)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(both, both))};
 }
-// acc + d·a_d·Σ sc_j·q·a − dmin·a_d·Σ_j m_j·Σa_j: the super-block's two integer sums, one FMA each.
-TANDEM_ALWAYS_INLINE F8 kfinish_min(float d, float dmin, const KScales8& S, I32x8 sum, const int16_t* bs, float ad,
-                                    F8 acc) {
+// acc + d·a_d·Σ sc_j·q·a and off − dmin·a_d·Σ_j m_j·Σa_j: the super-block's two integer sums, one FMA
+// each (sum: 8 lanes, or AVX-512's 16 of a pair, into an accumulator of as many).
+template <class Sum, class Acc>
+TANDEM_ALWAYS_INLINE void kfinish_min(float d, float dmin, const KScales8& S, Sum sum, const int16_t* bs, float ad,
+                                      Acc& acc, F8& off) {
   const I32x8 mins = _mm256_madd_epi16(S.mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
-  return fmadd_i32(mins, -(dmin * ad), fmadd_i32(sum, d * ad, acc));
+  acc = fmadd_i32(sum, d * ad, acc), off = fmadd_i32(mins, -(dmin * ad), off);
 }
 #endif
 
@@ -71,9 +73,10 @@ template <> struct Decode<QType::q4_k> {
 #if defined(TANDEM_QUANT_INT8)
   using Scales8 = KScales8;
   static TANDEM_ALWAYS_INLINE Scales8 scales8(const uint8_t* b) { return kscales_int(b + kQ4kScales); }
-  static TANDEM_ALWAYS_INLINE F8 finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
-                                         F8 acc) {
-    return kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc);
+  template <class Sum, class Acc>
+  static TANDEM_ALWAYS_INLINE void finish8(const uint8_t* b, const Scales8& S, Sum sum, const int16_t* bs, float ad,
+                                           Acc& acc, F8& off) {
+    kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc, off);
   }
 #endif
 #if defined(TANDEM_QUANT_AVX2)
@@ -121,9 +124,10 @@ template <> struct Decode<QType::q5_k> {
 #if defined(TANDEM_QUANT_INT8)
   using Scales8 = KScales8;
   static TANDEM_ALWAYS_INLINE Scales8 scales8(const uint8_t* b) { return kscales_int(b + kQ5kScales); }
-  static TANDEM_ALWAYS_INLINE F8 finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
-                                         F8 acc) {
-    return kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc);
+  template <class Sum, class Acc>
+  static TANDEM_ALWAYS_INLINE void finish8(const uint8_t* b, const Scales8& S, Sum sum, const int16_t* bs, float ad,
+                                           Acc& acc, F8& off) {
+    kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc, off);
   }
 #endif
 #if defined(TANDEM_QUANT_AVX2)
@@ -185,11 +189,14 @@ template <> struct Decode<QType::q6_k> {
     return {all, _mm256_permute2x128_si256(all, all, 0x00), _mm256_permute2x128_si256(all, all, 0x11)};
   }
   // Σ sc·(q − 32)·a = Σ sc·q·a − 32·Σ_i sc_i·bsum_i (i over the 16 scales, bsum over their 16 values):
-  // exact in int32 (|Σ sc·q·a| ≤ 256·128·63·127 < 2^29), one conversion, d·a_d.
-  static TANDEM_ALWAYS_INLINE F8 finish8(const uint8_t* b, const Scales8& S, I32x8 sum, const int16_t* bs, float ad,
-                                         F8 acc) {
+  // both sums exact in int32 (|Σ sc·q·a| ≤ 256·128·63·127 < 2^29) and in their float conversions
+  // (|Σ sc_i·bsum_i| ≤ 16·128·16·127 < 2^24), then one FMA each by d·a_d.
+  template <class Sum, class Acc>
+  static TANDEM_ALWAYS_INLINE void finish8(const uint8_t* b, const Scales8& S, Sum sum, const int16_t* bs, float ad,
+                                           Acc& acc, F8& off) {
     const __m256i centre = _mm256_madd_epi16(S.all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
-    return fmadd_i32(_mm256_sub_epi32(sum, _mm256_slli_epi32(centre, 5)), load_half(b + kQ6kD) * ad, acc);
+    const float f = load_half(b + kQ6kD) * ad;
+    acc = fmadd_i32(sum, f, acc), off = fmadd_i32(centre, -32.0f * f, off);
   }
 #endif
 #if defined(TANDEM_QUANT_AVX2)
@@ -284,26 +291,26 @@ TANDEM_ALWAYS_INLINE void ksuper_tile_i8(const QuantMatmulProblem& P, const Quan
   const float* ad = A.d8 + t0 * ns;
   const int16_t* bs = A.b8 + t0 * ns * kSums;
   const uint8_t* row = P.w + r * P.w_row_bytes;
-  F8 acc[R][NT];
+  FVec acc[R][NT];  // the weights' term (AVX-512: 16 lanes, a pair's sums unfolded)
+  F8 off[R][NT];    // the mins' or the centring's term
   for (int i = 0; i < R; ++i)
-    for (int t = 0; t < NT; ++t) acc[i][t] = f8_set1(0.0f);
+    for (int t = 0; t < NT; ++t) acc[i][t] = fzero(), off[i][t] = f8_set1(0.0f);
   for (int64_t sb = 0; sb < ns; ++sb) {
     for (int i = 0; i < R; ++i) {
       const uint8_t* blk = row + i * P.w_row_bytes + sb * bytes;
       for (int64_t at = 0; at < bytes; at += 64)  // the next tile's rows, as ksuper_tile
         _mm_prefetch(reinterpret_cast<const char*>(blk + R * P.w_row_bytes + at), _MM_HINT_T0);
       const typename D::Scales8 S = D::scales8(blk);
-      I32x8 sum[NT];
 #if defined(TANDEM_QUANT_AVX512)
-      __m512i pairs[NT];  // two sub-blocks' lanes at a time, folded into 8 at the end
-      for (int t = 0; t < NT; ++t) pairs[t] = _mm512_setzero_si512();
+      __m512i sum[NT];  // two sub-blocks' lanes at a time
+      for (int t = 0; t < NT; ++t) sum[t] = _mm512_setzero_si512();
       D::each_pair8(blk, [&](int p, Pair q) {
         const __m512i sc = D::scale_pair(S, p);
         for (int t = 0; t < NT; ++t)
-          pairs[t] = _mm512_add_epi32(pairs[t], dot2_u8s8(q, a + t * P.k + sb * kQKBlock + 64 * p, sc));
+          sum[t] = _mm512_add_epi32(sum[t], dot2_u8s8(q, a + t * P.k + sb * kQKBlock + 64 * p, sc));
       });
-      for (int t = 0; t < NT; ++t) sum[t] = fold_i32(pairs[t]);
 #else
+      I32x8 sum[NT];
       for (int t = 0; t < NT; ++t) sum[t] = i32_zero();
       D::each_sub8(blk, [&](int j, Bytes q) {
         const __m256i sc = D::scale8(S, j);
@@ -311,10 +318,10 @@ TANDEM_ALWAYS_INLINE void ksuper_tile_i8(const QuantMatmulProblem& P, const Quan
       });
 #endif
       for (int t = 0; t < NT; ++t)
-        acc[i][t] = D::finish8(blk, S, sum[t], bs + (t * ns + sb) * kSums, ad[t * ns + sb], acc[i][t]);
+        D::finish8(blk, S, sum[t], bs + (t * ns + sb) * kSums, ad[t * ns + sb], acc[i][t], off[i][t]);
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int t = 0; t < NT; ++t) P.y[(t0 + t) * P.y_stride + r + i] = f8_hsum(acc[i][t]);
+    for (int t = 0; t < NT; ++t) P.y[(t0 + t) * P.y_stride + r + i] = hsum(acc[i][t]) + f8_hsum(off[i][t]);
 }
 #endif

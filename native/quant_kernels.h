@@ -243,6 +243,16 @@ void rows_group_n(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, i
   for (; r < r1; ++r) rows_tile<TY, NT, 1>(P, A, t0, r);
 }
 
+// Tokens a group: kGroup, or 8 for AVX-512's int8 K-quant tiles, whose per-(row, super-block) work
+// (scales, the weights' unpacking, the prefetches) is then shared by twice the tokens; their 8 sums,
+// 8 + 8 accumulators and the pair's weights and scales fit the 32 vector registers.
+template <QType TY> constexpr int group_of() {
+#if defined(TANDEM_QUANT_AVX512)
+  if constexpr (Decode<TY>::kSub == kKSub) return 8;
+#endif
+  return kGroup;
+}
+
 template <QType TY>
 void rows_group(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int nt, int64_t r0, int64_t r1) {
   switch (nt) {
@@ -250,7 +260,16 @@ void rows_group(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int
     case 2: return rows_group_n<TY, 2>(P, A, t0, r0, r1);
     case 3: return rows_group_n<TY, 3>(P, A, t0, r0, r1);
     case 4: return rows_group_n<TY, 4>(P, A, t0, r0, r1);
-    default: return;
+    default: break;
+  }
+  if constexpr (group_of<TY>() == 8) {
+    switch (nt) {
+      case 5: return rows_group_n<TY, 5>(P, A, t0, r0, r1);
+      case 6: return rows_group_n<TY, 6>(P, A, t0, r0, r1);
+      case 7: return rows_group_n<TY, 7>(P, A, t0, r0, r1);
+      case 8: return rows_group_n<TY, 8>(P, A, t0, r0, r1);
+      default: return;
+    }
   }
 }
 
@@ -262,8 +281,8 @@ template <QType TY>
 void matmul_rows_t(const QuantMatmulProblem& P, const QuantActs& A, int64_t r0, int64_t r1) {
   for (int64_t c0 = r0; c0 < r1; c0 += kRowChunk) {
     const int64_t c1 = std::min(r1, c0 + kRowChunk);
-    for (int64_t t0 = 0; t0 < P.n_tokens; t0 += kGroup)
-      rows_group<TY>(P, A, t0, int(std::min<int64_t>(kGroup, P.n_tokens - t0)), c0, c1);
+    for (int64_t t0 = 0; t0 < P.n_tokens; t0 += group_of<TY>())
+      rows_group<TY>(P, A, t0, int(std::min<int64_t>(group_of<TY>(), P.n_tokens - t0)), c0, c1);
   }
 }
 

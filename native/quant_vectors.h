@@ -8,7 +8,7 @@
 //   Sc16   Q6_K's 16 int8 scales of a super-block, held for picking each sub-block's pair
 //   I32x8  8 int32 lanes of a K-quant super-block's integer dot over int8 activations (AVX2, AVX-512):
 //          dot_u8s8 (vpmaddubsw, then vpmaddwd by the sub-block's scale words), pick_words, or_shifted
-//   Pair   (AVX-512) two sub-blocks' 64 u8 weights, one per 256-bit half: dot2_u8s8, halves, fold_i32
+//   Pair   (AVX-512) two sub-blocks' 64 u8 weights, one per 256-bit half: dot2_u8s8, halves
 //
 // A type's decoder (quant_kernels.h, kquant_kernels.h) is written once in these operations; only this
 // file differs between AVX-512, AVX2 and the scalar loops.
@@ -351,8 +351,9 @@ TANDEM_ALWAYS_INLINE __m512i dot2_u8s8(Pair q, const int8_t* a, __m512i scale) {
 TANDEM_ALWAYS_INLINE __m512i pick_words2(__m256i words, __m512i index) {
   return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(words));
 }
-TANDEM_ALWAYS_INLINE I32x8 fold_i32(__m512i v) {
-  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+// acc + float(lanes)·f over a pair's 16 lanes
+TANDEM_ALWAYS_INLINE FVec fmadd_i32(__m512i lanes, float f, FVec acc) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_set1_ps(f), acc);
 }
 
 #else  // AVX2: a block as two halves of 16 int16
