@@ -1,4 +1,5 @@
-"""Integer kernel vs bf16 tiles + GEMM at prefill token counts, real expert blocks from the file, 1 thread."""
+"""Integer kernel vs bf16 tiles + GEMM at prefill token counts, real expert blocks from the file, 1 thread.
+    taskset -c 1 python3 crossover.py FILE.gguf [8,16,32,...]"""
 import time, sys, torch
 import gguf
 from engine.quant import matmul as qm
@@ -21,5 +22,8 @@ for label, w in mats.items():
     for n in [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "8,16,24,32,48,64").split(",")]:
         x = torch.randn(n, w.shape[1])
         qm.NATIVE_MAX_TOKENS = 10000; a = best(lambda: qm.quant_linear(x, w, tiles=torch.bfloat16))
-        qm.NATIVE_MAX_TOKENS = 0; b = best(lambda: qm.quant_linear(x, w, tiles=torch.bfloat16))
+        qm.NATIVE_MAX_TOKENS, limit = 0, qm.native_max_tokens
+        qm.native_max_tokens = lambda codes: 0  # every count to the tiles
+        b = best(lambda: qm.quant_linear(x, w, tiles=torch.bfloat16))
+        qm.native_max_tokens = limit
         print(f"{label} n={n:3d} kernel {a:8.0f} us  tiles {b:8.0f} us  ratio {a/b:.2f}", flush=True)
