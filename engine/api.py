@@ -57,8 +57,9 @@ def choose_backend(config: EngineConfig) -> str:
       on Tandem where its quantised kernels have AVX2 or AVX-512. A Q4_K_M Qwen3-30B-A3B cut to 8
       layers decoded at 56.3 tok/s against llama.cpp's 50.7 with AVX2 on two threads (Zen 3, the
       router inside the native layer step: benchmarks/dev-2core-avx2/ab-cpu-moe-q4km-L8-3f1d7ab.json;
-      56.1 against 41.3, prefill 115 against 87.4, in ab-cpu-moe-q4km-L8-19e31a4.json) and at 38.7
-      against 31.8 with AVX-512 (Zen 4, benchmarks/suite/cpu-moe-q4km-L8.json). A CPU
+      56.1 against 41.3, prefill 115 against 87.4, in ab-cpu-moe-q4km-L8-19e31a4.json) and at 64.1
+      against 41.3 with AVX-512 (a Xeon, prefill 187 against 157: benchmarks/dev-2core/
+      2026-12-07-avx512-int8-kquants/ab-cpu-moe-q4km-L8-91f7cb2.json). A CPU
       without AVX2 runs the portable kernels, which nothing has measured beside llama.cpp: those
       files go to llama.cpp.
     - Dense files go to llama.cpp, which runs every dense architecture (Tandem the few its families
