@@ -46,7 +46,27 @@ TANDEM_ALWAYS_INLINE __m512i pair_scales(__m256i words, const PairIndex& index, 
 }
 #endif
 
-template <> struct Decode<QType::q4_k> {
+// What Q4_K's and Q5_K's int8 forms share: their scales and mins (both at byte kQ4kScales ==
+// kQ5kScales), how a sub-block or pair picks its scale, and the finish with the mins' term.
+struct KMinsInt8 {
+#if defined(TANDEM_QUANT_INT8)
+  static_assert(kQ4kScales == kQ5kScales);
+  using Scales8 = KScales8;
+  static TANDEM_ALWAYS_INLINE Scales8 scales8(const uint8_t* b) { return kscales_int(b + kQ4kScales); }
+  template <class Sum, class Acc>
+  static TANDEM_ALWAYS_INLINE void finish8(const uint8_t* b, const Scales8& S, Sum sum, const int16_t* bs, float ad,
+                                           Acc& acc, F8& off) {
+    kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc, off);
+  }
+#endif
+#if defined(TANDEM_QUANT_AVX2)
+  static TANDEM_ALWAYS_INLINE __m256i scale8(const Scales8& S, int j) { return pick_words(S.sc, j, j); }
+#elif defined(TANDEM_QUANT_AVX512)
+  static TANDEM_ALWAYS_INLINE __m512i scale_pair(const Scales8& S, int p) { return pair_scales(S.sc, kOneScalePairs, p); }
+#endif
+};
+
+template <> struct Decode<QType::q4_k> : KMinsInt8 {
   static constexpr int kSub = kKSub;
   static constexpr bool kOffset = true;
   static TANDEM_ALWAYS_INLINE WVec at(const uint8_t* b, int j, float& s, float& c) {
@@ -70,17 +90,7 @@ template <> struct Decode<QType::q4_k> {
       f(2 * p + 1, hi);
     }
   }
-#if defined(TANDEM_QUANT_INT8)
-  using Scales8 = KScales8;
-  static TANDEM_ALWAYS_INLINE Scales8 scales8(const uint8_t* b) { return kscales_int(b + kQ4kScales); }
-  template <class Sum, class Acc>
-  static TANDEM_ALWAYS_INLINE void finish8(const uint8_t* b, const Scales8& S, Sum sum, const int16_t* bs, float ad,
-                                           Acc& acc, F8& off) {
-    kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc, off);
-  }
-#endif
 #if defined(TANDEM_QUANT_AVX2)
-  static TANDEM_ALWAYS_INLINE __m256i scale8(const Scales8& S, int j) { return pick_words(S.sc, j, j); }
   template <class F> static TANDEM_ALWAYS_INLINE void each_sub8(const uint8_t* b, F&& f) {
     for (int p = 0; p < 4; ++p) {
       const Bytes raw = load_bytes(b + kQ4kQs + 32 * p);
@@ -89,7 +99,6 @@ template <> struct Decode<QType::q4_k> {
     }
   }
 #elif defined(TANDEM_QUANT_AVX512)
-  static TANDEM_ALWAYS_INLINE __m512i scale_pair(const Scales8& S, int p) { return pair_scales(S.sc, kOneScalePairs, p); }
   // Pair p (sub-blocks 2p, 2p + 1) is one 32-byte row: its low nibbles, then its high ones.
   template <class F> static TANDEM_ALWAYS_INLINE void each_pair8(const uint8_t* b, F&& f) {
     for (int p = 0; p < 4; ++p) f(p, halves(both_halves(b + kQ4kQs + 32 * p), 0, 4, 0x0f));
@@ -97,7 +106,7 @@ template <> struct Decode<QType::q4_k> {
 #endif
 };
 
-template <> struct Decode<QType::q5_k> {
+template <> struct Decode<QType::q5_k> : KMinsInt8 {
   static constexpr int kSub = kKSub;
   static constexpr bool kOffset = true;
   static TANDEM_ALWAYS_INLINE WVec at(const uint8_t* b, int j, float& s, float& c) {
@@ -121,17 +130,7 @@ template <> struct Decode<QType::q5_k> {
       f(2 * p + 1, or_masked(hi, shift16(qh, 3 - 2 * p), 0x10));
     }
   }
-#if defined(TANDEM_QUANT_INT8)
-  using Scales8 = KScales8;
-  static TANDEM_ALWAYS_INLINE Scales8 scales8(const uint8_t* b) { return kscales_int(b + kQ5kScales); }
-  template <class Sum, class Acc>
-  static TANDEM_ALWAYS_INLINE void finish8(const uint8_t* b, const Scales8& S, Sum sum, const int16_t* bs, float ad,
-                                           Acc& acc, F8& off) {
-    kfinish_min(load_half(b), load_half(b + 2), S, sum, bs, ad, acc, off);
-  }
-#endif
 #if defined(TANDEM_QUANT_AVX2)
-  static TANDEM_ALWAYS_INLINE __m256i scale8(const Scales8& S, int j) { return pick_words(S.sc, j, j); }
   template <class F> static TANDEM_ALWAYS_INLINE void each_sub8(const uint8_t* b, F&& f) {
     const Bytes qh = load_bytes(b + kQ5kQh);  // bit j: sub-block j's fifth bit, moved to bit 4
     for (int p = 0; p < 4; ++p) {
@@ -141,7 +140,6 @@ template <> struct Decode<QType::q5_k> {
     }
   }
 #elif defined(TANDEM_QUANT_AVX512)
-  static TANDEM_ALWAYS_INLINE __m512i scale_pair(const Scales8& S, int p) { return pair_scales(S.sc, kOneScalePairs, p); }
   // As Q4_K's pairs, with bit 2p (low half) or 2p + 1 (high half) of qh as the fifth bit.
   template <class F> static TANDEM_ALWAYS_INLINE void each_pair8(const uint8_t* b, F&& f) {
     const __m512i qh = both_halves(b + kQ5kQh);
