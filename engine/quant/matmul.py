@@ -19,6 +19,8 @@ native kernels are missing).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.errors import KernelInputError
@@ -106,17 +108,37 @@ def dequantize_rows(w: QuantTensor, rows: torch.Tensor | None = None, row_range:
 
 def expert_tiles() -> torch.dtype:
     """What routed experts' prefill tiles are dequantised to and multiplied in: bf16 where the CPU
-    multiplies bf16 in hardware (AMX or AVX-512 BF16), else fp32: the tile is half the bytes to write
-    and torch's bf16 GEMM runs on the matrix units. The suite's cpu-moe-q4km-L8 prefill went from 158
-    to 195 tok/s with it (benchmarks/suite/cpu-moe-q4km-L8.json; 158 in its record at c42184b). The
-    activations and products then round to bf16, as a GPU's BF16 experts do; dense layers keep fp32
-    tiles (the built-in model's prefill stays its float32 reference's)."""
+    multiplies bf16 in hardware (AMX or AVX-512 BF16) and torch's GEMM over an expert's tile is faster
+    in bf16 than in fp32 there (timed once a process, `_bf16_gemm_faster`), else fp32. The bf16 tile is
+    half the bytes to write, and the activations and products then round to bf16, as a GPU's BF16
+    experts do; dense layers keep fp32 tiles (the built-in model's prefill stays its float32
+    reference's). Neither dtype wins everywhere: on a Zen 4 the suite's cpu-moe-q4km-L8 prefill went
+    from 158 to 195 tok/s with bf16 tiles (benchmarks/suite/cpu-moe-q4km-L8.json), while on a Xeon with
+    AVX-512 BF16 and no AMX an expert's 768×2048 matrix at 128 tokens took 5155 µs in bf16 against 3242
+    in fp32, dequantisation included (benchmarks/dev-2core/2026-12-07-avx512-int8-kquants/)."""
     global _EXPERT_TILES
     if _EXPERT_TILES is None:
         nat = native.module()  # the CPU's instruction sets as the extension found them, kernels hidden or not
-        fast = nat is not None and bool({"amx-bf16", "avx512bf16"} & set(nat.supported_isas()))
-        _EXPERT_TILES = torch.bfloat16 if fast else torch.float32
+        hardware = nat is not None and bool({"amx-bf16", "avx512bf16"} & set(nat.supported_isas()))
+        _EXPERT_TILES = torch.bfloat16 if hardware and _bf16_gemm_faster() else torch.float32
     return _EXPERT_TILES
+
+
+def _bf16_gemm_faster(tokens: int = 64, rows: int = 768, cols: int = 2048, repeats: int = 5) -> bool:
+    """Whether torch multiplies a prefill tile of an expert's shape (Qwen3-30B-A3B's gate, 64 tokens)
+    faster in bf16 than in fp32 on this CPU and its threads: the best of `repeats` each (~10 ms)."""
+    def best(dtype: torch.dtype) -> float:
+        x, w = torch.randn(tokens, cols).to(dtype), torch.randn(rows, cols).to(dtype)
+        x @ w.t()  # the first call sets up torch's kernels
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x @ w.t()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    with torch.inference_mode():
+        return best(torch.bfloat16) < best(torch.float32)
 
 
 _EXPERT_TILES: torch.dtype | None = None

@@ -6,6 +6,8 @@ fp32 rounding of the sums (1e-5 relative to Σ|w||x|), is what every element is 
 themselves are exact: the kernels' dequantisation equals gguf's bit for bit.
 """
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -156,11 +158,17 @@ def test_tiles_of_many_tokens_in_either_dtype(tiles):
         assert float(err.max()) <= 3 * 2**-9 and float(err.max()) > 1e-6  # bf16, and not fp32 in disguise
 
 
-def test_routed_experts_take_bf16_tiles_where_the_cpu_multiplies_bf16(monkeypatch):
+@pytest.mark.parametrize("bf16_faster", [True, False])
+def test_routed_experts_take_bf16_tiles_where_the_cpu_multiplies_bf16_faster(bf16_faster, monkeypatch):
     from engine.quant import experts as qe
 
     bf16_isa = NAT is not None and bool({"amx-bf16", "avx512bf16"} & set(NAT.supported_isas()))
-    assert qm.expert_tiles() == (torch.bfloat16 if bf16_isa else torch.float32)
+    timed = []
+    monkeypatch.setattr(qm, "_EXPERT_TILES", None)
+    monkeypatch.setattr(qm, "_bf16_gemm_faster", lambda: timed.append(1) or bf16_faster)
+    assert qm.expert_tiles() == (torch.bfloat16 if bf16_isa and bf16_faster else torch.float32)
+    assert qm.expert_tiles() == qm.expert_tiles() and len(timed) <= 1  # timed once a process, never without bf16
+    assert bool(timed) == bf16_isa
     seen = []
     real = qm.quant_linear
     monkeypatch.setattr(qe, "quant_linear", lambda *a, **kw: seen.append(kw.get("tiles", a[3:4])) or real(*a, **kw))
@@ -168,6 +176,12 @@ def test_routed_experts_take_bf16_tiles_where_the_cpu_multiplies_bf16(monkeypatc
     down, _ = _blocks(96, 32, T.Q8_0)
     qe.swiglu_blocks(torch.randn(20, 96), gate_up, down)
     assert seen == [qm.expert_tiles()] * 2
+
+
+def test_the_bf16_timing_answers_in_milliseconds():
+    start = time.perf_counter()
+    assert qm._bf16_gemm_faster(tokens=8, rows=64, cols=256, repeats=2) in (True, False)
+    assert time.perf_counter() - start < 5.0
 
 
 INTERLEAVED = NAT is not None and "avx512" in ISAS
