@@ -44,6 +44,7 @@ native = Pybind11Extension(
                                          "isa_avx512.cpp", "isa_avx512bf16.cpp", "isa_amx.cpp",
                                          "moe_dispatch.cpp", "quant_dispatch.cpp",
                                          "isa_quant_scalar.cpp", "isa_quant_avx2.cpp", "isa_quant_avx512.cpp",
+                                         "isa_quant_avx512vnni.cpp",
                                          "mla_dispatch.cpp", "isa_mla_scalar.cpp", "isa_mla_avx2.cpp",
                                          "isa_mla_avx512.cpp")),
     include_dirs=["native"],

@@ -305,7 +305,7 @@ TANDEM_ALWAYS_INLINE void ksuper_tile_i8(const QuantMatmulProblem& P, const Quan
       D::each_pair8(blk, [&](int p, Pair q) {
         const __m512i sc = D::scale_pair(S, p);
         for (int t = 0; t < NT; ++t)
-          sum[t] = _mm512_add_epi32(sum[t], dot2_u8s8(q, a + t * P.k + sb * kQKBlock + 64 * p, sc));
+          sum[t] = dot2_u8s8_add(sum[t], q, a + t * P.k + sb * kQKBlock + 64 * p, sc);
       });
 #else
       I32x8 sum[NT];

@@ -138,6 +138,7 @@ extern const QuantKernelTable kQuantTableScalar;
 #if defined(TANDEM_X86_KERNELS)
 extern const QuantKernelTable kQuantTableAvx2;
 extern const QuantKernelTable kQuantTableAvx512;
+extern const QuantKernelTable kQuantTableAvx512Vnni;
 #endif
 
 // A parallel region's rows handed out in chunks from one shared counter: a thread that is free takes

@@ -25,9 +25,10 @@ bool quant_cpu_supports(const QuantKernelTable* t) {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (t == &kQuantTableAvx2) return avx2;
-  if (t == &kQuantTableAvx512)
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (t == &kQuantTableAvx512) return avx512;
+  if (t == &kQuantTableAvx512Vnni) return avx512 && __builtin_cpu_supports("avx512vnni");
 #endif
   return false;
 }
@@ -35,7 +36,7 @@ bool quant_cpu_supports(const QuantKernelTable* t) {
 // Best first.
 const QuantKernelTable* const kAllQuantTables[] = {
 #if defined(TANDEM_X86_KERNELS)
-    &kQuantTableAvx512, &kQuantTableAvx2,
+    &kQuantTableAvx512Vnni, &kQuantTableAvx512, &kQuantTableAvx2,
 #endif
     &kQuantTableScalar,
 };
@@ -47,8 +48,8 @@ const QuantKernelTable* find_quant_table(const char* name) {
 }
 
 const QuantKernelTable* best_quant_table() {
-  // TANDEM_NATIVE_ISA pins the other kernels' ISA; where it names one of these tables (avx512, avx2,
-  // scalar) it pins these too, so a forced-scalar run is scalar throughout.
+  // TANDEM_NATIVE_ISA pins the other kernels' ISA; where it names one of these tables (avx512vnni,
+  // avx512, avx2, scalar) it pins these too, so a forced-scalar run is scalar throughout.
   if (const char* forced = std::getenv("TANDEM_NATIVE_ISA")) {
     const QuantKernelTable* t = find_quant_table(forced);
     if (t && quant_cpu_supports(t)) return t;

@@ -1,7 +1,8 @@
 // The quantised matrix-vector kernels, included by each isa_quant_*.cpp inside its target pragma and
 // an anonymous namespace (as the other ISA kernels are). The including file defines one of
 //   TANDEM_QUANT_AVX512  a block as one 512-bit vector of 32 int16 weights: vpmaddwd with the
-//                        activation block, 16 int32 partial sums
+//                        activation block, 16 int32 partial sums (and TANDEM_QUANT_VNNI where the
+//                        int32 sums add up in vpdpwssd)
 //   TANDEM_QUANT_AVX2    the same as two 256-bit halves
 //   TANDEM_QUANT_SCALAR  plain loops
 // Activations are quantised per 32-block to int16 (scale a_d = max|x|/32767) and weights widened to
@@ -343,8 +344,8 @@ void interleaved_rows(const QuantMatmulProblem& P, const QuantActs& A, int64_t g
       for (int j = 0; j < 16; j += 2) {
         int32_t a0, a1;  // the activations' pairs j and j + 1, each as one dword
         std::memcpy(&a0, a + 2 * j, 4), std::memcpy(&a1, a + 2 * j + 2, 4);
-        s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(pair(pairs + 16 * j), _mm512_set1_epi32(a0)));
-        s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(pair(pairs + 16 * j + 16), _mm512_set1_epi32(a1)));
+        s0 = madd_add(s0, pair(pairs + 16 * j), _mm512_set1_epi32(a0));
+        s1 = madd_add(s1, pair(pairs + 16 * j + 16), _mm512_set1_epi32(a1));
       }
       const __m512 f = _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * b), _mm512_set1_ps(A.d[b]));
       acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), f, acc);

@@ -8,7 +8,7 @@
 //   Sc16   Q6_K's 16 int8 scales of a super-block, held for picking each sub-block's pair
 //   I32x8  8 int32 lanes of a K-quant super-block's integer dot over int8 activations (AVX2, AVX-512):
 //          dot_u8s8 (vpmaddubsw, then vpmaddwd by the sub-block's scale words), pick_words, or_shifted
-//   Pair   (AVX-512) two sub-blocks' 64 u8 weights, one per 256-bit half: dot2_u8s8, halves
+//   Pair   (AVX-512) two sub-blocks' 64 u8 weights, one per 256-bit half: dot2_u8s8_add, halves
 //
 // A type's decoder (quant_kernels.h, kquant_kernels.h) is written once in these operations; only this
 // file differs between AVX-512, AVX2 and the scalar loops.
@@ -343,9 +343,18 @@ TANDEM_ALWAYS_INLINE Pair halves(__m512i v, int lo, int hi, uint8_t mask) {
 }
 // a | b << 4 in every byte (b's values below 16 >> … : a fifth or sixth bit above a nibble).
 TANDEM_ALWAYS_INLINE Pair or_high2(Pair a, __m512i b) { return _mm512_or_si512(a, _mm512_slli_epi64(b, 4)); }
-// As dot_u8s8, over both halves at once: 16 int32 lanes, the low 8 sub-block 2p's, the high 8 2p + 1's.
-TANDEM_ALWAYS_INLINE __m512i dot2_u8s8(Pair q, const int8_t* a, __m512i scale) {
-  return _mm512_madd_epi16(_mm512_maddubs_epi16(q, _mm512_loadu_si512(a)), scale);
+// acc + each pair of words of a times the same pair of b, summed into 16 int32 lanes: vpmaddwd and an
+// add, or one vpdpwssd with VNNI.
+TANDEM_ALWAYS_INLINE __m512i madd_add(__m512i acc, __m512i a, __m512i b) {
+#if defined(TANDEM_QUANT_VNNI)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+// acc + dot_u8s8 over both halves at once: 16 int32 lanes, the low 8 sub-block 2p's, the high 8 2p + 1's.
+TANDEM_ALWAYS_INLINE __m512i dot2_u8s8_add(__m512i acc, Pair q, const int8_t* a, __m512i scale) {
+  return madd_add(acc, _mm512_maddubs_epi16(q, _mm512_loadu_si512(a)), scale);
 }
 // Words picked from the 16 in `words` by a 32-word index: a pair's scale words, one per maddubs word.
 TANDEM_ALWAYS_INLINE __m512i pick_words2(__m256i words, __m512i index) {

@@ -45,7 +45,7 @@ NATIVE_MAX_TOKENS = 16
 # A prefill's experts hold ~32 tokens each at 512. With AMX the tiles' GEMM runs on the matrix units
 # and nothing has measured the crossover there: such CPUs keep NATIVE_MAX_TOKENS.
 KQUANT_INT8_MAX_TOKENS = 64
-INT8_KQUANT_ISAS = frozenset({"avx2", "avx512"})  # the native tables whose K-quants read int8 (quantize_acts8)
+INT8_KQUANT_ISAS = frozenset({"avx2", "avx512", "avx512vnni"})  # the native tables whose K-quants read int8
 KQUANT_CODES = frozenset(t.code for t in QTYPES.values() if t.block_weights > BLOCK)  # super-blocks of 256
 # Rows per dequantised tile in the prefill path: 2048 rows of 576 fp32 are 4.7 MB, within L2+L3 of a
 # desktop CPU, so the GEMM reads the tile warm.

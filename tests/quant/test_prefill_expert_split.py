@@ -19,7 +19,7 @@ NAT = native.module()
 pytestmark = pytest.mark.skipif(NAT is None or not hasattr(NAT, "quant_moe"), reason="no native extension")
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "scalar"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512vnni", "scalar"])
 def test_the_kernel_leads_longer_where_k_quants_read_int8(isa):
     if isa not in NAT.supported_quant_isas():
         pytest.skip(f"this CPU has no {isa}")
