@@ -62,7 +62,9 @@ struct KMinsInt8 {
 #if defined(TANDEM_QUANT_AVX2)
   static TANDEM_ALWAYS_INLINE __m256i scale8(const Scales8& S, int j) { return pick_words(S.sc, j, j); }
 #elif defined(TANDEM_QUANT_AVX512)
-  static TANDEM_ALWAYS_INLINE __m512i scale_pair(const Scales8& S, int p) { return pair_scales(S.sc, kOneScalePairs, p); }
+  static TANDEM_ALWAYS_INLINE __m512i scale_pair(const Scales8& S, int p) {
+    return pair_scales(S.sc, kOneScalePairs, p);
+  }
 #endif
 };
 
@@ -210,7 +212,9 @@ template <> struct Decode<QType::q6_k> {
     }
   }
 #elif defined(TANDEM_QUANT_AVX512)
-  static TANDEM_ALWAYS_INLINE __m512i scale_pair(const Scales8& S, int p) { return pair_scales(S.all, kTwoScalePairs, p); }
+  static TANDEM_ALWAYS_INLINE __m512i scale_pair(const Scales8& S, int p) {
+    return pair_scales(S.all, kTwoScalePairs, p);
+  }
   // Per half h, ql's two 32-byte rows are one 64-byte load: its low nibbles are the pair (4h, 4h + 1),
   // its high ones (4h + 2, 4h + 3); qh's row gives their top bits (bits 2p, 2p + 1 of sub-block 4h + p).
   // q (0…63) as u8; the −32 comes back in finish8.
@@ -218,7 +222,8 @@ template <> struct Decode<QType::q6_k> {
     for (int h = 0; h < 2; ++h) {
       const __m512i ql = _mm512_loadu_si512(b + kQ6kQl + 64 * h);
       const __m512i qh = both_halves(b + kQ6kQh + 32 * h);
-      for (int n = 0; n < 2; ++n) f(2 * h + n, or_high2(halves(ql, 4 * n, 4 * n, 0x0f), halves(qh, 4 * n, 4 * n + 2, 3)));
+      for (int n = 0; n < 2; ++n)
+        f(2 * h + n, or_high2(halves(ql, 4 * n, 4 * n, 0x0f), halves(qh, 4 * n, 4 * n + 2, 3)));
     }
   }
 #endif
@@ -276,9 +281,9 @@ TANDEM_ALWAYS_INLINE void ksuper_tile(const QuantMatmulProblem& P, const QuantAc
 // into floats. Per sub-block and token that is a load, vpmaddubsw, vpmaddwd and an add (AVX-512: the
 // same for two sub-blocks at once), where the int16 form takes a vpmaddwd, a conversion and an FMA
 // per sub-block after widening the weights to words. These products are bound by instructions, not
-// by memory: one AVX-512 core took 979 µs for a 768×2048 Q4_K expert matrix at 32 tokens in this form
-// against 1438 in the int16 one (2048×768 Q6_K: 1057 against 1974). The price is the activations'
-// int8 rounding, max|x|/254 over each 256 values at most.
+// by memory: on one AVX-512 core a 768×2048 Q4_K expert matrix at 32 tokens took 954 µs in this form
+// (841 with VNNI's vpdpwssd) where the int16 form had taken 1438. The price is the activations' int8
+// rounding, max|x|/254 over each 256 values at most.
 template <QType TY, int NT, int R>
 TANDEM_ALWAYS_INLINE void ksuper_tile_i8(const QuantMatmulProblem& P, const QuantActs& A, int64_t t0, int64_t r) {
   using D = Decode<TY>;

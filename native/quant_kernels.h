@@ -13,8 +13,9 @@
 // and vpmaddwd takes a block in one 512-bit instruction all the same. Each block's int32 sums become
 // float and are scaled by d·a_d into the token's float lanes (one convert, one FMA per block and
 // token). The exception: AVX2's and AVX-512's K-quant products read the activations as int8, one scale
-// per 256 values (quantize_acts8, kquant_kernels.h's ksuper_tile_i8 says why), as llama.cpp's do. Tokens run in groups (kGroup) over a chunk of rows, so a row's blocks are unpacked once per
-// group and re-read from L1 by the next group.
+// per 256 values (quantize_acts8, kquant_kernels.h's ksuper_tile_i8 says why), as llama.cpp's do.
+// Tokens run in groups (group_of) over a chunk of rows, so a row's blocks are unpacked once per group
+// and re-read from L1 by the next group.
 //
 // Every type is read through a decoder, Decode<TY>::at(block, j, s, c): sub-block j's 32 small integers q
 // as a WVec and the scale s and offset c with w = q·s + c (quant_blocks.h). The tile loop, the
