@@ -1,9 +1,11 @@
 """Products over quantised blocks on the CPU: y = x · Wᵀ with W a `QuantTensor`, and row lookups.
 
-Decode sizes (≤ NATIVE_MAX_TOKENS tokens; K-quants on AVX2 more: `native_max_tokens`) go to the native kernel (native/quant_kernels.h): the
-activations quantised per 32-block to int16, integer dot products with the weight blocks (AVX-512 or
-AVX2 vpmaddwd; why not int8 is said there), the weights read once per call at their quantised size.
-A K-quant super-block is read as 8 sub-blocks of 32 against the same activation blocks.
+Decode sizes (≤ NATIVE_MAX_TOKENS tokens; K-quants on AVX2 and AVX-512 more: `native_max_tokens`) go
+to the native kernel (native/quant_kernels.h): the activations quantised per 32-block to int16, integer
+dot products with the weight blocks (AVX-512 or AVX2 vpmaddwd; why not int8 is said there), the
+weights read once per call at their quantised size. The K-quants are the exception: on AVX2 and
+AVX-512 their activations are int8 per 256 values and a super-block's 8 sub-blocks sum in int32
+(native/kquant_kernels.h).
 More tokens (prefill) dequantise the weight a tile of rows at a time into fp32 and multiply with
 torch's GEMM, which then beats the integer dots, whose cost grows with every token (figures below).
 
