@@ -51,7 +51,7 @@ native = Pybind11Extension(
     depends=[f"native/{h}" for h in ("common.h", "convert.h", "simd_avx512.h", "simd_avx2.h", "simd_scalar.h",
                                      "attention_kernel.h", "expert_activations.h", "experts_kernel.h",
                                      "amx_experts.h", "moe_worker.h", "routed_set.h", "cpu_mailbox.h", "quant_moe.h",
-                                     "quant_blocks.h", "quant_kernels.h", "quant_vectors.h",
+                                     "quant_blocks.h", "quant_kernels.h", "quant_vectors.h", "quant_int8_vectors.h",
                                      "kquant_blocks.h", "kquant_kernels.h", "attention_mla.h", "attention_mla_kernel.h",
                                      "attention_split.h", "lse_merge.h", "bindings.h", "layer_ops.h", "decode_layer.h",
                                      "interleaved16.h", "moe_route.h")],

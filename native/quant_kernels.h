@@ -90,6 +90,9 @@ void quantize_acts8(const float* x, int64_t k, int8_t* q, float* d, int16_t* bsu
 #endif
 
 #include "quant_vectors.h"
+#if defined(TANDEM_QUANT_INT8)
+#include "quant_int8_vectors.h"
+#endif
 
 // -- decoders of the 32-weight types (one sub-block a block) --
 
