@@ -21,6 +21,7 @@ native kernels are missing).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -68,13 +69,15 @@ def native_max_tokens(codes) -> int:
     nat = _native()
     if nat is None:
         return 0
-    if nat.quant_isa() in INT8_KQUANT_ISAS and KQUANT_CODES.issuperset(codes) and not _amx(nat):
+    if nat.quant_isa() in INT8_KQUANT_ISAS and KQUANT_CODES.issuperset(codes) and not _amx():
         return KQUANT_INT8_MAX_TOKENS
     return NATIVE_MAX_TOKENS
 
 
-def _amx(nat) -> bool:
-    return "amx-bf16" in nat.supported_isas()
+@functools.cache
+def _amx() -> bool:
+    """Whether this CPU has AMX (read once: the decode step asks native_max_tokens every layer)."""
+    return "amx-bf16" in native.module().supported_isas()
 
 
 def _native():
