@@ -369,6 +369,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("answered", &CpuMailbox::answered, "Posts answered so far.")
       .def_property_readonly("experts", &CpuMailbox::experts, "Experts computed so far.")
       .def_property_readonly("compute_s", &CpuMailbox::compute_s, "Seconds spent answering posts.")
+      .def("fit_sums", &CpuMailbox::fit_sums,
+           "(posts, sum c, sum c^2, sum t, sum c*t) over the posts that computed c > 0 experts, t in seconds.")
       .def("error", &CpuMailbox::error, "The first error a post met (empty if none).");
   m.def("quant_moe", [](uintptr_t x, int64_t n_rows, int64_t hidden, int64_t inter, int64_t x_stride, int gate_type,
                         int up_type, int down_type, const py::array_t<int64_t, py::array::c_style>& experts,

@@ -101,6 +101,12 @@ class CpuMailbox {
   int64_t answered() const { return answered_.load(); }
   int64_t experts() const { return experts_.load(); }
   double compute_s() const { return compute_ns_.load() * 1e-9; }
+  // Sums over the posts that computed experts, for a least-squares line of a post's time against its
+  // expert count (the split's per-post and per-expert costs): (posts, Σc, Σc², Σt, Σc·t), t in seconds.
+  std::vector<double> fit_sums() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {fit_[0], fit_[1], fit_[2], fit_[3], fit_[4]};
+  }
   std::string error() {
     std::lock_guard<std::mutex> lock(mu_);
     return error_;
@@ -164,7 +170,13 @@ class CpuMailbox {
       std::lock_guard<std::mutex> lock(mu_);
       if (error_.empty()) error_ = e.what();
     }
-    compute_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+    compute_ns_ += ns;
+    if (status == 0 && !chosen_.empty()) {
+      const double c = double(chosen_.size()), t = double(ns) * 1e-9;
+      std::lock_guard<std::mutex> lock(mu_);
+      fit_[0] += 1, fit_[1] += c, fit_[2] += c * c, fit_[3] += t, fit_[4] += c * t;
+    }
     ++answered_;
     s_.to_gpu[8] = status;
     store(s_.to_gpu, seq);  // last: the GPU reads out and the status once it sees this
@@ -206,8 +218,9 @@ class CpuMailbox {
   RoutedSetBuffers routed_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> answered_{0}, experts_{0}, compute_ns_{0};
-  std::mutex mu_;
+  std::mutex mu_;  // guards error_ and fit_
   std::string error_;
+  double fit_[5] = {0, 0, 0, 0, 0};
   std::thread thread_;  // last: starts once every member above is constructed
 };
 

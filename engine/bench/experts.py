@@ -25,7 +25,7 @@ import statistics
 import time
 
 from engine.bench.common import header
-from engine.experts.cpu_mailbox import default_share
+from engine.experts.cpu_mailbox import graph_cpu_enabled
 from engine.hw.hostmem import huge_page_bytes
 from engine.experts.mode_chooser import PROBE_LENGTH
 
@@ -151,12 +151,9 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
     prompt = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
     rows = []
 
-    def use(label: str, warm: bool = True) -> None:
-        policy, _, share = label.partition(":")  # "adaptive:0.5": adaptive with that CPU share of graph misses
+    def use(policy: str, warm: bool = True) -> None:
         if engine.info()["expert_policy"] != policy:
             engine.set_expert_policy(policy)
-        if share:
-            graph_cpu_share(engine, float(share))
         if warmup and warm:  # first-call costs (kernel compiles, graph capture per batch size) stay out
             for bs in batch_sizes:
                 _measure(engine, [prompt(16) for _ in range(bs)], WARM_TOKENS, f"warmup-{bs}", sample, seed)
@@ -201,8 +198,8 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
                   "expert_mib_each": round(store.block_bytes / 2**20, 3), "routed_experts": store.n_routed,
                   "cpu_kernel": parts.experts.cpu_kernel, "gpu_kernel": parts.experts.telemetry()["gpu_kernel"],
                   "cost_model": dict(vars(parts.experts.costs)),
-                  # the one graph's CPU share: set from the environment, which the command line does not show
-                  "graph_cpu_share": default_share(),
+                  # whether the one graph hands misses to the CPU: the environment, which the command line does not show
+                  "graph_cpu": graph_cpu_enabled(),
                   "routing": ROUTING_NOTE if config.model.startswith("synthetic:") else None,
                   "results": rows, "adaptive_vs_best_baseline_decode": speedups(rows),
                   "adaptive_vs_best_baseline_decode_per_round": speedups(rows, per_round=True)}
@@ -214,25 +211,10 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
     return record
 
 
-def graph_cpu_share(engine, share: float) -> None:
-    """Set the CPU's share of each layer's misses in adaptive's one decode graph, whether or not the
-    cache churns (at 0 the mailbox's kernels stay in the graph and post nothing;
-    TANDEM_GRAPH_CPU_SHARE=0 leaves them out)."""
-    zero_copy = engine.backend.parts.experts.zero_copy
-    if zero_copy is None:
-        raise ValueError("a CPU share needs adaptive's one decode graph (adaptive on CUDA)")
-    try:
-        zero_copy.set_cpu_share(share, gated=False)
-    except RuntimeError as e:
-        raise ValueError(str(e)) from e
-
-
 def add_arguments(p) -> None:
     """The flags of `tandem bench experts` (the names `from_args` reads)."""
     p.add_argument("--model", default="synthetic:qwen3-30b-a3b")
-    p.add_argument("--policies", default=",".join(POLICIES),
-                   help="comma list; adaptive:S runs adaptive with the CPU taking floor(S · misses) of each "
-                        "layer's misses in the one decode graph, churning cache or not")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma list")
     p.add_argument("--batch-sizes", default="1,4")
     p.add_argument("--contexts", default="2048")
     p.add_argument("--new-tokens", type=int, default=32)
@@ -273,13 +255,13 @@ def speedups(rows: list[dict], per_round: bool = False) -> dict:
     (context, batch): the median over rounds, or (per_round) the list of the rounds' ratios."""
     ratios: dict[str, list[float]] = {}
     for r in rows:
-        if r["policy"].partition(":")[0] != "adaptive":
+        if r["policy"] != "adaptive":
             continue
         peers = [q["decode"]["tok_s"] for q in rows if q["policy"] in ("cpu-only", "on-demand")
                  and (q["context"], q["batch"], q.get("round", 0)) == (r["context"], r["batch"], r.get("round", 0))
                  and q["decode"]["tok_s"]]
         if peers and r["decode"]["tok_s"]:
-            key = f"ctx{r['context']}-bs{r['batch']}" + r["policy"][len("adaptive"):]  # "…-bs1:0.5" for adaptive:0.5
+            key = f"ctx{r['context']}-bs{r['batch']}"
             ratios.setdefault(key, []).append(round(r["decode"]["tok_s"] / max(peers), 3))
     if per_round:
         return ratios

@@ -9,18 +9,16 @@ native worker (native/cpu_mailbox.h) answers there; the layer's sum kernel waits
 a store of GGUF blocks the worker runs the quantised CPU set (native/quant_moe.h) on the blocks
 where they lie in the store.
 
-The mailbox's kernels are only in the graph of steps run while the gate (ChurnGate) is open:
-engine/runtime/decode_graph.py captures the one graph twice, with them ("graph+cpu") and without
-("graph"), and the step replays whichever the gate wants. Where the cache holds the working set (2K,
-one chat) the gate stays shut and the step is the graph as it was before the mailbox.
+The mailbox's kernels are in the one graph wherever misses can happen (the cache holds fewer slots
+than the store has experts). How many of a layer's misses go to the CPU is decided on the device, per
+layer, from three costs that MissSplit keeps (seed 004's split: both sides finish together).
 
 This object owns the two pinned regions, the device's small scalars and the worker, and tears them
 down in reverse order: the device is synchronised (no kernel waits on the worker), the worker thread
 stops, then the memory goes.
 
-The share of a layer's missed experts that go to the CPU is `share`: floor(share · misses) of them.
-GRAPH_CPU_SHARE is the default; TANDEM_GRAPH_CPU_SHARE overrides it (0 turns the mailbox off: the
-remedy a failed CPU share names).
+TANDEM_GRAPH_CPU=0 keeps the mailbox closed (every miss read over PCIe): the remedy a failed CPU
+share names.
 """
 
 from __future__ import annotations
@@ -39,56 +37,63 @@ HEADER_WORDS = 16  # int64 words before the arrays: the sequence number's line, 
 MAX_POLLS = 1 << 22
 
 
-# Three quarters of a churning layer's misses go to the CPU: the native kernel reads a one-token expert
-# at 70-80 GB/s from DRAM where the graph reads one over PCIe at ~35, so decode speed rises with the
-# share up to here (at 32K, bs=1, 916 slots of an H200: 29.7 tok/s at 0, 38.2 at 0.31, 48.7 at 0.5,
-# 53.5 at 0.75). The cost model's own rates (0.31 there) undervalue the native kernel.
-GRAPH_CPU_SHARE = 0.75
+# Posts the worker must have answered before its measured costs replace the cost model's: two decode
+# steps of a 16-layer model, enough spread in the experts a post carries (1 to top-k) for a line.
+MEASURE_POSTS = 32
+# A window's expert counts must spread by this much (variance, experts²) for its line's slope; below
+# it only the per-expert cost is updated, the per-post one kept.
+MIN_SPREAD = 0.25
 
 
-def default_share() -> float:
-    """The share of each layer's missed experts the CPU takes: TANDEM_GRAPH_CPU_SHARE, else GRAPH_CPU_SHARE."""
-    env = os.environ.get("TANDEM_GRAPH_CPU_SHARE")
-    if env is None:
-        return GRAPH_CPU_SHARE
-    share = float(env)
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"TANDEM_GRAPH_CPU_SHARE must lie in [0, 1] (got {env})")
-    return share
+def graph_cpu_enabled() -> bool:
+    """TANDEM_GRAPH_CPU=0 keeps the CPU out of the one graph (every miss read over PCIe)."""
+    return os.environ.get("TANDEM_GRAPH_CPU", "1") != "0"
 
 
-# The share applies only while the cache churns (ChurnGate): more than this share of its slots missed
-# per step. CPU experts never enter the cache, so where it still learns the link's fills are worth
-# more. 8% lies between the two regimes (48 layers on an H200):
-# - a warm cache at 2K, bs=1 misses 14-20 experts a step, under 1% of 2,267 slots: there the share
-#   slows learning (hit rate 0.915 against 0.941, 97 against 105 tok/s), and a gate at 2.5% still
-#   opens on a fresh cache's first steps;
-# - 2K at bs=4 misses ~17% of the slots a step (the share: 81-89 tok/s against 37), 32K at bs=1 with
-#   916 slots 13-14% (48-51 against 30).
-CPU_CHURN_SHARE = 0.08
+class MissSplit:
+    """The three costs (ms) by which the device splits a layer's m misses (engine/kernels/
+    cpu_mailbox_gpu.py): c go to the CPU where max((m − c) · link_ms, handoff_ms + c · cpu_ms) is least.
 
+    link_ms: one expert read in place over PCIe (the cost model's zero-copy rate). handoff_ms + c ·
+    cpu_ms: a post of c experts on the worker, from the cost model until the worker has answered
+    MEASURE_POSTS posts, then the least-squares line through its latest window of posts (time against
+    c). A post's fixed part is large: waking the team and splitting one expert's rows over it cost
+    about as much as two more experts (H100 host, 15 threads: ~0.25 ms a post, ~0.07 ms an expert)."""
 
-class ChurnGate:
-    """The share of each layer's misses the CPU takes: `share` while the cache churns (more than
-    CPU_CHURN_SHARE of its n_slots missed per step), else 0; `gated` False: always `share`. The
-    measure is a moving average that starts at 0, so a fresh cache's first steps alone do not open
-    the gate (else at 2K bs=1 the CPU takes ~300 experts that never enter the cache); a steady churn
-    of 13-17% of the slots crosses 8% within 3-4 steps."""
+    def __init__(self, link_ms: float, cpu_ms: float, handoff_ms: float):
+        self.link_ms, self.cpu_ms, self.handoff_ms = float(link_ms), float(cpu_ms), float(handoff_ms)
+        self.measured = False  # the two CPU costs are the worker's own
+        self._mark = np.zeros(5)  # the worker's fit_sums at the start of the window
 
-    def __init__(self, share: float, n_slots: int, gated: bool = True):
-        self.share, self.n_slots, self.gated = share, n_slots, gated
-        self.missed_avg = 0.0  # missed experts per step
+    @classmethod
+    def from_costs(cls, costs) -> "MissSplit":
+        """From the expert cost model (sched/expert_cost.py), calibrated where a profile exists."""
+        return cls(costs.zero_copy_ms(), costs.cpu_expert_ms(tokens=1), costs.cpu_overhead_ms)
 
-    def observe(self, n_missed: int) -> None:
-        """A step's missed experts (read over PCIe and computed on the CPU alike)."""
-        self.missed_avg = 0.75 * self.missed_avg + 0.25 * n_missed
+    def values(self) -> tuple[float, float, float]:
+        return self.link_ms, self.cpu_ms, self.handoff_ms
 
-    def current(self) -> float:
-        churning = self.missed_avg > CPU_CHURN_SHARE * self.n_slots
-        return self.share if churning or not self.gated else 0.0
+    def observe(self, fit_sums) -> bool:
+        """The worker's cumulative (posts, Σc, Σc², Σt, Σc·t), t in s → whether the CPU costs changed."""
+        sums = np.asarray(fit_sums, dtype=np.float64)
+        n, sc, scc, st, sct = sums - self._mark
+        if n < MEASURE_POSTS or sc <= 0:
+            return False
+        self._mark = sums
+        mean_c, mean_t = sc / n, st / n
+        spread = scc / n - mean_c ** 2
+        slope = (sct / n - mean_c * mean_t) / spread if spread >= MIN_SPREAD else -1.0
+        intercept = mean_t - slope * mean_c
+        if slope > 0 and intercept >= 0:
+            self.cpu_ms, self.handoff_ms = 1e3 * slope, 1e3 * intercept
+        else:  # no usable line: the per-post cost stays, the experts take the rest
+            self.cpu_ms = max(1e3 * (st - self.handoff_ms * 1e-3 * n) / sc, 1e-3)
+        self.measured = True
+        return True
 
     def telemetry(self) -> dict:
-        return {"cpu_gated": self.gated, "missed_per_step": round(self.missed_avg, 1)}
+        return {"link_ms": round(self.link_ms, 4), "cpu_ms": round(self.cpu_ms, 4),
+                "handoff_ms": round(self.handoff_ms, 4), "cpu_measured": self.measured}
 
 
 def worker_threads() -> int:
@@ -106,10 +111,10 @@ def _words(n_bytes: int) -> int:
 
 
 class CpuMailbox:
-    def __init__(self, store, device: torch.device, max_rows: int, top_k: int, share: float,
-                 threads: int | None = None, max_polls: int = MAX_POLLS):
-        """store: the ExpertStore the CPU computes from; max_rows: tokens a step carries; share: of
-        each layer's missed experts, the part the CPU computes; threads: the worker's team
+    def __init__(self, store, device: torch.device, max_rows: int, top_k: int,
+                 split: tuple[float, float, float], threads: int | None = None, max_polls: int = MAX_POLLS):
+        """store: the ExpertStore the CPU computes from; max_rows: tokens a step carries; split: the
+        device's (link_ms, cpu_ms, handoff_ms) to begin with (MissSplit); threads: the worker's team
         (worker_threads() by default). Raises RuntimeError without the native extension."""
         nat = native.module()
         if nat is None or not hasattr(nat, "CpuMailbox"):
@@ -134,14 +139,14 @@ class CpuMailbox:
         self.x = self.to_cpu[x_w:].view(store.dtype)[:max_rows * H]  # (N·H,) the layer's input
         self.done = self.to_gpu[:1]  # the last post answered
         self.out = self.to_gpu[HEADER_WORDS:].view(torch.float32)[:max_rows * H].view(max_rows, H)  # (N, H) fp32
-        # on the device: the share, the last post's number, the current layer's post (0: none), the
-        # error flag (a wait that ran out of polls)
-        self.share = torch.tensor([float(share)], dtype=torch.float32, device=device)
+        # on the device: the split's three costs, the last post's number, the current layer's post (0:
+        # none), the error flag (a wait that ran out of polls)
+        self.split = torch.tensor([float(v) for v in split], dtype=torch.float32, device=device)
         self.seq = torch.zeros(1, dtype=torch.int64, device=device)
         self.expect = torch.zeros(1, dtype=torch.int64, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         self.error_host = torch.zeros(1, dtype=torch.int32, pin_memory=on_gpu)
-        self.share_value = float(share)
+        self.split_values = tuple(float(v) for v in split)
         self.threads = threads or worker_threads()
         code = native.DTYPE_CODES
         if store.quantised:  # the worker reads the blocks: each expert's three addresses, each layer's types
@@ -172,12 +177,13 @@ class CpuMailbox:
         return self.expect, self.done, self.out, self.error, self.max_polls
 
     # -- between replays --------------------------------------------------------------------------
-    def set_share(self, share: float) -> None:
-        """Queued on the current stream: replays after it split with the new share. (The mailbox is
-        made inside the engine's inference mode; its tensors are written in place only inside one.)"""
+    def set_split(self, split: tuple[float, float, float]) -> None:
+        """(link_ms, cpu_ms, handoff_ms), queued on the current stream: replays after it split with
+        these. (The mailbox is made inside the engine's inference mode; its tensors are written in
+        place only inside one.)"""
+        self.split_values = tuple(float(v) for v in split)
         with torch.inference_mode():
-            self.share.fill_(float(share))
-        self.share_value = float(share)
+            self.split.copy_(torch.tensor(self.split_values, dtype=torch.float32))
 
     def queue_check(self) -> None:
         """Queue the error flag's copy to the host behind the work launched so far."""
@@ -189,14 +195,18 @@ class CpuMailbox:
         if failed or int(self.error_host[0]):
             raise RuntimeError("the CPU's share of a decode step's experts failed"
                                + (f": {failed}" if failed else ": the worker did not answer in time")
-                               + ". The step's output is wrong; restart generation (TANDEM_GRAPH_CPU_SHARE=0 turns "
+                               + ". The step's output is wrong; restart generation (TANDEM_GRAPH_CPU=0 turns "
                                "the CPU share off).")
 
     def telemetry(self) -> dict:
         w = self._worker
         if w is None:  # closed: its last counts
-            return dict(self._final, share=self.share_value)
-        return {"share": self.share_value, "threads": self.threads, "posts": w.answered, "experts": w.experts, "cpu_s": round(w.compute_s, 6)}
+            return self._final
+        return {"threads": self.threads, "posts": w.answered, "experts": w.experts, "cpu_s": round(w.compute_s, 6)}
+
+    def fit_sums(self) -> list[float]:
+        """The worker's (posts, Σc, Σc², Σt, Σc·t) so far (MissSplit.observe)."""
+        return self._worker.fit_sums() if self._worker is not None else [0.0] * 5
 
     def close(self) -> None:
         """Synchronise the device (no wait kernel may still read), stop the worker, keep the memory

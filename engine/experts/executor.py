@@ -46,10 +46,6 @@ class ExpertExecutor(ABC):
         the MoE layers), or another whole-step form of the executor's own."""
         return "pieces" if self.cut_at_layers else "graph"
 
-    def forms_captured_with(self, B: int, form: str) -> tuple[str, ...]:
-        """Forms to capture as soon as `form` is."""
-        return ()
-
     def stand_in(self, form: str) -> ExpertExecutor | None:
         """What runs the MoE layers while a step of `form` is warmed up and captured; None: the
         executor itself (cut executors: the runtime's cut at each layer)."""

@@ -5,9 +5,9 @@ drives without knowing what is inside).
 Offloaded experts decide on the host, so their step is captured in pieces, cut at each MoE layer, and
 the host runs the layer between pieces (`OffloadedExperts.run`). With a device table
 (engine/experts/zero_copy.py: `adaptive` on a GPU) the whole step can also be one graph, whose
-kernels find each expert in a slot or read it in place; where the CPU mailbox is open that graph
-comes a second time with the mailbox's kernels ("graph+cpu", engine/experts/cpu_mailbox.py). Per
-batch size the ModeChooser keeps whichever of the one graph and pieces measured faster.
+kernels find each expert in a slot or read it in place, or hand part of a layer's misses to the CPU
+through its mailbox (engine/experts/cpu_mailbox.py). Per batch size the ModeChooser keeps whichever of
+the one graph and pieces measured faster.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from __future__ import annotations
 import torch
 
 from engine.experts.executor import ExpertExecutor
-
-ONE_GRAPH = ("graph", "graph+cpu")  # the whole-step forms: without and with the CPU mailbox's kernels
-
 
 class InGraph(ExpertExecutor):
     """Stands in for offloaded experts while a whole-step graph is warmed up and captured: device
@@ -49,32 +46,23 @@ class GraphForms:
     def graph_form(self, B: int) -> str:
         if self.zero_copy is None or B > self.zero_copy.max_tokens:
             return "pieces"
-        form = self.chooser.form(B)
-        return "graph+cpu" if form == "graph" and self.zero_copy.cpu_wanted() else form
-
-    def forms_captured_with(self, B: int, form: str) -> tuple[str, ...]:
-        # Where the mailbox is open (after the first warm-up) the other one graph is captured at once
-        # too: the gate opening later would otherwise compile and capture in mid-decode, a stall of
-        # most of a second that a user sees as a pause in the reply.
-        if form not in ONE_GRAPH or self.zero_copy is None or self.zero_copy.mailbox is None:
-            return ()
-        return tuple(f for f in ONE_GRAPH if f != form)
+        return self.chooser.form(B)
 
     def stand_in(self, form: str) -> ExpertExecutor | None:
-        if form not in ONE_GRAPH:
+        if form != "graph":
             return None  # pieces: the runtime's cut stands in
-        self.zero_copy.before_step(cpu=form == "graph+cpu")  # a valid table for the warm-up
+        self.zero_copy.before_step()  # a valid table for the warm-up
         return InGraph(self.zero_copy)
 
     def before_replay(self, B: int, form: str) -> None:
         if self.zero_copy is None:
             return
-        self.chooser.started(B, "graph" if form in ONE_GRAPH else "pieces")
-        if form in ONE_GRAPH:  # (a pieces step's host halves settle the table themselves: leave)
-            self.zero_copy.before_step(cpu=form == "graph+cpu")
+        self.chooser.started(B, form)
+        if form == "graph":  # (a pieces step's host halves settle the table themselves: leave)
+            self.zero_copy.before_step()
 
     def after_replay(self, B: int, form: str, pairs: int) -> None:
-        if form in ONE_GRAPH:
+        if form == "graph":
             self.zero_copy.after_step(B)
 
     def capture_ran(self) -> None:

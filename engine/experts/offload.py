@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.experts.cache import ExpertCache
-from engine.experts.cpu_mailbox import default_share
+from engine.experts.cpu_mailbox import MissSplit, graph_cpu_enabled
 from engine.experts.cpu_set import CpuSetRunner, cpu_set_kernel, per_expert_moe, prepare_cpu_set
 from engine.experts.executor import ExpertExecutor
 from engine.experts.gpu_set import GpuSet
@@ -126,7 +126,8 @@ class OffloadedExperts(GraphForms, ExpertExecutor):  # GraphForms: its captured 
             try:
                 self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device,
                                                 min(self.planner.max_decode_tokens, moe_decode_gpu.MAX_TOKENS),
-                                                window=self._window, cpu_share=default_share())
+                                                window=self._window,
+                                                cpu_split=MissSplit.from_costs(self.costs) if graph_cpu_enabled() else None)
             except RuntimeError as e:  # the driver cannot map the store
                 self.zero_copy_off = str(e)
                 log.warning("decode steps with offloaded experts stay in pieces: %s", e)

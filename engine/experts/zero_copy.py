@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.experts.cpu_mailbox import ChurnGate, CpuMailbox
+from engine.experts.cpu_mailbox import CpuMailbox, MissSplit
 from engine.kernels import moe_decode_gpu, quant_moe_gpu
 from engine.kernels.cuda_streams import indexed
 
@@ -68,21 +68,22 @@ LAG_LIST_SHARE = 0.05
 
 class ZeroCopyDecode:
     def __init__(self, store, cache, device: torch.device, max_tokens: int, window=None,
-                 lag_list_share: float = LAG_LIST_SHARE, cpu_share: float = 0.0, cpu_gated: bool = True):
+                 lag_list_share: float = LAG_LIST_SHARE, cpu_split: MissSplit | None = None):
         """window: a deque the owner keeps its (hits, lookups) per layer step in (the hit rate).
         lag_list_share: the list's largest share of the cache at which the host lists a step's slots
-        without reading the step before's log (LAG_LIST_SHARE; 0: never, 1: always). cpu_share: of
-        each layer's missed experts, the share the CPU computes through the mailbox (cpu_mailbox.py;
-        0: none, every miss is read over PCIe). cpu_gated: only while the cache churns (ChurnGate);
-        False: always."""
+        without reading the step before's log (LAG_LIST_SHARE; 0: never, 1: always). cpu_split: the
+        costs by which each layer's misses split between the link and the CPU's mailbox (cpu_mailbox.py;
+        None: no CPU, every miss is read over PCIe)."""
         self.store, self.cache, self.lru, self.device = store, cache, cache.lru, indexed(device)
         self.lag_list_share = lag_list_share
-        # Opened at the first run, once top-k is known. Its kernels are only in the graphs of steps
-        # run with cpu=True (before_step): while the gate is shut the step runs a graph without them.
+        # Opened at the first run, once top-k is known; from then on every layer's kernels post to it
+        # (a layer whose split gives the CPU nothing posts nothing). Where every expert has a slot
+        # nothing can miss, and the graph has no mailbox kernels.
         self.mailbox: CpuMailbox | None = None
-        self.cpu_in_step = False  # the step being run (or captured) posts part of its misses to the CPU
-        self.mailbox_off: str | None = None if cpu_share > 0 else "cpu_share 0"  # why there is none
-        self.cpu_gate = ChurnGate(cpu_share, cache.n_slots, cpu_gated)
+        self.cpu_split = cpu_split
+        self.mailbox_off: str | None = (  # why there is none
+            "no CPU split" if cpu_split is None else
+            "every expert has a slot" if cache.n_slots >= store.n_routed else None)
         self.max_tokens = max_tokens  # tokens a replay may carry (the logs' rows)
         self.window = window
         L = store.n_layers
@@ -140,7 +141,7 @@ class ZeroCopyDecode:
             self._open_mailbox(k)
         offsets = self.table[layer]  # (E,)
         log = self.log[layer, :N * k]
-        posting = self.mailbox is not None and self.cpu_in_step
+        posting = self.mailbox is not None
         if posting:  # part of the misses to the CPU: their pairs get id -1 below
             ids = self.mailbox.post(layer, x, ids, weights, offsets, self.pool_numel, self._gpu_ids[:N * k], log,
                                     self.cpu_log[layer, :N * k])
@@ -161,31 +162,18 @@ class ZeroCopyDecode:
     def _open_mailbox(self, top_k: int) -> None:
         if self.mailbox_off is not None or self.mailbox is not None:
             return
-        try:  # a gated share starts at 0: the gate opens once a step has shown the cache churning
-            self.mailbox = CpuMailbox(self.store, self.device, self.max_tokens, top_k, self.cpu_gate.current())
+        try:
+            self.mailbox = CpuMailbox(self.store, self.device, self.max_tokens, top_k, self.cpu_split.values())
         except RuntimeError as e:  # no native extension: every miss is read over PCIe
             self.mailbox_off = str(e)
             return
         self._gpu_ids = torch.empty(self.max_tokens * top_k, dtype=torch.int64, device=self.device)
 
-    def cpu_wanted(self) -> bool:
-        """Whether the next step should run with the mailbox's kernels (the gate open, or ungated)."""
-        return self.mailbox_off is None and self.cpu_gate.current() > 0
-
-    def set_cpu_share(self, share: float, gated: bool = True) -> None:
-        """Change the CPU's share of each layer's misses (gated: only while the cache churns) for the
-        steps listed after this call. The mailbox opens at the first step if the share given at
-        construction was above 0 (a share of 0 set later posts nothing)."""
-        if self.mailbox_off is not None:
-            raise RuntimeError(f"no CPU mailbox to set a share on ({self.mailbox_off})")
-        self.cpu_gate.share, self.cpu_gate.gated = float(share), gated
-        self._apply_cpu_gate()
-
-    def _apply_cpu_gate(self) -> None:
-        """The share the next replays run with (ChurnGate)."""
-        share = self.cpu_gate.current()
-        if self.mailbox is not None and share != self.mailbox.share_value:
-            self.mailbox.set_share(share)
+    def _update_split(self) -> None:
+        """The worker's measured costs into the split the next replays run with."""
+        if self.mailbox is not None:
+            if self.cpu_split.observe(self.mailbox.fit_sums()):
+                self.mailbox.set_split(self.cpu_split.values())
 
     def close(self) -> None:
         """Stop the CPU mailbox's worker (after the device has finished with it)."""
@@ -193,12 +181,11 @@ class ZeroCopyDecode:
             self.mailbox.close()
 
     # -- between replays --------------------------------------------------------------------------
-    def before_step(self, stream=None, cpu: bool | None = None) -> None:
+    def before_step(self, stream=None) -> None:
         """List the slots the next replay's misses may claim and queue the lists ahead of it. Needs
         no log of the replay still running: the device keeps its own table (victims pointed back to
         the store by the claim kernel, fills pointed at their slots by the sum kernel), and the slots
-        listed for a step in flight are not listed again. cpu: the step's graph has the mailbox's
-        kernels (None: as the gate wants, for layers run eagerly)."""
+        listed for a step in flight are not listed again."""
         if self._unlogged_tokens:  # layers ran eagerly without after_step (the warm-up before a capture)
             # Their claims took listed slots and wrote other experts' weights over victims: their log
             # is read as a step's, or the host's table would point those victims at their old slots.
@@ -214,8 +201,7 @@ class ZeroCopyDecode:
             # From pinned pages, in stream order before the replay; the host writes the mirror next
             # after a log wait behind this copy.
             self.table.copy_(self.mirror, non_blocking=True)
-        self._apply_cpu_gate()
-        self.cpu_in_step = self.cpu_wanted() if cpu is None else cpu
+        self._update_split()
         self._next = self._list_slots()
         spares, victims = self.lists_host[self._next.buf]
         self.spares.copy_(spares, non_blocking=True)
@@ -229,10 +215,11 @@ class ZeroCopyDecode:
         self._unlogged_tokens = 0
         step, self._next = self._next, None
         assert step is not None, "before_step lists the slots of every step"
+        step.cpu = self.mailbox is not None  # (it opens in the first step's first layer, before any post)
         logs = (self.log, self.claims) + ((self.cpu_log,) if step.cpu else ())  # a step without the mailbox: no CPU log
         for host, dev in zip(self.logs_host[step.buf], logs):
             host.copy_(dev, non_blocking=True)
-        if step.cpu and self.mailbox is not None:
+        if step.cpu:
             self.mailbox.queue_check()
         if self.device.type == "cuda":
             step.ready = torch.cuda.Event()
@@ -313,7 +300,6 @@ class ZeroCopyDecode:
         on_cpu[cpu_layers, ids[cpu_layers, cpu_pairs]] = True
         n_missed = int((active & ~hit).sum())
         lru.misses += n_missed
-        self.cpu_gate.observe(n_missed)
         n_cpu = int(on_cpu.sum())
         self.cpu_experts += n_cpu
         self.zero_copy_experts += n_missed - n_cpu
@@ -348,7 +334,7 @@ class ZeroCopyDecode:
         keys = self.lru.oldest(self._wanted - len(held), exclude=busy)
         entries = self.lru.entries
         victim_slots = [entries[key].slot for key in keys]
-        step = _Listed(held, dict(zip(victim_slots, keys)), self._buf, self.cpu_in_step)
+        step = _Listed(held, dict(zip(victim_slots, keys)), self._buf)
         self._buf ^= 1
         listed, victims = (t.numpy() for t in self.lists_host[step.buf])
         n = len(held) + len(victim_slots)
@@ -374,7 +360,8 @@ class ZeroCopyDecode:
         return {"graph_steps": self.steps, "zero_copy_experts": self.zero_copy_experts,
                 "link_bytes": self.link_blocks * self.store.block_bytes, "graph_fills": self.fills,
                 "free_slots_listed": len(self._next.held) if self._next is not None else 0,
-                "cpu_experts": self.cpu_experts, **self.cpu_gate.telemetry(),
+                "cpu_experts": self.cpu_experts,
+                "cpu_split": self.cpu_split.telemetry() if self.cpu_split is not None else None,
                 "cpu_mailbox": self.mailbox.telemetry() if self.mailbox is not None else
                 {"off": self.mailbox_off or "opens at the first step"}}
 
@@ -386,7 +373,7 @@ class _Listed:
     held: list[int]  # free slots, held out of the LRU until the step's log is read
     victims: dict[int, tuple[int, int]]  # slot → the cached entry it holds
     buf: int  # which of the two staging buffers its lists and logs take
-    cpu: bool = False  # its graph posts part of its misses to the CPU mailbox
+    cpu: bool = False  # its layers posted part of their misses to the CPU mailbox
     n_tokens: int = 0
     ready: object = None  # a CUDA event after its logs' copy (_Done on the simulated GPU)
 

@@ -166,9 +166,6 @@ class DecodeGraphs:
         entry = self.steps.get((B, form))
         if entry is None:
             entry = self._capture(B, positions, form)
-            for other in experts.forms_captured_with(B, form) if experts is not None and entry is not None else ():
-                if (B, other) not in self.steps:
-                    entry = self._capture(B, positions, other) and entry
             if entry is None:
                 if self.recurrent:
                     self.kv.unfix_states()

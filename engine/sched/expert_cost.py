@@ -28,6 +28,9 @@ class ExpertCostModel:
     expert_bytes: float  # one expert's gate_up + down as the store holds it (its dtype, or quantised blocks)
     flops_per_token: float  # 6·H·I: three (H × I) matmuls, 2 FLOP per multiply-add
     pcie_gbps: float = 52.7  # B_P: pinned H2D into a slot (0.179 ms per 9.4 MB expert)
+    # The GPU's own kernels reading an expert in place from pinned host memory (the one decode graph's
+    # misses): H100, PCIe Gen5, BF16 graph steps bound by the link read 38.6-39.6 GB/s
+    zero_copy_gbps: float = 38.6
     host_gbps: float = 76.0  # B_H: DRAM bandwidth fills and CPU experts share (23 GB/s CPU beside a 53.7 GB/s fill)
     cpu_gbps: float = 31.0  # the CPU kernel's own weight-streaming rate when alone (0.30 ms per 9.4 MB expert)
     cpu_tflops: float = 3.2  # CPU per-token compute (0.45 ms at 64 tokens, 1.05 ms at 256)
@@ -93,6 +96,15 @@ class ExpertCostModel:
     def fill_ms(self) -> float:
         """One expert over PCIe (t_io)."""
         return self.expert_bytes / (self.pcie_gbps * BYTES_PER_MS_PER_GBPS)
+
+    def zero_copy_ms(self) -> float:
+        """One expert read in place over PCIe by the GPU's kernels."""
+        return self.expert_bytes / (self.zero_copy_gbps * BYTES_PER_MS_PER_GBPS)
+
+    def cpu_expert_ms(self, tokens: int = 1) -> float:
+        """One expert on the CPU alone, its weights streamed at the CPU's own rate (no per-set overhead)."""
+        return self.cpu_correction * (self.expert_bytes / (self.cpu_alone_gbps * BYTES_PER_MS_PER_GBPS)
+                                      + tokens * self.flops_per_token / (self.cpu_tflops * FLOP_PER_MS_PER_TFLOPS))
 
     def fills_ms(self, q: int) -> float:
         """q fills in series on one copy stream (PDScope premise 3: serial I/O)."""

@@ -1,18 +1,21 @@
 """The CPU's share of a graph step's misses (engine/experts/cpu_mailbox.py): the device splits a layer's
 misses and posts the CPU's part to pinned memory, the native worker answers, the sum kernel waits for
 it. On the GPU where CUDA exists, else with the kernels under Triton's interpreter and the same native
-worker: outputs equal resident execution for any share and cache size; the CPU's experts are counted
-as misses and never fill a slot; a worker that does not answer makes the step fail loudly."""
+worker: the device's split is the best integer one for the costs it is given; outputs equal resident
+execution for any split and cache size; the CPU's experts are counted as misses and never fill a slot;
+the split's CPU costs follow the worker's measured posts; a worker that does not answer makes the step
+fail loudly."""
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from engine.experts.cache import ExpertCache  # noqa: E402
-from engine.experts.cpu_mailbox import CPU_CHURN_SHARE, GRAPH_CPU_SHARE, CpuMailbox, default_share, worker_threads  # noqa: E402
+from engine.experts.cpu_mailbox import MEASURE_POSTS, CpuMailbox, MissSplit, graph_cpu_enabled, worker_threads  # noqa: E402
 from engine.experts.store import ExpertStore  # noqa: E402
 from engine.experts.zero_copy import ZeroCopyDecode  # noqa: E402
 from engine.kernels import native  # noqa: E402
@@ -23,6 +26,9 @@ if native.module() is None or not hasattr(native.module(), "CpuMailbox"):
 
 L, E, H, I, K = 3, 6, 32, 16, 2  # the CPU kernels take hidden and inter in multiples of 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (link_ms, cpu_ms, handoff_ms): link and CPU alike, so c = m / 2 rounded down (ties stay on the link);
+# the CPU free, so every miss goes there
+EVEN, ALL = (1.0, 1.0, 0.0), (1.0, 0.0, 0.0)
 # on a GPU machine these run on CUDA: marked so that `-m cuda` (the lease scripts) selects them
 pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 
@@ -43,11 +49,11 @@ def _wait_for(cond, timeout=10.0):
 
 
 def test_the_device_sends_the_first_missed_experts_to_the_cpu_and_the_worker_answers():
-    """Two tokens, top-2: expert 1 is cached, 3 and 5 are not. Share 0.5 of two missed experts is
-    one: the first in pair order, 3, goes to the CPU (both of its pairs); the worker's sum is expert
-    3's weighted output for each token."""
+    """Two tokens, top-2: expert 1 is cached, 3 and 5 are not. With link and CPU costing alike one of
+    the two missed experts goes: the first in pair order, 3 (both of its pairs); the worker's sum is
+    expert 3's weighted output for each token."""
     store, gate_up, down = _store()
-    box = CpuMailbox(store, torch.device(DEVICE), max_rows=4, top_k=K, share=0.5)
+    box = CpuMailbox(store, torch.device(DEVICE), max_rows=4, top_k=K, split=EVEN)
     try:
         offsets = torch.full((E,), 10**12, dtype=torch.int64)  # outside any pool: read from the store
         offsets[1] = 0  # in the pool (the pool's size below is 100 elements)
@@ -68,15 +74,15 @@ def test_the_device_sends_the_first_missed_experts_to_the_cpu_and_the_worker_ans
                                                        down[0][3].double())[0] for t in range(2)])
         torch.testing.assert_close(box.out[:2].double(), want, atol=1e-5, rtol=1e-4)
         assert box.telemetry()["experts"] == 1 and box.telemetry()["posts"] == 1
-        # one missed expert: floor(0.5 · 1) = 0, it stays on the link (and fills a slot); nothing is
-        # posted, and the sum waits for nothing
+        # one missed expert: the CPU would take as long as the link, so it stays there (and fills a
+        # slot); nothing is posted, and the sum waits for nothing
         offsets[3] = 0
         out_ids = box.post(1, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), offsets.to(DEVICE), 100, gpu_ids, log,
                            cpu_log)
         assert out_ids.cpu().tolist() == ids.tolist() and cpu_log.cpu().tolist() == [0] * 4
         assert int(box.expect.cpu()) == 0 and int(box.seq.cpu()) == 1
-        # at share 1 every miss goes: the next post is number 2
-        box.set_share(1.0)
+        # with the CPU free every miss goes: the next post is number 2
+        box.set_split(ALL)
         box.post(2, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), offsets.to(DEVICE), 100, gpu_ids, log, cpu_log)
         assert cpu_log.cpu().tolist() == [0, 0, 0, 1] and int(box.expect.cpu()) == 2
         _wait_for(lambda: int(box.done[0]) == 2)
@@ -84,11 +90,11 @@ def test_the_device_sends_the_first_missed_experts_to_the_cpu_and_the_worker_ans
         box.close()
 
 
-def _decode(n_slots, share, steps=8, n_tokens=2, seed=1, gated=False, same_routing=False):
+def _decode(n_slots, split, steps=8, n_tokens=2, seed=1, same_routing=False):
     store, gate_up, down = _store()
     cache = ExpertCache(n_slots, H, I, torch.float32, torch.device(DEVICE))
-    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=share,
-                        cpu_gated=gated)
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0,
+                        cpu_split=MissSplit(*split))
     g = torch.Generator().manual_seed(seed)
     lookups = 0
     try:
@@ -111,15 +117,15 @@ def _decode(n_slots, share, steps=8, n_tokens=2, seed=1, gated=False, same_routi
     return zc, cache, lookups
 
 
-@pytest.mark.parametrize("n_slots", [1, 4, L * E])
-@pytest.mark.parametrize("share", [0.5, 1.0])
-def test_outputs_equal_resident_with_part_of_the_misses_on_the_cpu(n_slots, share):
-    zc, cache, lookups = _decode(n_slots, share)
+@pytest.mark.parametrize("n_slots", [1, 4, L * E - 1])
+@pytest.mark.parametrize("split", [EVEN, ALL])
+def test_outputs_equal_resident_with_part_of_the_misses_on_the_cpu(n_slots, split):
+    zc, cache, lookups = _decode(n_slots, split)
     lru, t = cache.lru, zc.telemetry()
     assert lru.hits + lru.misses == lookups
     assert t["cpu_experts"] > 0 and t["cpu_experts"] + t["zero_copy_experts"] == lru.misses
     assert t["cpu_mailbox"]["experts"] == t["cpu_experts"]
-    if share == 1.0:  # every miss computed on the CPU: nothing read over the link, nothing filled
+    if split == ALL:  # every miss computed on the CPU: nothing read over the link, nothing filled
         assert t["zero_copy_experts"] == 0 and t["graph_fills"] == 0 and t["link_bytes"] == 0 and len(lru) == 0
     else:
         assert t["graph_fills"] > 0
@@ -128,8 +134,8 @@ def test_outputs_equal_resident_with_part_of_the_misses_on_the_cpu(n_slots, shar
 def test_a_worker_that_does_not_answer_fails_the_step_loudly():
     store, gate_up, down = _store()
     cache = ExpertCache(2, H, I, torch.float32, torch.device(DEVICE))
-    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=1.0,
-                        cpu_gated=False)
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0,
+                        cpu_split=MissSplit(*ALL))
     zc.before_step()
     x, w = torch.randn(1, H), torch.ones(1, K) / K
     zc.run(0, x.to(DEVICE), torch.tensor([[0, 1]], device=DEVICE), w.to(DEVICE))  # opens the mailbox; answered
@@ -141,90 +147,99 @@ def test_a_worker_that_does_not_answer_fails_the_step_loudly():
         zc.drain()
 
 
-def test_the_share_comes_from_the_environment_or_the_measured_default(monkeypatch):
-    monkeypatch.delenv("TANDEM_GRAPH_CPU_SHARE", raising=False)
-    assert default_share() == GRAPH_CPU_SHARE
-    monkeypatch.setenv("TANDEM_GRAPH_CPU_SHARE", "0")
-    assert default_share() == 0.0
-    monkeypatch.setenv("TANDEM_GRAPH_CPU_SHARE", "1.5")
-    with pytest.raises(ValueError):
-        default_share()
-    zc = ZeroCopyDecode(_store()[0], ExpertCache(2, H, I, torch.float32, torch.device(DEVICE)),
-                        torch.device(DEVICE), max_tokens=4, cpu_share=0.0)
-    assert zc.telemetry()["cpu_mailbox"] == {"off": "cpu_share 0"}
-    with pytest.raises(RuntimeError, match="no CPU mailbox"):
-        zc.set_cpu_share(0.5)
-
-
-def test_a_share_of_0_set_after_the_first_layer_keeps_the_mailbox_and_posts_nothing():
-    """(How the bench compares shares on one graph.) Layer 0 ran at 0.75: floor(0.75 · 2) = 1 expert
-    went to the CPU; the other layers, at 0, read every miss over PCIe."""
-    store = _store()[0]
-    cache = ExpertCache(2, H, I, torch.float32, torch.device(DEVICE))
-    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=0.75,
-                        cpu_gated=False)
-    x, w = torch.randn(1, H), torch.ones(1, K) / K
-    with torch.inference_mode():  # as the engine runs its steps: the mailbox's tensors are inference tensors
-        zc.before_step()
-        zc.run(0, x.to(DEVICE), torch.tensor([[0, 1]], device=DEVICE), w.to(DEVICE))
-    zc.set_cpu_share(0.0)  # outside inference mode, as the bench sets it (a first version refused the write)
-    with torch.inference_mode():
-        for layer in range(1, L):
-            zc.run(layer, x.to(DEVICE), torch.tensor([[0, 1]], device=DEVICE), w.to(DEVICE))
-        zc.after_step(1)
-        zc.drain()
-    t = zc.telemetry()
-    zc.close()
-    assert t["cpu_mailbox"]["posts"] == 1 and t["cpu_mailbox"]["share"] == 0.0 and t["cpu_experts"] == 1
-    assert t["zero_copy_experts"] == cache.lru.misses - 1 > 0
-
-
-def test_a_step_run_without_the_mailbox_kernels_posts_nothing_and_reads_no_stale_cpu_log():
-    """With the gate shut a step runs a graph captured without the post and the wait (cpu=False,
-    engine/runtime/decode_graph.py's "graph" form). The CPU log an earlier step left on the device
-    is not this step's: read as such, it would count step 0's CPU experts again."""
-    store, gate_up, down = _store()
-    cache = ExpertCache(1, H, I, torch.float32, torch.device(DEVICE))
-    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0, cpu_share=1.0,
-                        cpu_gated=False)
-    x, w, ids = torch.randn(1, H), torch.tensor([[0.25, 0.75]]), torch.tensor([[0, 1]])
-    seen = []
+def _post_split(m, split):
+    """The device's split of one layer with m missed experts (of 6, one token each, top-1 rows):
+    how many went to the CPU."""
+    box = CpuMailbox(_store()[0], torch.device(DEVICE), max_rows=E, top_k=1, split=split)
     try:
-        for cpu in (True, False):
-            zc.before_step(cpu=cpu)
-            for layer in range(L):
-                out = zc.run(layer, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))
-                ref = moe_experts(x.double(), ids, w.double(), gate_up[layer].double(), down[layer].double())
-                torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-4)
-            zc.after_step(1)
-            zc.drain()
-            t = zc.telemetry()
-            seen.append((t["cpu_mailbox"]["posts"], t["cpu_experts"], t["zero_copy_experts"]))
+        offsets = torch.zeros(E, dtype=torch.int64)  # in the pool
+        offsets[:m] = 10**12  # the first m experts miss
+        ids = torch.arange(E).view(E, 1)
+        gpu_ids = torch.empty(E, dtype=torch.int64, device=DEVICE)
+        log, cpu_log = torch.empty_like(gpu_ids), torch.empty_like(gpu_ids)
+        box.post(0, torch.randn(E, H).to(DEVICE), ids.to(DEVICE), torch.ones(E, 1).to(DEVICE), offsets.to(DEVICE),
+                 100, gpu_ids, log, cpu_log)
+        marks = cpu_log.cpu().tolist()
+        if sum(marks):
+            _wait_for(lambda: int(box.done[0]) == 1)
+        return marks
     finally:
-        zc.close()
-    # step 0: share 1, both experts of every layer on the CPU; step 1: every miss over the link
-    assert seen == [(L, 2 * L, 0), (L, 2 * L, 2 * L)]
+        box.close()
 
 
-@pytest.mark.parametrize("n_slots, churns", [(1, True), (4 * L * E, False)])
-def test_the_cpu_takes_its_share_only_while_the_cache_churns(n_slots, churns):
-    """Gated (the default): the first step runs at share 0; then a cache of one slot keeps missing and
-    the CPU takes its share, while a roomy cache under the same routing fills and then hits. Its first
-    step misses 6 experts, above CPU_CHURN_SHARE of its 72 slots (5.8), but the average starts at 0:
-    the gate stays shut and every miss enters the cache."""
-    zc, cache, lookups = _decode(n_slots, 0.75, steps=6, gated=True, same_routing=True)
+@pytest.mark.parametrize("split", [(0.235, 0.067, 0.25), (0.235, 0.3, 0.05), (1.0, 1.0, 0.0), (0.1, 0.5, 0.0),
+                                   (0.5, 0.1, 2.0)])
+def test_the_device_sends_the_cpu_the_count_that_ends_the_layer_soonest(split):
+    """For given costs, the count of missed experts the CPU takes is the integer c in [0, m] with the
+    least max((m − c) · link, handoff + c · cpu) (no handoff at c = 0), the fewer on a tie; they are the
+    first missed experts in pair order. (The first costs: the H100 host's measured ones, BF16.)"""
+    link, cpu, handoff = split
+    span = lambda m, c: max((m - c) * link, handoff + c * cpu if c else 0.0)  # noqa: E731
+    for m in range(E + 1):
+        want = min(range(m + 1), key=lambda c: (round(span(m, c), 9), c))
+        marks = _post_split(m, split)
+        assert marks == [1] * want + [0] * (E - want), (m, want)
+
+
+def test_the_split_starts_from_the_cost_model_and_follows_the_workers_posts():
+    """Posts of 1 to 4 experts taking 0.25 ms + 0.07 ms each: after MEASURE_POSTS of them the split's
+    CPU costs are that line, not the model's; posts all of one size keep the per-post cost and give
+    the experts the rest."""
+    from engine.sched.expert_cost import ExpertCostModel
+
+    costs = ExpertCostModel.from_shape(2048, 768, 2)
+    split = MissSplit.from_costs(costs)
+    assert split.values() == pytest.approx((costs.zero_copy_ms(), costs.cpu_expert_ms(1), costs.cpu_overhead_ms))
+    assert split.link_ms == pytest.approx(9437184 / 38.6e6)  # a BF16 expert over PCIe at the model's 38.6 GB/s
+
+    def sums(sizes):
+        c, t = np.array(sizes, float), 2.5e-4 + 7e-5 * np.array(sizes, float)
+        return [len(c), c.sum(), (c * c).sum(), t.sum(), (c * t).sum()]
+
+    sizes = [1, 2, 3, 4] * (MEASURE_POSTS // 4)
+    assert not split.observe(sums(sizes[:-1]))  # one post short of a window
+    assert split.observe(sums(sizes)) and split.measured
+    assert (split.cpu_ms, split.handoff_ms) == pytest.approx((0.07, 0.25))
+    later = np.add(sums(sizes), sums([2] * MEASURE_POSTS))  # a window of posts of 2 experts, 0.39 ms each
+    assert split.observe(later)
+    assert split.handoff_ms == pytest.approx(0.25) and split.cpu_ms == pytest.approx(0.07)
+    assert split.telemetry()["cpu_measured"] is True
+
+
+def test_the_environment_keeps_the_cpu_out_of_the_graph(monkeypatch):
+    monkeypatch.delenv("TANDEM_GRAPH_CPU", raising=False)
+    assert graph_cpu_enabled()
+    monkeypatch.setenv("TANDEM_GRAPH_CPU", "0")
+    assert not graph_cpu_enabled()
+    zc = ZeroCopyDecode(_store()[0], ExpertCache(2, H, I, torch.float32, torch.device(DEVICE)),
+                        torch.device(DEVICE), max_tokens=4)
+    assert zc.telemetry()["cpu_mailbox"] == {"off": "no CPU split"} and zc.telemetry()["cpu_split"] is None
+
+
+def test_a_cache_with_a_slot_for_every_expert_opens_no_mailbox():
+    """Nothing can miss: the graph carries no post and no wait."""
+    zc, cache, _ = _decode(L * E, EVEN, steps=2)
     t = zc.telemetry()
-    assert (t["cpu_experts"] > 0) == churns and (t["cpu_mailbox"]["share"] == 0.75) == churns
-    assert cache.lru.hits + cache.lru.misses == lookups
-    if not churns:
-        assert 6 > CPU_CHURN_SHARE * n_slots > t["missed_per_step"] and cache.lru.fills == L * 2
+    assert t["cpu_mailbox"] == {"off": "every expert has a slot"} and t["cpu_experts"] == 0
+    assert cache.lru.misses > 0 and t["zero_copy_experts"] == cache.lru.misses  # the first reads still missed
+
+
+def test_the_measured_costs_reach_the_device_between_steps():
+    """Each before_step hands the worker's posts to the split; once it has measured them, the device's
+    costs are the split's."""
+    zc, cache, _ = _decode(1, ALL, steps=MEASURE_POSTS // L + 2)
+    t = zc.telemetry()
+    assert t["cpu_mailbox"]["posts"] >= MEASURE_POSTS and t["cpu_split"]["cpu_measured"]
+    assert t["cpu_split"]["link_ms"] == 1.0  # the link's cost stays the one given
+    assert zc.mailbox.split_values == zc.cpu_split.values() != ALL
+    assert zc.mailbox.split.cpu().tolist() == pytest.approx(list(zc.cpu_split.values()))
 
 
 def test_a_post_the_worker_cannot_read_is_answered_with_an_error():
     """A post naming a layer out of range (a torn or stale mailbox): the worker still answers, so no
     kernel waits out its polls, marks the answer failed and keeps the reason for the host's check."""
     store = _store()[0]
-    box = CpuMailbox(store, torch.device(DEVICE), max_rows=4, top_k=K, share=0.5)
+    box = CpuMailbox(store, torch.device(DEVICE), max_rows=4, top_k=K, split=EVEN)
     try:
         box.to_cpu[8], box.to_cpu[9] = L + 5, 1  # layer, rows
         box.to_cpu[0] = 1  # the post, written here as the device would
@@ -244,12 +259,12 @@ def test_the_worker_leaves_the_driving_thread_a_core(cores, team):
     native.set_threads(cores)
     try:
         assert worker_threads() == team
-        box = CpuMailbox(_store()[0], torch.device(DEVICE), max_rows=4, top_k=K, share=0.5)
+        box = CpuMailbox(_store()[0], torch.device(DEVICE), max_rows=4, top_k=K, split=EVEN)
         try:
             assert box.telemetry()["threads"] == team
         finally:
             box.close()
-        box = CpuMailbox(_store()[0], torch.device(DEVICE), max_rows=4, top_k=K, share=0.5, threads=3)
+        box = CpuMailbox(_store()[0], torch.device(DEVICE), max_rows=4, top_k=K, split=EVEN, threads=3)
         assert box.telemetry()["threads"] == 3  # a caller's team is kept as given
         box.close()
     finally:

@@ -35,7 +35,6 @@ def _step(ex, B, g, gate_up, down, stand_ins):
     form = ex.graph_form(B)
     if form not in stand_ins:  # the first step of a form is captured: its stand-in is made then
         stand_ins[form] = ex.stand_in(form)
-        assert ex.forms_captured_with(B, form) == ()  # no CPU mailbox: no second one graph
         ex.capture_ran()
     ex.before_replay(B, form)
     stand_in = stand_ins[form]
@@ -70,7 +69,7 @@ def test_without_a_device_table_every_step_is_pieces():
     ex, gate_up, down = _offloaded()
     ex.zero_copy = None  # policy on-demand, no Triton, a model with expert biases, ...
     assert ex.cut_at_layers and ex.graph_form(1) == "pieces" and ex.stand_in("pieces") is None
-    assert ex.forms_captured_with(1, "pieces") == () and ex.graph_telemetry() == {}
+    assert ex.graph_telemetry() == {}
     _step(ex, 1, torch.Generator().manual_seed(2), gate_up, down, {})
     ex.close()
 

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.experts.cache import ExpertCache  # noqa: E402
+from engine.experts.cpu_mailbox import MissSplit  # noqa: E402
 from engine.experts.store import ExpertStore  # noqa: E402
 from engine.experts.zero_copy import LAG_LIST_SHARE, ZeroCopyDecode  # noqa: E402
 from engine.kernels.experts_torch import moe_experts  # noqa: E402
@@ -91,11 +92,11 @@ def _check_table(zc, cache, store):
 
 
 def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, check_each_step=True, lag_list_share=1.0,
-            inflight=None, quantised=False, cpu_share=0.0):
+            inflight=None, quantised=False, cpu_split=False):
     """lag_list_share 1.0: the host always lists a step's slots before reading the step before's log
     (caches this small would read it first under the default). inflight: the steps whose logs are
     unread after each before_step, appended to. quantised: a store of blocks (`_quant_store`), slots
-    of bytes. cpu_share: of each layer's misses, the share the CPU mailbox computes (ungated)."""
+    of bytes. cpu_split: the CPU mailbox takes half of each layer's misses (link and CPU costed alike)."""
     if quantised:
         store, gate_up, down = _quant_store()
         h, i = QH, QI
@@ -107,7 +108,8 @@ def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, check_each_s
         cache = ExpertCache(n_slots, h, i, torch.float32, torch.device(DEVICE))
     window = []
     zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, window=window,
-                        lag_list_share=lag_list_share, cpu_share=cpu_share, cpu_gated=False)
+                        lag_list_share=lag_list_share,
+                        cpu_split=MissSplit(1.0, 1.0, 0.0) if cpu_split else None)
     g = torch.Generator().manual_seed(seed)
     routing = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n_tokens)]) for _ in range(L)]
     used_per_step = []
@@ -127,7 +129,7 @@ def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, check_each_s
             w = torch.softmax(torch.randn(n_tokens, K, generator=g), -1)
             out = zc.run(layer, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))
             ref = moe_experts(x.double(), ids, w.double(), gate_up[layer].double(), down[layer].double())
-            if quantised and cpu_share > 0:  # the CPU's products over blocks take the activations in int16
+            if quantised and cpu_split:  # the CPU's products over blocks take the activations in int16
                 # (native/quant_kernels.h): 2^-16 of a block's largest, in x and again in act: a few 1e-5
                 # of the largest output
                 assert (out.cpu().double() - ref).abs().max() <= 2.5e-4 * ref.abs().max()
@@ -202,7 +204,7 @@ def test_a_quantised_store_sends_part_of_its_misses_to_the_cpu():
 
     if native.module() is None or not hasattr(native.module(), "CpuMailbox"):
         pytest.skip("the CPU mailbox needs the native extension")
-    zc, store, cache, window, used = _decode(4, steps=6, quantised=True, cpu_share=0.5)
+    zc, store, cache, window, used = _decode(4, steps=6, quantised=True, cpu_split=True)
     t = zc.telemetry()
     assert t["cpu_experts"] > 0 and t["cpu_mailbox"]["experts"] == t["cpu_experts"]
     assert t["cpu_experts"] + t["zero_copy_experts"] == cache.lru.misses

@@ -157,11 +157,9 @@ def test_offloaded_experts_replay_in_pieces(policy, slots, tmp_path):
     assert experts["hits"] + experts["misses"] > 0
     if policy == "adaptive":  # the chooser times both forms, the whole-step graph first (misses read in place)
         assert experts["zero_copy"]["graph_steps"] > 0 and experts["zero_copy"]["zero_copy_experts"] > 0
-        # the one graph comes with and without the CPU mailbox's kernels, both captured at a size's first
-        # graph step where the mailbox is open (the gate, shut at first, picks one per step)
-        mailbox_open = "off" not in experts["zero_copy"]["cpu_mailbox"]
+        # one whole-step graph per size, with the CPU mailbox's kernels wherever the mailbox is open
         graph_forms = [{f for f in forms if f != "pieces"} for forms in tel["captured_forms"].values()]
-        assert all(f == ({"graph", "graph+cpu"} if mailbox_open else {"graph"}) for f in graph_forms if f)
+        assert all(f == {"graph"} for f in graph_forms if f)
     else:
         assert "off" in experts["zero_copy"]
     assert got == expected
@@ -170,8 +168,8 @@ def test_offloaded_experts_replay_in_pieces(policy, slots, tmp_path):
 
 def test_a_step_replays_the_form_the_executor_names_and_calls_its_hooks_around_it():
     """DecodeGraphs.step on the CPU with the captures stood in for (graphs need CUDA): the form comes
-    from the executor, a new form is captured with the forms the executor names beside it, and the
-    executor hears of the capture and of each replay (before, after, with the pairs routed) in order."""
+    from the executor, a new form is captured at its first step, and the executor hears of the capture
+    and of each replay (before, after, with the pairs routed) in order."""
     from types import SimpleNamespace
 
     from engine.experts.executor import ExpertExecutor
@@ -183,7 +181,7 @@ def test_a_step_replays_the_form_the_executor_names_and_calls_its_hooks_around_i
         policy = "recording"
 
         def __init__(self):
-            self.forms = iter(["graph+cpu", "graph+cpu", "graph"])
+            self.forms = iter(["pieces", "pieces", "graph"])
 
         def run(self, layer, x, ids, weights):
             raise AssertionError("a replay with no cut runs no layer on the host")
@@ -193,9 +191,6 @@ def test_a_step_replays_the_form_the_executor_names_and_calls_its_hooks_around_i
 
         def graph_form(self, B):
             return next(self.forms)
-
-        def forms_captured_with(self, B, form):
-            return ("graph",) if form == "graph+cpu" else ()
 
         def capture_ran(self):
             calls.append("capture_ran")
@@ -228,12 +223,13 @@ def test_a_step_replays_the_form_the_executor_names_and_calls_its_hooks_around_i
     graphs._capture = capture
     tokens, positions = torch.ones((2, 1), dtype=torch.int64), torch.zeros((2, 1), dtype=torch.int64)
     first = graphs.step(tokens, positions)
-    assert calls == [("capture", "graph+cpu"), ("capture", "graph"), "capture_ran", ("before", 2, "graph+cpu"),
-                     ("replay", "graph+cpu"), ("after", 2, "graph+cpu", 16)]
-    assert first.shape == (2, 5) and first[0, 0] == len("graph+cpu")
+    assert calls == [("capture", "pieces"), "capture_ran", ("before", 2, "pieces"), ("replay", "pieces"),
+                     ("after", 2, "pieces", 16)]
+    assert first.shape == (2, 5) and first[0, 0] == len("pieces")
     calls.clear()
     graphs.step(tokens, positions)  # captured already: replayed, no capture
-    graphs.step(tokens, positions)  # the companion captured beside it: replayed at once
-    assert calls == [("before", 2, "graph+cpu"), ("replay", "graph+cpu"), ("after", 2, "graph+cpu", 16),
-                     ("before", 2, "graph"), ("replay", "graph"), ("after", 2, "graph", 16)]
+    graphs.step(tokens, positions)  # a new form: captured at its first step
+    assert calls == [("before", 2, "pieces"), ("replay", "pieces"), ("after", 2, "pieces", 16),
+                     ("capture", "graph"), "capture_ran", ("before", 2, "graph"), ("replay", "graph"),
+                     ("after", 2, "graph", 16)]
     assert graphs.replays == 3
