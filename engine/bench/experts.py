@@ -27,14 +27,11 @@ import time
 from engine.bench.common import header
 from engine.experts.cpu_mailbox import graph_cpu_enabled
 from engine.hw.hostmem import huge_page_bytes
-from engine.experts.mode_chooser import PROBE_LENGTH
 
-# Unmeasured decode steps per policy and batch size before measuring: kernel compiles and graph
-# captures, and for `adaptive` the choice between the whole-step graph and pieces: the probe's steps,
-# the prefill step that starts the request and the two capture steps, which the probe does not time.
-# (Sized from the probe: were it shorter, probe steps in the slower form would reach the timed tokens
-# and cost adaptive ~10%.)
-WARM_TOKENS = PROBE_LENGTH + 3
+# Unmeasured decode steps per policy and batch size before measuring: the step that starts the
+# request, the capture's eager warm-up with its kernel compiles, and for `adaptive` the steps until its
+# CPU split has measured the worker's first MEASURE_POSTS posts (two to four steps of a 16-layer model).
+WARM_TOKENS = 8
 
 POLICIES = ("cpu-only", "on-demand", "static", "adaptive")
 ROUTING_NOTE = ("synthetic models route with random routers: expert use is near-uniform, a worst case for any "
@@ -168,7 +165,7 @@ def run(model: str = "synthetic:qwen3-30b-a3b", policies=POLICIES, batch_sizes=(
                     for r in range(rounds):
                         for i, policy in enumerate(policies):
                             # The KV pool holds only the shared sessions: each policy warms up by decoding
-                            # WARM_TOKENS on them (graph capture, compiles, form choice), then is measured.
+                            # WARM_TOKENS on them (graph capture, compiles, the split's first measure), then is measured.
                             use(policy, warm=False)
                             if warmup:
                                 _, histories = _decode(engine, sessions, histories, WARM_TOKENS, sample, seed + 1000)

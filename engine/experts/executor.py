@@ -57,13 +57,6 @@ class ExpertExecutor(ABC):
     def after_replay(self, B: int, form: str, pairs: int) -> None:
         """Host work after it; pairs: the (token, expert) pairs the step routed."""
 
-    def capture_ran(self) -> None:
-        """A capture, with its eager warm-up, ran since the last step began."""
-
-    def graph_telemetry(self) -> dict:
-        """What the executor adds to the decode graphs' stats."""
-        return {}
-
 
 # Tokens per layer call up to which the grouped GEMM path runs: every decode batch (one token per
 # chat), while prefill chunks, where the per-expert loop is twice as fast, stay above it.

@@ -6,8 +6,9 @@ Offloaded experts decide on the host, so their step is captured in pieces, cut a
 the host runs the layer between pieces (`OffloadedExperts.run`). With a device table
 (engine/experts/zero_copy.py: `adaptive` on a GPU) the whole step can also be one graph, whose
 kernels find each expert in a slot or read it in place, or hand part of a layer's misses to the CPU
-through its mailbox (engine/experts/cpu_mailbox.py). Per batch size the ModeChooser keeps whichever of
-the one graph and pieces measured faster.
+through its mailbox (engine/experts/cpu_mailbox.py). Where that table exists a decode step of up to
+its max_tokens is the one graph: it decoded 2x pieces at one chat and at four (BF16, 8 GB, H100;
+benchmarks/h200/2026-12-07-miss-split-h100/), so pieces remain for larger steps and the other policies.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ class InGraph(ExpertExecutor):
 
 
 class GraphForms:
-    """Mixed into OffloadedExperts, which supplies `device`, `zero_copy` (or None) and `chooser` (a
-    ModeChooser): the decode-graph hooks of ExpertExecutor for experts placed on the host's word."""
+    """Mixed into OffloadedExperts, which supplies `device` and `zero_copy` (or None): the decode-graph
+    hooks of ExpertExecutor for experts placed on the host's word."""
 
     cut_at_layers = True
 
@@ -44,9 +45,7 @@ class GraphForms:
         return None if self.device.type == "cuda" else "the offloaded experts' GPU side is simulated on the CPU"
 
     def graph_form(self, B: int) -> str:
-        if self.zero_copy is None or B > self.zero_copy.max_tokens:
-            return "pieces"
-        return self.chooser.form(B)
+        return "pieces" if self.zero_copy is None or B > self.zero_copy.max_tokens else "graph"
 
     def stand_in(self, form: str) -> ExpertExecutor | None:
         if form != "graph":
@@ -55,18 +54,9 @@ class GraphForms:
         return InGraph(self.zero_copy)
 
     def before_replay(self, B: int, form: str) -> None:
-        if self.zero_copy is None:
-            return
-        self.chooser.started(B, form)
         if form == "graph":  # (a pieces step's host halves settle the table themselves: leave)
             self.zero_copy.before_step()
 
     def after_replay(self, B: int, form: str, pairs: int) -> None:
         if form == "graph":
             self.zero_copy.after_step(B)
-
-    def capture_ran(self) -> None:
-        self.chooser.discard()  # the capture's time is not a step's
-
-    def graph_telemetry(self) -> dict:
-        return self.chooser.telemetry() if self.zero_copy is not None else {}

@@ -32,7 +32,6 @@ from engine.experts.executor import ExpertExecutor
 from engine.experts.gpu_set import GpuSet
 from engine.experts.graph_forms import GraphForms
 from engine.experts.measured_costs import MeasuredCosts
-from engine.experts.mode_chooser import ModeChooser
 from engine.experts.planner import PLANNED_POLICIES, MissPlanner
 from engine.experts.predictor import GateLookahead, HotTable
 from engine.experts.store import ExpertStore
@@ -91,7 +90,6 @@ class OffloadedExperts(GraphForms, ExpertExecutor):  # GraphForms: its captured 
         self._cpu_forms: dict[int, ClampedSwiGLU] = {}  # the same with host copies of the biases
         self.zero_copy: ZeroCopyDecode | None = None  # the whole-step graph's device table (adaptive, CUDA)
         self.zero_copy_off: str | None = None  # why there is none
-        self.chooser = ModeChooser()  # with a device table: the one graph or pieces, per batch size (graph_forms.py)
         self._opened = False
         if n_slots is not None:
             self.open_cache(n_slots)

@@ -36,9 +36,6 @@ ahead would hold ~1.25 × a step's misses of the cache empty: at 32K bs=1 with 9
 enough to drop the hit rate from 0.66 to 0.61.)
 A step run the other way (pieces, eager prefill) changes the LRU behind the table's back; the table
 is then rebuilt from the LRU before the next graph replay.
-
-`engine/experts/mode_chooser.py` keeps, per batch size, whichever of the two step forms (one graph
-here, or pieces with the planner's CPU split) measured faster.
 """
 
 from __future__ import annotations

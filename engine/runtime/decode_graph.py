@@ -172,8 +172,6 @@ class DecodeGraphs:
                 return None
             if self.recurrent:  # the captures' warm-ups moved the states on: this step's again
                 self.kv.fix_states(B)
-            if experts is not None:
-                experts.capture_ran()
         if experts is not None:
             experts.before_replay(B, form)
         pieces, logits = entry
@@ -249,8 +247,7 @@ class DecodeGraphs:
             forms.setdefault(B, []).append(form)
         return {"captured_batches": sorted(forms), "captured_forms": forms, "replays": self.replays,
                 "launch_host_s": round(self.launch_s, 4),
-                "failed": self.failed, **({"pieces_per_step": pieces} if self.cut else {}),
-                **(self.experts.graph_telemetry() if self.experts is not None else {})}
+                "failed": self.failed, **({"pieces_per_step": pieces} if self.cut else {})}
 
     def close(self) -> None:
         self.steps.clear()
