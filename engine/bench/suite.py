@@ -136,6 +136,9 @@ def ratio(a: list[float], b: list[float]) -> dict:
     return {"median": round(statistics.median(per), 3) if per else None, "per_round": [round(x, 3) for x in per]}
 
 
+ROW_PREFIX = "[suite] row "  # a row as the progress log has it, then the row's JSON
+
+
 def row(ctx: Ctx, metric: str, condition: str, samples: dict[str, list[float]], peer: str, peer_kind: str = "peer",
         **extra) -> dict:
     """One table row: every system's figures, each Tandem tree over the peer, and the A/B ratio."""
@@ -145,6 +148,9 @@ def row(ctx: Ctx, metric: str, condition: str, samples: dict[str, list[float]], 
     if len(ctx.trees) == 2:
         this, other = (t.name for t in ctx.trees)
         out["ab"] = {"this": this, "against": other, **ratio(samples[this], samples[other])}
+    # the record is written when every cell has run: a run cut short (a lease's time out) keeps its rows
+    # in the progress log, one JSON line each
+    ctx.progress(ROW_PREFIX + json.dumps(out, default=str))
     return out
 
 

@@ -34,6 +34,15 @@ def test_a_row_has_median_spread_and_the_median_of_per_round_ratios():
     assert "ab" not in r
 
 
+def test_each_row_reaches_the_progress_log_as_it_is_made():
+    """A run cut short before its record is written keeps the rows made so far in its log."""
+    lines = []
+    ctx = suite.Ctx(trees=[suite.Tree("this", suite.REPO, "a" * 40)], rounds=2, progress=lines.append)
+    r = suite.row(ctx, "decode tok/s", "cond", {"tandem": [1.0, 2.0], "llama.cpp": [2.0, 2.0]}, "llama.cpp")
+    assert len(lines) == 1 and lines[0].startswith(suite.ROW_PREFIX)
+    assert json.loads(lines[0][len(suite.ROW_PREFIX):]) == r
+
+
 def test_two_trees_give_each_its_ratio_and_the_ab_ratio():
     trees = [suite.Tree("this", Path("."), "1" * 40), suite.Tree("against", Path("."), "1" * 40)]
     ctx = _ctx(trees)
