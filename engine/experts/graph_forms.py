@@ -4,11 +4,12 @@ drives without knowing what is inside).
 
 Offloaded experts decide on the host, so their step is captured in pieces, cut at each MoE layer, and
 the host runs the layer between pieces (`OffloadedExperts.run`). With a device table
-(engine/experts/zero_copy.py: `adaptive` on a GPU) the whole step can also be one graph, whose
-kernels find each expert in a slot or read it in place, or hand part of a layer's misses to the CPU
-through its mailbox (engine/experts/cpu_mailbox.py). Where that table exists a decode step of up to
-its max_tokens is the one graph: it decoded 2x pieces at one chat and at four (BF16, 8 GB, H100;
-benchmarks/h200/2026-12-07-miss-split-h100/), so pieces remain for larger steps and the other policies.
+(engine/experts/zero_copy.py: `adaptive` and `on-demand` on a GPU) a decode step of up to its
+max_tokens is one graph instead, whose kernels find each expert in a slot or read it in place, and
+under `adaptive` hand part of a layer's misses to the CPU through its mailbox
+(engine/experts/cpu_mailbox.py). It decoded 2x pieces at one chat and at four (BF16, 8 GB, H100;
+benchmarks/h200/2026-12-07-miss-split-h100/); pieces remain for larger steps and the policies that
+never fill (static, cpu-only).
 """
 
 from __future__ import annotations

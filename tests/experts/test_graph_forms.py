@@ -84,3 +84,17 @@ def test_the_hooks_default_to_an_executor_that_cannot_be_captured():
     resident = ResidentExperts([torch.zeros(E, 2 * I, H)], [torch.zeros(E, H, I)])
     resident.after_replay(3, "graph", 3 * K)  # a replay routed what `run` would have counted
     assert resident.tokens_routed == 3 * K
+
+
+@pytest.mark.parametrize("policy, off", [("adaptive", "needs CUDA and Triton"), ("on-demand", "needs CUDA and Triton"),
+                                         ("static", "policy static"), ("cpu-only", "policy cpu-only")])
+def test_the_policies_that_fill_their_cache_ask_for_the_one_graph(policy, off):
+    """adaptive and on-demand get a device table wherever CUDA is (here, on the CPU, only the reason
+    changes); static and cpu-only never fill, so their steps stay in pieces."""
+    g = torch.Generator().manual_seed(0)
+    gate_up = [torch.randn(E, 2 * I, H, generator=g) for _ in range(L)]
+    down = [torch.randn(E, H, I, generator=g) for _ in range(L)]
+    store = ExpertStore.from_layers(gate_up, down, dtype=torch.float32, pin=False)
+    ex = OffloadedExperts(policy, store, device=torch.device("cpu"), n_slots=5, max_decode_tokens=MAX_TOKENS)
+    assert ex.zero_copy is None and ex.zero_copy_off == off and ex.graph_form(1) == "pieces"
+    ex.close()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.api import GenerationRequest
+from engine.experts.offload import GRAPH_POLICIES
 
 from moe_helpers import PROMPT, tiny_engine
 
@@ -137,7 +138,8 @@ def test_a_failed_capture_falls_back_to_eager_steps(tmp_path, monkeypatch):
 @pytest.mark.parametrize("policy,slots", [("on-demand", 3), ("adaptive", 5), ("cpu-only", 0)])
 def test_offloaded_experts_replay_their_captured_steps(policy, slots, tmp_path):
     """With offloaded experts the step is captured in pieces, one per MoE layer plus the head, and the
-    host runs each layer's experts between them (adaptive's device table makes it one graph instead).
+    host runs each layer's experts between them (adaptive's and on-demand's device table makes it one
+    graph instead).
     Small caches: fills, evictions and CPU sets happen during replays, and the tokens are those of
     eager steps with the same policy. fp32: the first step
     of each batch size runs the experts twice, so placements (CPU or GPU) differ from the eager run's,
@@ -155,8 +157,8 @@ def test_offloaded_experts_replay_their_captured_steps(policy, slots, tmp_path):
     assert tel["launch_host_s"] > 0  # the replays' host time is measured
     experts = graphed.stats().experts
     assert experts["hits"] + experts["misses"] > 0
-    if policy == "adaptive":  # every step the one graph (misses read in place), with the CPU mailbox's
-        # kernels wherever the mailbox is open
+    if policy in GRAPH_POLICIES:  # every step the one graph (misses read in place; adaptive's with the CPU
+        # mailbox's kernels wherever the mailbox is open)
         assert experts["zero_copy"]["graph_steps"] > 0 and experts["zero_copy"]["zero_copy_experts"] > 0
         assert tel["captured_forms"] == {1: ["graph"], 2: ["graph"]} and tel["pieces_per_step"] == {}
     else:
