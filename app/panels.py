@@ -264,9 +264,15 @@ class LivePanels(QWidget):
         counts = [f"{k.replace('_', ' ')} {fmt(ex.get(k), ',')}" for k in
                   ("hits", "misses", "fills", "cpu_executed", "evictions", "prefetch_used", "prefetch_wasted")]
         zc = ex.get("zero_copy") or {}
-        if zc.get("graph_steps"):  # adaptive decoding as one graph: misses read in place over PCIe
+        if zc.get("graph_steps"):  # decoding as one graph: misses read in place over PCIe
             counts.append(f"one-graph steps {fmt(zc['graph_steps'], ',')} · read in place "
                           f"{fmt(zc.get('zero_copy_experts'), ',')}")
+        split = zc.get("cpu_split")
+        if split:  # what the one graph's split of each layer's misses weighs (ms an expert, ms a CPU post)
+            counts.append(f"misses computed on the CPU {fmt(zc.get('cpu_experts'), ',')} (an expert: link "
+                          f"{fmt(split.get('link_ms'), '.3f', ' ms')}, CPU {fmt(split.get('cpu_ms'), '.3f', ' ms')} "
+                          f"+ {fmt(split.get('handoff_ms'), '.3f', ' ms')} a post"
+                          f"{', measured' if split.get('cpu_measured') else ', modelled'})")
         self.counts_text.setText(" · ".join(counts))
 
     def _pcie(self, s: dict) -> None:

@@ -54,7 +54,9 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
     base["kv"].update(r_target=0.4, r_deployed=0.35, A_ns_per_token=12.5, B_ns_per_token=20.0, delta_ms=0.3)
     base["experts"].update(hits=90, misses=10, fills=6, cpu_executed=4, evictions=2, prefetch_used=3,
                            prefetch_wasted=1, hit_rate=0.9,
-                           zero_copy={"graph_steps": 40, "zero_copy_experts": 1200, "graph_fills": 1100})
+                           zero_copy={"graph_steps": 40, "zero_copy_experts": 1200, "graph_fills": 1100,
+                                      "cpu_experts": 900, "cpu_split": {"link_ms": 0.246, "cpu_ms": 0.11,
+                                                                        "handoff_ms": 0.08, "cpu_measured": True}})
     base["pcie"].update(h2d_bytes=3 * gib, d2h_bytes=gib // 10, h2d_gbps=24.5, d2h_gbps=1.5)
     base["host"].update(expert_store=17 * gib, expert_store_types=["Q4_K", "Q6_K"])  # a Q4_K_M file's experts
     base["model"].update(device="cuda:0", weight_types=["Q4_K", "Q6_K", "Q8_0"])  # its dense layers' blocks too
@@ -76,6 +78,8 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
     assert "fills 10.0/s" in panels.experts_text.text() and "CPU-executed 2.0/s" in panels.experts_text.text()
     assert panels.flow_plot.values("fills_per_s") == [None, 10.0]  # no rate from a single sample
     assert "one-graph steps 40 · read in place 1,200" in panels.counts_text.text()
+    assert ("misses computed on the CPU 900 (an expert: link 0.246 ms, CPU 0.110 ms + 0.080 ms a post, measured)"
+            in panels.counts_text.text())
     assert "expert store 17.00 GiB (Q4_K/Q6_K blocks)" in panels.host_text.text()
     assert "H2D 24.50 GB/s" in panels.pcie_text.text() and "D2H 1.50 GB/s" in panels.pcie_text.text()
     panels.update_snapshot({**later, "t": 3.0, "model": {**later["model"], "device": "cpu"}})  # the CPU holds them
