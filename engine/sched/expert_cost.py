@@ -20,6 +20,10 @@ from dataclasses import dataclass, fields
 from typing import Sequence
 
 BYTES_PER_MS_PER_GBPS = 1e6  # 1 GB/s moves 1e6 bytes a millisecond: costs here are in ms
+# In-place reads by the GPU's kernels over DMA fills of the same link: 38.6 GB/s against 52.7 on the
+# H100 host (PCIe Gen5). Until calibration times in-place reads itself, a machine's measured B_P times
+# this stands for them (a Gen4 desktop's link is not the server's).
+ZERO_COPY_OF_DMA = 38.6 / 52.7
 FLOP_PER_MS_PER_TFLOPS = 1e9  # 1 TFLOP/s does 1e9 FLOP a millisecond
 
 
@@ -29,7 +33,8 @@ class ExpertCostModel:
     flops_per_token: float  # 6·H·I: three (H × I) matmuls, 2 FLOP per multiply-add
     pcie_gbps: float = 52.7  # B_P: pinned H2D into a slot (0.179 ms per 9.4 MB expert)
     # The GPU's own kernels reading an expert in place from pinned host memory (the one decode graph's
-    # misses): H100, PCIe Gen5, BF16 graph steps bound by the link read 38.6-39.6 GB/s
+    # misses): H100, PCIe Gen5, BF16 graph steps bound by the link read 38.6-39.6 GB/s. A calibration
+    # that measured B_P scales it by ZERO_COPY_OF_DMA.
     zero_copy_gbps: float = 38.6
     host_gbps: float = 76.0  # B_H: DRAM bandwidth fills and CPU experts share (23 GB/s CPU beside a 53.7 GB/s fill)
     cpu_gbps: float = 31.0  # the CPU kernel's own weight-streaming rate when alone (0.30 ms per 9.4 MB expert)
@@ -74,6 +79,7 @@ class ExpertCostModel:
                 measured["cpu_tflops"] = model.flops_per_token / (per_token_ms * FLOP_PER_MS_PER_TFLOPS)
         if pcie_gbps:
             measured["pcie_gbps"] = pcie_gbps
+            measured["zero_copy_gbps"] = ZERO_COPY_OF_DMA * pcie_gbps
             if cpu_beside_fills_gbps:
                 measured["host_gbps"] = pcie_gbps + cpu_beside_fills_gbps
         return cls.from_shape(hidden, expert_ffn, dtype_bytes, **measured)

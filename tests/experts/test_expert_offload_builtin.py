@@ -262,5 +262,6 @@ def test_an_engine_plans_its_experts_with_the_machines_calibration(tmp_path):
     try:
         costs = eng.backend.parts.experts.costs
         assert (costs.pcie_gbps, costs.host_gbps) == (50.0, 70.0)  # B_P, and B_P + the CPU beside fills
+        assert costs.zero_copy_gbps == pytest.approx(50.0 * 38.6 / 52.7)  # in-place reads: B_P's share of them
     finally:
         eng.close()
