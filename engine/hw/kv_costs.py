@@ -41,9 +41,14 @@ def fit_costs(points: list[tuple[int, float]]) -> tuple[float, float]:
 
     The slope is fitted over all points; the fixed cost is the smallest step's time less its
     token cost, which a least-squares intercept (dominated by the noise of the long steps) is not.
+    A slope of 0 or less is no measurement (a host busy during the short steps: it would make the
+    tokens free, and the roofline would send all attention there): the longest step's time per token
+    stands for it, an upper bound on the slope that is never 0.
     """
     slope, _ = fit_line([p[0] for p in points], [p[1] for p in points])
-    slope = max(slope, 0.0)
+    if slope <= 0:
+        n_max, t_max = max(points)
+        slope = t_max / n_max
     n0, t0 = min(points)
     return slope * 1e6, max(t0 - slope * n0, 0.0)
 

@@ -154,6 +154,14 @@ def test_a_kernel_that_fails_or_disagrees_is_replaced_by_the_reference():
         assert chosen.name == "torch-matmul-reference" and fn.__name__ in why
 
 
+def test_a_fit_that_slopes_down_takes_the_longest_steps_time_per_token():
+    """A busy host slowed the short steps past the long one: the slope is no cost, and 0 would make
+    tokens free. The longest step's time per token stands for it."""
+    ns, fixed = fit_costs([(16, 0.9), (1024, 0.3), (8192, 0.5)])
+    assert ns == pytest.approx(0.5 / 8192 * 1e6) and ns > 0
+    assert fixed == pytest.approx(max(0.9 - 16 * 0.5 / 8192, 0.0))
+
+
 def test_fit_recovers_per_token_cost_and_fixed_overhead():
     points = [(16, 0.05 + 16 * 2e-6), (1024, 0.05 + 1024 * 2e-6), (8192, 0.05 + 8192 * 2e-6)]
     ns, fixed = fit_costs(points)
