@@ -1,6 +1,5 @@
 # The method of §3 as a script: two trees in turn on the GPU machine, whose copy of the checkout has no .git (so no
 # `tandem bench suite --against`). Each tree is a `git archive COMMIT -o NAME.tar` carried in beside this
-# `tandem bench suite --against`): each tree a `git archive COMMIT -o NAME.tar` carried in beside this
 # checkout, unpacked and given this checkout's native build (the two trees' native/ were the same).
 #   TARS="base.tar new.tar" CONTEXTS="32768 32768 2048" RES=out bash ab_trees.sh
 # Each context runs every tree once, in the order given, then the next context reverses the order.
