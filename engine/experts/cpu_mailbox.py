@@ -179,11 +179,14 @@ class CpuMailbox:
     # -- between replays --------------------------------------------------------------------------
     def set_split(self, split: tuple[float, float, float]) -> None:
         """(link_ms, cpu_ms, handoff_ms), queued on the current stream: replays after it split with
-        these. (The mailbox is made inside the engine's inference mode; its tensors are written in
-        place only inside one.)"""
+        these. Three fills carrying the values as kernel arguments, so the host neither waits for the
+        replay in flight (a copy from pageable memory would synchronise the stream) nor keeps a staging
+        buffer alive. (The mailbox is made inside the engine's inference mode; its tensors are written
+        in place only inside one.)"""
         self.split_values = tuple(float(v) for v in split)
         with torch.inference_mode():
-            self.split.copy_(torch.tensor(self.split_values, dtype=torch.float32))
+            for i, v in enumerate(self.split_values):
+                self.split[i].fill_(v)
 
     def queue_check(self) -> None:
         """Queue the error flag's copy to the host behind the work launched so far."""

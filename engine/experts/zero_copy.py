@@ -212,11 +212,12 @@ class ZeroCopyDecode:
         self._unlogged_tokens = 0
         step, self._next = self._next, None
         assert step is not None, "before_step lists the slots of every step"
-        step.cpu = self.mailbox is not None  # (it opens in the first step's first layer, before any post)
-        logs = (self.log, self.claims) + ((self.cpu_log,) if step.cpu else ())  # a step without the mailbox: no CPU log
+        # The mailbox opens in the first step's first layer, before any post, and stays open: without it
+        # no step has a CPU log
+        logs = (self.log, self.claims) + ((self.cpu_log,) if self.mailbox is not None else ())
         for host, dev in zip(self.logs_host[step.buf], logs):
             host.copy_(dev, non_blocking=True)
-        if step.cpu:
+        if self.mailbox is not None:
             self.mailbox.queue_check()
         if self.device.type == "cuda":
             step.ready = torch.cuda.Event()
@@ -262,8 +263,8 @@ class ZeroCopyDecode:
             self.mailbox.check()
         n, k = step.n_tokens, self.log.shape[1] // self.max_tokens
         log_host, claims_host, cpu_host = self.logs_host[step.buf]
-        # (a step without the mailbox's kernels left the device's CPU log as an earlier step wrote it)
-        cpu = cpu_host[:, :n * k].numpy() if step.cpu else np.zeros_like(claims_host[:, :n * k].numpy())
+        # (without the mailbox the device's CPU log was never written)
+        cpu = cpu_host[:, :n * k].numpy() if self.mailbox is not None else np.zeros_like(claims_host[:, :n * k].numpy())
         self._account(log_host[:, :n * k].numpy().reshape(-1, n, k), claims_host[:, :n * k].numpy(), cpu, step)
 
     def _account(self, log: np.ndarray, claims: np.ndarray, cpu: np.ndarray, step: "_Listed") -> None:
@@ -370,7 +371,6 @@ class _Listed:
     held: list[int]  # free slots, held out of the LRU until the step's log is read
     victims: dict[int, tuple[int, int]]  # slot → the cached entry it holds
     buf: int  # which of the two staging buffers its lists and logs take
-    cpu: bool = False  # its layers posted part of their misses to the CPU mailbox
     n_tokens: int = 0
     ready: object = None  # a CUDA event after its logs' copy (_Done on the simulated GPU)
 

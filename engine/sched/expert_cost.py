@@ -108,9 +108,9 @@ class ExpertCostModel:
         return self.expert_bytes / (self.zero_copy_gbps * BYTES_PER_MS_PER_GBPS)
 
     def cpu_expert_ms(self, tokens: int = 1) -> float:
-        """One expert on the CPU alone, its weights streamed at the CPU's own rate (no per-set overhead)."""
-        return self.cpu_correction * (self.expert_bytes / (self.cpu_alone_gbps * BYTES_PER_MS_PER_GBPS)
-                                      + tokens * self.flops_per_token / (self.cpu_tflops * FLOP_PER_MS_PER_TFLOPS))
+        """One expert on the CPU alone, its weights streamed at the CPU's own rate: a set of one without
+        the set's overhead."""
+        return self.cpu_ms(1, tokens) - self.cpu_correction * self.cpu_overhead_ms
 
     def fills_ms(self, q: int) -> float:
         """q fills in series on one copy stream (PDScope premise 3: serial I/O)."""
