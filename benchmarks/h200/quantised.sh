@@ -3,7 +3,7 @@
 # tests of the quantised experts first, then each cell as its own suite run (a lease cut short keeps
 # the records made so far). The suite quantises the BF16 export with the built `llama-quantize` once.
 # Carried in and started as families.sh's header says, with this script in its place; CONTEXTS=2048
-# keeps a short lease to 2K, ROUTING (default random: one export, one quantised file) adds zipf:1.0.
+# keeps a short lease to 2K (CHATS=1 to one chat), ROUTING (default random: one export, one quantised file) adds zipf:1.0.
 # Each carried .lease/base*.tar (`git archive BASE -o .lease/base-BASE.tar`) adds the GPU kernels' bench
 # at BASE, its own tiles, beside this commit's: the A/B of a kernel change on the same machine.
 # CELLS (default: the four below) names the suite cells; CELLS= runs the tests and kernel benches only.
@@ -82,7 +82,7 @@ for cell in $CELLS; do
   step "suite $cell"
   python3 -m engine.cli bench suite --work "$work" --llama-cpp-source .llamacpp/llamacpp-src.tar.xz \
     --tokenizer-from .llamacpp/smollm2-vocab.gguf --routing "${ROUTING:-random}" --rounds 1 --cells "$cell" \
-    ${CONTEXTS:+--contexts "$CONTEXTS"} --json "$res/$cell.json" >/dev/null 2>>"$res/suite.log"
+    ${CONTEXTS:+--contexts "$CONTEXTS"} ${CHATS:+--chats "$CHATS"} --json "$res/$cell.json" >/dev/null 2>>"$res/suite.log"
   echo "suite $cell rc $?" >>"$log"
 done
 step ALL DONE

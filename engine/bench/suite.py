@@ -65,6 +65,7 @@ class Ctx:
     llama_source: str | None = None
     tokenizer_from: str | None = None  # the GGUF exports' tokenizer (default: the built-in SmolLM2's)
     contexts: tuple | None = None  # the GPU decode cells' contexts, a subset of each cell's own (None: all)
+    chats: tuple | None = None  # the GPU decode cells' chat counts, a subset of each cell's own (None: all)
     progress: Callable[[str], None] = lambda s: None
 
     def tandem_names(self) -> list[str]:
@@ -361,7 +362,7 @@ def run_cells(ctx: Ctx, selected: list[Cell]) -> list[dict]:
 def run(*, quick: bool = False, rounds: int | None = None, cell_ids: list[str] | None = None,
         against: str | None = None, threads: int | None = None, routings: tuple | None = None,
         work: str | None = None, llama_source: str | None = None, tokenizer_from: str | None = None,
-        contexts: tuple | None = None, progress=print) -> dict:
+        contexts: tuple | None = None, chats: tuple | None = None, progress=print) -> dict:
     all_cells = cells()
     known = {c.id for c in all_cells}
     if cell_ids:
@@ -376,7 +377,7 @@ def run(*, quick: bool = False, rounds: int | None = None, cell_ids: list[str] |
         trees.append(add_worktree(against, progress))
     ctx = Ctx(trees=trees, rounds=rounds or 3, quick=quick, threads=threads, progress=progress,
               routings=tuple(routings or ("random", "zipf:1.0")), llama_source=llama_source,
-              tokenizer_from=tokenizer_from, contexts=contexts,
+              tokenizer_from=tokenizer_from, contexts=contexts, chats=chats,
               **({"work": Path(work)} if work else {}))
     ctx.work.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
@@ -387,7 +388,7 @@ def run(*, quick: bool = False, rounds: int | None = None, cell_ids: list[str] |
         if against:
             remove_worktree(trees[1])
     return {**header(), "bench": "suite", "quick": quick, "rounds": ctx.rounds, "routings": list(ctx.routings),
-            "contexts": list(contexts) if contexts else None,
+            "contexts": list(contexts) if contexts else None, "chats": list(chats) if chats else None,
             "trees": [{"label": t.label, "commit": t.commit, "files_changed": t.dirty} for t in trees],
             # the machine may be shared: the 1-minute load average before and after says how much
             "load_average": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
@@ -410,6 +411,8 @@ def add_arguments(p) -> None:
                    help="a GGUF whose tokenizer the GPU cells' exports carry (default: the built-in SmolLM2's)")
     p.add_argument("--contexts", default=None,
                    help="comma list: only these of the GPU decode cells' contexts (e.g. 2048; default: each cell's own)")
+    p.add_argument("--chats", default=None,
+                   help="comma list: only these of the GPU decode cells' chat counts (e.g. 1; default: each cell's own)")
     p.add_argument("--json", default=None, help="write the record here (and the markdown table beside it)")
     p.add_argument("--markdown", default=None, help="write the markdown table here (default: --json with .md)")
 
@@ -421,6 +424,7 @@ def from_args(ns) -> dict:
                  against=ns.against, threads=ns.threads, routings=tuple(ns.routing.split(",")), work=ns.work,
                  llama_source=ns.llama_cpp_source, tokenizer_from=ns.tokenizer_from,
                  contexts=tuple(int(c) for c in ns.contexts.split(",")) if ns.contexts else None,
+                 chats=tuple(int(c) for c in ns.chats.split(",")) if ns.chats else None,
                  progress=lambda m: print(m, file=sys.stderr, flush=True))
     md = ns.markdown or (str(Path(ns.json).with_suffix(".md")) if ns.json else None)
     if md:

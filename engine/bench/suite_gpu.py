@@ -305,10 +305,18 @@ def _asked_contexts(ctx: Ctx, contexts) -> list[int]:
     return asked
 
 
+def _asked_chats(ctx: Ctx, chats_list) -> list[int]:
+    """The cell's chat counts that --chats asks for (all without it); Skip when none is."""
+    asked = [c for c in chats_list if ctx.chats is None or c in ctx.chats]
+    if not asked:
+        raise Skip(f"none of this cell's chat counts was asked for (--chats {','.join(map(str, ctx.chats))})")
+    return asked
+
+
 def decode_cell(ctx: Ctx, model: str, budget: float | None, contexts, chats_list, nkvo: bool = False) -> list[dict]:
     from engine.bench import routing as routing_mod
 
-    contexts = _asked_contexts(ctx, contexts)
+    contexts, chats_list = _asked_contexts(ctx, contexts), _asked_chats(ctx, chats_list)
     bins = llama_binaries(ctx)
     rows = []
     for routing in _routings(ctx, budget):

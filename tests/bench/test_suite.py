@@ -225,6 +225,21 @@ def test_contexts_narrow_the_gpu_decode_cells(monkeypatch):
         suite_gpu.decode_cell(ctx, suite_gpu.L16, None, (2048, 32768), (1,))
 
 
+def test_chats_narrow_the_gpu_decode_cells(monkeypatch):
+    ctx = _ctx(rounds=1)
+    ctx.chats = (1,)
+    seen = []
+    monkeypatch.setattr(suite_gpu, "llama_binaries", lambda c: {"llama-bench": "x", "llama-batched-bench": "y"})
+    monkeypatch.setattr(suite_gpu, "gguf_for", lambda c, m, r: Path("model.gguf"))
+    monkeypatch.setattr(suite_gpu, "probe", lambda tree, spec: seen.append(spec["batch"]) or {"decode_tok_s": 2.0})
+    monkeypatch.setattr(suite_gpu, "llama_decode", lambda *a: 1.0)
+    rows = suite_gpu.decode_cell(ctx, suite_gpu.L16, None, (2048,), (1, 4))
+    assert seen == [1] and len(rows) == 1
+    ctx.chats = (2,)
+    with pytest.raises(suite.Skip, match="chat counts"):
+        suite_gpu.decode_cell(ctx, suite_gpu.L16, None, (2048,), (1, 4))
+
+
 def test_the_prefill_cell_keeps_the_rows_of_the_model_whose_export_fits(monkeypatch):
     ctx = _ctx(rounds=1)
     ctx.routings = ("random",)

@@ -1,10 +1,10 @@
 """A/B diagnostic: adaptive as shipped (the chooser) beside on-demand and cpu-only on one shared KV,
-BF16, 8 GB, one chat. argv: MODEL CONTEXT JSON LABEL"""
-import json, sys
+BF16, 8 GB, one chat. argv: MODEL CONTEXT JSON LABEL; POLICIES (comma list) replaces the three."""
+import json, os, sys
 from engine.bench import experts
 
 model, ctx, out, label = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-rec = experts.run(model=model, policies=["adaptive", "on-demand", "cpu-only"], batch_sizes=(1,), contexts=(ctx,),
+rec = experts.run(model=model, policies=os.environ.get("POLICIES", "adaptive,on-demand,cpu-only").split(","), batch_sizes=(1,), contexts=(ctx,),
                   new_tokens=64, vram_budget_gb=8.0, shared_prefill=True, rounds=1)
 json.dump(rec, open(out, "w"), indent=1, default=str)
 for r in rec["results"]:
