@@ -210,14 +210,21 @@ def test_an_ab_table_gives_the_ab_ratio_once_per_measure():
     assert len(lines) == 2 and lines[0].split(" | ")[6] == "3.00" and lines[1].split(" | ")[6] == "–"
 
 
-def test_contexts_narrow_the_gpu_decode_cells(monkeypatch):
-    ctx = _ctx(rounds=1)
-    ctx.contexts = (32768,)
+def _stub_decode_cell(monkeypatch, spec_key: str) -> list:
+    """The decode cell's engines stubbed: the probe answers 2 tok/s, llama.cpp 1; returns the list the
+    probes' `spec[spec_key]` lands in."""
     seen = []
     monkeypatch.setattr(suite_gpu, "llama_binaries", lambda c: {"llama-bench": "x", "llama-batched-bench": "y"})
     monkeypatch.setattr(suite_gpu, "gguf_for", lambda c, m, r: Path("model.gguf"))
-    monkeypatch.setattr(suite_gpu, "probe", lambda tree, spec: seen.append(spec["decode_prompt"]) or {"decode_tok_s": 2.0})
+    monkeypatch.setattr(suite_gpu, "probe", lambda tree, spec: seen.append(spec[spec_key]) or {"decode_tok_s": 2.0})
     monkeypatch.setattr(suite_gpu, "llama_decode", lambda *a: 1.0)
+    return seen
+
+
+def test_contexts_narrow_the_gpu_decode_cells(monkeypatch):
+    ctx = _ctx(rounds=1)
+    ctx.contexts = (32768,)
+    seen = _stub_decode_cell(monkeypatch, "decode_prompt")
     rows = suite_gpu.decode_cell(ctx, suite_gpu.L16, None, (2048, 32768), (1,))
     assert seen == [32768] and [r["ratio"]["tandem"]["median"] for r in rows] == [2.0]
     ctx.contexts = (4096,)
@@ -228,11 +235,7 @@ def test_contexts_narrow_the_gpu_decode_cells(monkeypatch):
 def test_chats_narrow_the_gpu_decode_cells(monkeypatch):
     ctx = _ctx(rounds=1)
     ctx.chats = (1,)
-    seen = []
-    monkeypatch.setattr(suite_gpu, "llama_binaries", lambda c: {"llama-bench": "x", "llama-batched-bench": "y"})
-    monkeypatch.setattr(suite_gpu, "gguf_for", lambda c, m, r: Path("model.gguf"))
-    monkeypatch.setattr(suite_gpu, "probe", lambda tree, spec: seen.append(spec["batch"]) or {"decode_tok_s": 2.0})
-    monkeypatch.setattr(suite_gpu, "llama_decode", lambda *a: 1.0)
+    seen = _stub_decode_cell(monkeypatch, "batch")
     rows = suite_gpu.decode_cell(ctx, suite_gpu.L16, None, (2048,), (1, 4))
     assert seen == [1] and len(rows) == 1
     ctx.chats = (2,)
