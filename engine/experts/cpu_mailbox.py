@@ -37,6 +37,9 @@ HEADER_WORDS = 16  # int64 words before the arrays: the sequence number's line, 
 MAX_POLLS = 1 << 22
 
 
+# The link's cost of a policy that never reads misses over it (static, cpu-only): finite, so the
+# device's products of it stay numbers (m · it in fp32 for m ≤ 64), and far past any CPU's.
+LINK_NEVER_MS = 1e9
 # Posts the worker must have answered before its measured costs replace the cost model's: two decode
 # steps of a 16-layer model, enough spread in the experts a post carries (1 to top-k) for a line.
 MEASURE_POSTS = 32
@@ -66,9 +69,15 @@ class MissSplit:
         self._mark = np.zeros(5)  # the worker's fit_sums at the start of the window
 
     @classmethod
-    def from_costs(cls, costs) -> "MissSplit":
-        """From the expert cost model (sched/expert_cost.py), calibrated where a profile exists."""
-        return cls(costs.zero_copy_ms(), costs.cpu_expert_ms(tokens=1), costs.cpu_overhead_ms)
+    def from_costs(cls, costs, link: bool = True) -> "MissSplit":
+        """From the expert cost model (sched/expert_cost.py), calibrated where a profile exists.
+        link False: misses never cross the link (every one to the CPU: static, cpu-only)."""
+        return cls(costs.zero_copy_ms() if link else LINK_NEVER_MS, costs.cpu_expert_ms(tokens=1),
+                   costs.cpu_overhead_ms)
+
+    @property
+    def uses_link(self) -> bool:
+        return self.link_ms < LINK_NEVER_MS
 
     def values(self) -> tuple[float, float, float]:
         return self.link_ms, self.cpu_ms, self.handoff_ms

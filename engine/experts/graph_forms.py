@@ -4,12 +4,11 @@ drives without knowing what is inside).
 
 Offloaded experts decide on the host, so their step is captured in pieces, cut at each MoE layer, and
 the host runs the layer between pieces (`OffloadedExperts.run`). With a device table
-(engine/experts/zero_copy.py: `adaptive` and `on-demand` on a GPU) a decode step of up to its
-max_tokens is one graph instead, whose kernels find each expert in a slot or read it in place, and
-under `adaptive` hand part of a layer's misses to the CPU through its mailbox
-(engine/experts/cpu_mailbox.py). It decoded 2x pieces at one chat and at four (BF16, 8 GB, H100;
-benchmarks/h200/2026-12-07-miss-split-h100/); pieces remain for larger steps and the policies that
-never fill (static, cpu-only).
+(engine/experts/zero_copy.py, on a GPU) a decode step of up to its max_tokens is one graph instead,
+whose kernels find each expert in a slot, read it in place or hand it to the CPU through its mailbox
+(engine/experts/cpu_mailbox.py), as the policy's split of the layer's misses says. It decoded 2x
+adaptive's pieces at one chat and at four (BF16, 8 GB, H100; benchmarks/h200/2026-12-07-miss-split-h100/);
+pieces remain for larger steps, experts with biases and the simulated GPU.
 """
 
 from __future__ import annotations
@@ -46,7 +45,8 @@ class GraphForms:
         return None if self.device.type == "cuda" else "the offloaded experts' GPU side is simulated on the CPU"
 
     def graph_form(self, B: int) -> str:
-        return "pieces" if self.zero_copy is None or B > self.zero_copy.max_tokens else "graph"
+        zc = self.zero_copy
+        return "graph" if zc is not None and B <= zc.max_tokens and zc.runnable else "pieces"
 
     def stand_in(self, form: str) -> ExpertExecutor | None:
         if form != "graph":

@@ -43,11 +43,11 @@ from engine.kernels.experts_torch import ClampedSwiGLU
 from engine.sched.expert_cost import ExpertCostModel
 
 OFFLOAD_POLICIES = PLANNED_POLICIES  # each offload policy is a way the planner splits a layer's misses
-# The policies whose decode steps run as the one graph where a device table opens (zero_copy.py): those
-# that fill their cache. Without a CPU share the one graph decoded 1.02-1.12x on-demand's pieces at 2K
-# and 32K (BF16, 8 GB, H100: benchmarks/h200/2026-12-07-miss-split-h100/, share 0 against on-demand in
-# one process). static and cpu-only never fill, so they keep pieces.
-GRAPH_POLICIES = ("adaptive", "on-demand")
+# Each policy's decode steps run as the one graph where a device table opens (zero_copy.py); they
+# differ in the costs its split weighs: adaptive the model's, on-demand no CPU (misses read in place and
+# filled), static and cpu-only no link (every miss to the CPU, so the slots never change; cpu-only's
+# table has none). The one graph decoded 2.0x adaptive's pieces and 1.02-1.12x on-demand's (BF16, 8 GB,
+# H100: benchmarks/h200/2026-12-07-miss-split-h100/).
 # The driving thread's host work in `run` after the layer's sync, in order (seconds in `host_split`):
 # LRU lookup; the plan; the CPU set's preparation and hand-off; the fills; the GPU set's launches;
 # prefetches; bookkeeping nothing above waits for (prediction scores, the trace); then (layers with a
@@ -93,7 +93,7 @@ class OffloadedExperts(GraphForms, ExpertExecutor):  # GraphForms: its captured 
         self._open_step: tuple[int, str, bool, float, float] | None = None
         self.forms: dict[int, ClampedSwiGLU] = {}  # layers whose experts are not plain SwiGLU (gpt-oss)
         self._cpu_forms: dict[int, ClampedSwiGLU] = {}  # the same with host copies of the biases
-        self.zero_copy: ZeroCopyDecode | None = None  # the whole-step graph's device table (GRAPH_POLICIES, CUDA)
+        self.zero_copy: ZeroCopyDecode | None = None  # the whole-step graph's device table (CUDA)
         self.zero_copy_off: str | None = None  # why there is none
         self._opened = False
         if n_slots is not None:
@@ -114,12 +114,14 @@ class OffloadedExperts(GraphForms, ExpertExecutor):  # GraphForms: its captured 
         self._open_zero_copy()
 
     def _open_zero_copy(self) -> None:
-        """The policies that fill their cache on a GPU run decode as one graph, reading misses in place
-        (zero_copy.py); adaptive's also hands part of them to the CPU (its MissSplit)."""
+        """On a GPU decode runs as one graph (zero_copy.py), its split of each layer's misses the
+        policy's (MissSplit; on-demand: none, every miss read in place)."""
         if self.forms:  # its device table runs the matrix-vector kernels: plain SwiGLU only
             self.zero_copy_off = "its experts have biases and a clamped SwiGLU"
-        elif self.policy not in GRAPH_POLICIES or self.cache is None:
-            self.zero_copy_off = f"policy {self.policy}" if self.policy not in GRAPH_POLICIES else "no cache slots"
+        elif self.cache is None and self.policy != "cpu-only":
+            self.zero_copy_off = "no cache slots"
+        elif self.policy in ("static", "cpu-only") and not graph_cpu_enabled():
+            self.zero_copy_off = "TANDEM_GRAPH_CPU=0, and its misses go only to the CPU"
         elif self.device.type != "cuda" or moe_decode_gpu.triton is None:
             self.zero_copy_off = "needs CUDA and Triton"
         elif not self.store.pinned:
@@ -127,12 +129,16 @@ class OffloadedExperts(GraphForms, ExpertExecutor):  # GraphForms: its captured 
         elif self.store.quantised and not quant_linear_gpu.works(self.device):
             self.zero_copy_off = "the GPU kernels over quantised blocks do not run here"
         else:
+            s = self.store
+            split = None if self.policy == "on-demand" or not graph_cpu_enabled() else \
+                MissSplit.from_costs(self.costs, link=self.policy == "adaptive")
+            # cpu-only's table points every expert at the store: a pool of no slots
+            cache = self.cache or ExpertCache(0, s.hidden, s.expert_ffn, s.dtype, self.device,
+                                              block_bytes=s.block_bytes if s.quantised else 0)
             try:
-                self.zero_copy = ZeroCopyDecode(self.store, self.cache, self.device,
+                self.zero_copy = ZeroCopyDecode(s, cache, self.device,
                                                 min(self.planner.max_decode_tokens, moe_decode_gpu.MAX_TOKENS),
-                                                window=self._window,
-                                                cpu_split=MissSplit.from_costs(self.costs)
-                                                if self.policy == "adaptive" and graph_cpu_enabled() else None)
+                                                window=self._window, cpu_split=split)
             except RuntimeError as e:  # the driver cannot map the store
                 self.zero_copy_off = str(e)
                 log.warning("decode steps with offloaded experts stay in pieces: %s", e)

@@ -77,6 +77,7 @@ class ZeroCopyDecode:
         # (a layer whose split gives the CPU nothing posts nothing). Where every expert has a slot
         # nothing can miss, and the graph has no mailbox kernels.
         self.mailbox: CpuMailbox | None = None
+        self.mailbox_failed: str | None = None  # why it could not open
         self.cpu_split = cpu_split
         self.mailbox_off: str | None = (  # why there is none
             "no CPU split" if cpu_split is None else
@@ -162,9 +163,15 @@ class ZeroCopyDecode:
         try:
             self.mailbox = CpuMailbox(self.store, self.device, self.max_tokens, top_k, self.cpu_split.values())
         except RuntimeError as e:  # no native extension: every miss is read over PCIe
-            self.mailbox_off = str(e)
+            self.mailbox_off = self.mailbox_failed = str(e)
             return
         self._gpu_ids = torch.empty(self.max_tokens * top_k, dtype=torch.int64, device=self.device)
+
+    @property
+    def runnable(self) -> bool:
+        """False once a split that never uses the link (static, cpu-only) has lost its mailbox: their
+        misses must not be read over PCIe, so their steps go back to pieces."""
+        return self.mailbox_failed is None or self.cpu_split is None or self.cpu_split.uses_link
 
     def _update_split(self) -> None:
         """The worker's measured costs into the split the next replays run with."""
@@ -190,7 +197,8 @@ class ZeroCopyDecode:
         if self._next is not None:  # listed for layers that never ran
             self.lru.give_back(self._next.held)
             self._next = None
-        if self._inflight and self._wanted > self.lag_list_share * self.cache.n_slots:
+        claims = self.cpu_split is None or self.cpu_split.uses_link  # else no miss takes a slot: no list matters
+        if claims and self._inflight and self._wanted > self.lag_list_share * self.cache.n_slots:
             self.drain()  # a tight cache: list from the LRU as the last step left it (LAG_LIST_SHARE)
         if self.stale:
             self.drain()  # every log read: the LRU is the cache as it stands

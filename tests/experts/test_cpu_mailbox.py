@@ -15,7 +15,8 @@ import torch
 pytest.importorskip("triton")
 
 from engine.experts.cache import ExpertCache  # noqa: E402
-from engine.experts.cpu_mailbox import MEASURE_POSTS, CpuMailbox, MissSplit, graph_cpu_enabled, worker_threads  # noqa: E402
+from engine.experts.cpu_mailbox import (LINK_NEVER_MS, MEASURE_POSTS, CpuMailbox, MissSplit, graph_cpu_enabled,  # noqa: E402
+                                        worker_threads)
 from engine.experts.store import ExpertStore  # noqa: E402
 from engine.experts.zero_copy import ZeroCopyDecode  # noqa: E402
 from engine.kernels import native  # noqa: E402
@@ -29,6 +30,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (link_ms, cpu_ms, handoff_ms): link and CPU alike, so c = m / 2 rounded down (ties stay on the link);
 # the CPU free, so every miss goes there
 EVEN, ALL = (1.0, 1.0, 0.0), (1.0, 0.0, 0.0)
+NO_LINK = (LINK_NEVER_MS, 0.3, 0.05)  # static and cpu-only: every miss to the CPU, however slow it is
 # on a GPU machine these run on CUDA: marked so that `-m cuda` (the lease scripts) selects them
 pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 
@@ -129,6 +131,49 @@ def test_outputs_equal_resident_with_part_of_the_misses_on_the_cpu(n_slots, spli
         assert t["zero_copy_experts"] == 0 and t["graph_fills"] == 0 and t["link_bytes"] == 0 and len(lru) == 0
     else:
         assert t["graph_fills"] > 0
+
+
+@pytest.mark.parametrize("n_slots", [0, 4])
+def test_a_split_without_the_link_sends_every_miss_to_the_cpu_and_never_changes_the_slots(n_slots):
+    """static (slots placed once) and cpu-only (a table of no slots): outputs as resident, every miss
+    computed on the CPU, nothing read over the link or filled, the cached entries those placed."""
+    store, gate_up, down = _store()
+    cache = ExpertCache(n_slots, H, I, torch.float32, torch.device(DEVICE))
+    for e in range(n_slots):  # placed at load, as static's hot experts are
+        cache.lru.place(0, e)
+        cache.copy_in(e, store.block(0, e))
+    placed = sorted(cache.lru.entries)
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, cpu_split=MissSplit(*NO_LINK))
+    g = torch.Generator().manual_seed(3)
+    try:
+        for _ in range(4):
+            zc.before_step()
+            for layer in range(L):
+                x, w = torch.randn(2, H, generator=g), torch.softmax(torch.randn(2, K, generator=g), -1)
+                ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(2)])
+                out = zc.run(layer, x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))
+                ref = moe_experts(x.double(), ids, w.double(), gate_up[layer].double(), down[layer].double())
+                torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-4)
+            zc.after_step(2)
+        zc.drain()
+        t = zc.telemetry()
+    finally:
+        zc.close()
+    assert t["cpu_experts"] == cache.lru.misses > 0 and t["zero_copy_experts"] == 0
+    assert t["graph_fills"] == 0 and t["link_bytes"] == 0 and sorted(cache.lru.entries) == placed
+    assert zc.runnable and not zc.cpu_split.uses_link
+
+
+def test_a_split_without_the_link_that_loses_its_mailbox_goes_back_to_pieces():
+    """Without the native worker a static or cpu-only table cannot send its misses anywhere but the
+    link, which those policies never use: its steps are not the one graph."""
+    zc = ZeroCopyDecode(_store()[0], ExpertCache(0, H, I, torch.float32, torch.device(DEVICE)),
+                        torch.device(DEVICE), max_tokens=4, cpu_split=MissSplit(*NO_LINK))
+    assert zc.runnable
+    zc.mailbox_failed = zc.mailbox_off = "the CPU mailbox needs the native extension"
+    assert not zc.runnable
+    zc.cpu_split = MissSplit(*EVEN)  # adaptive reads its misses over the link instead
+    assert zc.runnable
 
 
 def test_a_worker_that_does_not_answer_fails_the_step_loudly():
