@@ -120,8 +120,7 @@ def test_offloaded_quantised_experts_follow_the_dequantised_file(files, policy):
         assert greedy_follows(quant, ref, PROMPT, 8)
         stats = experts.telemetry()
         assert "Q4_K" in stats["store_types"]
-        assert stats["zero_copy"] == {"off": "needs CUDA and Triton" if policy in ("adaptive", "on-demand")
-                                      else f"policy {policy}"}
+        assert stats["zero_copy"] == {"off": "needs CUDA and Triton"}
         assert stats["h2d_bytes"] % experts.store.block_bytes == 0  # every copy a quantised block
         host = quant.stats().to_dict()["host"]  # what the app's memory panel shows
         assert host["expert_store"] == experts.store.nbytes and host["expert_store_types"] == stats["store_types"]

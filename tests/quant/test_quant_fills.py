@@ -118,9 +118,7 @@ def test_an_offloaded_layer_over_quantised_blocks(policy, kernels, device, monke
                 # bf16 activations and slots, int16-rounded activations on the CPU: 2% of the scale
                 assert (got - want).abs().max() <= 0.02 * want.abs().max() + 1e-3
         stats = experts.telemetry()
-        if policy == "cpu-only":
-            assert stats["zero_copy"] == {"off": "policy cpu-only"}
-        elif device == "cpu":  # on-demand's one graph takes blocks too, on a GPU
+        if device == "cpu":  # every policy's one graph takes blocks too, on a GPU
             assert stats["zero_copy"] == {"off": "needs CUDA and Triton"}
         assert (stats["fills"] > 0) == (policy == "on-demand") and stats["cpu_executed"] > 0
         if policy == "on-demand":
