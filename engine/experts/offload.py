@@ -132,8 +132,10 @@ class OffloadedExperts(GraphForms, ExpertExecutor):  # GraphForms: its captured 
             s = self.store
             split = None if self.policy == "on-demand" or not graph_cpu_enabled() else \
                 MissSplit.from_costs(self.costs, link=self.policy == "adaptive")
-            # cpu-only's table points every expert at the store: a pool of no slots
-            cache = self.cache or ExpertCache(0, s.hidden, s.expert_ffn, s.dtype, self.device,
+            # cpu-only's table points every expert at the store. Its pool is one slot that no miss takes
+            # (its split never uses the link): the kernels get a real base pointer, which an empty CUDA
+            # tensor (address 0) may not pass Triton's check of
+            cache = self.cache or ExpertCache(1, s.hidden, s.expert_ffn, s.dtype, self.device,
                                               block_bytes=s.block_bytes if s.quantised else 0)
             try:
                 self.zero_copy = ZeroCopyDecode(s, cache, self.device,

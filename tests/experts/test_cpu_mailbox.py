@@ -133,16 +133,17 @@ def test_outputs_equal_resident_with_part_of_the_misses_on_the_cpu(n_slots, spli
         assert t["graph_fills"] > 0
 
 
-@pytest.mark.parametrize("n_slots", [0, 4])
-def test_a_split_without_the_link_sends_every_miss_to_the_cpu_and_never_changes_the_slots(n_slots):
-    """static (slots placed once) and cpu-only (a table of no slots): outputs as resident, every miss
-    computed on the CPU, nothing read over the link or filled, the cached entries those placed."""
+@pytest.mark.parametrize("n_slots, placed", [(1, 0), (4, 4)])
+def test_a_split_without_the_link_sends_every_miss_to_the_cpu_and_never_changes_the_slots(n_slots, placed):
+    """static (slots placed once) and cpu-only (a pool of one slot that nothing takes): outputs as
+    resident, every miss computed on the CPU, nothing read over the link or filled, the cached entries
+    those placed."""
     store, gate_up, down = _store()
     cache = ExpertCache(n_slots, H, I, torch.float32, torch.device(DEVICE))
-    for e in range(n_slots):  # placed at load, as static's hot experts are
+    for e in range(placed):  # placed at load, as static's hot experts are
         cache.lru.place(0, e)
         cache.copy_in(e, store.block(0, e))
-    placed = sorted(cache.lru.entries)
+    entries = sorted(cache.lru.entries)
     zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, cpu_split=MissSplit(*NO_LINK))
     g = torch.Generator().manual_seed(3)
     try:
@@ -160,14 +161,15 @@ def test_a_split_without_the_link_sends_every_miss_to_the_cpu_and_never_changes_
     finally:
         zc.close()
     assert t["cpu_experts"] == cache.lru.misses > 0 and t["zero_copy_experts"] == 0
-    assert t["graph_fills"] == 0 and t["link_bytes"] == 0 and sorted(cache.lru.entries) == placed
+    assert t["graph_fills"] == 0 and t["link_bytes"] == 0 and sorted(cache.lru.entries) == entries
+    assert len(cache.lru) == placed  # cpu-only's lone slot stays free
     assert zc.runnable and not zc.cpu_split.uses_link
 
 
 def test_a_split_without_the_link_that_loses_its_mailbox_goes_back_to_pieces():
     """Without the native worker a static or cpu-only table cannot send its misses anywhere but the
     link, which those policies never use: its steps are not the one graph."""
-    zc = ZeroCopyDecode(_store()[0], ExpertCache(0, H, I, torch.float32, torch.device(DEVICE)),
+    zc = ZeroCopyDecode(_store()[0], ExpertCache(1, H, I, torch.float32, torch.device(DEVICE)),
                         torch.device(DEVICE), max_tokens=4, cpu_split=MissSplit(*NO_LINK))
     assert zc.runnable
     zc.mailbox_failed = zc.mailbox_off = "the CPU mailbox needs the native extension"
