@@ -46,8 +46,9 @@ OFFLOAD_POLICIES = PLANNED_POLICIES  # each offload policy is a way the planner 
 # Each policy's decode steps run as the one graph where a device table opens (zero_copy.py); they
 # differ in the costs its split weighs: adaptive the model's, on-demand no CPU (misses read in place and
 # filled), static and cpu-only no link (every miss to the CPU, so the slots never change; cpu-only's
-# table has none). The one graph decoded 2.0x adaptive's pieces and 1.02-1.12x on-demand's (BF16, 8 GB,
-# H100: benchmarks/h200/2026-12-07-miss-split-h100/).
+# table has none). The one graph decoded 2.0x adaptive's pieces, 1.02-1.12x on-demand's and 1.13-1.30x
+# static's and cpu-only's (BF16, 8 GB, H100: benchmarks/h200/2026-12-07-miss-split-h100/ and
+# 2026-12-07-every-policy-graph-h100/).
 # The driving thread's host work in `run` after the layer's sync, in order (seconds in `host_split`):
 # LRU lookup; the plan; the CPU set's preparation and hand-off; the fills; the GPU set's launches;
 # prefetches; bookkeeping nothing above waits for (prediction scores, the trace); then (layers with a
