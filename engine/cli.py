@@ -222,7 +222,8 @@ def cmd_models(args) -> int:
 
     for key, config in PRESETS.items():
         print(f"{'synthetic:' + key:<28} random weights in the shape of {config['model_type']} "
-              f"({config['num_hidden_layers']} layers; -L<n> for the first n); token ids only")
+              f"({config['num_hidden_layers']} layers; -L<n> for the first n, then -Q4_0 or -Q8_0 for "
+              "experts in blocks); token ids only")
     print("Also: a path to a .gguf file, or a Hugging Face model folder (config.json + *.safetensors).")
     return 0
 

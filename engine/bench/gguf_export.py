@@ -21,7 +21,9 @@ DeepSeek-V2's latent attention, shared experts and YaRN by engine/bench/gguf_exp
 Routed experts go out stacked per layer, `blk.N.ffn_{gate,up}_exps` (E, I, H) and `ffn_down_exps`
 (E, H, I) in torch order (GGUF lists dims innermost first: {H, I, E}), split from the engine's fused
 gate_up (E, 2I, H). As llama.cpp's converter does, 1-D tensors (norms) and the routers
-(`ffn_gate_inp`) are F32; every other matrix is BF16 (or F32 with dtype="f32").
+(`ffn_gate_inp`) are F32; every other matrix is BF16 (or F32 with dtype="f32"). A synthetic preset
+with quantised experts (`synthetic:qwen3-30b-a3b-Q4_0`) writes its experts' blocks as they are: a
+48-layer file of 19 GB instead of 61, and llama.cpp reads the same blocks Tandem does.
 
 Tokenizer. llama.cpp refuses a file without one, and synthetic models have none: the export copies
 every `tokenizer.*` key of the built-in SmolLM2 GGUF (a GPT-2 BPE of 49152 tokens) and builds the
@@ -56,6 +58,7 @@ from engine.models import families
 from engine.models.assemble import tensor_shapes
 from engine.models.common import ModelArgs
 from engine.models.gguf_names import gguf_expert_names, gguf_name
+from engine.quant.blocks import QuantStack
 from engine.runtime.chat import tokenizer_fields
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "gpt_oss": "gpt-oss",
@@ -83,7 +86,10 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * (2 if self.ggml_type.name == "BF16" else 4)
+        import gguf
+
+        block_weights, block_bytes = gguf.GGML_QUANT_SIZES[self.ggml_type]  # BF16 (1, 2), F32 (1, 4)
+        return int(np.prod(self.shape)) // block_weights * block_bytes
 
 
 # -- tokenizer ------------------------------------------------------------------------------------
@@ -133,11 +139,15 @@ def _check_exportable(arch: str, args: ModelArgs, config: dict | None = None) ->
             f"weights; this model's norm_topk_prob is {args.norm_topk_prob}", "the two would compute different models")
 
 
-def plan(arch: str, args: ModelArgs, shapes: dict[str, tuple], dtype: str = "bf16") -> list[Piece]:
-    """The GGUF tensors of a model with these engine tensor shapes, in the order of `shapes`."""
+def plan(arch: str, args: ModelArgs, shapes: dict[str, tuple], dtype: str = "bf16",
+         expert_quant: str | None = None) -> list[Piece]:
+    """The GGUF tensors of a model with these engine tensor shapes, in the order of `shapes`;
+    `expert_quant` (Q4_0, Q8_0): the routed experts come as blocks of that type (a quantised synthetic
+    preset's QuantStacks) and are written as they are."""
     import gguf
 
     matrix_type = gguf.GGMLQuantizationType.BF16 if dtype == "bf16" else gguf.GGMLQuantizationType.F32
+    expert_type = gguf.GGMLQuantizationType[expert_quant] if expert_quant else matrix_type
     f32 = gguf.GGMLQuantizationType.F32
     pieces = []
     own_pieces = _own_pieces(arch)
@@ -149,10 +159,10 @@ def plan(arch: str, args: ModelArgs, shapes: dict[str, tuple], dtype: str = "bf1
             names = gguf_expert_names(int(hf_name.split(".")[2]))
             E, two_i, H = shape
             half = two_i // 2
-            pieces.append(Piece(names["gate"], (E, half, H), matrix_type, hf_name, rows=(0, half)))
-            pieces.append(Piece(names["up"], (E, half, H), matrix_type, hf_name, rows=(half, two_i)))
+            pieces.append(Piece(names["gate"], (E, half, H), expert_type, hf_name, rows=(0, half)))
+            pieces.append(Piece(names["up"], (E, half, H), expert_type, hf_name, rows=(half, two_i)))
         elif hf_name.endswith(".mlp.experts.down_proj"):  # (E, H, I)
-            pieces.append(Piece(gguf_expert_names(int(hf_name.split(".")[2]))["down"], shape, matrix_type, hf_name))
+            pieces.append(Piece(gguf_expert_names(int(hf_name.split(".")[2]))["down"], shape, expert_type, hf_name))
         else:
             name = gguf_name(hf_name)
             kind = name.split(".")[2] if name.startswith("blk.") else ""
@@ -218,8 +228,17 @@ def _permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
-def _piece_array(piece: Piece, t: torch.Tensor) -> np.ndarray:
-    """The bytes of one GGUF tensor as a host array (bf16 as its int16 bit pattern)."""
+def _piece_array(piece: Piece, t) -> np.ndarray:
+    """The bytes of one GGUF tensor as a host array (bf16 as its int16 bit pattern; a QuantStack's
+    blocks as they are, (E, rows, row bytes) uint8)."""
+    if isinstance(t, QuantStack):
+        blocks = np.stack([np.asarray(e.blocks) for e in t.experts])  # (E, N, row bytes)
+        if piece.rows is not None:
+            blocks = blocks[:, piece.rows[0]:piece.rows[1]]
+        if blocks.shape[:2] != tuple(piece.shape[:2]) or blocks.size != piece.nbytes:
+            raise ModelFileError(f"tensor {piece.hf_name}: blocks of shape {blocks.shape} for {piece.shape} "
+                                 f"{piece.ggml_type.name}", "the model's tensors do not match its config")
+        return np.ascontiguousarray(blocks)
     if piece.rows is not None:
         t = t[:, piece.rows[0]:piece.rows[1]]
     if piece.permute_heads is not None:
@@ -288,7 +307,7 @@ def _metadata(w, arch: str, args: ModelArgs, config: dict, name: str, dtype: str
 
 def write_gguf(out: Path, *, family: str, config: dict, args: ModelArgs, tensors: Iterable[tuple[str, torch.Tensor]],
                tokenizer: tuple[tuple, ...], dtype: str = "bf16", name: str = "tandem export",
-               progress: Callable[[str, float], None] | None = None) -> dict:
+               progress: Callable[[str, float], None] | None = None, expert_quant: str | None = None) -> dict:
     """Write the model whose engine tensors `tensors` yields (in `tensor_shapes(args)` order) to `out`.
 
     Returns {"bytes", "seconds", "tensors"}. The file is written to a temporary name and renamed at
@@ -308,7 +327,7 @@ def write_gguf(out: Path, *, family: str, config: dict, args: ModelArgs, tensors
         raise ConfigError(f"the tokenizer has {vocab} tokens but the model's vocabulary is {args.vocab_size}",
                           "llama.cpp needs them equal: export with a tokenizer of the model's size")
     shapes = tensor_shapes(args)
-    pieces = plan(arch, args, shapes, dtype)
+    pieces = plan(arch, args, shapes, dtype, expert_quant)
 
     out = Path(out)
     tmp = out.with_name(out.name + ".partial")
@@ -393,8 +412,9 @@ def export(model: str, out: str | Path, *, dtype: str = "bf16", device: str = "c
     args = families.get(family).args_from_config(config)
     if skew is not None:
         tensors = _skewed(tensors, skew, args.top_k, kwargs.get("seed", 0))
+    quant = synthetic.expert_quant(model) if model.startswith("synthetic:") else None
     stats = write_gguf(Path(out), family=family, config=config, args=args, tensors=tensors, tokenizer=tokenizer,
-                       dtype=dtype, name=f"tandem export of {model}", progress=progress)
+                       dtype=dtype, name=f"tandem export of {model}", progress=progress, expert_quant=quant)
     return {**stats, "model": model, "arch": GGUF_ARCH[family], "dtype": dtype, "vocab_size": args.vocab_size,
             "layers": args.n_layers, "experts": args.n_experts, "device": device,
             "routing": routing_mod.label(routing)}

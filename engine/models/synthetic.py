@@ -5,6 +5,8 @@ published file, cited per preset) with random weights, so that every benchmark r
 that hold no checkpoint. `synthetic:<preset>-L<n>` keeps only the first n layers' shape (e.g.
 `synthetic:qwen3-30b-a3b-L12`). `config_for(name, vocab_size=…)` / `load(…, vocab_size=…)` resize the
 vocabulary (only the embedding and head change shape): the GGUF export sizes it to its borrowed tokenizer.
+A last `-Q4_0` or `-Q8_0` (`synthetic:qwen3-30b-a3b-Q4_0`) quantises the routed experts as they are
+generated and keeps them in blocks, as a GGUF file of that type loads.
 
 Weights are generated straight into their final placement: each tensor is allocated on the target
 device and filled there by torch's RNG (one kernel per tensor, no host copy, no per-element Python),
@@ -33,6 +35,8 @@ from engine.errors import ConfigError
 from engine.models import families
 from engine.models.assemble import tensor_shapes
 from engine.models.loader import Checkpoint
+from engine.quant.blocks import QuantStack
+from engine.quant.quantise import CODES, quantise
 
 DEFAULT_SEED = 0
 
@@ -244,7 +248,7 @@ PRESETS: dict[str, dict] = {
     },
 }
 
-_NAME = re.compile(r"synthetic:(?P<preset>[a-z0-9.-]+?)(?:-L(?P<layers>\d+))?")
+_NAME = re.compile(r"synthetic:(?P<preset>[a-z0-9.-]+?)(?:-L(?P<layers>\d+))?(?:-(?P<quant>Q8_0|Q4_0))?")
 
 
 def names() -> list[str]:
@@ -256,13 +260,23 @@ def parse(name: str) -> tuple[str, int | None]:
     m = _NAME.fullmatch(name)
     if m is None or m["preset"] not in PRESETS:
         raise ConfigError(f"unknown synthetic model '{name}'",
-                          f"choose one of: {', '.join(names())}, each optionally with -L<layers>")
+                          f"choose one of: {', '.join(names())}, each optionally with -L<layers>, then -Q4_0 "
+                          "or -Q8_0 for its routed experts in blocks")
     layers = int(m["layers"]) if m["layers"] else None
     full = PRESETS[m["preset"]]["num_hidden_layers"]
     if layers is not None and not 1 <= layers <= full:
         raise ConfigError(f"'{name}' asks for {layers} layers; {m['preset']} has 1 to {full}",
                           f"use -L1 … -L{full}, or no suffix for all {full}")
     return m["preset"], layers
+
+
+def expert_quant(name: str) -> str | None:
+    """The block type of the routed experts a name asks for ('…-Q4_0', '…-Q8_0'), None for BF16: the
+    random experts quantised as generated (engine/quant/quantise.py), what a host too small for a
+    preset's BF16 experts holds (a 48-layer Qwen3-30B-A3B's 57 GB are 16 GB as Q4_0)."""
+    parse(name)
+    m = _NAME.fullmatch(name)
+    return m["quant"] if m else None
 
 
 def config_for(name: str, vocab_size: int | None = None) -> dict:
@@ -313,6 +327,7 @@ def generate(name: str, config: dict, *, device: torch.device, dtype: torch.dtyp
     the same numbers `load` gives, for writers that stream them to disk without holding them all."""
     family = families.for_model_type(config["model_type"], Path(name))
     args = family.args_from_config(config)
+    quant = expert_quant(name)
     generators: dict[str, torch.Generator] = {}
     for tensor_name, shape in tensor_shapes(args).items():  # a fixed order: same seed, same weights
         where = expert_device if expert_device is not None and ".mlp.experts." in tensor_name else device
@@ -327,4 +342,17 @@ def generate(name: str, config: dict, *, device: torch.device, dtype: torch.dtyp
             t.zero_()
         else:
             t.fill_(1.0)
+        if quant is not None and ".mlp.experts." in tensor_name and len(shape) == 3:
+            t = _quantised_stack(t, quant, tensor_name, config["hidden_size"])
         yield tensor_name, t
+
+
+def _quantised_stack(t: torch.Tensor, quant: str, name: str, hidden: int) -> QuantStack:
+    """A routed experts' stack (E, N, K) quantised along K, as a GGUF file's `*_exps` loads: a QuantStack
+    over host bytes. The engine's layout only: gate_up (E, 2I, H) and down (E, H, I)."""
+    E, N, K = t.shape
+    if (K != hidden) if name.endswith("gate_up_proj") else (N != hidden or not name.endswith("down_proj")):
+        raise ConfigError(f"{name} of shape {tuple(t.shape)} is not laid out (experts, out, in)",
+                          f"drop -{quant}: this preset's experts are generated in BF16 only")
+    blocks = quantise(t, quant).cpu().numpy()  # (E, N, K/32 · block bytes) uint8
+    return QuantStack.from_gguf(blocks, CODES[quant], name)

@@ -23,9 +23,12 @@ from engine.kv.latent import format_shape
 from engine.kv.layer_split import split_windows
 from engine.kv.partition import PartitionSpec
 from engine.models.common import ModelArgs
+from engine.models import synthetic
 from engine.models.loader import keeps_expert_blocks
 from engine.models.shape import model_args
 from engine.models.sizes import model_parts, recurrent_state_bytes
+from engine.quant.blocks import qtype
+from engine.quant.quantise import CODES
 from engine.runtime.expert_placement import costs_from_profile
 from engine.runtime.generator import PREFILL_CHUNK
 from engine.runtime.kv_setup import kv_dtype, roofline_from_profile
@@ -136,9 +139,10 @@ def _planner(config, profile):
         # a GPU (the simulated one keeps them in blocks on the CPU)
         held = _in_blocks(parts, config.model, args, cpu_bytes).expert_bytes
         parts = replace(parts, expert_bytes=held) if simulated else replace(parts, store_expert_bytes=held)
+    parts = _synthetic_blocks(parts, config.model, args)
     cpu_parts = parts
     if cpu_bytes != dev_bytes:  # a GPU machine's CPU placement loads as a CPU-only engine would
-        cpu_parts = replace(model_parts(args, cpu_bytes, config.model), **can)
+        cpu_parts = _synthetic_blocks(replace(model_parts(args, cpu_bytes, config.model), **can), config.model, args)
         if gguf_auto:
             cpu_parts = _in_blocks(cpu_parts, config.model, args, cpu_bytes)
     per_weight = parts.slot_bytes / (3 * args.dim * args.expert_ffn_dim) if parts.n_experts else None  # store's bytes
@@ -168,6 +172,16 @@ def _in_blocks(parts, path: str, args: ModelArgs, dtype_bytes: int):
     return replace(parts, embed_bytes=held["embed"], output_bytes=held["output"],
                    layer_dense_bytes=held["dense"] // max(parts.n_layers, 1),
                    expert_bytes=held["experts"] // experts if experts else parts.expert_bytes)
+
+
+def _synthetic_blocks(parts, model: str, args: ModelArgs):
+    """A synthetic preset whose routed experts are quantised (`…-Q4_0`): each expert at its blocks'
+    bytes, wherever it is kept (store, slots, device pool)."""
+    quant = synthetic.expert_quant(model) if model.startswith("synthetic:") else None
+    if quant is None or not parts.n_experts:
+        return parts
+    qt = qtype(CODES[quant])
+    return replace(parts, expert_bytes=3 * args.dim * args.expert_ffn_dim // qt.block_weights * qt.block_bytes)
 
 
 def spill_device_bytes(config, args: ModelArgs, dtype_bytes: int, max_context: int, cuda: bool) -> int:

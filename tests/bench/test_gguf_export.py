@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -281,3 +282,38 @@ def test_gpt_oss_with_another_swiglu_is_refused(tmp_path):
     (folder / "config.json").write_text(_json.dumps({**cfg, "swiglu_limit": 5.0}))
     with pytest.raises(UnsupportedModelError, match="alpha and limit"):
         gguf_export.export(str(folder), tmp_path / "x.gguf", dtype="f32")
+
+
+def test_a_quantised_synthetic_preset_exports_its_blocks(tmp_path, monkeypatch):
+    """`synthetic:…-Q4_0` writes its experts' Q4_0 blocks as they are (the file is what the preset
+    holds, not a re-quantisation), everything else as the BF16 export; Tandem's loader reads the
+    blocks back byte for byte, and llama.cpp on the file follows Tandem's logits on it within what
+    its Q8_0 activations add (cosine ≥ 0.99, against O(1) moves for a wrong layout)."""
+    from engine.models import synthetic
+    from engine.models.loader import load_checkpoint
+    from engine.quant.blocks import QuantStack
+
+    tiny_preset = dict(synthetic.PRESETS["qwen3-30b-a3b"], hidden_size=64, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
+                       num_experts_per_tok=2, num_hidden_layers=2)
+    monkeypatch.setitem(synthetic.PRESETS, "tiny-qwen3", tiny_preset)
+    name, out = "synthetic:tiny-qwen3-Q4_0", tmp_path / "q.gguf"
+    stats = gguf_export.export(name, out)
+    bf16 = gguf_export.export("synthetic:tiny-qwen3", tmp_path / "b.gguf")
+    assert stats["bytes"] < bf16["bytes"]
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert {v for k, v in types.items() if "_exps" in k} == {"Q4_0"} and types["blk.0.attn_q.weight"] == "BF16"
+    want = synthetic.load(name, device=torch.device("cpu"), vocab_size=VOCAB).tensors
+    got = load_checkpoint(out, torch.bfloat16, expert_blocks=True).tensors
+    assert set(got) == set(want)
+    for k, w in want.items():
+        if isinstance(w, QuantStack):
+            assert isinstance(got[k], QuantStack)
+            for a, b in zip(got[k].experts, w.experts):
+                assert torch.equal(a.dequantize(torch.float32), b.dequantize(torch.float32)), k
+        else:
+            assert torch.equal(got[k], w), k
+    tandem = tandem_logits(out)
+    ours = llamacpp_logits(out)
+    assert tandem.std() > 0.3
+    assert torch.nn.functional.cosine_similarity(ours, tandem, dim=-1).min() > 0.99
