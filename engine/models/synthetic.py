@@ -274,9 +274,8 @@ def expert_quant(name: str) -> str | None:
     """The block type of the routed experts a name asks for ('…-Q4_0', '…-Q8_0'), None for BF16: the
     random experts quantised as generated (engine/quant/quantise.py), what a host too small for a
     preset's BF16 experts holds (a 48-layer Qwen3-30B-A3B's 57 GB are 16 GB as Q4_0)."""
-    parse(name)
-    m = _NAME.fullmatch(name)
-    return m["quant"] if m else None
+    parse(name)  # a name it refuses says why
+    return _NAME.fullmatch(name)["quant"]
 
 
 def config_for(name: str, vocab_size: int | None = None) -> dict:
@@ -351,7 +350,9 @@ def _quantised_stack(t: torch.Tensor, quant: str, name: str, hidden: int) -> Qua
     """A routed experts' stack (E, N, K) quantised along K, as a GGUF file's `*_exps` loads: a QuantStack
     over host bytes. The engine's layout only: gate_up (E, 2I, H) and down (E, H, I)."""
     E, N, K = t.shape
-    if (K != hidden) if name.endswith("gate_up_proj") else (N != hidden or not name.endswith("down_proj")):
+    gate_up_ok = name.endswith("gate_up_proj") and K == hidden  # (E, 2I, H)
+    down_ok = name.endswith("down_proj") and N == hidden  # (E, H, I)
+    if not (gate_up_ok or down_ok):
         raise ConfigError(f"{name} of shape {tuple(t.shape)} is not laid out (experts, out, in)",
                           f"drop -{quant}: this preset's experts are generated in BF16 only")
     blocks = quantise(t, quant).cpu().numpy()  # (E, N, K/32 · block bytes) uint8

@@ -18,16 +18,16 @@ import psutil
 import torch
 
 from engine.errors import ConfigError, OutOfMemoryError
+from engine.experts.store import QuantLayout
 from engine.kernels import quant_linear_gpu
 from engine.kv.latent import format_shape
 from engine.kv.layer_split import split_windows
 from engine.kv.partition import PartitionSpec
-from engine.models.common import ModelArgs
 from engine.models import synthetic
+from engine.models.common import ModelArgs
 from engine.models.loader import keeps_expert_blocks
 from engine.models.shape import model_args
 from engine.models.sizes import model_parts, recurrent_state_bytes
-from engine.quant.blocks import qtype
 from engine.quant.quantise import CODES
 from engine.runtime.expert_placement import costs_from_profile
 from engine.runtime.generator import PREFILL_CHUNK
@@ -180,8 +180,7 @@ def _synthetic_blocks(parts, model: str, args: ModelArgs):
     quant = synthetic.expert_quant(model) if model.startswith("synthetic:") else None
     if quant is None or not parts.n_experts:
         return parts
-    qt = qtype(CODES[quant])
-    return replace(parts, expert_bytes=3 * args.dim * args.expert_ffn_dim // qt.block_weights * qt.block_bytes)
+    return replace(parts, expert_bytes=QuantLayout((CODES[quant],) * 3, args.dim, args.expert_ffn_dim).nbytes)
 
 
 def spill_device_bytes(config, args: ModelArgs, dtype_bytes: int, max_context: int, cuda: bool) -> int:
