@@ -33,6 +33,7 @@ from pathlib import Path
 from engine.bench.suite import Ctx, Skip, alternate, probe, row
 
 L16, L48 = "synthetic:qwen3-30b-a3b-L16", "synthetic:qwen3-30b-a3b"
+L48_Q8 = L48 + "-Q8_0"  # the routed experts drawn and kept as Q8_0 blocks (engine/models/synthetic.expert_quant)
 GPT_OSS = "synthetic:gpt-oss-20b"  # 24 layers, 32 experts top-4, biases, sinks, windows (40 GB in BF16)
 # 16 of its 40 layers (4 full-attention, 12 Gated DeltaNet; 26 GB in BF16): the whole model's 65 GB
 # export does not fit a one-GPU machine's 64 GB disk
@@ -60,6 +61,11 @@ def cells(Cell) -> list:
         Cell("gpu-hybrid-24gb-L48", "48 layers under a 24 GB VRAM budget, default plan vs best fitting -ncmoe",
              "cuda", "decode ≥ llama.cpp", lambda ctx: decode_cell(ctx, L48, 24.0, (2048, 32768), (1, 4)),
              routed=True),
+        # the 48 layers as one GGUF whose routed experts are Q8_0 (32 GB): the BF16 export's 61 GB do not
+        # fit beside llama.cpp's build on a one-GPU machine's 64 GB disk; both systems read the blocks
+        Cell("gpu-q8-24gb-L48", "48 layers, the same GGUF with Q8_0 experts for both, under a 24 GB VRAM budget, "
+             "default plan vs best fitting -ncmoe", "cuda", "decode ≥ 1.3× llama.cpp",
+             lambda ctx: one_load_decode_cell(ctx, L48_Q8, 24.0, (2048, 32768)), routed=True),
         Cell("gpu-prefill-32k", "Prefill of a 32K prompt under 8 GB (16 layers) and 24 GB (48 layers)", "cuda",
              "prefill ≥ llama.cpp", prefill_cell, routed=True),
         Cell("gpu-gpt-oss-20b-24gb", "gpt-oss-20b (BF16 experts) under a 24 GB VRAM budget, default plan vs best "
@@ -180,15 +186,18 @@ def mxfp4_for(ctx: Ctx, model: str, routing: str | None) -> Path:
 
 
 def export_bytes(model: str) -> int:
-    """BF16 bytes of a synthetic model's tensors (the GGUF's size, near enough: its header is small)."""
-    import math
-
+    """Bytes of a synthetic model's tensors as its export writes them (BF16, and a quantised preset's
+    experts in their blocks): the GGUF's size, near enough (its header is small)."""
+    from engine.bench import gguf_export
     from engine.models import families, synthetic
     from engine.models.assemble import tensor_shapes
 
     config = synthetic.config_for(model, vocab_size=49152)  # the borrowed SmolLM2 tokenizer's size
-    args = families.for_model_type(config["model_type"], Path(model)).args_from_config(config)
-    return sum(2 * math.prod(shape) for shape in tensor_shapes(args).values())
+    family = families.for_model_type(config["model_type"], Path(model))
+    args = family.args_from_config(config)
+    pieces = gguf_export.plan(gguf_export.GGUF_ARCH[family.NAME], args, tensor_shapes(args),
+                              expert_quant=synthetic.expert_quant(model))
+    return sum(p.nbytes for p in pieces)
 
 
 def llama_binaries(ctx: Ctx, targets: tuple = BENCH_TARGETS) -> dict:

@@ -77,8 +77,10 @@ def test_quick_selects_the_cpu_cells_and_every_gpu_cell_is_defined():
     cells = suite.cells()
     ids = {c.id for c in cells}
     assert {"cpu-builtin", "cpu-builtin-moe", "cpu-kernels", "cpu-busy-core", "cpu-moe-q4km-L8", "cpu-moe-q4km-L8-4k"} <= ids
-    assert {"gpu-resident-L16", "gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-prefill-32k", "gpu-kv-spill"} <= ids
-    assert all(c.routed for c in cells if c.id in ("gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-kv-spill"))
+    assert {"gpu-resident-L16", "gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-q8-24gb-L48", "gpu-prefill-32k",
+            "gpu-kv-spill"} <= ids
+    assert all(c.routed for c in cells
+               if c.id in ("gpu-hybrid-8gb-L16", "gpu-hybrid-24gb-L48", "gpu-q8-24gb-L48", "gpu-kv-spill"))
     assert {"gpu-gpt-oss-20b-24gb", "gpu-gpt-oss-20b-8gb", "gpu-gpt-oss-20b-mxfp4-24gb", "gpu-gpt-oss-20b-mxfp4-8gb",
             "gpu-qwen3.5-L16-q4km-8gb", "gpu-qwen3.5-L16-q4km-24gb"} <= ids
     with pytest.raises(ValueError, match="unknown cells"):
@@ -186,6 +188,25 @@ def test_gguf_sizes_reads_the_kv_shape_and_expert_bytes_from_the_file(tmp_path):
     assert sizes["expert_bytes"] == []  # a dense model: nothing for -ncmoe to move
     assert sizes["kv_bytes_per_token"] == 2 * TINY["kv_heads"] * head_dim * 2 * TINY["layers"]
     assert sizes["other_bytes"] > 0
+
+
+def test_a_quantised_presets_export_size_is_its_files_tensor_bytes(tmp_path, monkeypatch):
+    """The disk check of a preset with quantised experts counts their blocks, not BF16: the 48-layer
+    Q8_0 cell's file is 33 GB, which a 64 GB disk holds, where the BF16 export's 60 GB did not."""
+    import gguf
+
+    from engine.bench import gguf_export
+    from engine.models import synthetic
+
+    tiny = dict(synthetic.PRESETS["qwen3-30b-a3b"], hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2)
+    monkeypatch.setitem(synthetic.PRESETS, "tiny-qwen3", tiny)
+    for name in ("synthetic:tiny-qwen3-Q8_0", "synthetic:tiny-qwen3"):
+        out = tmp_path / f"{name.split(':')[1]}.gguf"
+        gguf_export.export(name, out)  # the built-in tokenizer's 49,152 tokens, as export_bytes assumes
+        written = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(out)).tensors)
+        assert suite_gpu.export_bytes(name) == written, name
+    assert 32e9 < suite_gpu.export_bytes(suite_gpu.L48_Q8) < 34e9
 
 
 def test_the_export_size_is_known_before_writing(tmp_path, monkeypatch):
