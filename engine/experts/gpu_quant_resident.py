@@ -37,12 +37,14 @@ class GpuQuantResidentExperts(ResidentExperts):
         n_rows = sum(len({(id(g), id(d)) for g, d in zip(gu.experts, dn.experts)}) for gu, dn in zip(gate_up, down))
         self.pool = torch.zeros((n_rows, longest), dtype=torch.uint8, device=device)  # (L·E, B)
         self.layouts, self.rows = [], []  # per layer: its QuantLayout, (E,) int64 pool row of each expert
+        self.offsets = []  # per layer: (E,) int64 byte offset of each expert's row, what the decode kernels read
         at = 0
         for gu, dn in zip(gate_up, down):  # a layer at a time through a host store of its blocks
             store = ExpertStore.from_quant_layers([gu], [dn], dtype=dtype)
             n = store.blocks.shape[0]
             self.pool[at:at + n, :store.block_bytes].copy_(store.blocks)
             self.rows.append(torch.from_numpy(store.block_of[0] + at).to(device))
+            self.offsets.append(self.rows[-1] * self.pool.stride(0))
             self.layouts.append(store.layouts[0])
             at += n
             store.close()
@@ -62,9 +64,9 @@ class GpuQuantResidentExperts(ResidentExperts):
         self.tokens_routed += ids.numel()
         form = self.forms.get(layer)
         if x.shape[0] <= moe_decode_gpu.MAX_TOKENS:  # a few tokens: the rows read in place, no host sync
-            return quant_moe_gpu.moe_decode_quant(x, self.rows[layer][ids], weights, self.pool,
-                                                  self.layouts[layer].kernel_parts, self.expert_ffn, form=form,
-                                                  experts=ids)
+            # by expert id through the byte offsets: no kernel a layer to map ids to pool rows first
+            return quant_moe_gpu.moe_decode_quant(x, ids, weights, self.pool, self.layouts[layer].kernel_parts,
+                                                  self.expert_ffn, offsets=self.offsets[layer], form=form)
         return quant_pairs(x, ids, weights, self.pool, self.layouts[layer], self.rows[layer], form).to(x.dtype)
 
     def capture_problem(self, device: torch.device, max_batch: int) -> str | None:
