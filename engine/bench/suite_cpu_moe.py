@@ -35,7 +35,7 @@ def moe_file(ctx) -> Path:
     """The Q4_K_M file, made once: BF16 export, then llama.cpp's quantiser (the export deleted)."""
     from engine.bench import gguf_export
     from engine.bench.suite import Skip
-    from engine.bench.suite_gpu import export_bytes
+    from engine.bench.suite_files import export_bytes
 
     out = ctx.work / f"{MODEL.split(':')[1]}-{QUANT}.gguf"
     if out.exists():

@@ -170,8 +170,8 @@ def test_refusals(tmp_path, tiny_preset, monkeypatch, override, layers, match):
 
 def test_the_suites_fit_counts_the_latent_rows_only(tiny):
     """llama.cpp caches MLA's K rows (r + dr, f16) and no V: what -ncmoe's fit in the suite reserves."""
-    from engine.bench import suite_gpu
+    from engine.bench import suite_files
 
-    sizes = suite_gpu.gguf_sizes(tiny["f32"])
+    sizes = suite_files.gguf_sizes(tiny["f32"])
     assert sizes["kv_bytes_per_token"] == 2 * (32 + 8) * 3
     assert len(sizes["expert_bytes"]) == 2  # the MoE layers' stacks, for -ncmoe to move

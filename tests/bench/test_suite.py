@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.bench import routing, suite, suite_gpu, suite_table
+from engine.bench import routing, suite, suite_files, suite_gpu, suite_table
 from helpers import write_tiny_llama_folder
 
 
@@ -183,7 +183,7 @@ def test_ab_against_a_worktree_runs_each_tree_on_its_own_code(tmp_path, monkeypa
 def test_gguf_sizes_reads_the_kv_shape_and_expert_bytes_from_the_file(tmp_path):
     from helpers import TINY, write_tiny_llama_gguf
 
-    sizes = suite_gpu.gguf_sizes(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
+    sizes = suite_files.gguf_sizes(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
     head_dim = TINY["dim"] // TINY["heads"]
     assert sizes["expert_bytes"] == []  # a dense model: nothing for -ncmoe to move
     assert sizes["kv_bytes_per_token"] == 2 * TINY["kv_heads"] * head_dim * 2 * TINY["layers"]
@@ -205,18 +205,18 @@ def test_a_quantised_presets_export_size_is_its_files_tensor_bytes(tmp_path, mon
         out = tmp_path / f"{name.split(':')[1]}.gguf"
         gguf_export.export(name, out)  # the built-in tokenizer's 49,152 tokens, as export_bytes assumes
         written = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(out)).tensors)
-        assert suite_gpu.export_bytes(name) == written, name
-    assert 32e9 < suite_gpu.export_bytes(suite_gpu.L48_Q8) < 34e9
+        assert suite_files.export_bytes(name) == written, name
+    assert 32e9 < suite_files.export_bytes(suite_gpu.L48_Q8) < 34e9
 
 
 def test_the_export_size_is_known_before_writing(tmp_path, monkeypatch):
     # 16 layers of Qwen3-30B-A3B with the borrowed 49,152-token vocabulary: the recorded export was 20.35 GB
-    assert 20.0e9 < suite_gpu.export_bytes(suite_gpu.L16) < 20.7e9
-    assert suite_gpu.export_bytes(suite_gpu.L48) > 2.9 * suite_gpu.export_bytes(suite_gpu.L16)
+    assert 20.0e9 < suite_files.export_bytes(suite_gpu.L16) < 20.7e9
+    assert suite_files.export_bytes(suite_gpu.L48) > 2.9 * suite_files.export_bytes(suite_gpu.L16)
     ctx = suite.Ctx(trees=[], work=tmp_path)
-    monkeypatch.setattr(suite_gpu.shutil, "disk_usage", lambda p: type("U", (), {"free": 10**9})())
+    monkeypatch.setattr(suite_files.shutil, "disk_usage", lambda p: type("U", (), {"free": 10**9})())
     with pytest.raises(suite.Skip, match="needs 60 GB of disk"):
-        suite_gpu.gguf_for(ctx, suite_gpu.L48, "zipf:1.0")
+        suite_files.gguf_for(ctx, suite_gpu.L48, "zipf:1.0")
 
 
 def test_an_ab_table_gives_the_ab_ratio_once_per_measure():
@@ -300,7 +300,7 @@ def test_the_gpt_oss_preset_is_exportable_with_llamacpps_names():
     names = {p.gguf_name for p in gguf_export.plan("gpt-oss", args, tensor_shapes(args))}
     assert {"blk.1.attn_sinks.weight", "blk.1.post_attention_norm.weight", "blk.0.ffn_gate_exps.bias",
             "blk.0.ffn_up_exps.bias", "blk.0.ffn_down_exps.bias", "blk.0.attn_q.bias"} <= names
-    assert 38e9 < suite_gpu.export_bytes(suite_gpu.GPT_OSS) < 44e9
+    assert 38e9 < suite_files.export_bytes(suite_gpu.GPT_OSS) < 44e9
 
 
 def test_a_one_load_cell_loads_each_system_once_for_every_context(monkeypatch):

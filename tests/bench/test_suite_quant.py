@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.bench import llamacpp_bench, suite, suite_gpu
+from engine.bench import llamacpp_bench, suite, suite_files, suite_gpu
 
 QUANT_CELLS = ("gpu-q4km-L16-cpu-experts", "gpu-q4km-L16-8gb", "gpu-q4km-L16-resident", "gpu-q4km-prefill-32k")
 
@@ -43,11 +43,11 @@ def test_the_quantised_cells_are_skipped_with_the_reason_here():
 
 
 def test_the_quantise_command_is_llama_quantizes_own():
-    cmd = suite_gpu.quantise_command("/b/llama-quantize", Path("/w/m.gguf"), Path("/w/m-Q4_K_M.gguf"), "Q4_K_M", 16)
+    cmd = suite_files.quantise_command("/b/llama-quantize", Path("/w/m.gguf"), Path("/w/m-Q4_K_M.gguf"), "Q4_K_M", 16)
     assert cmd == ["/b/llama-quantize", "/w/m.gguf", "/w/m-Q4_K_M.gguf", "Q4_K_M", "16"]
     ctx = _ctx(Path("/w"))
-    assert suite_gpu.export_path(ctx, suite_gpu.L16, None) == Path("/w/qwen3-30b-a3b-L16-random.gguf")
-    assert suite_gpu.export_path(ctx, suite_gpu.L16, "zipf:1.0", "Q4_K_M") == Path(
+    assert suite_files.export_path(ctx, suite_gpu.L16, None) == Path("/w/qwen3-30b-a3b-L16-random.gguf")
+    assert suite_files.export_path(ctx, suite_gpu.L16, "zipf:1.0", "Q4_K_M") == Path(
         "/w/qwen3-30b-a3b-L16-zipf-1-Q4_K_M.gguf")
 
 
@@ -57,7 +57,7 @@ def fake_tools(tmp_path, monkeypatch):
     state = {"free": 10**12, "free_after": 10**12, "runs": [], "targets": []}
 
     def export(ctx, model, routing):
-        path = suite_gpu.export_path(ctx, model, routing)
+        path = suite_files.export_path(ctx, model, routing)
         path.write_bytes(b"bf16")
         return path
 
@@ -67,38 +67,38 @@ def fake_tools(tmp_path, monkeypatch):
         state["free"] = state["free_after"]  # the new file took its room
         return ""
 
-    monkeypatch.setattr(suite_gpu, "llama_binaries", lambda ctx, targets=suite_gpu.BENCH_TARGETS: (
+    monkeypatch.setattr(suite_files, "llama_binaries", lambda ctx, targets=suite_files.BENCH_TARGETS: (
         state["targets"].append(targets) or {t: f"/bin/{t}" for t in targets}))
-    monkeypatch.setattr(suite_gpu, "gguf_for", export)
-    monkeypatch.setattr(suite_gpu, "_run", quantise)
-    monkeypatch.setattr(suite_gpu.shutil, "disk_usage", lambda p: type("U", (), {"free": state["free"]})())
+    monkeypatch.setattr(suite_files, "gguf_for", export)
+    monkeypatch.setattr(suite_files, "run_tool", quantise)
+    monkeypatch.setattr(suite_files.shutil, "disk_usage", lambda p: type("U", (), {"free": state["free"]})())
     return state
 
 
 def test_the_quantised_file_is_made_once_by_llama_quantize(tmp_path, fake_tools):
     ctx = _ctx(tmp_path)
-    out = suite_gpu.quantised_for(ctx, suite_gpu.L16, "random")
+    out = suite_files.quantised_for(ctx, suite_gpu.L16, "random")
     assert out == tmp_path / "qwen3-30b-a3b-L16-random-Q4_K_M.gguf" and out.read_bytes() == b"q4"
     (cmd,) = fake_tools["runs"]
     assert cmd[0] == "/bin/llama-quantize" and cmd[1] == str(tmp_path / "qwen3-30b-a3b-L16-random.gguf")
     assert cmd[2] == str(out) + ".partial" and cmd[3] == "Q4_K_M"  # renamed once whole
     assert "llama-quantize" in fake_tools["targets"][0]
     assert (tmp_path / "qwen3-30b-a3b-L16-random.gguf").exists()  # room left: the BF16 export is kept
-    assert suite_gpu.quantised_for(ctx, suite_gpu.L16, "random") == out and len(fake_tools["runs"]) == 1
+    assert suite_files.quantised_for(ctx, suite_gpu.L16, "random") == out and len(fake_tools["runs"]) == 1
 
 
 def test_the_bf16_export_goes_when_the_disk_would_not_hold_another(tmp_path, fake_tools):
-    fake_tools["free_after"] = suite_gpu.export_bytes(suite_gpu.L16) - 1
-    suite_gpu.quantised_for(_ctx(tmp_path), suite_gpu.L16, None)
+    fake_tools["free_after"] = suite_files.export_bytes(suite_gpu.L16) - 1
+    suite_files.quantised_for(_ctx(tmp_path), suite_gpu.L16, None)
     assert not (tmp_path / "qwen3-30b-a3b-L16-random.gguf").exists()
     assert (tmp_path / "qwen3-30b-a3b-L16-random-Q4_K_M.gguf").exists()
 
 
 def test_no_quantising_without_the_disk_for_the_export_and_its_file(tmp_path, fake_tools):
-    bf16 = suite_gpu.export_bytes(suite_gpu.L16)
+    bf16 = suite_files.export_bytes(suite_gpu.L16)
     fake_tools["free"] = bf16  # the export fits, the quantised file beside it does not
     with pytest.raises(suite.Skip, match="needs about 27 GB of disk, 20 GB free"):
-        suite_gpu.quantised_for(_ctx(tmp_path), suite_gpu.L16, None)
+        suite_files.quantised_for(_ctx(tmp_path), suite_gpu.L16, None)
     assert fake_tools["runs"] == [] and not list(tmp_path.iterdir())
 
 
@@ -181,19 +181,20 @@ def test_llama_cpps_quantiser_takes_the_suites_bf16_export(tmp_path):
     gguf_export.write_gguf(bf16, family="qwen3_moe", config=config, args=args, dtype="bf16", tokenizer=tokens,
                            tensors=synthetic.generate(name, config, device=torch.device("cpu"), dtype=torch.bfloat16))
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{suite_gpu.QUANT}")
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{suite_files.QUANT}")
     params.nthread = 1
     assert llama_cpp.llama_model_quantize(str(bf16).encode(), str(out).encode(), params) == 0
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors if "_exps" in t.name}
     assert types and set(types.values()) <= {"Q4_K", "Q6_K"} and types["blk.0.ffn_gate_exps.weight"] == "Q4_K"
-    before, after = suite_gpu.gguf_sizes(bf16), suite_gpu.gguf_sizes(out)
+    before, after = suite_files.gguf_sizes(bf16), suite_files.gguf_sizes(out)
     assert len(after["expert_bytes"]) == 2 and after["kv_bytes_per_token"] == before["kv_bytes_per_token"]
-    assert sum(after["expert_bytes"]) <= suite_gpu.QUANT_OF_BF16 * sum(before["expert_bytes"])
+    assert sum(after["expert_bytes"]) <= suite_files.QUANT_OF_BF16 * sum(before["expert_bytes"])
 
 
 def test_the_mxfp4_cells_run_gpt_oss_quantised_to_mxfp4_moe(stub_engines, monkeypatch):
     """The gpt-oss file its users download: both systems on the BF16 export quantised to MXFP4_MOE."""
-    monkeypatch.setattr(suite_gpu, "quantised_for", lambda ctx, model, routing, qtype=suite_gpu.QUANT: stub_engines[
+    # mxfp4_for asks suite_files' quantised_for for the MXFP4_MOE file
+    monkeypatch.setattr(suite_files, "quantised_for", lambda ctx, model, routing, qtype=suite_files.QUANT: stub_engines[
         "files"].append((model, routing, qtype)) or Path("mxfp4.gguf"))
     _cell("gpu-gpt-oss-20b-mxfp4-8gb").run(_ctx())
     assert stub_engines["files"] == [(suite_gpu.GPT_OSS, "random", "MXFP4_MOE")]
