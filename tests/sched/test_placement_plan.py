@@ -199,3 +199,21 @@ def test_a_machine_whose_ram_holds_one_long_chat_runs_it_instead_of_refusing_fou
     # nothing fits at all: the refusal is the one-chat plan's, whose remedy does not ask for fewer chats
     none = held(machine(0, ram_gb=8, gpu=False), 32768)
     assert not none.fits and none.max_batch == 1 and "max_batch" not in none.remedy
+
+
+@pytest.mark.parametrize("name", ["synthetic:qwen3-30b-a3b-Q4_0", "synthetic:deepseek-v2-lite-Q4_0"])
+def test_thirty_two_long_chats_keep_quantised_experts_on_the_gpu_and_spill_the_kv(name):
+    """#39's aggregate (32 chats × 32K, 24 GB): the experts as Q4_0 blocks (16 and 8 GB) stay on the GPU,
+    and the KV (96 and 30 GiB) is what spills, split by writescope: the bench's `--expert-policy resident`
+    beside each KV policy is the plan's own placement."""
+    from engine.kv.latent import format_shape
+    from engine.runtime.planning import _synthetic_blocks
+
+    config = synthetic.config_for(name)
+    args = families.for_model_type(config["model_type"], None).args_from_config(config)
+    parts = _synthetic_blocks(model_parts(args, 2, name), name, args)
+    assert parts.routed_bytes < 17 * GiB  # the blocks' bytes, not BF16's (57 and 29 GiB)
+    p = plan(parts, machine(24, ram_gb=125), max_context=32768 + 64, max_batch=32,
+             kv_shape=(*format_shape(args), torch.bfloat16))
+    assert p.fits and (p.device, p.kv_policy, p.expert_policy) == ("gpu", "writescope", "resident")
+    assert p.ram_bytes >= 32 * 32768 * parts.kv_bytes_per_token  # every chat's KV in host memory
