@@ -61,7 +61,7 @@ from engine.models.gguf_names import gguf_expert_names, gguf_name
 from engine.quant.blocks import QuantStack
 from engine.runtime.chat import tokenizer_fields
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "gpt_oss": "gpt-oss",
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "llama": "llama", "gpt_oss": "gpt-oss",
              "qwen3_5_moe": "qwen35moe", "deepseek_v2": "deepseek2"}
 # llama.cpp's graphs fix top-k renormalisation per architecture (build_moe_ffn's norm_w argument);
 # gpt-oss routes its own way (a softmax over the k chosen logits) in both engines.
@@ -274,8 +274,10 @@ def _metadata(w, arch: str, args: ModelArgs, config: dict, name: str, dtype: str
     w.add_rope_freq_base(float(args.rope_theta))
     w.add_layer_norm_rms_eps(float(args.norm_eps))
     w.add_vocab_size(args.vocab_size)
-    w.add_expert_count(args.n_experts)
-    w.add_expert_used_count(args.top_k)
+    if args.n_experts:
+        w.add_expert_count(args.n_experts)
+        w.add_expert_used_count(args.top_k)
+        w.add_expert_weights_norm(bool(args.norm_topk_prob))
     if arch == "qwen3moe":
         w.add_feed_forward_length(args.ffn_dim or args.expert_ffn_dim)  # dense FFN size; unused when all layers route
         w.add_expert_feed_forward_length(args.expert_ffn_dim)
@@ -298,9 +300,8 @@ def _metadata(w, arch: str, args: ModelArgs, config: dict, name: str, dtype: str
         from engine.bench import gguf_export_deepseek2
 
         gguf_export_deepseek2.metadata(w, args, config)
-    else:  # olmoe and llama (Mixtral) size their experts by feed_forward_length
-        w.add_feed_forward_length(args.expert_ffn_dim)
-    w.add_expert_weights_norm(bool(args.norm_topk_prob))
+    else:  # olmoe and llama (Mixtral) size their experts by feed_forward_length; a dense llama its FFN
+        w.add_feed_forward_length(args.expert_ffn_dim if args.n_experts else args.ffn_dim)
     if args.clip_qkv:
         w.add_clamp_kqv(float(args.clip_qkv))
 

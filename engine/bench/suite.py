@@ -272,7 +272,7 @@ class Cell:
 
 
 def cells() -> list[Cell]:
-    from engine.bench import suite_cpu_moe, suite_gpu
+    from engine.bench import suite_cpu_quant, suite_gpu
 
     return [
         Cell("cpu-builtin", "Built-in SmolLM2-135M on the CPU, same GGUF (Q4_1)", "cpu",
@@ -284,7 +284,7 @@ def cells() -> list[Cell]:
              "per row", cell_cpu_kernels),
         Cell("cpu-busy-core", "Built-in SmolLM2-135M on the CPU with a core busy with another program", "cpu",
              "decode ≥ 1× llama.cpp", cell_cpu_busy_core),
-        *suite_cpu_moe.cells(Cell),
+        *suite_cpu_quant.cells(Cell),
         *suite_gpu.cells(Cell),
     ]
 

@@ -69,6 +69,29 @@ PRESETS: dict[str, dict] = {
         "bos_token_id": 151643,
         "eos_token_id": 151645,
     },
+    # meta-llama/Llama-3.2-1B config.json, a dense model: 16 layers, FFN 8192, 1.24 B parameters. Its
+    # llama3 RoPE scaling is left out (plain RoPE at θ = 500000): a GGUF export writes no scaled RoPE, and
+    # random weights have no trained long context to keep.
+    "llama-3.2-1b": {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
     # mistralai/Mixtral-8x7B-v0.1 config.json: 32 layers, 8 experts (top 2) of 14336, 46.7 B parameters.
     "mixtral-8x7b": {
         "model_type": "mixtral",

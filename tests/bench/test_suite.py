@@ -342,33 +342,33 @@ def test_the_probe_decodes_each_of_several_prompt_lengths_with_one_load():
 
 
 def test_the_cpu_moe_cell_makes_its_file_once_and_stays_out_of_quick(tmp_path, monkeypatch):
-    from engine.bench import suite_cpu_moe
+    from engine.bench import suite_cpu_quant
 
     cell = next(c for c in suite.cells() if c.id == "cpu-moe-q4km-L8")
     assert cell.needs == "cpu" and not cell.in_quick  # --quick stays minutes: no 10 GB export on its way
     ctx = suite.Ctx(trees=[], work=tmp_path)
     made = tmp_path / "qwen3-30b-a3b-L8-Q4_K_M.gguf"
     made.write_bytes(b"GGUF")
-    assert suite_cpu_moe.moe_file(ctx) == made  # made once: an existing file is used as it is
+    assert suite_cpu_quant.quantised_file(ctx, suite_cpu_quant.MODEL) == made  # made once: an existing file is used as it is
     made.unlink()
-    monkeypatch.setattr(suite_cpu_moe.shutil, "disk_usage", lambda p: type("U", (), {"free": 10**9})())
+    monkeypatch.setattr(suite_cpu_quant.shutil, "disk_usage", lambda p: type("U", (), {"free": 10**9})())
     pytest.importorskip("llama_cpp")
     with pytest.raises(suite.Skip, match="GB of disk"):
-        suite_cpu_moe.moe_file(ctx)
+        suite_cpu_quant.quantised_file(ctx, suite_cpu_quant.MODEL)
 
 
 @pytest.mark.parametrize("threads", [None, 1])
 def test_the_cpu_moe_cell_runs_both_engines_at_the_threads_asked(tmp_path, monkeypatch, threads):
     """--threads reaches both engines' configs and the rows' condition; without it both keep their
     default threads (Tandem's chooser, llama.cpp's)."""
-    from engine.bench import suite_cpu_moe
+    from engine.bench import suite_cpu_quant
 
     (tmp_path / "qwen3-30b-a3b-L8-Q4_K_M.gguf").write_bytes(b"GGUF")
     configs = []
     monkeypatch.setattr(suite, "probe", lambda tree, spec: configs.append(spec["config"]) or
                         {"decode_tok_s": 2.0, "prefill_tok_s": 3.0})
     ctx = suite.Ctx(trees=[suite.Tree("this", suite.REPO, "a" * 40)], rounds=1, work=tmp_path, threads=threads)
-    rows = suite_cpu_moe.cell_cpu_moe(ctx)
+    rows = suite_cpu_quant.cell_cpu_moe(ctx)
     assert {c["backend"] for c in configs} == {"tandem", "llamacpp"}
     assert all(c.get("cpu_threads") == threads for c in configs)
     assert all(("1 threads" if threads else "default threads") in r["condition"] for r in rows)
@@ -381,3 +381,20 @@ def test_warm_up_prompt_reaches_the_timed_prefills_paths():
     assert warmup_prompt({"prefill": 64}) == 64  # the prompt the cell times, as llama-bench warms up
     assert warmup_prompt({"decode_prompts": [2048, 32768]}) == 32768  # the longest of them
     assert warmup_prompt({"prefill": 32768, "decode_prompt": 32}) == 32768
+
+
+def test_the_dense_cpu_cell_runs_both_engines_on_the_dense_file(tmp_path, monkeypatch):
+    """The figure behind backend auto's rule for dense files: both engines on Llama-3.2-1B's shapes."""
+    from engine.bench import suite_cpu_quant
+
+    cell = next(c for c in suite.cells() if c.id == "cpu-dense-q4km")
+    assert cell.needs == "cpu" and not cell.in_quick
+    made = tmp_path / "llama-3.2-1b-Q4_K_M.gguf"
+    made.write_bytes(b"GGUF")
+    configs = []
+    monkeypatch.setattr(suite, "probe", lambda tree, spec: configs.append(spec["config"]) or
+                        {"decode_tok_s": 2.0, "prefill_tok_s": 3.0})
+    ctx = suite.Ctx(trees=[suite.Tree("this", suite.REPO, "a" * 40)], rounds=1, work=tmp_path)
+    rows = suite_cpu_quant.cell_cpu_dense(ctx)
+    assert {c["model"] for c in configs} == {str(made)} and {c["backend"] for c in configs} == {"tandem", "llamacpp"}
+    assert [r["metric"] for r in rows] == ["decode tok/s", "prefill tok/s"]

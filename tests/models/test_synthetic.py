@@ -24,6 +24,7 @@ def test_presets_have_the_published_sizes():
     assert n_params("synthetic:qwen3-30b-a3b") == pytest.approx(30.53, abs=0.01)
     assert n_params("synthetic:mixtral-8x7b") == pytest.approx(46.70, abs=0.01)
     assert n_params("synthetic:olmoe-1b-7b") == pytest.approx(6.92, abs=0.01)
+    assert n_params("synthetic:llama-3.2-1b") == pytest.approx(1.2358, abs=1e-4)  # dense, tied embeddings
 
 
 def test_presets_are_valid_transformers_configs():

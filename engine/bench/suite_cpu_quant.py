@@ -1,11 +1,13 @@
-"""The CPU-only MoE cell of `tandem bench suite`: a quantised MoE GGUF on a machine without a GPU,
-Tandem against llama.cpp, both as `backend auto` could run them (engine/api.py `choose_backend`).
+"""The CPU-only cells of `tandem bench suite` on quantised GGUF files: Tandem against llama.cpp on the
+same file, on a machine without a GPU.
 
-`cpu-moe-q4km-L8`: `synthetic:qwen3-30b-a3b-L8` (the published widths, 8 layers, random routers)
-exported to BF16 GGUF and quantised to Q4_K_M by llama.cpp's own quantiser (llama-cpp-python's API
-here: the CPU machines have it), made once into the work folder (~9.7 GB of export on the way, 3.2 GB
-kept). Both engines load that file with their default threads (Tandem's thread chooser measures its
-count; the llama.cpp backend does the same inside Tandem), decode and prefill, taking turns.
+`cpu-moe-q4km-L8`: `synthetic:qwen3-30b-a3b-L8` (the published widths, 8 layers, random routers);
+`cpu-dense-q4km`: `synthetic:llama-3.2-1b` (a dense model, all 16 layers). Each is exported to BF16 GGUF
+and quantised to Q4_K_M by llama.cpp's own quantiser (llama-cpp-python's API here: the CPU machines
+have it), made once into the work folder (the export deleted after). Both engines load that file with
+their default threads (Tandem's thread chooser measures its count; the llama.cpp backend does the same
+inside Tandem), decode and prefill, taking turns. `backend auto` (engine/api.py `choose_backend`) runs
+the MoE file on Tandem and the dense one on llama.cpp; the dense cell is the figure that rule reads.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import shutil
 from pathlib import Path
 
 MODEL = "synthetic:qwen3-30b-a3b-L8"
+DENSE = "synthetic:llama-3.2-1b"  # 1.0 B parameters with the borrowed 49,152-token vocabulary: 0.7 GB as Q4_K_M
 QUANT = "Q4_K_M"
 
 
@@ -28,16 +31,19 @@ def cells(Cell) -> list:
                  "both as backend auto could run them", "cpu", "decode ≥ llama.cpp: backend auto runs Tandem",
                  cell_cpu_moe, in_quick=False),
             Cell("cpu-moe-q4km-L8-4k", f"The same file decoding after a {LONG_PROMPT}-token prompt (a long chat): "
-                 "Tandem against llama.cpp", "cpu", "decode ≥ llama.cpp", cell_cpu_moe_long, in_quick=False)]
+                 "Tandem against llama.cpp", "cpu", "decode ≥ llama.cpp", cell_cpu_moe_long, in_quick=False),
+            Cell("cpu-dense-q4km", "Llama-3.2-1B's shapes (dense, Q4_K_M) on the CPU: Tandem against llama.cpp, "
+                 "which backend auto runs for dense files", "cpu", "decode ≥ llama.cpp: backend auto could run Tandem",
+                 cell_cpu_dense, in_quick=False)]
 
 
-def moe_file(ctx) -> Path:
-    """The Q4_K_M file, made once: BF16 export, then llama.cpp's quantiser (the export deleted)."""
+def quantised_file(ctx, model: str) -> Path:
+    """`model`'s Q4_K_M file, made once: BF16 export, then llama.cpp's quantiser (the export deleted)."""
     from engine.bench import gguf_export
     from engine.bench.suite import Skip
     from engine.bench.suite_files import export_bytes
 
-    out = ctx.work / f"{MODEL.split(':')[1]}-{QUANT}.gguf"
+    out = ctx.work / f"{model.split(':')[1]}-{QUANT}.gguf"
     if out.exists():
         return out
     try:
@@ -45,12 +51,12 @@ def moe_file(ctx) -> Path:
     except ImportError as e:
         raise Skip("llama-cpp-python is not installed (it quantises the file and is the peer)") from e
     ctx.work.mkdir(parents=True, exist_ok=True)
-    need = export_bytes(MODEL) * 13 // 10  # the export and the quantised file beside it
+    need = export_bytes(model) * 13 // 10  # the export and the quantised file beside it
     if shutil.disk_usage(ctx.work).free < need:
         raise Skip(f"making the {QUANT} file needs about {need / 1e9:.0f} GB of disk in {ctx.work}")
-    bf16 = ctx.work / f"{MODEL.split(':')[1]}-bf16.gguf"
-    ctx.progress(f"[suite] exporting {MODEL} to {bf16.name}")
-    gguf_export.export(MODEL, bf16, device="cpu", tokenizer_from=ctx.tokenizer_from)
+    bf16 = ctx.work / f"{model.split(':')[1]}-bf16.gguf"
+    ctx.progress(f"[suite] exporting {model} to {bf16.name}")
+    gguf_export.export(model, bf16, device="cpu", tokenizer_from=ctx.tokenizer_from)
     ctx.progress(f"[suite] quantising it to {QUANT}")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{QUANT}")
@@ -62,12 +68,12 @@ def moe_file(ctx) -> Path:
     return out
 
 
-def _both(ctx, spec: dict, max_context: int) -> tuple[dict, str]:
-    """Tandem's trees and llama.cpp on the file, taking turns: (each system's probe results, the rows'
-    condition)."""
+def _both(ctx, spec: dict, max_context: int, model: str = MODEL) -> tuple[dict, str]:
+    """Tandem's trees and llama.cpp on `model`'s file, taking turns: (each system's probe results, the
+    rows' condition)."""
     from engine.bench.suite import alternate, probe
 
-    path = moe_file(ctx)
+    path = quantised_file(ctx, model)
     threads = {"cpu_threads": ctx.threads} if ctx.threads else {}  # --threads: both engines; else their defaults
     base = {"model": str(path), "device": "cpu", "max_context": max_context, "max_batch": 1, **threads}
     tandem = {**base, "backend": "tandem"}
@@ -79,12 +85,12 @@ def _both(ctx, spec: dict, max_context: int) -> tuple[dict, str]:
     return alternate(ctx, systems), cond
 
 
-def cell_cpu_moe(ctx) -> list[dict]:
+def cell_cpu_moe(ctx, model: str = MODEL) -> list[dict]:
     from engine.bench.suite import row
 
     spec = {"prefill": 64 if ctx.quick else 512, "decode_prompt": 32, "new_tokens": 24 if ctx.quick else 64,
             "seed": 0, "warmup": True, "warmup_tokens": 4}
-    res, cond = _both(ctx, spec, 2048)
+    res, cond = _both(ctx, spec, 2048, model)
     info = {name: rs[-1].get("info") for name, rs in res.items()}
     return [row(ctx, "decode tok/s", f"{spec['new_tokens']} tokens after a {spec['decode_prompt']}-token prompt, "
                 f"{cond}", {n: [r["decode_tok_s"] for r in rs] for n, rs in res.items()}, "llama.cpp", info=info),
@@ -108,3 +114,8 @@ def cell_cpu_moe_long(ctx) -> list[dict]:
             row(ctx, "prefill tok/s", f"that {n}-token prompt, {cond}",
                 {k: [r["prefill_tok_s_by_prompt"][str(n)] for r in rs] for k, rs in res.items()}, "llama.cpp",
                 target="prefill ≥ 50% of llama.cpp")]
+
+
+def cell_cpu_dense(ctx) -> list[dict]:
+    """The MoE cell's decode and prefill on the dense file."""
+    return cell_cpu_moe(ctx, DENSE)
