@@ -50,22 +50,21 @@ class EngineConfig:
 
 def choose_backend(config: EngineConfig) -> str:
     """`auto`: llama.cpp for GGUF files on machines without CUDA when llama-cpp-python is installed,
-    except MoE files on a CPU where Tandem's kernels lead (AVX2 or AVX-512); else Tandem. What the rule follows
-    (benchmarks/RESULTS.md, two 2-core machines, decode tok/s in the same run):
+    except files Tandem computes over in blocks on a CPU where its quantised kernels lead (AVX2 or
+    AVX-512); else Tandem. What the rule follows (benchmarks/RESULTS.md, decode tok/s in the same run):
 
-    - MoE files whose routed experts Tandem keeps in blocks (models/loader.EXPERT_BLOCK_FAMILIES) run
-      on Tandem where its quantised kernels have AVX2 or AVX-512. A Q4_K_M Qwen3-30B-A3B cut to 8
-      layers decoded at 56.3 tok/s against llama.cpp's 50.7 with AVX2 on two threads (Zen 3, the
-      router inside the native layer step: benchmarks/dev-2core-avx2/ab-cpu-moe-q4km-L8-3f1d7ab.json;
-      56.1 against 41.3, prefill 115 against 87.4, in ab-cpu-moe-q4km-L8-19e31a4.json) and at 64.1
-      against 41.3 with AVX-512 (a Xeon, prefill 187 against 157: benchmarks/dev-2core/
-      2026-12-07-avx512-int8-kquants/ab-cpu-moe-q4km-L8-91f7cb2.json). A CPU
-      without AVX2 runs the portable kernels, which nothing has measured beside llama.cpp: those
-      files go to llama.cpp.
-    - Dense files go to llama.cpp, which runs every dense architecture (Tandem the few its families
-      name). On the built-in Q4_1 file Tandem's CPU decode step, one native call a layer, is ahead on
-      Zen 3 (113 tok/s against 98.3, benchmarks/dev-2core-avx2/ab-cpu-builtin-81bbb66.json); on Zen 4
-      it read 76.9 against 108 before that step (benchmarks/suite/cpu-builtin.json).
+    - MoE files whose routed experts Tandem keeps in blocks (models/loader.EXPERT_BLOCK_FAMILIES): a
+      Q4_K_M Qwen3-30B-A3B cut to 8 layers decoded at 56.1 tok/s against llama.cpp's 41.3 with AVX2 on
+      two threads (Zen 3; prefill 115 against 87.4: benchmarks/dev-2core-avx2/ab-cpu-moe-q4km-L8-19e31a4.json)
+      and at 67.2 against 40.9 with AVX-512 (a Xeon, prefill 230 against 155:
+      benchmarks/dev-2core/2026-12-07-avx512-int8-kquants/).
+    - Dense files of a family Tandem runs (llama) whose matrices are all of the kept block types
+      (models/loader.matrices_in_blocks): Llama-3.2-1B's shapes as Q4_K_M decoded at 35.6 against 21.3
+      on the 2-core AVX-512 Xeon, prefill 124 against 126 (benchmarks/dev-2core/cpu-dense-q4km-2026-12-07.json); the
+      built-in Q4_1 file at 152 against 125 with AVX2 (Zen 3, benchmarks/dev-2core-avx2/ab-cpu-builtin-d956ab8.json).
+    - The rest go to llama.cpp: a CPU without AVX2 runs Tandem's portable kernels, which nothing has
+      measured beside llama.cpp; llama.cpp runs every dense architecture and quant type, Tandem the
+      families it names, and a dense layer it would dequantise runs float GEMMs that were not measured.
 
     The built-in models stay on Tandem: they are the reference the tests hold to transformers, and
     llama.cpp's quantised-activation kernels change the dense model's greedy answer (asked for the
@@ -82,14 +81,14 @@ def choose_backend(config: EngineConfig) -> str:
     plain = {config.kv_policy, config.expert_policy} <= {"auto", "resident"} and not config.simulate_hybrid
     no_gpu = config.device == "cpu" or not torch.cuda.is_available()
     if gguf_model and plain and no_gpu and importlib.util.find_spec("llama_cpp") is not None \
-            and not (_moe_in_blocks(config.model) and _quant_kernels_lead()):
+            and not (_runs_in_blocks(config.model) and _quant_kernels_lead()):
         return "llamacpp"
     return "tandem"
 
 
 def _quant_kernels_lead() -> bool:
-    """Whether this CPU runs Tandem's quantised-block kernels with AVX2 or AVX-512, where its MoE decode
-    was measured ahead of llama.cpp's (choose_backend)."""
+    """Whether this CPU runs Tandem's quantised-block kernels with AVX2 or AVX-512, where its decode was
+    measured ahead of llama.cpp's (choose_backend)."""
     from engine.kernels import native
 
     nat = native.module()
@@ -97,17 +96,19 @@ def _quant_kernels_lead() -> bool:
         bool({"avx2", "avx512"} & set(nat.supported_quant_isas()))
 
 
-def _moe_in_blocks(path: str) -> bool:
-    """Whether a GGUF is a MoE model whose routed experts Tandem keeps in blocks (read from its header;
-    a file that cannot be read answers no, and its load says what is wrong)."""
-    from engine.models.loader import keeps_expert_blocks
+def _runs_in_blocks(path: str) -> bool:
+    """Whether Tandem's CPU load of a GGUF computes over the file's blocks: a MoE whose routed experts it
+    keeps in blocks, or a dense model of a family it runs whose matrices are all of the kept types. From
+    the header; a file that cannot be read, or of an architecture Tandem lacks, answers no (its load,
+    wherever it goes, says what is wrong)."""
+    from engine.models.loader import keeps_expert_blocks, matrices_in_blocks
     from engine.models.shape import model_args
 
     try:
         args = model_args(path)
+        return keeps_expert_blocks(args.arch, True) if args.is_moe else matrices_in_blocks(path)
     except Exception:  # missing, damaged, unknown architecture: the backend's load reports it
         return False
-    return bool(args.is_moe) and keeps_expert_blocks(args.arch, True)
 
 
 class Engine:

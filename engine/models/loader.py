@@ -85,6 +85,13 @@ def _keeps_blocks(name: str, shape) -> bool:
     return len(shape) == 2 and "_exps" not in name and "ffn_gate_inp" not in name and not single_expert
 
 
+def matrices_in_blocks(path: str | os.PathLike) -> bool:
+    """Whether every matrix a CPU load of this GGUF keeps in blocks is of a type the quantised kernels
+    compute over (QTYPES), so that no layer, nor a tied head, runs dequantised to float. From the header."""
+    matrices = [t for t in gguf_reader(path).tensors if _keeps_blocks(t.name, t.shape)]
+    return bool(matrices) and all(int(t.tensor_type) in QTYPES for t in matrices)
+
+
 def _keeps_stacked_experts(name: str, shape) -> bool:
     """A layer's stacked routed expert weight, `blk.N.ffn_{gate,up,down,gate_up}_exps.weight` (E, N, K) (not
     its biases)."""

@@ -182,18 +182,26 @@ def test_offloaded_mxfp4_experts_with_their_form_follow_the_dequantised_file(tmp
 
 @pytest.mark.parametrize("lead", [True, False])
 def test_backend_auto_follows_which_engine_decodes_a_gguf_faster(files, tmp_path, monkeypatch, lead):
-    """On a machine without a GPU: MoE files whose experts stay in blocks decode faster on Tandem where
-    its quantised kernels have AVX2 or AVX-512 (benchmarks/dev-2core-avx2/, benchmarks/suite/) and go to
-    llama.cpp on a CPU with neither; dense files go to llama.cpp (engine/api.py choose_backend)."""
+    """On a machine without a GPU: files Tandem computes over in blocks (a MoE whose experts stay blocks,
+    a dense llama whose matrices are all kept types) decode faster on Tandem where its quantised kernels
+    have AVX2 or AVX-512 (benchmarks/RESULTS.md) and go to llama.cpp on a CPU with neither; a dense file
+    Tandem would dequantise, and a file it cannot read, go to llama.cpp (engine/api.py choose_backend)."""
     from engine import api
     from engine.api import EngineConfig, choose_backend
-    from engine.models import builtin
+    from engine.bench import gguf_export
+    from engine.models import builtin, synthetic
 
     monkeypatch.setattr(api, "_quant_kernels_lead", lambda: lead)
     want = "tandem" if lead else "llamacpp"
     assert choose_backend(EngineConfig(model=str(files["Q4_K_M"]), device="cpu")) == want
-    dense, _ = builtin.resolve("builtin:smollm2-135m")  # the built-in dense GGUF, by its path
-    assert choose_backend(EngineConfig(model=str(dense), device="cpu")) == "llamacpp"
+    dense, _ = builtin.resolve("builtin:smollm2-135m")  # the built-in dense GGUF (Q4_1), by its path
+    assert choose_backend(EngineConfig(model=str(dense), device="cpu")) == want
+    tiny = dict(synthetic.PRESETS["llama-3.2-1b"], hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_hidden_layers=1)
+    monkeypatch.setitem(synthetic.PRESETS, "tiny-llama", tiny)
+    bf16 = tmp_path / "dense-bf16.gguf"
+    gguf_export.export("synthetic:tiny-llama", bf16)  # BF16 matrices: Tandem's CPU load dequantises them
+    assert choose_backend(EngineConfig(model=str(bf16), device="cpu")) == "llamacpp"
     assert choose_backend(EngineConfig(model=str(tmp_path / "missing.gguf"), device="cpu")) == "llamacpp"
     assert choose_backend(EngineConfig(model="builtin:smollm2-135m-moe", device="cpu")) == "tandem"
 
