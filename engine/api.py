@@ -60,8 +60,10 @@ def choose_backend(config: EngineConfig) -> str:
       benchmarks/dev-2core/2026-12-07-avx512-int8-kquants/).
     - Dense files of a family Tandem runs (llama) whose matrices are all of the kept block types
       (models/loader.matrices_in_blocks): Llama-3.2-1B's shapes as Q4_K_M decoded at 35.6 against 21.3
-      on the 2-core AVX-512 Xeon, prefill 124 against 126 (benchmarks/dev-2core/cpu-dense-q4km-2026-12-07.json); the
-      built-in Q4_1 file at 152 against 125 with AVX2 (Zen 3, benchmarks/dev-2core-avx2/ab-cpu-builtin-d956ab8.json).
+      on the 2-core AVX-512 Xeon, prefill 124 against 126 (benchmarks/dev-2core/cpu-dense-q4km-2026-12-07.json),
+      and at 31.7 against 20.9 with Tandem's kernels pinned to AVX2 there (…-avx2-pinned-2026-12-07.json);
+      the built-in Q4_1 file at 152 against 125 on an AVX2 machine (Zen 3, benchmarks/dev-2core-avx2/
+      ab-cpu-builtin-d956ab8.json).
     - The rest go to llama.cpp: a CPU without AVX2 runs Tandem's portable kernels, which nothing has
       measured beside llama.cpp; llama.cpp runs every dense architecture and quant type, Tandem the
       families it names, and a dense layer it would dequantise runs float GEMMs that were not measured.
