@@ -5,13 +5,7 @@
 # 2K and 32K. The export runs beside llama.cpp's build; the cell after both. CONTEXTS=2048 keeps a short
 # lease to 2K; C_S: the seconds the whole script may take. Started like quantised.sh.
 source benchmarks/h200/lease_start.sh  # folders, log, wheels, native build, machine header
-build=
-if [ ! -x "$work/llamacpp/build-cuda/bin/llama-bench" ]; then
-  step llama.cpp build starts in the background
-  python3 -m engine.bench.llamacpp_build --source .llamacpp/llamacpp-src.tar.xz --build-dir "$work/llamacpp" \
-    --targets llama-bench,llama-batched-bench >"$res/llamacpp-build.log" 2>&1 &
-  build=$!
-fi
+llama_build llama-bench,llama-batched-bench
 file="$work/qwen3-30b-a3b-Q8_0-random.gguf"  # the name the suite looks for (suite_files.export_path)
 if [ ! -f "$file" ]; then
   step export the 48 layers with Q8_0 experts

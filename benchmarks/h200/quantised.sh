@@ -15,10 +15,7 @@ source benchmarks/h200/lease_start.sh  # folders, log, wheels, native build, mac
 CELLS=${CELLS-gpu-q4km-L16-resident gpu-q4km-L16-8gb gpu-q4km-prefill-32k gpu-q4km-L16-cpu-experts}
 
 if [ -n "$CELLS" ]; then
-  step llama.cpp build starts in the background
-  python3 -m engine.bench.llamacpp_build --source .llamacpp/llamacpp-src.tar.xz --build-dir "$work/llamacpp" \
-    --targets llama-bench,llama-batched-bench,llama-quantize >"$res/llamacpp-build.log" 2>&1 &
-  build=$!
+  llama_build llama-bench,llama-batched-bench,llama-quantize
 fi
 
 if [ -n "${KERNEL_TESTS_ONLY:-}" ]; then  # a short lease: the CUDA tests of the products over blocks alone
@@ -71,7 +68,7 @@ step export L16  # the name the suite looks for; the suite quantises it
 python3 -m engine.cli export-gguf --model synthetic:qwen3-30b-a3b-L16 --out "$work/qwen3-30b-a3b-L16-random.gguf" \
   --device cuda --tokenizer-from .llamacpp/smollm2-vocab.gguf --quiet >>"$res/export.log" 2>&1
 step waiting for llama.cpp
-wait $build; echo "llama.cpp build rc $?" >>"$log"
+[ -n "$build" ] && { wait $build; echo "llama.cpp build rc $?" >>"$log"; }
 # after the build: llama.cpp's compile on every core slowed the threaded CPU set tenfold in one lease
 if [ -z "${KERNEL_TESTS_ONLY:-}" ]; then
   step CPU kernels  # the K-quant products and a MoE layer's CPU set at 1–16 threads (the 16-thread figure)

@@ -29,12 +29,12 @@ LONG_PROMPT = 4096
 def cells(Cell) -> list:
     return [Cell("cpu-moe-q4km-L8", "Qwen3-30B-A3B (8 layers, Q4_K_M) on the CPU: Tandem against llama.cpp, "
                  "both as backend auto could run them", "cpu", "decode ≥ llama.cpp: backend auto runs Tandem",
-                 cell_cpu_moe, in_quick=False),
+                 lambda ctx: decode_and_prefill(ctx, MODEL), in_quick=False),
             Cell("cpu-moe-q4km-L8-4k", f"The same file decoding after a {LONG_PROMPT}-token prompt (a long chat): "
                  "Tandem against llama.cpp", "cpu", "decode ≥ llama.cpp", cell_cpu_moe_long, in_quick=False),
             Cell("cpu-dense-q4km", "Llama-3.2-1B's shapes (dense, Q4_K_M) on the CPU: Tandem against llama.cpp, "
                  "which backend auto runs for dense files", "cpu", "decode ≥ llama.cpp: backend auto could run Tandem",
-                 cell_cpu_dense, in_quick=False)]
+                 lambda ctx: decode_and_prefill(ctx, DENSE), in_quick=False)]
 
 
 def quantised_file(ctx, model: str) -> Path:
@@ -68,7 +68,7 @@ def quantised_file(ctx, model: str) -> Path:
     return out
 
 
-def _both(ctx, spec: dict, max_context: int, model: str = MODEL) -> tuple[dict, str]:
+def _both(ctx, spec: dict, max_context: int, model: str) -> tuple[dict, str]:
     """Tandem's trees and llama.cpp on `model`'s file, taking turns: (each system's probe results, the
     rows' condition)."""
     from engine.bench.suite import alternate, probe
@@ -85,7 +85,8 @@ def _both(ctx, spec: dict, max_context: int, model: str = MODEL) -> tuple[dict, 
     return alternate(ctx, systems), cond
 
 
-def cell_cpu_moe(ctx, model: str = MODEL) -> list[dict]:
+def decode_and_prefill(ctx, model: str) -> list[dict]:
+    """A short chat's decode and a 512-token prompt's prefill on `model`'s file, both engines."""
     from engine.bench.suite import row
 
     spec = {"prefill": 64 if ctx.quick else 512, "decode_prompt": 32, "new_tokens": 24 if ctx.quick else 64,
@@ -106,7 +107,7 @@ def cell_cpu_moe_long(ctx) -> list[dict]:
     n = LONG_PROMPT
     spec = {"decode_prompts": [n], "new_tokens": 16 if ctx.quick else 32, "seed": 0, "warmup": True,
             "warmup_tokens": 4}
-    res, cond = _both(ctx, spec, n + 64)
+    res, cond = _both(ctx, spec, n + 64, MODEL)
     info = {name: rs[-1].get("info") for name, rs in res.items()}
     return [row(ctx, "decode tok/s", f"{spec['new_tokens']} tokens after a {n}-token prompt, {cond}",
                 {k: [r["decode_tok_s_by_prompt"][str(n)] for r in rs] for k, rs in res.items()}, "llama.cpp",
@@ -115,7 +116,3 @@ def cell_cpu_moe_long(ctx) -> list[dict]:
                 {k: [r["prefill_tok_s_by_prompt"][str(n)] for r in rs] for k, rs in res.items()}, "llama.cpp",
                 target="prefill ≥ 50% of llama.cpp")]
 
-
-def cell_cpu_dense(ctx) -> list[dict]:
-    """The MoE cell's decode and prefill on the dense file."""
-    return cell_cpu_moe(ctx, DENSE)

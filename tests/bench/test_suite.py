@@ -368,7 +368,7 @@ def test_the_cpu_moe_cell_runs_both_engines_at_the_threads_asked(tmp_path, monke
     monkeypatch.setattr(suite, "probe", lambda tree, spec: configs.append(spec["config"]) or
                         {"decode_tok_s": 2.0, "prefill_tok_s": 3.0})
     ctx = suite.Ctx(trees=[suite.Tree("this", suite.REPO, "a" * 40)], rounds=1, work=tmp_path, threads=threads)
-    rows = suite_cpu_quant.cell_cpu_moe(ctx)
+    rows = suite_cpu_quant.decode_and_prefill(ctx, suite_cpu_quant.MODEL)
     assert {c["backend"] for c in configs} == {"tandem", "llamacpp"}
     assert all(c.get("cpu_threads") == threads for c in configs)
     assert all(("1 threads" if threads else "default threads") in r["condition"] for r in rows)
@@ -395,6 +395,6 @@ def test_the_dense_cpu_cell_runs_both_engines_on_the_dense_file(tmp_path, monkey
     monkeypatch.setattr(suite, "probe", lambda tree, spec: configs.append(spec["config"]) or
                         {"decode_tok_s": 2.0, "prefill_tok_s": 3.0})
     ctx = suite.Ctx(trees=[suite.Tree("this", suite.REPO, "a" * 40)], rounds=1, work=tmp_path)
-    rows = suite_cpu_quant.cell_cpu_dense(ctx)
+    rows = suite_cpu_quant.decode_and_prefill(ctx, suite_cpu_quant.DENSE)
     assert {c["model"] for c in configs} == {str(made)} and {c["backend"] for c in configs} == {"tandem", "llamacpp"}
     assert [r["metric"] for r in rows] == ["decode tok/s", "prefill tok/s"]
