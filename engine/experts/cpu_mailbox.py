@@ -11,7 +11,8 @@ where they lie in the store.
 
 The mailbox's kernels are in the one graph wherever misses can happen (the cache holds fewer slots
 than the store has experts). How many of a layer's misses go to the CPU is decided on the device, per
-layer, from three costs that MissSplit keeps (seed 004's split: both sides finish together).
+layer, from three costs that MissSplit reads from the corrected cost model (seed 004's split: both sides
+finish together).
 
 This object owns the two pinned regions, the device's small scalars and the worker, and tears them
 down in reverse order: the device is synchronised (no kernel waits on the worker), the worker thread
@@ -29,6 +30,7 @@ import os
 import numpy as np
 import torch
 
+from engine.experts.measured_costs import MeasuredCosts
 from engine.kernels import cpu_mailbox_gpu, native
 
 HEADER_WORDS = 16  # int64 words before the arrays: the sequence number's line, then layer and rows (to_cpu)
@@ -57,30 +59,25 @@ class MissSplit:
     """The three costs (ms) by which the device splits a layer's m misses (engine/kernels/
     cpu_mailbox_gpu.py): c go to the CPU where max((m − c) · link_ms, handoff_ms + c · cpu_ms) is least.
 
-    link_ms: one expert read in place over PCIe (the cost model's zero-copy rate). handoff_ms + c ·
-    cpu_ms: a post of c experts on the worker, from the cost model until the worker has answered
-    MEASURE_POSTS posts, then the least-squares line through its latest window of posts (time against
-    c). A post's fixed part is large: waking the team and splitting one expert's rows over it cost
-    about as much as two more experts (H100 host, 15 threads: ~0.25 ms a post, ~0.07 ms an expert)."""
+    They are read from the decode side of the one corrected cost model (engine/experts/measured_costs.py),
+    not kept apart from it: link_ms is one expert read in place over PCIe (the model's zero-copy rate,
+    or LINK_NEVER_MS for a policy whose misses never cross the link), handoff_ms + c · cpu_ms a post of c
+    experts on the worker. Once the worker has answered MEASURE_POSTS posts, the least-squares line
+    through its latest window of posts (time against c) becomes the model's decode CPU costs, which the
+    pieces' planner reads too. A post's fixed part is large: waking the team and splitting one expert's
+    rows over it cost about as much as two more experts (H100 host, 15 threads: ~0.25 ms a post, ~0.07
+    ms an expert)."""
 
-    def __init__(self, link_ms: float, cpu_ms: float, handoff_ms: float):
-        self.link_ms, self.cpu_ms, self.handoff_ms = float(link_ms), float(cpu_ms), float(handoff_ms)
-        self.measured = False  # the two CPU costs are the worker's own
+    def __init__(self, measured: MeasuredCosts, link: bool = True):
+        self.measured, self.uses_link = measured, link
+        self.is_measured = False  # the CPU costs are the worker's own
         self._mark = np.zeros(5)  # the worker's fit_sums at the start of the window
 
-    @classmethod
-    def from_costs(cls, costs, link: bool = True) -> "MissSplit":
-        """From the expert cost model (sched/expert_cost.py), calibrated where a profile exists.
-        link False: misses never cross the link (every one to the CPU: static, cpu-only)."""
-        return cls(costs.zero_copy_ms() if link else LINK_NEVER_MS, costs.cpu_expert_ms(tokens=1),
-                   costs.cpu_overhead_ms)
-
-    @property
-    def uses_link(self) -> bool:
-        return self.link_ms < LINK_NEVER_MS
-
     def values(self) -> tuple[float, float, float]:
-        return self.link_ms, self.cpu_ms, self.handoff_ms
+        """(link_ms, cpu_ms, handoff_ms) as the decode model says now."""
+        costs = self.measured.model("decode")
+        return (costs.zero_copy_ms() if self.uses_link else LINK_NEVER_MS, costs.cpu_expert_ms(1),
+                costs.cpu_correction * costs.cpu_overhead_ms)
 
     def observe(self, fit_sums) -> bool:
         """The worker's cumulative (posts, Σc, Σc², Σt, Σc·t), t in s → whether the CPU costs changed."""
@@ -94,15 +91,18 @@ class MissSplit:
         slope = (sct / n - mean_c * mean_t) / spread if spread >= MIN_SPREAD else -1.0
         intercept = mean_t - slope * mean_c
         if slope > 0 and intercept >= 0:
-            self.cpu_ms, self.handoff_ms = 1e3 * slope, 1e3 * intercept
+            expert_ms, post_ms = 1e3 * slope, 1e3 * intercept
         else:  # no usable line: the per-post cost stays, the experts take the rest
-            self.cpu_ms = max(1e3 * (st - self.handoff_ms * 1e-3 * n) / sc, 1e-3)
-        self.measured = True
+            post_ms = self.values()[2]
+            expert_ms = max(1e3 * (st - post_ms * 1e-3 * n) / sc, 1e-3)
+        self.measured.observe_cpu_line("decode", expert_ms, post_ms)
+        self.is_measured = True
         return True
 
     def telemetry(self) -> dict:
-        return {"link_ms": round(self.link_ms, 4), "cpu_ms": round(self.cpu_ms, 4),
-                "handoff_ms": round(self.handoff_ms, 4), "cpu_measured": self.measured}
+        link_ms, cpu_ms, handoff_ms = self.values()
+        return {"link_ms": round(link_ms, 4), "cpu_ms": round(cpu_ms, 4), "handoff_ms": round(handoff_ms, 4),
+                "cpu_measured": self.is_measured}
 
 
 def worker_threads() -> int:

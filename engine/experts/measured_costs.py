@@ -1,10 +1,14 @@
-"""The expert cost model corrected online by what this machine's layer steps measure.
+"""The expert cost model corrected online by what this machine's layer steps measure: the one decider
+of what the CPU computes, with prefill and decode as its two inputs.
 
-The calibrated model (sched/expert_cost.py) predicts a layer's two sides. Two measurements per phase
+The calibrated model (sched/expert_cost.py) predicts a layer's two sides. Measurements per phase
 (prefill and decode run different kernels and token counts, so their errors differ) correct it:
 
 - **CPU sets**: measured / modelled CPU-set time. Its median scales T_C, so the split's q balances the
-  two sides as they really run here (threads, contention, kernel).
+  two sides as they really run here (threads, contention, kernel). Where decode runs as the one graph,
+  its CPU share is answered by the mailbox's worker, whose posts give a line (a post's fixed cost and
+  an expert's); that line sets the decode model's CPU costs instead (`observe_cpu_line`), and the
+  device's split reads them back (engine/experts/cpu_mailbox.py's MissSplit).
 - **Layer steps**: the wall time from one MoE layer's sync to the next layer's, against the modelled
   step (the layer's makespan plus the next layer's attention), kept apart for *split* steps (a CPU
   set ran) and *whole* steps (none). A split costs more than its CPU set's compute: the hand-over, the
@@ -65,6 +69,18 @@ class MeasuredCosts:
         if len(ratios) == ratios.maxlen:
             self._models[phase] = replace(costs, cpu_correction=float(median(ratios)))
             ratios.clear()
+
+    def observe_cpu_line(self, phase: str, expert_ms: float, post_ms: float) -> None:
+        """The CPU's measured cost of a set as a line: post_ms for the set plus expert_ms an expert (one
+        token each). The phase's model then says the same: its correction scales the modelled expert to
+        expert_ms, and its per-set overhead becomes post_ms."""
+        costs = self._models[phase]
+        base = costs.cpu_expert_ms(1) / costs.cpu_correction  # the model's expert without the correction
+        if base <= 0 or expert_ms <= 0 or post_ms < 0:
+            return
+        correction = _clamp(expert_ms / base)
+        self._models[phase] = replace(costs, cpu_correction=correction, cpu_overhead_ms=post_ms / correction)
+        self._cpu_ratios[phase].clear()  # sets measured against the old model would pull it back
 
     def observe_step(self, phase: str, split: bool, modelled_ms: float, measured_ms: float) -> None:
         """One layer step (sync to the next layer's sync, ms) and what the model said it would take."""

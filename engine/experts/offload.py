@@ -132,7 +132,7 @@ class OffloadedExperts(GraphForms, ExpertExecutor):  # GraphForms: its captured 
         else:
             s = self.store
             split = None if self.policy == "on-demand" or not graph_cpu_enabled() else \
-                MissSplit.from_costs(self.costs, link=self.policy == "adaptive")
+                MissSplit(self.measured, link=self.policy == "adaptive")
             # cpu-only's table points every expert at the store. Its pool is one slot that no miss takes
             # (its split never uses the link): the kernels get a real base pointer, which an empty CUDA
             # tensor (address 0) may not pass Triton's check of

@@ -174,10 +174,12 @@ class ZeroCopyDecode:
         return self.mailbox_failed is None or self.cpu_split is None or self.cpu_split.uses_link
 
     def _update_split(self) -> None:
-        """The worker's measured costs into the split the next replays run with."""
+        """The worker's measured costs into the decode model, and its split into the next replays."""
         if self.mailbox is not None:
-            if self.cpu_split.observe(self.mailbox.fit_sums()):
-                self.mailbox.set_split(self.cpu_split.values())
+            self.cpu_split.observe(self.mailbox.fit_sums())
+            values = self.cpu_split.values()  # the worker's line, or the pieces' CPU sets, may have moved them
+            if values != self.mailbox.split_values:
+                self.mailbox.set_split(values)
 
     def close(self) -> None:
         """Stop the CPU mailbox's worker (after the device has finished with it)."""

@@ -17,10 +17,12 @@ pytest.importorskip("triton")
 from engine.experts.cache import ExpertCache  # noqa: E402
 from engine.experts.cpu_mailbox import (LINK_NEVER_MS, MEASURE_POSTS, CpuMailbox, MissSplit, graph_cpu_enabled,  # noqa: E402
                                         worker_threads)
+from engine.experts.measured_costs import CPU_CORRECTION_WINDOW, MeasuredCosts  # noqa: E402
 from engine.experts.store import ExpertStore  # noqa: E402
 from engine.experts.zero_copy import ZeroCopyDecode  # noqa: E402
 from engine.kernels import native  # noqa: E402
 from engine.kernels.experts_torch import expert_ffn, moe_experts  # noqa: E402
+from engine.sched.expert_cost import ExpertCostModel  # noqa: E402
 
 if native.module() is None or not hasattr(native.module(), "CpuMailbox"):
     pytest.skip("the CPU mailbox needs the native extension", allow_module_level=True)
@@ -33,6 +35,16 @@ EVEN, ALL = (1.0, 1.0, 0.0), (1.0, 0.0, 0.0)
 NO_LINK = (LINK_NEVER_MS, 0.3, 0.05)  # static and cpu-only: every miss to the CPU, however slow it is
 # on a GPU machine these run on CUDA: marked so that `-m cuda` (the lease scripts) selects them
 pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+
+
+def _split(link_ms, cpu_ms, handoff_ms):
+    """A MissSplit whose decode model gives these three costs: a 1 MB expert with no per-token compute,
+    read at 1 / link_ms GB/s in place and 1 / cpu_ms GB/s by the CPU (a free CPU: 1 µs an expert)."""
+    cpu_gbps = 1.0 / max(cpu_ms, 1e-6)
+    costs = ExpertCostModel(expert_bytes=1e6, flops_per_token=0.0, cpu_overhead_ms=handoff_ms, cpu_gbps=cpu_gbps,
+                            host_gbps=max(cpu_gbps, 76.0),
+                            zero_copy_gbps=1.0 / link_ms if link_ms < LINK_NEVER_MS else 1.0)
+    return MissSplit(MeasuredCosts(costs), link=link_ms < LINK_NEVER_MS)
 
 
 def _store(seed=0):
@@ -96,7 +108,7 @@ def _decode(n_slots, split, steps=8, n_tokens=2, seed=1, same_routing=False):
     store, gate_up, down = _store()
     cache = ExpertCache(n_slots, H, I, torch.float32, torch.device(DEVICE))
     zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0,
-                        cpu_split=MissSplit(*split))
+                        cpu_split=_split(*split))
     g = torch.Generator().manual_seed(seed)
     lookups = 0
     try:
@@ -144,7 +156,7 @@ def test_a_split_without_the_link_sends_every_miss_to_the_cpu_and_never_changes_
         cache.lru.place(0, e)
         cache.copy_in(e, store.block(0, e))
     entries = sorted(cache.lru.entries)
-    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, cpu_split=MissSplit(*NO_LINK))
+    zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, cpu_split=_split(*NO_LINK))
     g = torch.Generator().manual_seed(3)
     try:
         for _ in range(4):
@@ -170,11 +182,11 @@ def test_a_split_without_the_link_that_loses_its_mailbox_goes_back_to_pieces():
     """Without the native worker a static or cpu-only table cannot send its misses anywhere but the
     link, which those policies never use: its steps are not the one graph."""
     zc = ZeroCopyDecode(_store()[0], ExpertCache(1, H, I, torch.float32, torch.device(DEVICE)),
-                        torch.device(DEVICE), max_tokens=4, cpu_split=MissSplit(*NO_LINK))
+                        torch.device(DEVICE), max_tokens=4, cpu_split=_split(*NO_LINK))
     assert zc.runnable
     zc.mailbox_failed = zc.mailbox_off = "the CPU mailbox needs the native extension"
     assert not zc.runnable
-    zc.cpu_split = MissSplit(*EVEN)  # adaptive reads its misses over the link instead
+    zc.cpu_split = _split(*EVEN)  # adaptive reads its misses over the link instead
     assert zc.runnable
 
 
@@ -182,7 +194,7 @@ def test_a_worker_that_does_not_answer_fails_the_step_loudly():
     store, gate_up, down = _store()
     cache = ExpertCache(2, H, I, torch.float32, torch.device(DEVICE))
     zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, lag_list_share=1.0,
-                        cpu_split=MissSplit(*ALL))
+                        cpu_split=_split(*ALL))
     zc.before_step()
     x, w = torch.randn(1, H), torch.ones(1, K) / K
     zc.run(0, x.to(DEVICE), torch.tensor([[0, 1]], device=DEVICE), w.to(DEVICE))  # opens the mailbox; answered
@@ -228,16 +240,16 @@ def test_the_device_sends_the_cpu_the_count_that_ends_the_layer_soonest(split):
         assert marks == [1] * want + [0] * (E - want), (m, want)
 
 
-def test_the_split_starts_from_the_cost_model_and_follows_the_workers_posts():
+def test_the_split_reads_the_decode_model_and_the_workers_posts_correct_it():
     """Posts of 1 to 4 experts taking 0.25 ms + 0.07 ms each: after MEASURE_POSTS of them the split's
-    CPU costs are that line, not the model's; posts all of one size keep the per-post cost and give
-    the experts the rest."""
-    from engine.sched.expert_cost import ExpertCostModel
-
+    CPU costs are that line, and so are the decode model's (the pieces' planner reads the same model);
+    prefill's stays. Posts all of one size keep the per-post cost and give the experts the rest."""
     costs = ExpertCostModel.from_shape(2048, 768, 2)
-    split = MissSplit.from_costs(costs)
+    measured = MeasuredCosts(costs)
+    split = MissSplit(measured)
     assert split.values() == pytest.approx((costs.zero_copy_ms(), costs.cpu_expert_ms(1), costs.cpu_overhead_ms))
-    assert split.link_ms == pytest.approx(9437184 / 38.6e6)  # a BF16 expert over PCIe at the model's 38.6 GB/s
+    assert split.values()[0] == pytest.approx(9437184 / 38.6e6)  # a BF16 expert over PCIe at the model's 38.6 GB/s
+    assert MissSplit(measured, link=False).values()[0] == LINK_NEVER_MS
 
     def sums(sizes):
         c, t = np.array(sizes, float), 2.5e-4 + 7e-5 * np.array(sizes, float)
@@ -245,12 +257,27 @@ def test_the_split_starts_from_the_cost_model_and_follows_the_workers_posts():
 
     sizes = [1, 2, 3, 4] * (MEASURE_POSTS // 4)
     assert not split.observe(sums(sizes[:-1]))  # one post short of a window
-    assert split.observe(sums(sizes)) and split.measured
-    assert (split.cpu_ms, split.handoff_ms) == pytest.approx((0.07, 0.25))
+    assert split.observe(sums(sizes)) and split.is_measured
+    assert split.values()[1:] == pytest.approx((0.07, 0.25))
+    decode = measured.model("decode")
+    assert (decode.cpu_expert_ms(1), decode.cpu_ms(3, 3)) == pytest.approx((0.07, 0.25 + 3 * 0.07))
+    assert measured.model("prefill") is costs
     later = np.add(sums(sizes), sums([2] * MEASURE_POSTS))  # a window of posts of 2 experts, 0.39 ms each
     assert split.observe(later)
-    assert split.handoff_ms == pytest.approx(0.25) and split.cpu_ms == pytest.approx(0.07)
+    assert split.values()[1:] == pytest.approx((0.07, 0.25))
     assert split.telemetry()["cpu_measured"] is True
+
+
+def test_the_pieces_cpu_sets_move_the_split_the_graph_runs_with():
+    """Decode's CPU sets measured in pieces correct the same model the device's split reads."""
+    measured = MeasuredCosts(ExpertCostModel.from_shape(2048, 768, 2))
+    split = MissSplit(measured)
+    before = split.values()
+    decode = measured.model("decode")
+    for _ in range(CPU_CORRECTION_WINDOW):  # CPU sets twice as slow as modelled: one correction's window
+        measured.observe_cpu("decode", decode.cpu_ms(2, 2), 2 * decode.cpu_ms(2, 2))
+    assert split.values()[0] == before[0]
+    assert split.values()[1:] == pytest.approx((2 * before[1], 2 * before[2]))
 
 
 def test_the_environment_keeps_the_cpu_out_of_the_graph(monkeypatch):
@@ -278,7 +305,7 @@ def test_the_measured_costs_reach_the_device_between_steps():
     t = zc.telemetry()
     assert t["cpu_mailbox"]["posts"] >= MEASURE_POSTS and t["cpu_split"]["cpu_measured"]
     assert t["cpu_split"]["link_ms"] == 1.0  # the link's cost stays the one given
-    assert zc.mailbox.split_values == zc.cpu_split.values() != ALL
+    assert zc.mailbox.split_values == zc.cpu_split.values() != _split(*ALL).values()
     assert zc.mailbox.split.cpu().tolist() == pytest.approx(list(zc.cpu_split.values()))
 
 

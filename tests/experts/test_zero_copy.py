@@ -12,15 +12,24 @@ pytest.importorskip("triton")
 
 from engine.experts.cache import ExpertCache  # noqa: E402
 from engine.experts.cpu_mailbox import MissSplit  # noqa: E402
+from engine.experts.measured_costs import MeasuredCosts  # noqa: E402
 from engine.experts.store import ExpertStore  # noqa: E402
 from engine.experts.zero_copy import LAG_LIST_SHARE, ZeroCopyDecode  # noqa: E402
 from engine.kernels.experts_torch import moe_experts  # noqa: E402
+from engine.sched.expert_cost import ExpertCostModel  # noqa: E402
 
 L, E, H, I, K = 3, 6, 24, 16, 2
 # the kernels run compiled on CUDA tensors, or interpreted on CPU tensors where there is no GPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # on a GPU machine these run on CUDA: marked so that `-m cuda` (the lease scripts) selects them
 pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+
+
+def _even_split():
+    """The link and the CPU alike (1 ms an expert each, no per-post cost): half the misses to each."""
+    costs = ExpertCostModel(expert_bytes=1e6, flops_per_token=0.0, zero_copy_gbps=1.0, cpu_gbps=1.0,
+                            cpu_overhead_ms=0.0)
+    return MissSplit(MeasuredCosts(costs))
 
 
 def _model(seed=0):
@@ -109,7 +118,7 @@ def _decode(n_slots, steps, n_tokens=2, seed=1, same_routing=False, check_each_s
     window = []
     zc = ZeroCopyDecode(store, cache, torch.device(DEVICE), max_tokens=4, window=window,
                         lag_list_share=lag_list_share,
-                        cpu_split=MissSplit(1.0, 1.0, 0.0) if cpu_split else None)
+                        cpu_split=_even_split() if cpu_split else None)
     g = torch.Generator().manual_seed(seed)
     routing = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n_tokens)]) for _ in range(L)]
     used_per_step = []
