@@ -18,7 +18,8 @@ import torch
 
 from engine.errors import ModelFileError
 from engine.kernels import quant_linear_gpu
-from engine.models.common import Decoder, FeedForward, ModelArgs, MoEFeedForward
+from engine.models.common import Decoder, FeedForward, ModelArgs
+from engine.models.moe_ffn import MoEFeedForward
 from engine.quant import modules as quant_modules
 from engine.quant.blocks import QuantStack, QuantTensor
 

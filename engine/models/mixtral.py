@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.common import ModelArgs, SoftmaxTopK
+from engine.models.common import ModelArgs
+from engine.models.moe_ffn import SoftmaxTopK
 from engine.models.expert_names import sanitize_moe_hf
 from engine.models.gguf_names import moe_config_from_gguf, sanitize_moe_gguf
 from engine.models.hf_config import decoder_args, expert_count, sliding_window

@@ -36,12 +36,11 @@ from engine.models.common import (
     Attention,
     Decoder,
     ModelArgs,
-    MoEFeedForward,
     RMSNorm,
-    SoftmaxTopK,
     apply_partial_rope,
     token_embedding,
 )
+from engine.models.moe_ffn import MoEFeedForward, SoftmaxTopK
 from engine.models.expert_names import fuse_experts
 from engine.models.gated_deltanet import DeltaNetShape, GatedDeltaNet
 from engine.models.hf_config import decoder_args, expert_count

@@ -28,13 +28,8 @@ import torch
 
 from engine.kernels import native
 from engine.kv.resident import ResidentKV
-from engine.models.common import (
-    Attention,
-    Decoder,
-    FeedForward,
-    MoEFeedForward,
-    SoftmaxTopK,
-)
+from engine.models.common import Attention, Decoder, FeedForward
+from engine.models.moe_ffn import MoEFeedForward, SoftmaxTopK
 from engine.quant.experts import QuantResidentExperts
 from engine.quant.matmul import native_max_tokens
 from engine.quant.modules import QuantLinear

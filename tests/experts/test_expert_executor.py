@@ -18,7 +18,7 @@ from engine.experts.predictor import GateLookahead, even_spread
 from engine.experts.store import ExpertStore
 from engine.kernels import experts_gpu
 from engine.kernels.experts_torch import expert_ffn, moe_experts
-from engine.models.common import softmax_topk
+from engine.models.moe_ffn import softmax_topk
 from engine.sched.expert_cost import ExpertCostModel
 
 L, E, H, I, K = 3, 6, 16, 8, 2
