@@ -7,13 +7,16 @@ and quantised to Q4_K_M by llama.cpp's own quantiser (llama-cpp-python's API her
 have it), made once into the work folder (the export deleted after). Both engines load that file with
 their default threads (Tandem's thread chooser measures its count; the llama.cpp backend does the same
 inside Tandem), decode and prefill, taking turns. `backend auto` (engine/api.py `choose_backend`) runs
-the MoE file on Tandem and the dense one on llama.cpp; the dense cell is the figure that rule reads.
+both files on Tandem (the dense one where the CPU has AVX2 or AVX-512); the dense cell is the figure that
+rule reads.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+
+from engine.bench.suite_cell import Cell, Skip, alternate, probe, row
 
 MODEL = "synthetic:qwen3-30b-a3b-L8"
 DENSE = "synthetic:llama-3.2-1b"  # 1.0 B parameters with the borrowed 49,152-token vocabulary: 0.7 GB as Q4_K_M
@@ -26,7 +29,7 @@ QUANT = "Q4_K_M"
 LONG_PROMPT = 4096
 
 
-def cells(Cell) -> list:
+def cells() -> list[Cell]:
     return [Cell("cpu-moe-q4km-L8", "Qwen3-30B-A3B (8 layers, Q4_K_M) on the CPU: Tandem against llama.cpp, "
                  "both as backend auto could run them", "cpu", "decode ≥ llama.cpp: backend auto runs Tandem",
                  lambda ctx: decode_and_prefill(ctx, MODEL), in_quick=False),
@@ -40,7 +43,6 @@ def cells(Cell) -> list:
 def quantised_file(ctx, model: str) -> Path:
     """`model`'s Q4_K_M file, made once: BF16 export, then llama.cpp's quantiser (the export deleted)."""
     from engine.bench import gguf_export
-    from engine.bench.suite import Skip
     from engine.bench.suite_files import export_bytes
 
     out = ctx.work / f"{model.split(':')[1]}-{QUANT}.gguf"
@@ -71,7 +73,6 @@ def quantised_file(ctx, model: str) -> Path:
 def _both(ctx, spec: dict, max_context: int, model: str) -> tuple[dict, str]:
     """Tandem's trees and llama.cpp on `model`'s file, taking turns: (each system's probe results, the
     rows' condition)."""
-    from engine.bench.suite import alternate, probe
 
     path = quantised_file(ctx, model)
     threads = {"cpu_threads": ctx.threads} if ctx.threads else {}  # --threads: both engines; else their defaults
@@ -87,7 +88,6 @@ def _both(ctx, spec: dict, max_context: int, model: str) -> tuple[dict, str]:
 
 def decode_and_prefill(ctx, model: str) -> list[dict]:
     """A short chat's decode and a 512-token prompt's prefill on `model`'s file, both engines."""
-    from engine.bench.suite import row
 
     spec = {"prefill": 64 if ctx.quick else 512, "decode_prompt": 32, "new_tokens": 24 if ctx.quick else 64,
             "seed": 0, "warmup": True, "warmup_tokens": 4}
@@ -102,7 +102,6 @@ def decode_and_prefill(ctx, model: str) -> list[dict]:
 
 def cell_cpu_moe_long(ctx) -> list[dict]:
     """Decode after a long prompt; that prompt's prefill is timed on the way."""
-    from engine.bench.suite import row
 
     n = LONG_PROMPT
     spec = {"decode_prompts": [n], "new_tokens": 16 if ctx.quick else 32, "seed": 0, "warmup": True,

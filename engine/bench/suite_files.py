@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from engine.bench.suite import Ctx, Skip
+from engine.bench.suite_cell import Ctx, Skip
 
 BENCH_TARGETS = ("llama-bench", "llama-batched-bench")
 QUANT = "Q4_K_M"  # the quantised cells' type: the one issue #33 names

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.bench.suite import Ctx, Skip, alternate, probe, row
+from engine.bench.suite_cell import Cell, Ctx, Skip, alternate, probe, row
 from engine.bench.suite_files import gguf_for, gguf_sizes, llama_binaries, mxfp4_for, quantised_for, run_tool
 
 L16, L48 = "synthetic:qwen3-30b-a3b-L16", "synthetic:qwen3-30b-a3b"
@@ -45,7 +45,7 @@ NEW_TOKENS = 32
 LLAMA_OVERHEAD_GIB = 1.5
 
 
-def cells(Cell) -> list:
+def cells() -> list[Cell]:
     return [
         Cell("gpu-resident-L16", "Qwen3-30B-A3B (16 layers), everything on the GPU, same BF16 GGUF", "cuda",
              "decode ≥ 50% of llama.cpp", lambda ctx: decode_cell(ctx, L16, None, (2048, 32768), (1, 4))),
@@ -94,11 +94,11 @@ def cells(Cell) -> list:
         Cell("gpu-kv-spill", "4 chats × 32K, 48 layers, 24 GB: KV beyond the budget, against llama.cpp -nkvo", "cuda",
              "decode ≥ 1.5× llama.cpp -nkvo", lambda ctx: decode_cell(ctx, L48, 24.0, (32768,), (4,), nkvo=True),
              routed=True),
-        *quantised_cells(Cell),
+        *quantised_cells(),
     ]
 
 
-def quantised_cells(Cell) -> list:
+def quantised_cells() -> list[Cell]:
     """Issue #33's targets on one GPU, both systems on the same Q4_K_M file (16 layers)."""
     title, both = "Qwen3-30B-A3B (16 layers), same Q4_K_M GGUF: ", (2048, 32768)
 

@@ -9,24 +9,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.bench import routing, suite, suite_files, suite_gpu, suite_table
+from engine.bench import routing, suite, suite_cell, suite_files, suite_gpu, suite_table
 from helpers import write_tiny_llama_folder
 
 
 def _ctx(trees=None, rounds=3):
-    return suite.Ctx(trees=trees or [suite.Tree("this", suite.REPO, "a" * 40)], rounds=rounds)
+    return suite_cell.Ctx(trees=trees or [suite_cell.Tree("this", suite.REPO, "a" * 40)], rounds=rounds)
 
 
 def test_rounds_alternate_and_reverse_every_other_round():
     calls = []
     ctx = _ctx(rounds=4)
-    out = suite.alternate(ctx, {"a": lambda: calls.append("a") or {"x": 1}, "b": lambda: calls.append("b") or {"x": 2}})
+    out = suite_cell.alternate(ctx, {"a": lambda: calls.append("a") or {"x": 1}, "b": lambda: calls.append("b") or {"x": 2}})
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert out == {"a": [{"x": 1}] * 4, "b": [{"x": 2}] * 4}
 
 
 def test_a_row_has_median_spread_and_the_median_of_per_round_ratios():
-    r = suite.row(_ctx(), "decode tok/s", "cond", {"tandem": [10.0, 12.0, 9.0], "llama.cpp": [20.0, 20.0, 10.0]},
+    r = suite_cell.row(_ctx(), "decode tok/s", "cond", {"tandem": [10.0, 12.0, 9.0], "llama.cpp": [20.0, 20.0, 10.0]},
                   "llama.cpp")
     t = r["systems"]["tandem"]
     assert (t["median"], t["min"], t["max"], t["spread"]) == (10.0, 9.0, 12.0, 0.3)
@@ -37,30 +37,30 @@ def test_a_row_has_median_spread_and_the_median_of_per_round_ratios():
 def test_each_row_reaches_the_progress_log_as_it_is_made():
     """A run cut short before its record is written keeps the rows made so far in its log."""
     lines = []
-    ctx = suite.Ctx(trees=[suite.Tree("this", suite.REPO, "a" * 40)], rounds=2, progress=lines.append)
-    r = suite.row(ctx, "decode tok/s", "cond", {"tandem": [1.0, 2.0], "llama.cpp": [2.0, 2.0]}, "llama.cpp")
-    assert len(lines) == 1 and lines[0].startswith(suite.ROW_PREFIX)
-    assert json.loads(lines[0][len(suite.ROW_PREFIX):]) == r
+    ctx = suite_cell.Ctx(trees=[suite_cell.Tree("this", suite.REPO, "a" * 40)], rounds=2, progress=lines.append)
+    r = suite_cell.row(ctx, "decode tok/s", "cond", {"tandem": [1.0, 2.0], "llama.cpp": [2.0, 2.0]}, "llama.cpp")
+    assert len(lines) == 1 and lines[0].startswith(suite_cell.ROW_PREFIX)
+    assert json.loads(lines[0][len(suite_cell.ROW_PREFIX):]) == r
 
 
 def test_two_trees_give_each_its_ratio_and_the_ab_ratio():
-    trees = [suite.Tree("this", Path("."), "1" * 40), suite.Tree("against", Path("."), "1" * 40)]
+    trees = [suite_cell.Tree("this", Path("."), "1" * 40), suite_cell.Tree("against", Path("."), "1" * 40)]
     ctx = _ctx(trees)
     a, b = (t.name for t in trees)
-    r = suite.row(ctx, "m", "c", {a: [2.0, 4.0], b: [1.0, 1.0], "peer": [2.0, 2.0]}, "peer")
+    r = suite_cell.row(ctx, "m", "c", {a: [2.0, 4.0], b: [1.0, 1.0], "peer": [2.0, 2.0]}, "peer")
     assert set(r["ratio"]) == {a, b}
     assert r["ab"] == {"this": a, "against": b, "median": 3.0, "per_round": [2.0, 4.0]}
 
 
 def _fake_cell(ctx):
-    return [suite.row(ctx, "decode tok/s", "tiny", {"tandem": [1.0, 2.0, 3.0], "peer": [2.0, 2.0, 2.0]}, "peer")]
+    return [suite_cell.row(ctx, "decode tok/s", "tiny", {"tandem": [1.0, 2.0, 3.0], "peer": [2.0, 2.0, 2.0]}, "peer")]
 
 
 def test_the_record_names_machine_commit_command_and_every_cell(monkeypatch):
     monkeypatch.setattr(suite, "cells", lambda: [
-        suite.Cell("fake", "a fake CPU cell", "cpu", "≥ 1×", _fake_cell),
-        suite.Cell("boom", "a cell that fails", "cpu", "–", lambda ctx: 1 / 0),
-        suite.Cell("gpu", "a CUDA cell", "cuda", "≥ 1×", _fake_cell)])
+        suite_cell.Cell("fake", "a fake CPU cell", "cpu", "≥ 1×", _fake_cell),
+        suite_cell.Cell("boom", "a cell that fails", "cpu", "–", lambda ctx: 1 / 0),
+        suite_cell.Cell("gpu", "a CUDA cell", "cuda", "≥ 1×", _fake_cell)])
     monkeypatch.setattr(suite, "has_cuda", lambda: False)
     rec = suite.run(quick=True, cell_ids=["fake", "boom", "gpu"], progress=lambda s: None)
     json.dumps(rec)  # plain JSON
@@ -118,7 +118,7 @@ def test_fitting_ncmoe_is_the_fewest_cpu_layers_within_the_budget():
     n = suite_gpu.fitting_ncmoe(sizes, 6.0, 2 * 2**20)
     assert n == 10 - int(6 - 3 - overhead)
     assert suite_gpu.fitting_ncmoe(sizes, 6.0, 2 * 2**20, kv_on_host=True) == n - 2
-    with pytest.raises(suite.Skip):
+    with pytest.raises(suite_cell.Skip):
         suite_gpu.fitting_ncmoe(sizes, 1.0, 0)
 
 
@@ -155,14 +155,14 @@ def test_ab_against_a_worktree_runs_each_tree_on_its_own_code(tmp_path, monkeypa
     def tiny_cell(ctx):
         spec = {"config": {"model": str(model), "backend": "tandem", "device": "cpu", "cpu_threads": 1},
                 "vocab": 64, "decode_prompt": 8, "new_tokens": 4, "warmup": False}
-        systems = {n: (lambda t=ctx.tree_of(n): suite.probe(t.path, spec)) for n in ctx.tandem_names()}
-        systems["peer"] = lambda: suite.probe(ctx.trees[0].path, spec)
-        res = suite.alternate(ctx, systems)
+        systems = {n: (lambda t=ctx.tree_of(n): suite_cell.probe(t.path, spec)) for n in ctx.tandem_names()}
+        systems["peer"] = lambda: suite_cell.probe(ctx.trees[0].path, spec)
+        res = suite_cell.alternate(ctx, systems)
         seen.update({n: (rs[0]["tree"], ctx.tree_of(n).path if n != "peer" else None) for n, rs in res.items()})
-        return [suite.row(ctx, "decode tok/s", "tiny", {n: [r["decode_tok_s"] for r in rs] for n, rs in res.items()},
+        return [suite_cell.row(ctx, "decode tok/s", "tiny", {n: [r["decode_tok_s"] for r in rs] for n, rs in res.items()},
                           "peer")]
 
-    monkeypatch.setattr(suite, "cells", lambda: [suite.Cell("tiny", "tiny A/B", "cpu", "–", tiny_cell)])
+    monkeypatch.setattr(suite, "cells", lambda: [suite_cell.Cell("tiny", "tiny A/B", "cpu", "–", tiny_cell)])
     rec = suite.run(cell_ids=["tiny"], rounds=1, against="HEAD", progress=lambda s: None)
     cell = rec["cells"][0]
     assert cell["status"] == "ran", cell["reason"]
@@ -213,19 +213,19 @@ def test_the_export_size_is_known_before_writing(tmp_path, monkeypatch):
     # 16 layers of Qwen3-30B-A3B with the borrowed 49,152-token vocabulary: the recorded export was 20.35 GB
     assert 20.0e9 < suite_files.export_bytes(suite_gpu.L16) < 20.7e9
     assert suite_files.export_bytes(suite_gpu.L48) > 2.9 * suite_files.export_bytes(suite_gpu.L16)
-    ctx = suite.Ctx(trees=[], work=tmp_path)
+    ctx = suite_cell.Ctx(trees=[], work=tmp_path)
     monkeypatch.setattr(suite_files.shutil, "disk_usage", lambda p: type("U", (), {"free": 10**9})())
-    with pytest.raises(suite.Skip, match="needs 60 GB of disk"):
+    with pytest.raises(suite_cell.Skip, match="needs 60 GB of disk"):
         suite_files.gguf_for(ctx, suite_gpu.L48, "zipf:1.0")
 
 
 def test_an_ab_table_gives_the_ab_ratio_once_per_measure():
-    trees = [suite.Tree("this", Path("."), "1" * 40), suite.Tree("against", Path("."), "2" * 40)]
+    trees = [suite_cell.Tree("this", Path("."), "1" * 40), suite_cell.Tree("against", Path("."), "2" * 40)]
     ctx = _ctx(trees)
     a, b = (t.name for t in trees)
     record = {"date": "d", "command": "c", "rounds": 2, "machine": {}, "cells": [
                   {"id": "x", "status": "ran", "reason": None, "target": "t", "command": "c",
-                   "rows": [suite.row(ctx, "m", "c", {a: [2.0, 4.0], b: [1.0, 1.0], "peer": [2.0, 2.0]}, "peer")]}],
+                   "rows": [suite_cell.row(ctx, "m", "c", {a: [2.0, 4.0], b: [1.0, 1.0], "peer": [2.0, 2.0]}, "peer")]}],
               "trees": [{"label": "this", "commit": "1" * 40}, {"label": "against", "commit": "2" * 40}]}
     lines = [x for x in suite_table.markdown(record).splitlines() if x.startswith("| x |")]
     assert len(lines) == 2 and lines[0].split(" | ")[6] == "3.00" and lines[1].split(" | ")[6] == "–"
@@ -249,7 +249,7 @@ def test_contexts_narrow_the_gpu_decode_cells(monkeypatch):
     rows = suite_gpu.decode_cell(ctx, suite_gpu.L16, None, (2048, 32768), (1,))
     assert seen == [32768] and [r["ratio"]["tandem"]["median"] for r in rows] == [2.0]
     ctx.contexts = (4096,)
-    with pytest.raises(suite.Skip, match="contexts"):
+    with pytest.raises(suite_cell.Skip, match="contexts"):
         suite_gpu.decode_cell(ctx, suite_gpu.L16, None, (2048, 32768), (1,))
 
 
@@ -260,7 +260,7 @@ def test_chats_narrow_the_gpu_decode_cells(monkeypatch):
     rows = suite_gpu.decode_cell(ctx, suite_gpu.L16, None, (2048,), (1, 4))
     assert seen == [1] and len(rows) == 1
     ctx.chats = (2,)
-    with pytest.raises(suite.Skip, match="chat counts"):
+    with pytest.raises(suite_cell.Skip, match="chat counts"):
         suite_gpu.decode_cell(ctx, suite_gpu.L16, None, (2048,), (1, 4))
 
 
@@ -270,7 +270,7 @@ def test_the_prefill_cell_keeps_the_rows_of_the_model_whose_export_fits(monkeypa
 
     def gguf_for(c, model, routing):
         if model == suite_gpu.L48:
-            raise suite.Skip("the export needs 123 GB of disk")
+            raise suite_cell.Skip("the export needs 123 GB of disk")
         return Path("l16.gguf")
 
     monkeypatch.setattr(suite_gpu, "llama_binaries", lambda c: {})
@@ -334,7 +334,7 @@ def test_a_one_load_cell_loads_each_system_once_for_every_context(monkeypatch):
 def test_the_probe_decodes_each_of_several_prompt_lengths_with_one_load():
     spec = {"config": {"model": "builtin:smollm2-135m", "backend": "tandem", "device": "cpu", "max_context": 256},
             "decode_prompts": [8, 40], "new_tokens": 3, "warmup": False}
-    out = suite.probe(suite.REPO, spec)
+    out = suite_cell.probe(suite.REPO, spec)
     assert set(out["decode_tok_s_by_prompt"]) == {"8", "40"} and all(v > 0 for v in out["decode_tok_s_by_prompt"].values())
     assert out["prefill_tok_s_by_prompt"]["40"] > 0 and "decode_tok_s" not in out
     # the engine's counters come back beside the figures: where a cell's time went
@@ -346,14 +346,14 @@ def test_the_cpu_moe_cell_makes_its_file_once_and_stays_out_of_quick(tmp_path, m
 
     cell = next(c for c in suite.cells() if c.id == "cpu-moe-q4km-L8")
     assert cell.needs == "cpu" and not cell.in_quick  # --quick stays minutes: no 10 GB export on its way
-    ctx = suite.Ctx(trees=[], work=tmp_path)
+    ctx = suite_cell.Ctx(trees=[], work=tmp_path)
     made = tmp_path / "qwen3-30b-a3b-L8-Q4_K_M.gguf"
     made.write_bytes(b"GGUF")
     assert suite_cpu_quant.quantised_file(ctx, suite_cpu_quant.MODEL) == made  # made once: an existing file is used as it is
     made.unlink()
     monkeypatch.setattr(suite_cpu_quant.shutil, "disk_usage", lambda p: type("U", (), {"free": 10**9})())
     pytest.importorskip("llama_cpp")
-    with pytest.raises(suite.Skip, match="GB of disk"):
+    with pytest.raises(suite_cell.Skip, match="GB of disk"):
         suite_cpu_quant.quantised_file(ctx, suite_cpu_quant.MODEL)
 
 
@@ -365,9 +365,9 @@ def test_the_cpu_moe_cell_runs_both_engines_at_the_threads_asked(tmp_path, monke
 
     (tmp_path / "qwen3-30b-a3b-L8-Q4_K_M.gguf").write_bytes(b"GGUF")
     configs = []
-    monkeypatch.setattr(suite, "probe", lambda tree, spec: configs.append(spec["config"]) or
+    monkeypatch.setattr(suite_cpu_quant, "probe", lambda tree, spec: configs.append(spec["config"]) or
                         {"decode_tok_s": 2.0, "prefill_tok_s": 3.0})
-    ctx = suite.Ctx(trees=[suite.Tree("this", suite.REPO, "a" * 40)], rounds=1, work=tmp_path, threads=threads)
+    ctx = suite_cell.Ctx(trees=[suite_cell.Tree("this", suite.REPO, "a" * 40)], rounds=1, work=tmp_path, threads=threads)
     rows = suite_cpu_quant.decode_and_prefill(ctx, suite_cpu_quant.MODEL)
     assert {c["backend"] for c in configs} == {"tandem", "llamacpp"}
     assert all(c.get("cpu_threads") == threads for c in configs)
@@ -392,9 +392,9 @@ def test_the_dense_cpu_cell_runs_both_engines_on_the_dense_file(tmp_path, monkey
     made = tmp_path / "llama-3.2-1b-Q4_K_M.gguf"
     made.write_bytes(b"GGUF")
     configs = []
-    monkeypatch.setattr(suite, "probe", lambda tree, spec: configs.append(spec["config"]) or
+    monkeypatch.setattr(suite_cpu_quant, "probe", lambda tree, spec: configs.append(spec["config"]) or
                         {"decode_tok_s": 2.0, "prefill_tok_s": 3.0})
-    ctx = suite.Ctx(trees=[suite.Tree("this", suite.REPO, "a" * 40)], rounds=1, work=tmp_path)
+    ctx = suite_cell.Ctx(trees=[suite_cell.Tree("this", suite.REPO, "a" * 40)], rounds=1, work=tmp_path)
     rows = suite_cpu_quant.decode_and_prefill(ctx, suite_cpu_quant.DENSE)
     assert {c["model"] for c in configs} == {str(made)} and {c["backend"] for c in configs} == {"tandem", "llamacpp"}
     assert [r["metric"] for r in rows] == ["decode tok/s", "prefill tok/s"]

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.bench import llamacpp_bench, suite, suite_files, suite_gpu
+from engine.bench import llamacpp_bench, suite, suite_cell, suite_files, suite_gpu
 
 QUANT_CELLS = ("gpu-q4km-L16-cpu-experts", "gpu-q4km-L16-8gb", "gpu-q4km-L16-resident", "gpu-q4km-prefill-32k")
 
 
 def _ctx(tmp_path=None, rounds=1):
-    ctx = suite.Ctx(trees=[suite.Tree("this", suite.REPO, "a" * 40)], rounds=rounds, routings=("random",))
+    ctx = suite_cell.Ctx(trees=[suite_cell.Tree("this", suite.REPO, "a" * 40)], rounds=rounds, routings=("random",))
     if tmp_path is not None:
         ctx.work = tmp_path
     return ctx
@@ -97,7 +97,7 @@ def test_the_bf16_export_goes_when_the_disk_would_not_hold_another(tmp_path, fak
 def test_no_quantising_without_the_disk_for_the_export_and_its_file(tmp_path, fake_tools):
     bf16 = suite_files.export_bytes(suite_gpu.L16)
     fake_tools["free"] = bf16  # the export fits, the quantised file beside it does not
-    with pytest.raises(suite.Skip, match="needs about 27 GB of disk, 20 GB free"):
+    with pytest.raises(suite_cell.Skip, match="needs about 27 GB of disk, 20 GB free"):
         suite_files.quantised_for(_ctx(tmp_path), suite_gpu.L16, None)
     assert fake_tools["runs"] == [] and not list(tmp_path.iterdir())
 
