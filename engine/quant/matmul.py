@@ -28,7 +28,8 @@ import torch
 
 from engine.errors import KernelInputError
 from engine.kernels import native
-from engine.quant.blocks import BLOCK, QTYPES, QuantRows, QuantTensor, dequantize_blocks_torch
+from engine.quant import blocks
+from engine.quant.blocks import BLOCK, QTYPES, QuantRows, QuantTensor, dequantize_rows
 
 # Most tokens per call that the integer kernel takes; above it dequantised tiles + torch GEMM. One
 # thread each, busy 2-core Zen 4 (load 7), the built-in model's shapes, µs, kernel / tiles + GEMM:
@@ -66,7 +67,7 @@ def implementation(n_tokens: int = 1) -> str:
 def native_max_tokens(codes) -> int:
     """Most tokens a product over blocks of these type codes takes in the integer kernel before
     dequantised tiles and a GEMM are faster."""
-    nat = _native()
+    nat = blocks.native_quant()
     if nat is None:
         return 0
     if nat.quant_isa() in INT8_KQUANT_ISAS and KQUANT_CODES.issuperset(codes) and not _amx():
@@ -78,37 +79,6 @@ def native_max_tokens(codes) -> int:
 def _amx() -> bool:
     """Whether this CPU has AMX (read once: the decode step asks native_max_tokens every layer)."""
     return "amx-bf16" in native.module().supported_isas()
-
-
-def _native():
-    nat = native.module()  # cached: the import is looked up once
-    return nat if nat is not None and hasattr(nat, "quant_matmul") else None
-
-
-def dequantize_rows(w: QuantTensor, rows: torch.Tensor | None = None, row_range: tuple[int, int] | None = None,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows of W in fp32 or bf16 (which the native kernel writes itself, rounded to nearest even): all
-    of them, the index tensor `rows` (int64, 1-D), or rows [a, b)."""
-    n_rows, cols = w.shape
-    nat = _native()
-    if nat is None:
-        if rows is not None:
-            return dequantize_blocks_torch(w.blocks.index_select(0, rows.long()), w.qtype.code).to(dtype)
-        a, b = row_range or (0, n_rows)
-        return dequantize_blocks_torch(w.blocks[a:b], w.qtype.code).to(dtype)
-    row_bytes, bf16 = w.blocks.shape[1], dtype == torch.bfloat16
-    made = torch.bfloat16 if bf16 else torch.float32  # what the kernel writes; other dtypes convert after
-    if rows is not None:
-        ids = rows.reshape(-1).to(torch.int64).contiguous().numpy()
-        out = torch.empty(ids.shape[0], cols, dtype=made)
-        nat.quant_dequantize(w.blocks.data_ptr(), w.qtype.code, cols, row_bytes, n_rows, 0, 0, ids,
-                             out.data_ptr(), cols, native.threads(), bf16)
-        return out.to(dtype)
-    a, b = row_range or (0, n_rows)
-    out = torch.empty(b - a, cols, dtype=made)
-    nat.quant_dequantize(w.blocks.data_ptr(), w.qtype.code, cols, row_bytes, n_rows, a, b, None,
-                         out.data_ptr(), cols, native.threads(), bf16)
-    return out.to(dtype)
 
 
 def expert_tiles() -> torch.dtype:
@@ -168,7 +138,7 @@ def quant_linear(x: torch.Tensor, w: QuantTensor | QuantRows, bias: torch.Tensor
         raise KernelInputError(f"quant_linear takes a CPU float x (…, {cols}), got {x.dtype} "
                                f"{tuple(x.shape)} on {x.device}")
     n = x.numel() // cols
-    nat = _native()
+    nat = blocks.native_quant()
     if nat is not None and (n <= NATIVE_MAX_TOKENS or n <= native_max_tokens([p.qtype.code for p in parts])):
         # the decode step's call: a few µs of Python around the kernel matter at 100+ calls a token
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()

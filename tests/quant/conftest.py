@@ -5,7 +5,7 @@ extension hidden from engine.quant.matmul)."""
 import pytest
 
 from engine.kernels import native
-from engine.quant import matmul as qm
+from engine.quant import blocks
 
 NAT = native.module()
 ISAS = NAT.supported_quant_isas() if NAT is not None and hasattr(NAT, "supported_quant_isas") else []
@@ -14,7 +14,7 @@ ISAS = NAT.supported_quant_isas() if NAT is not None and hasattr(NAT, "supported
 @pytest.fixture(params=ISAS + ["torch"])
 def every_isa(request, monkeypatch):
     if request.param == "torch":
-        monkeypatch.setattr(qm, "_native", lambda: None)
+        monkeypatch.setattr(blocks, "native_quant", lambda: None)
     else:
         assert NAT.select_quant_isa(request.param)
     yield request.param

@@ -16,6 +16,7 @@ from gguf.quants import dequantize, quantize
 
 from engine.errors import KernelInputError, ModelFileError
 from engine.kernels import native
+from engine.quant import blocks as qb
 from engine.quant import matmul as qm
 from engine.quant.blocks import QuantTensor, dequantize_blocks_torch
 
@@ -53,7 +54,7 @@ def _bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
 @pytest.mark.parametrize("n_tokens", [1, 2, 3, 4, 5, 7, 8, 24])
 def test_matmul_matches_dequantised_fp32(isa, qtype, rows, cols, n_tokens, monkeypatch):
     if isa == "torch":
-        monkeypatch.setattr(qm, "_native", lambda: None)
+        monkeypatch.setattr(qb, "native_quant", lambda: None)
     w, ref_w = _blocks(rows, cols, qtype, seed=rows + cols)
     x = torch.randn(n_tokens, cols, generator=torch.Generator().manual_seed(n_tokens)) * 3
     ref = x @ torch.from_numpy(ref_w).t()
@@ -78,7 +79,7 @@ def test_native_kernel_at_more_tokens_than_its_default(isa, qtype, monkeypatch):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequantise_and_rows_are_exact(isa, qtype, monkeypatch):
     if isa == "torch":
-        monkeypatch.setattr(qm, "_native", lambda: None)
+        monkeypatch.setattr(qb, "native_quant", lambda: None)
     w, ref_w = _blocks(130, 96, qtype)
     assert np.array_equal(qm.dequantize_rows(w).numpy(), ref_w)
     assert np.array_equal(dequantize_blocks_torch(w.blocks, int(qtype)).numpy(), ref_w)
@@ -132,7 +133,7 @@ def test_bad_inputs_are_refused():
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_bf16_dequantisation_is_the_fp32_one_rounded(isa, qtype, monkeypatch):
     if isa == "torch":
-        monkeypatch.setattr(qm, "_native", lambda: None)
+        monkeypatch.setattr(qb, "native_quant", lambda: None)
     w, ref_w = _blocks(70, 96, qtype)
     want = torch.from_numpy(ref_w).to(torch.bfloat16)
     assert torch.equal(qm.dequantize_rows(w, dtype=torch.bfloat16), want)
