@@ -36,7 +36,7 @@ def cells() -> list[Cell]:
             Cell("cpu-moe-q4km-L8-4k", f"The same file decoding after a {LONG_PROMPT}-token prompt (a long chat): "
                  "Tandem against llama.cpp", "cpu", "decode ≥ llama.cpp", cell_cpu_moe_long, in_quick=False),
             Cell("cpu-dense-q4km", "Llama-3.2-1B's shapes (dense, Q4_K_M) on the CPU: Tandem against llama.cpp, "
-                 "which backend auto runs for dense files", "cpu", "decode ≥ llama.cpp: backend auto could run Tandem",
+                 "both as backend auto could run them", "cpu", "decode ≥ llama.cpp: backend auto runs Tandem",
                  lambda ctx: decode_and_prefill(ctx, DENSE), in_quick=False)]
 
 
@@ -73,7 +73,6 @@ def quantised_file(ctx, model: str) -> Path:
 def _both(ctx, spec: dict, max_context: int, model: str) -> tuple[dict, str]:
     """Tandem's trees and llama.cpp on `model`'s file, taking turns: (each system's probe results, the
     rows' condition)."""
-
     path = quantised_file(ctx, model)
     threads = {"cpu_threads": ctx.threads} if ctx.threads else {}  # --threads: both engines; else their defaults
     base = {"model": str(path), "device": "cpu", "max_context": max_context, "max_batch": 1, **threads}
@@ -88,7 +87,6 @@ def _both(ctx, spec: dict, max_context: int, model: str) -> tuple[dict, str]:
 
 def decode_and_prefill(ctx, model: str) -> list[dict]:
     """A short chat's decode and a 512-token prompt's prefill on `model`'s file, both engines."""
-
     spec = {"prefill": 64 if ctx.quick else 512, "decode_prompt": 32, "new_tokens": 24 if ctx.quick else 64,
             "seed": 0, "warmup": True, "warmup_tokens": 4}
     res, cond = _both(ctx, spec, 2048, model)
@@ -102,7 +100,6 @@ def decode_and_prefill(ctx, model: str) -> list[dict]:
 
 def cell_cpu_moe_long(ctx) -> list[dict]:
     """Decode after a long prompt; that prompt's prefill is timed on the way."""
-
     n = LONG_PROMPT
     spec = {"decode_prompts": [n], "new_tokens": 16 if ctx.quick else 32, "seed": 0, "warmup": True,
             "warmup_tokens": 4}
