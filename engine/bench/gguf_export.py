@@ -11,12 +11,11 @@ run backwards, and the metadata keys `moe_config_from_gguf` reads. Per family:
     qwen3_5_moe     qwen35moe        as stored (interleaved MRoPE)   always
     deepseek_v2     deepseek2        RoPE rows interleaved (NORM)    as the file says (false)
 
-gpt-oss also writes what only it has: the attention sinks (`attn_sinks`), the post-attention norm
-under its own name (`post_attention_norm`), every projection's bias (the experts' gate/up bias split
-like their weights), the sliding window of its even layers, and YaRN's scaling keys. llama.cpp fixes
-its clamped SwiGLU at alpha 1.702 and limit 7; a model with others is refused. Qwen3.5-MoE's
-DeltaNet layers, shared expert and RoPE sections are written by engine/bench/gguf_export_qwen3_5.py,
-DeepSeek-V2's latent attention, shared experts and YaRN by engine/bench/gguf_export_deepseek2.py.
+Three families have a module of their own (FAMILY_MODULES: checks, metadata keys and the layer
+tensors the shared map lacks): gpt-oss's attention sinks, post-attention norm, expert biases, sliding
+window and YaRN keys (engine/bench/gguf_export_gpt_oss.py; llama.cpp fixes its clamped SwiGLU, so a
+model with other constants is refused), Qwen3.5-MoE's DeltaNet layers, shared expert and RoPE sections
+(gguf_export_qwen3_5.py), DeepSeek-V2's latent attention, shared experts and YaRN (gguf_export_deepseek2.py).
 
 Routed experts go out stacked per layer, `blk.N.ffn_{gate,up}_exps` (E, I, H) and `ffn_down_exps`
 (E, H, I) in torch order (GGUF lists dims innermost first: {H, I, E}), split from the engine's fused
@@ -66,10 +65,9 @@ GGUF_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "lla
 # llama.cpp's graphs fix top-k renormalisation per architecture (build_moe_ffn's norm_w argument);
 # gpt-oss routes its own way (a softmax over the k chosen logits) in both engines.
 RENORMALISES = {"qwen3moe": True, "olmoe": False, "llama": True, "qwen35moe": True}
-# gpt-oss tensors whose llama.cpp names differ from the other families' (engine name → GGUF kind)
-GPT_OSS_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
-                 "mlp.expert_down_bias": "ffn_down_exps.bias"}
-GPT_OSS_SWIGLU = (1.702, 7.0)  # alpha and limit llama.cpp's gpt-oss graph hard-codes (ggml_swiglu_oai)
+# the families whose tensors, checks or keys the shared map and metadata do not cover: their modules
+FAMILY_MODULES = {"gpt-oss": "gguf_export_gpt_oss", "qwen35moe": "gguf_export_qwen3_5",
+                  "deepseek2": "gguf_export_deepseek2"}
 DTYPES = ("bf16", "f32")
 
 
@@ -107,26 +105,18 @@ def default_tokenizer() -> Path:
 
 # -- the plan: GGUF tensors in file order ----------------------------------------------------------
 
+def _family(arch: str):
+    """The family's own export module (FAMILY_MODULES), or None."""
+    module = FAMILY_MODULES.get(arch)
+    return importlib.import_module(f"engine.bench.{module}") if module is not None else None
+
+
 def _check_exportable(arch: str, args: ModelArgs, config: dict | None = None) -> None:
-    if arch == "deepseek2":  # YaRN and its own routing: checked there
-        from engine.bench import gguf_export_deepseek2
-
-        return gguf_export_deepseek2.check(args, config or {})
-    if arch == "gpt-oss":
-        windows = args.layer_windows or [None] * args.n_layers
-        even_slide = all((w is not None) == (i % 2 == 0) for i, w in enumerate(windows))
-        if not even_slide or len({w for w in windows if w}) > 1:
-            raise UnsupportedModelError("llama.cpp's gpt-oss graph slides one window over the even layers only; "
-                                        "this model's layers differ", "export a model with that pattern")
-        if (args.expert_alpha, args.expert_limit) != GPT_OSS_SWIGLU:
-            raise UnsupportedModelError(f"llama.cpp's gpt-oss graph fixes the SwiGLU's alpha and limit at "
-                                        f"{GPT_OSS_SWIGLU}; this model has ({args.expert_alpha}, {args.expert_limit})",
-                                        "the two would compute different models")
-        return
-    if arch == "qwen35moe":
-        from engine.bench import gguf_export_qwen3_5
-
-        gguf_export_qwen3_5.check(args)
+    family = _family(arch)
+    if family is not None:
+        family.check(args, config or {})
+        if arch in ("deepseek2", "gpt-oss"):  # YaRN, windows and routing of their own: checked there alone
+            return
     if args.rope_inv_freq is not None:
         raise UnsupportedModelError("this model uses scaled RoPE, which the GGUF export does not write",
                                     "export a model with plain RoPE")
@@ -179,12 +169,10 @@ def plan(arch: str, args: ModelArgs, shapes: dict[str, tuple], dtype: str = "bf1
 def _own_pieces(arch: str):
     """The family's mapping of the tensors the shared name map lacks (hf_name, shape, args,
     matrix type, F32) → pieces or None, where it has one."""
-    if arch == "gpt-oss":
-        return _gpt_oss_pieces
-    module = {"qwen35moe": "gguf_export_qwen3_5", "deepseek2": "gguf_export_deepseek2"}.get(arch)
-    if module is None:
+    family = _family(arch)
+    if family is None:
         return None
-    table = importlib.import_module(f"engine.bench.{module}").LAYER_TENSORS
+    table = family.LAYER_TENSORS
     return lambda hf_name, shape, args, matrix_type, f32: _layer_pieces(table, hf_name, shape, args, matrix_type, f32)
 
 
@@ -202,23 +190,6 @@ def _layer_pieces(table: dict, hf_name: str, shape: tuple, args: ModelArgs, matr
         out.append(Piece(f"blk.{parts[2]}.{kind}", out_shape, f32 if is_f32 else matrix_type, hf_name,
                          transform=transform))
     return out
-
-
-def _gpt_oss_pieces(hf_name: str, shape: tuple, args: ModelArgs, matrix_type, f32) -> list[Piece] | None:
-    """gpt-oss's tensors that the shared name map does not hold, as llama.cpp's converter writes
-    them (every one F32: sinks, norms, biases); None for the others."""
-    parts = hf_name.split(".")
-    if parts[:2] != ["model", "layers"]:
-        return None
-    layer, rest = parts[2], ".".join(parts[3:])
-    if rest == "mlp.expert_gate_up_bias":  # (E, 2I), gate half first → gate (E, I), up (E, I)
-        E, two_i = shape
-        half = two_i // 2
-        return [Piece(f"blk.{layer}.ffn_gate_exps.bias", (E, half), f32, hf_name, rows=(0, half)),
-                Piece(f"blk.{layer}.ffn_up_exps.bias", (E, half), f32, hf_name, rows=(half, two_i))]
-    if rest in GPT_OSS_NAMES:
-        return [Piece(f"blk.{layer}.{GPT_OSS_NAMES[rest]}", shape, f32, hf_name)]
-    return None
 
 
 def _permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -281,25 +252,8 @@ def _metadata(w, arch: str, args: ModelArgs, config: dict, name: str, dtype: str
     if arch == "qwen3moe":
         w.add_feed_forward_length(args.ffn_dim or args.expert_ffn_dim)  # dense FFN size; unused when all layers route
         w.add_expert_feed_forward_length(args.expert_ffn_dim)
-    elif arch == "gpt-oss":
-        w.add_feed_forward_length(args.expert_ffn_dim)
-        w.add_expert_feed_forward_length(args.expert_ffn_dim)
-        w.add_sliding_window(int(args.sliding_window or 0))
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type") == "yarn":
-            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            w.add_rope_scaling_factor(float(rope["factor"]))
-            w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
-            w.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
-            w.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
-    elif arch == "qwen35moe":
-        from engine.bench import gguf_export_qwen3_5
-
-        gguf_export_qwen3_5.metadata(w, args, config)
-    elif arch == "deepseek2":
-        from engine.bench import gguf_export_deepseek2
-
-        gguf_export_deepseek2.metadata(w, args, config)
+    elif _family(arch) is not None:
+        _family(arch).metadata(w, args, config)
     else:  # olmoe and llama (Mixtral) size their experts by feed_forward_length; a dense llama its FFN
         w.add_feed_forward_length(args.expert_ffn_dim if args.n_experts else args.ffn_dim)
     if args.clip_qkv:

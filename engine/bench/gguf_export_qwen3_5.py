@@ -42,7 +42,8 @@ from engine.models.qwen3_5_moe_gguf import grouped_heads
 ARCH = "qwen35moe"
 
 
-def check(args: ModelArgs) -> None:
+def check(args: ModelArgs, config: dict | None = None) -> None:
+    """What llama.cpp's qwen35moe loader and graph need of the shape (the config adds nothing here)."""
     s = args.linear_attn
     if s is None or s.k_head_dim != s.v_head_dim:
         raise UnsupportedModelError("llama.cpp's qwen35moe loader sizes value heads by the key heads' size; "
