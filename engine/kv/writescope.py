@@ -15,6 +15,11 @@ once, after the merge of every part: the merged output over the union of the par
 σ(lse − s_h) with the merged LSE (attention_gpu.sink_scale), is the softmax with the sink in it.
 The share r comes from the policy: `writescope` follows the roofline r(L) with online estimates of
 A and B from the measured CPU and GPU times; `gpu-centric`, `cpu-centric` and `fixed:<r>` fix it.
+Only decode steps feed those estimates. r(L) balances a decode step, where each placed token meets one
+query row a head; a prefill chunk's T rows cost every placed token T times the compute (on the CPU
+~100x A at 512 rows; far less on the GPU, whose side is bound by the link), and counting them drove r
+towards 0 while the prompt's own KV was being placed, where it stays. A prompt is placed with the
+decode costs known when it arrives: calibrated, or measured by the chat's earlier decode steps.
 """
 
 from __future__ import annotations
@@ -134,7 +139,7 @@ class WriteScopeKV(KVBackend):
             if not plan.decode:  # the new tokens over themselves
                 parts.append(self._part(q, k, v, scale, causal=True, fp32=fp32))
             chunks = self._stream(layer, q, plan, scale, compute, fp32, timed) if plan.chunks else []
-            if timed:
+            if timed and plan.decode:
                 self._end_timing(timing, plan, compute)
             self.cache.flush(layer, plan, k, v)  # write-time routing of this layer, while the CPU works
         except BaseException:
@@ -144,7 +149,8 @@ class WriteScopeKV(KVBackend):
         if cpu is not None:
             (slot, out, lse), seconds = cpu.result()
             parts.append(self.exchange.to_device(slot, out, lse, compute))
-            self.share.A.observe(plan.cpu_tokens, seconds)
+            if plan.decode:  # A and B are a decode step's costs (module docstring)
+                self.share.A.observe(plan.cpu_tokens, seconds)
         return self._merge(plan, parts, chunks, q.dtype, sinks)
 
     def end_step(self) -> None:

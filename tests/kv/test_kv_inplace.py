@@ -233,6 +233,27 @@ def test_deployed_share_tracks_the_roofline_target():
     kv.close()
 
 
+def test_prefill_chunks_leave_the_decode_costs_alone_and_a_prompt_is_placed_by_them():
+    """A and B are a decode step's costs a placed token. Prefill chunks, whose query rows make every
+    placed token cost many times more on the CPU, neither feed them nor bend the share they place the
+    prompt with: the prompt lands at the decode target of the calibrated costs; decode steps then
+    measure."""
+    kv = make("writescope", params=RooflineParams(300.0, 100.0, 0.0))  # decode target 0.25
+    m = Mirror(kv, seed=6)
+    a = m.new()
+    for _ in range(6):  # a 96-token prompt in chunks, each attending over the placed part of the last
+        m.step([a], 16)
+    tel = kv.telemetry()
+    assert (tel["A_ns_per_token"], tel["B_ns_per_token"]) == (300.0, 100.0)
+    placed = kv.cache.seqs[a].placed
+    assert tel["r_target"] == pytest.approx(0.25) and abs(tel["r_deployed"] - 0.25) <= BLOCK / placed
+    for _ in range(3 * D):
+        m.step([a], 1)
+    tel = kv.telemetry()
+    assert (tel["A_ns_per_token"], tel["B_ns_per_token"]) != (300.0, 100.0)  # decode steps measured
+    kv.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("policy", ["writescope", "fixed:0.5", "monolithic"])
