@@ -130,7 +130,7 @@ class WriteScopeKV(KVBackend):
         try:
             self.cache.append(layer, plan, k, v)
             timed = plan.stream_tokens and (layer % TIMED_LAYER_STRIDE == 0 or not self.transport.cuda)
-            timing = self._start_timing(compute) if timed else None
+            timing = self._start_timing(compute) if timed and plan.decode else None  # B: decode's cost
             parts = []  # (o (B, nh, T, hs), lse (B, nh, T) fp32) with every row
             fp32 = not self.transport.cuda  # on CUDA the merge kernel reads q's dtype and casts
             if plan.window_max:
@@ -139,7 +139,7 @@ class WriteScopeKV(KVBackend):
             if not plan.decode:  # the new tokens over themselves
                 parts.append(self._part(q, k, v, scale, causal=True, fp32=fp32))
             chunks = self._stream(layer, q, plan, scale, compute, fp32, timed) if plan.chunks else []
-            if timed and plan.decode:
+            if timing is not None:
                 self._end_timing(timing, plan, compute)
             self.cache.flush(layer, plan, k, v)  # write-time routing of this layer, while the CPU works
         except BaseException:
