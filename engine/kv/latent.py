@@ -27,8 +27,6 @@ read once for every head); the parts merge by LSE as any model's do.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from engine.errors import OutOfMemoryError
@@ -153,27 +151,23 @@ class LatentWriteScopeKV(WriteScopeKV):
     def _out_width(self, q: torch.Tensor) -> int:
         return self.value_dim  # the attended latent, not the r + dr of q
 
-    def _part(self, q, k, v, scale, *, causal=False, excluded=None, fp32=True):
+    def device_part(self, q, k, v, scale, *, causal=False, excluded=None, fp32=True):
         """k, v: the two planes (b, 1, S, (r + dr)/2); excluded (b, 1, 1, S): True past a row's keys."""
         visible = None if excluded is None else ~excluded
         return attention_mla.latent_attention_planes(q, k, v, self.value_dim, scale, visible, causal)
 
-    @torch.inference_mode()
-    def _cpu_part(self, layer, plan, q_host: torch.Tensor, ready, scale: float):
+    @property
+    def query_width(self) -> int:
+        return 2 * self.half  # an absorbed query row spans the whole latent row, r + dr
+
+    def prepare_cpu(self, views, n_heads: int):
         """The CPU's share over the unpinned planes in place: the native MLA kernel reads each row once
         for every head (attention_mla_native; the torch path where the extension is missing)."""
-        ready.synchronize()
-        B, nh, T, _ = q_host.shape
-        slot, out, lse = self.exchange.result_buffers((B, nh, T, self.value_dim))
-        ranges, blocks = self._cpu_blocks.get(layer, (None, None))
-        if ranges != plan.cpu_ranges:  # the CPU share changed (a flush, crop or new row): new views
-            blocks = attention_mla_native.prepare(self.cache.cpu_views(layer, plan))
-            self._cpu_blocks[layer] = (plan.cpu_ranges, blocks)
+        return attention_mla_native.prepare(views)
+
+    def attend_cpu(self, q_host: torch.Tensor, blocks, scale: float, *, out=None, lse=None):
         self._cpu_native = attention_mla_native.runs_natively(blocks)
-        t0 = time.perf_counter()
-        out, lse = attention_mla_native.attend_latent_blocks(q_host, blocks, self.value_dim, scale, out=out, lse=lse)
-        seconds = time.perf_counter() - t0
-        return (slot, out, lse), seconds
+        return attention_mla_native.attend_latent_blocks(q_host, blocks, self.value_dim, scale, out=out, lse=lse)
 
     def telemetry(self) -> dict:
         ran, self._cpu_ran = self._cpu_ran, False  # the base names the per-head kernel, which did not run

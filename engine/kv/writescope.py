@@ -67,6 +67,7 @@ class WriteScopeKV(KVBackend):
         self.consumed = [self.transport.event(), self.transport.event()]  # ping-pong buffer i may be overwritten
         self.plan: StepPlan | None = None
         self.r_target: float | None = None
+        self.costs_from = "defaults"  # where the estimators' starting A, B, Δ came from (calibrate)
         self.h2d_bytes = 0
         self.h2d_timed_bytes = 0  # bytes of the measured spans: on CUDA one layer in TIMED_LAYER_STRIDE
         self.h2d_seconds = 0.0  # time the h2d stream spent on measured spans
@@ -93,9 +94,11 @@ class WriteScopeKV(KVBackend):
     def length(self, seq_id: int) -> int:
         return self.cache.seqs[seq_id].length
 
-    def calibrate(self, params: RooflineParams) -> None:
-        """Start the cost estimators from calibrated A, B, Δ (a hardware profile)."""
+    def calibrate(self, params: RooflineParams, source: str = "profile") -> None:
+        """Start the cost estimators from A, B, Δ measured elsewhere: a hardware profile, or the
+        backend's kernels timed at setup (engine/kv/cost_probe.py). source: which, for the stats."""
         self.share.calibrate(params)
+        self.costs_from = source
 
     # -- one step -----------------------------------------------------------------------------
     def begin_step(self, seq_ids: list[int], n_new: int) -> torch.Tensor:
@@ -135,9 +138,9 @@ class WriteScopeKV(KVBackend):
             fp32 = not self.transport.cuda  # on CUDA the merge kernel reads q's dtype and casts
             if plan.window_max:
                 wk, wv = self.cache.window_views(layer, plan)
-                parts.append(self._part(q, wk, wv, scale, excluded=plan.window_excluded, fp32=fp32))
+                parts.append(self.device_part(q, wk, wv, scale, excluded=plan.window_excluded, fp32=fp32))
             if not plan.decode:  # the new tokens over themselves
-                parts.append(self._part(q, k, v, scale, causal=True, fp32=fp32))
+                parts.append(self.device_part(q, k, v, scale, causal=True, fp32=fp32))
             chunks = self._stream(layer, q, plan, scale, compute, fp32, timed) if plan.chunks else []
             if timing is not None:
                 self._end_timing(timing, plan, compute)
@@ -164,27 +167,46 @@ class WriteScopeKV(KVBackend):
         """Last dim of a part's output: a head's value width, here q's."""
         return q.shape[-1]
 
-    def _part(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
-              excluded: torch.Tensor | None = None, fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    @torch.inference_mode()
+    def _cpu_part(self, layer: int, plan: StepPlan, q_host: torch.Tensor, ready, scale: float):
+        ready.synchronize()
+        B, nh, T, _ = q_host.shape
+        slot, out, lse = self.exchange.result_buffers((B, nh, T, self._out_width(q_host)))
+        ranges, blocks = self._cpu_blocks.get(layer, (None, None))
+        if ranges != plan.cpu_ranges:  # the CPU share changed (a flush, crop or new row): new views
+            blocks = self.prepare_cpu(self.cache.cpu_views(layer, plan), nh)
+            self._cpu_blocks[layer] = (plan.cpu_ranges, blocks)
+        t0 = time.perf_counter()
+        out, lse = self.attend_cpu(q_host, blocks, scale, out=out, lse=lse)
+        seconds = time.perf_counter() - t0
+        return (slot, out, lse), seconds
+
+    # -- the kernels of each side, which cost_probe.py also times -------------------------------
+    @property
+    def query_width(self) -> int:
+        """Last dim of a query row: a head's width here."""
+        return self.cache.head_dim
+
+    def prepare_cpu(self, views: list[list[tuple[torch.Tensor, torch.Tensor]]], n_heads: int):
+        """Per row, (k, v) host views (n_kv, t, hs) → what attend_cpu reads."""
+        implementation(self.dtype, n_heads, self.cache.n_kv, self.cache.head_dim)  # first call: probe, untimed
+        return prepare(views)
+
+    def attend_cpu(self, q_host: torch.Tensor, blocks, scale: float, *, out=None, lse=None):
+        """The CPU kernel: q_host (B, nh, T, w) over prepared blocks → (o, lse)."""
+        return attend_blocks(q_host, blocks, scale, out=out, lse=lse)
+
+    def device_part(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
+                    excluded: torch.Tensor | None = None, fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One device-side part (D-window, new tokens, a ping-pong load) → (o, lse): per-head K and V
         here; a cache of other rows (engine/kv/latent.py) computes it its own way."""
         if excluded is not None:
             return attend_padded(q, k, v, excluded, scale)
         return attend_dense(q, k, v, scale, causal=causal, fp32=fp32)
 
-    @torch.inference_mode()
-    def _cpu_part(self, layer: int, plan: StepPlan, q_host: torch.Tensor, ready, scale: float):
-        ready.synchronize()
-        implementation(self.dtype, q_host.shape[1], self.cache.n_kv, self.cache.head_dim)  # first call: probe, untimed
-        slot, out, lse = self.exchange.result_buffers(tuple(q_host.shape))
-        ranges, blocks = self._cpu_blocks.get(layer, (None, None))
-        if ranges != plan.cpu_ranges:  # the CPU share changed (a flush, crop or new row): new views
-            blocks = prepare(self.cache.cpu_views(layer, plan))
-            self._cpu_blocks[layer] = (plan.cpu_ranges, blocks)
-        t0 = time.perf_counter()
-        out, lse = attend_blocks(q_host, blocks, scale, out=out, lse=lse)
-        seconds = time.perf_counter() - t0
-        return (slot, out, lse), seconds
+    def pingpong_views(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ping-pong buffer j's K and V as (1, n_kv, G·E, hs) views."""
+        return self._pingpong_kv[j]
 
     def _stream(self, layer: int, q: torch.Tensor, plan: StepPlan, scale: float, compute, fp32: bool,
                 timed: bool) -> list:
@@ -235,7 +257,7 @@ class WriteScopeKV(KVBackend):
                 loaded[j].record(h2d)
             tr.wait(compute, loaded[j])
             k, v = self._pingpong_kv[j]  # (1, n_kv, G·E, hs) views
-            parts.append(self._part(q[row:row + 1], k[:, :, :n], v[:, :, :n], scale, fp32=fp32))
+            parts.append(self.device_part(q[row:row + 1], k[:, :, :n], v[:, :, :n], scale, fp32=fp32))
             consumed[j].record(compute)
         return parts
 
@@ -352,6 +374,7 @@ class WriteScopeKV(KVBackend):
             "A_ns_per_token": self.share.A.per_token_ns,
             "B_ns_per_token": self.share.B.per_token_ns,
             "delta_ms": self.share.delta_ms,
+            "costs_from": self.costs_from,
             "pcie": {"h2d_bytes": self.h2d_bytes, "d2h_bytes": cache.d2h_bytes, "h2d_gbps": self.h2d_gbps},
             "cpu_kernel": kernel_name(self.dtype, self._n_heads, cache.n_kv, cache.head_dim) if self._cpu_ran else None,
             "stream_graphs": self.graphs.telemetry() if self.graphs is not None else None,

@@ -6,9 +6,10 @@ hybrid that serves spilled KV from both engines. The comparison policies (`gpu-c
 `cpu-centric`, `fixed:<r>`, `monolithic`) run in the same runtime with the same kernels.
 
 Hybrid policies need a GPU; `simulate_hybrid` runs them on a CPU-only machine with the "GPU side"
-on CPU tensors and synchronous copies (tests, CI). Calibrated A, B, Δ come from the machine
-profile (`tandem calibrate`) when it has the KV costs; otherwise the documented defaults of
-`PartitionSpec.for_shape` start the online estimators.
+on CPU tensors and synchronous copies (tests, CI). The online estimators of A, B, Δ start from the machine profile
+(`tandem calibrate`) when it measured this attention shape; otherwise, on a GPU, from the backend's
+own kernels timed at setup (engine/kv/cost_probe.py); on a CPU-only machine from the profile scaled
+from the nearest shape, or the documented defaults of `PartitionSpec.for_shape`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from engine.errors import ConfigError, OutOfMemoryError, TandemError
 from engine.hw.shapes import KVShape, dtype_name
 from engine.kv.backend import KVBackend
+from engine.kv.cost_probe import measure_costs
 from engine.kv.inplace import PartitionSpec
 from engine.kv.latent import LatentResidentKV, LatentWriteScopeKV, format_shape
 from engine.kv.layer_split import LayerSplitKV, split_windows
@@ -89,19 +91,34 @@ def choose_policy(config, device: torch.device, resident_bytes: int, weights_byt
     return policy
 
 
-def roofline_from_profile(profile, args, dtype: torch.dtype, batch: int) -> RooflineParams | None:
+def roofline_from_profile(profile, args, dtype: torch.dtype, batch: int, *,
+                          measured_only: bool = False) -> RooflineParams | None:
     """A, B, Δ (and C_CPU) calibrated on this machine for this attention shape (scaled by bytes per
-    token from the nearest calibrated one); None without a profile or KV measurements, or when the
-    profile has no GPU side (a CPU-only machine): then the defaults start the online estimators."""
+    token from the nearest calibrated one, unless measured_only); None without a profile or KV
+    measurements, or when the profile has no GPU side (a CPU-only machine)."""
     if profile is None:
         return None
     try:
         costs = profile.kv_costs(KVShape(args.n_heads, args.n_kv_heads, args.head_dim, dtype_name(dtype)), batch)
     except TandemError:
         return None
-    if costs.B_ns_per_token is None or costs.delta_ms is None:
+    if costs.B_ns_per_token is None or costs.delta_ms is None or (measured_only and costs.source != "measured"):
         return None
     return RooflineParams(costs.A_ns_per_token, costs.B_ns_per_token, costs.delta_ms, costs.C_cpu_ms)
+
+
+def _start_costs(kv: WriteScopeKV, profile, args, dtype: torch.dtype, batch: int) -> WriteScopeKV:
+    """Start kv's estimators from the profile's costs for this very shape; failing that, on a GPU,
+    from its own kernels timed now (engine/kv/cost_probe.py: a prompt's KV is placed by the costs known
+    when it arrives, and a shape scaled by bytes or a bandwidth default can be far from them); else
+    from the profile scaled from the nearest shape, or the defaults."""
+    cuda = kv.transport.cuda
+    params = roofline_from_profile(profile, args, dtype, batch, measured_only=cuda)
+    if params is not None:
+        kv.calibrate(params, "profile")
+    elif cuda:
+        kv.calibrate(measure_costs(kv, args.n_heads), "measured at setup")
+    return kv
 
 
 def build_kv(config, args, model, experts, device: torch.device, dtype: torch.dtype, max_context: int, *,
@@ -174,10 +191,10 @@ def _hybrid_kv(config, args, policy: str, shape: dict, device: torch.device, dty
         return MonolithicKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device, dtype=dtype)
     spec = PartitionSpec.for_shape(args.n_kv_heads, args.head_dim, dtype, cuda=device.type == "cuda",
                                    block_size=config.block_size, d_window=config.d_window,
-                                   roofline=roofline_from_profile(profile, args, dtype, config.max_batch),
                                    max_context=max_context, vram_budget_bytes=room)
-    return WriteScopeKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device,
-                        dtype=dtype, spec=spec, policy=policy)
+    kv = WriteScopeKV(**shape, max_context=max_context, max_batch=config.max_batch, device=device,
+                      dtype=dtype, spec=spec, policy=policy)
+    return _start_costs(kv, profile, args, dtype, config.max_batch)
 
 
 def _check_hybrid_device(config, policy: str, device: torch.device) -> None:
@@ -204,8 +221,7 @@ def _latent_kv(config, args, policy: str, device: torch.device, dtype: torch.dty
                                   max_batch=config.max_batch, device=device, dtype=dtype)
     n_kv, plane = format_shape(args)
     spec = PartitionSpec.for_shape(n_kv, plane, dtype, cuda=device.type == "cuda", block_size=config.block_size,
-                                   d_window=config.d_window, max_context=max_context, vram_budget_bytes=room,
-                                   roofline=roofline_from_profile(profile, replace(args, head_dim=plane), dtype,
-                                                                  config.max_batch))
-    return LatentWriteScopeKV(args.n_layers, mla.row_width, mla.kv_lora_rank, max_context=max_context,
-                              max_batch=config.max_batch, device=device, dtype=dtype, spec=spec, policy=policy)
+                                   d_window=config.d_window, max_context=max_context, vram_budget_bytes=room)
+    kv = LatentWriteScopeKV(args.n_layers, mla.row_width, mla.kv_lora_rank, max_context=max_context,
+                            max_batch=config.max_batch, device=device, dtype=dtype, spec=spec, policy=policy)
+    return _start_costs(kv, profile, replace(args, n_kv_heads=n_kv, head_dim=plane), dtype, config.max_batch)
