@@ -115,7 +115,8 @@ def measure_point(engine, bs: int, context: int, new_tokens: int, gen: torch.Gen
             "expert_hit_rate": round((after["hits"] - before["hits"]) / lookups, 4) if lookups else None,
             "pcie_gbps": round((after["h2d_bytes"] - before["h2d_bytes"]) / wall / 1e9, 3),
             "r_target": kv_tel.get("r_target"), "r_deployed": kv_tel.get("r_deployed"),
-            "kv_tokens": kv_tel.get("tokens")}
+            "A_ns_per_token": kv_tel.get("A_ns_per_token"), "B_ns_per_token": kv_tel.get("B_ns_per_token"),
+            "costs_from": kv_tel.get("costs_from"), "costs_start": kv_tel.get("costs_start"), "kv_tokens": kv_tel.get("tokens")}
 
 
 class _SplitSteps(logging.Handler):

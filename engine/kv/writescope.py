@@ -374,7 +374,8 @@ class WriteScopeKV(KVBackend):
             "A_ns_per_token": self.share.A.per_token_ns,
             "B_ns_per_token": self.share.B.per_token_ns,
             "delta_ms": self.share.delta_ms,
-            "costs_from": self.costs_from,
+            "costs_from": self.costs_from,  # and the A, B (ns) the estimators started from:
+            "costs_start": (self.share.A.initial_ns, self.share.B.initial_ns),
             "pcie": {"h2d_bytes": self.h2d_bytes, "d2h_bytes": cache.d2h_bytes, "h2d_gbps": self.h2d_gbps},
             "cpu_kernel": kernel_name(self.dtype, self._n_heads, cache.n_kv, cache.head_dim) if self._cpu_ran else None,
             "stream_graphs": self.graphs.telemetry() if self.graphs is not None else None,
