@@ -115,7 +115,7 @@ def _check_exportable(arch: str, args: ModelArgs, config: dict | None = None) ->
     family = _family(arch)
     if family is not None:
         family.check(args, config or {})
-        if arch in ("deepseek2", "gpt-oss"):  # YaRN, windows and routing of their own: checked there alone
+        if family.CHECKS_ALL:  # YaRN, windows and routing of its own: its check is the whole check
             return
     if args.rope_inv_freq is not None:
         raise UnsupportedModelError("this model uses scaled RoPE, which the GGUF export does not write",
@@ -252,8 +252,8 @@ def _metadata(w, arch: str, args: ModelArgs, config: dict, name: str, dtype: str
     if arch == "qwen3moe":
         w.add_feed_forward_length(args.ffn_dim or args.expert_ffn_dim)  # dense FFN size; unused when all layers route
         w.add_expert_feed_forward_length(args.expert_ffn_dim)
-    elif _family(arch) is not None:
-        _family(arch).metadata(w, args, config)
+    elif (family := _family(arch)) is not None:
+        family.metadata(w, args, config)
     else:  # olmoe and llama (Mixtral) size their experts by feed_forward_length; a dense llama its FFN
         w.add_feed_forward_length(args.expert_ffn_dim if args.n_experts else args.ffn_dim)
     if args.clip_qkv:

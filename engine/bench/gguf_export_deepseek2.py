@@ -50,6 +50,7 @@ from engine.errors import UnsupportedModelError
 from engine.models.common import ModelArgs
 
 ARCH = "deepseek2"
+CHECKS_ALL = True  # YaRN and routing of its own: check() is the family's whole check
 LITE_LAYER_COUNTS = (26, 27)  # llama.cpp skips q_lora_rank for these block counts (its V2-Lite test)
 
 

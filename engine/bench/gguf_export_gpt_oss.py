@@ -20,6 +20,7 @@ from engine.errors import UnsupportedModelError
 from engine.models.common import ModelArgs
 
 ARCH = "gpt-oss"
+CHECKS_ALL = True  # YaRN, windows and routing of its own: check() is the family's whole check
 SWIGLU = (1.702, 7.0)  # alpha and limit llama.cpp's gpt-oss graph hard-codes (ggml_swiglu_oai)
 
 

@@ -40,6 +40,7 @@ from engine.models.qwen3_5_moe import FULL_ATTENTION_INTERVAL, text_config
 from engine.models.qwen3_5_moe_gguf import grouped_heads
 
 ARCH = "qwen35moe"
+CHECKS_ALL = False  # check() adds to the export's common checks (plain RoPE, no window, routing)
 
 
 def check(args: ModelArgs, config: dict | None = None) -> None:
