@@ -245,7 +245,8 @@ class LivePanels(QWidget):
         self.r_text.setText(why or f"r deployed {fmt(kv.get('r_deployed'))} · target {fmt(kv.get('r_target'))} · "
                                    f"A {fmt(kv.get('A_ns_per_token'), '.1f', ' ns/tok')} · "
                                    f"B {fmt(kv.get('B_ns_per_token'), '.1f', ' ns/tok')} · "
-                                   f"Δ {fmt(kv.get('delta_ms'), '.2f', ' ms')}")
+                                   f"Δ {fmt(kv.get('delta_ms'), '.2f', ' ms')}"
+                                   + (f" (start: {kv['costs_from']})" if kv.get("costs_from") else ""))
 
     def _experts(self, s: dict, prev: dict | None) -> None:
         ex = s["experts"]

@@ -94,7 +94,7 @@ class WriteScopeKV(KVBackend):
     def length(self, seq_id: int) -> int:
         return self.cache.seqs[seq_id].length
 
-    def calibrate(self, params: RooflineParams, source: str = "profile") -> None:
+    def calibrate(self, params: RooflineParams, source: str = "calibration profile") -> None:
         """Start the cost estimators from A, B, Δ measured elsewhere: a hardware profile, or the
         backend's kernels timed at setup (engine/kv/cost_probe.py). source: which, for the stats."""
         self.share.calibrate(params)

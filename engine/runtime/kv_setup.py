@@ -115,7 +115,7 @@ def _start_costs(kv: WriteScopeKV, profile, args, dtype: torch.dtype, batch: int
     cuda = kv.transport.cuda
     params = roofline_from_profile(profile, args, dtype, batch, measured_only=cuda)
     if params is not None:
-        kv.calibrate(params, "profile")
+        kv.calibrate(params, "calibration profile")
     elif cuda:
         kv.calibrate(measure_costs(kv, args.n_heads), "measured at setup")
     return kv

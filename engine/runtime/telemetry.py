@@ -19,7 +19,7 @@ class StatsSnapshot:
     phase: str  # "idle" | "prefill" | "decode"
     vram: dict  # bytes: weights, expert_cache, kv_dwindow, kv_pingpong, kv_resident, workspace, budget, device_total, device_used
     host: dict  # bytes: kv_pinned, kv_unpinned, expert_store, rss
-    kv: dict  # policy, tokens {dwindow, pinned, unpinned, resident}, r_target, r_deployed, A_ns_per_token, B_ns_per_token, delta_ms
+    kv: dict  # policy, tokens {dwindow, pinned, unpinned, resident}, r_target, r_deployed, A_ns_per_token, B_ns_per_token, delta_ms, costs_from (where A, B, Δ started)
     experts: dict  # policy, hits, misses, fills, cpu_executed, evictions, prefetch_used, prefetch_wasted, hit_rate
     pcie: dict  # h2d_bytes, d2h_bytes, h2d_gbps, d2h_gbps
     speed: dict  # prefill_tok_s, decode_tok_s, ttft_s (of the last generation); prefill_done/_total (now)
@@ -85,7 +85,7 @@ class Telemetry:
         kv_tokens = {"dwindow": None, "pinned": None, "unpinned": None, "resident": None}
         kv_tokens.update(kv_tel.get("tokens", {}))
         kv = {"policy": kv_tel.get("policy"), "tokens": kv_tokens}
-        for key in ("r_target", "r_deployed", "A_ns_per_token", "B_ns_per_token", "delta_ms"):
+        for key in ("r_target", "r_deployed", "A_ns_per_token", "B_ns_per_token", "delta_ms", "costs_from"):
             kv[key] = kv_tel.get(key)
         experts = dict.fromkeys(("policy", "hits", "misses", "fills", "cpu_executed", "evictions",
                                  "prefetch_used", "prefetch_wasted", "hit_rate",

@@ -51,7 +51,8 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
     gib = 2**30
     base["vram"].update(weights=2 * gib, expert_cache=3 * gib, kv_dwindow=gib // 4, kv_pingpong=gib // 8,
                         workspace=gib // 2, budget=8 * gib, device_total=16 * gib, device_used=6 * gib)
-    base["kv"].update(r_target=0.4, r_deployed=0.35, A_ns_per_token=12.5, B_ns_per_token=20.0, delta_ms=0.3)
+    base["kv"].update(r_target=0.4, r_deployed=0.35, A_ns_per_token=12.5, B_ns_per_token=20.0, delta_ms=0.3,
+                      costs_from="measured at setup")
     base["experts"].update(hits=90, misses=10, fills=6, cpu_executed=4, evictions=2, prefetch_used=3,
                            prefetch_wasted=1, hit_rate=0.9,
                            zero_copy={"graph_steps": 40, "zero_copy_experts": 1200, "graph_fills": 1100,
@@ -73,6 +74,7 @@ def test_panels_draw_hybrid_values_when_the_snapshot_has_them(qtbot, moe_engine)
     assert [s.value for s in panels.vram_bar.segments][:2] == [2 * gib, 3 * gib]
     assert panels.vram_bar.scale() == 16 * gib and panels.vram_bar.budget == 8 * gib
     assert panels.r_text.text().startswith("r deployed 0.35 · target 0.40")
+    assert panels.r_text.text().endswith("(start: measured at setup)")  # no profile: the backend timed itself
     assert panels.r_plot.values("r_deployed") == [0.35, 0.35]
     assert "hit rate 90.0%" in panels.experts_text.text()
     assert "fills 10.0/s" in panels.experts_text.text() and "CPU-executed 2.0/s" in panels.experts_text.text()

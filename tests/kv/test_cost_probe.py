@@ -102,8 +102,8 @@ class _Args:
 
 @pytest.mark.parametrize("gpu,profile_source,expect", [
     (False, None, "defaults"),
-    (False, "scaled from another", "profile"),  # a CPU-only machine: the scaled profile beats the defaults
-    (True, "measured", "profile"),
+    (False, "scaled from another", "calibration profile"),  # a CPU-only machine: the scaled profile beats the defaults
+    (True, "measured", "calibration profile"),
     (True, "scaled from another", "measured at setup"),  # a GPU times the shape it has rather than scale one
     (True, None, "measured at setup"),
 ])
@@ -119,7 +119,7 @@ def test_the_estimators_start_from_a_measurement_of_this_shape(monkeypatch, gpu,
         assert kv.costs_from == expect
         assert probed == ([NH] if expect == "measured at setup" else [])
         A = kv.telemetry()["A_ns_per_token"]
-        assert A == {"defaults": 30.0, "profile": 7.0, "measured at setup": 1.0}[expect]
+        assert A == {"defaults": 30.0, "calibration profile": 7.0, "measured at setup": 1.0}[expect]
     finally:
         kv.transport.cuda = False
         kv.close()
