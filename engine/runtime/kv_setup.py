@@ -117,7 +117,11 @@ def _start_costs(kv: WriteScopeKV, profile, args, dtype: torch.dtype, batch: int
     if params is not None:
         kv.calibrate(params, "calibration profile")
     elif cuda:
-        kv.calibrate(measure_costs(kv, args.n_heads), "measured at setup")
+        try:
+            kv.calibrate(measure_costs(kv, args.n_heads), "measured at setup")
+        except (TandemError, RuntimeError) as e:  # no page-locked or device memory for it: not worth a failed load
+            print(f"WriteScope's costs could not be measured at setup ({e}); it starts from the defaults, "
+                  "which its decode steps correct", file=sys.stderr)
     return kv
 
 

@@ -138,3 +138,19 @@ def test_on_a_gpu_the_probe_times_a_page_locked_load_and_the_host_kernel(latent)
         assert params.delta_ms == 0.1
     finally:
         kv.close()
+
+
+def test_a_probe_that_fails_leaves_the_defaults_and_the_backend_usable(monkeypatch, capsys):
+    def fail(kv, n_heads):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(kv_setup, "measure_costs", fail)
+    kv = make()
+    kv.transport.cuda = True  # a GPU's choice, on this machine's CPU tensors
+    try:
+        kv_setup._start_costs(kv, None, _Args, torch.float32, 2)
+        assert kv.costs_from == "defaults" and kv.telemetry()["A_ns_per_token"] == 30.0
+        assert "could not be measured at setup" in capsys.readouterr().err
+    finally:
+        kv.transport.cuda = False
+        kv.close()
