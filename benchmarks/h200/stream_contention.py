@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import threading
 import time
 
 import torch
 
+from engine.hw.timing import time_cpu, time_cuda
 from engine.kernels import native
 from engine.kv.inplace import PartitionSpec
 from engine.kv.latent import LatentWriteScopeKV
@@ -126,21 +126,7 @@ def gpu_loops(kv, n_heads: int) -> dict:
 
 def time_loop(fn, cuda: bool) -> float:
     """Median ms of REPEATS runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return (time_cuda if cuda else time_cpu)(lambda i: fn(), 1, REPEATS).median_ms
 
 
 def main() -> None:

@@ -16,11 +16,9 @@ Tens of milliseconds; the online estimators take over from the first decode step
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
+from engine.hw.timing import time_cpu, time_cuda
 from engine.sched.roofline import RooflineParams
 
 PROBE_ROWS = 4  # sequences of one step: the CPU kernel's work spreads over rows and heads
@@ -41,7 +39,7 @@ def measure_costs(kv, n_heads: int, rows: int = PROBE_ROWS, row_tokens: int = PR
               for _ in range(copies * rows)]  # (2, n_kv, t, hs): K and V planes, as a region's layer
     blocks = [kv.prepare_cpu([[(a[0], a[1])] for a in arenas[c * rows:(c + 1) * rows]], n_heads)
               for c in range(copies)]
-    cpu_ms = _median_ms(lambda i: kv.attend_cpu(q_host, blocks[i % copies], scale), time.perf_counter)
+    cpu_ms = time_cpu(lambda i: kv.attend_cpu(q_host, blocks[i % copies], scale), 1, PROBE_REPEATS).median_ms
     c_cpu_ms = kv.share.A.fixed_ns / 1e6
     A = max(cpu_ms - c_cpu_ms, cpu_ms / 2) * 1e6 / (rows * row_tokens)  # the fixed part never more than half
     del arenas, blocks
@@ -54,31 +52,12 @@ def measure_costs(kv, n_heads: int, rows: int = PROBE_ROWS, row_tokens: int = PR
         buf.fill_(FILL)
         k, v = kv.pingpong_views(0)  # (1, n_kv, G·E, hs)
         q = q_host[:1].to(kv.device)
-        copy_ms = _median_ms(lambda i: buf.copy_(src.tensor, non_blocking=True), kv.transport)
-        attend_ms = _median_ms(lambda i: kv.device_part(q, k, v, scale), kv.transport)
+        timer = time_cuda if kv.transport.cuda else time_cpu  # device work by CUDA events, host copies by the clock
+        copy_ms = timer(lambda i: buf.copy_(src.tensor, non_blocking=True), 1, PROBE_REPEATS).median_ms
+        attend_ms = timer(lambda i: kv.device_part(q, k, v, scale), 1, PROBE_REPEATS).median_ms
     finally:
         kv.transport.synchronize()
         src.release()
     B = max(copy_ms, attend_ms) * 1e6 / n
     return RooflineParams(A, B, kv.share.delta_ms, c_cpu_ms)
 
-
-def _median_ms(step, clock) -> float:
-    """Median ms of PROBE_REPEATS calls of step(i) after one warm-up; clock: time.perf_counter for host
-    work, or the backend's Transport, whose device work is timed by CUDA events (host time without)."""
-    step(-1)
-    times = []
-    for i in range(PROBE_REPEATS):
-        if clock is time.perf_counter or not clock.cuda:
-            t0 = time.perf_counter()
-            step(i)
-            times.append((time.perf_counter() - t0) * 1e3)
-            continue
-        start, end = clock.event(timing=True), clock.event(timing=True)
-        stream = clock.compute_stream()
-        start.record(stream)
-        step(i)
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)

@@ -19,7 +19,8 @@ Only decode steps feed those estimates. r(L) balances a decode step, where each 
 query row a head; a prefill chunk's T rows cost every placed token T times the compute (on the CPU
 ~100x A at 512 rows; far less on the GPU, whose side is bound by the link), and counting them drove r
 towards 0 while the prompt's own KV was being placed, where it stays. A prompt is placed with the
-decode costs known when it arrives: calibrated, or measured by the chat's earlier decode steps.
+decode costs known when it arrives: a calibration profile's or the setup's own timing of these kernels
+(engine/kv/cost_probe.py), then what earlier decode steps measured.
 """
 
 from __future__ import annotations
